@@ -1,0 +1,41 @@
+"""Stable job ids.
+
+A job id is a pure function of who asked and what they asked for, so the same request sent
+twice (a retried HTTP call, a double click) lands on the same row instead of making a second
+job. With an ``Idempotency-Key`` the key replaces the body as the identity, and the body's
+hash is kept to detect a key reused for a different request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from typing import Any
+
+_NAMESPACE = uuid.UUID("5b0d3c1e-9f6a-4c55-b7a2-6a1f0e1d2c3b")
+
+
+def canonical_json(value: Any) -> str:
+    """One spelling per value: sorted keys, no spaces, UTF-8 kept as is."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def request_hash(account_id: str, job_type: str, params: dict[str, Any]) -> str:
+    """Digest of the request body, kept with the job to detect a reused idempotency key."""
+    material = canonical_json({"account": account_id, "type": job_type, "params": params})
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+def job_id_for(
+    account_id: str,
+    job_type: str,
+    params: dict[str, Any],
+    idempotency_key: str | None = None,
+) -> str:
+    """The job id for a request: from the key when one is given, else from the body."""
+    if idempotency_key is not None:
+        material = canonical_json({"account": account_id, "idempotencyKey": idempotency_key})
+    else:
+        material = canonical_json({"account": account_id, "type": job_type, "params": params})
+    return str(uuid.uuid5(_NAMESPACE, material))

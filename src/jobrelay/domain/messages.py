@@ -1,0 +1,70 @@
+"""The wire message: ``{"jobId", "type", "version"}`` and nothing else.
+
+The message carries only identity; the job row is the truth about parameters and state, so
+a stale or duplicated message can never smuggle old parameters into a new attempt. Decoding
+is strict: anything else is a reason to quarantine, never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+SUPPORTED_VERSIONS = frozenset({1})
+CURRENT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class JobMessage:
+    job_id: str
+    type: str
+    version: int = CURRENT_VERSION
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {"jobId": self.job_id, "type": self.type, "version": self.version},
+            separators=(",", ":"),
+        ).encode()
+
+
+class MessageDecodeError(ValueError):
+    """The body is not a valid jobrelay message. ``job_id`` is set when it could be read."""
+
+    def __init__(self, reason: str, job_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.job_id = job_id
+
+
+def decode(body: bytes, known_types: frozenset[str]) -> JobMessage:
+    """Parse and validate a body, or raise MessageDecodeError with the reason to record."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MessageDecodeError(f"malformed JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise MessageDecodeError("message is not a JSON object")
+    job_id = data.get("jobId")
+    readable_id = job_id if isinstance(job_id, str) and _is_uuid(job_id) else None
+    extra = set(data) - {"jobId", "type", "version"}
+    if extra:
+        raise MessageDecodeError(f"unexpected fields: {sorted(extra)}", readable_id)
+    if readable_id is None:
+        raise MessageDecodeError("jobId missing or not a UUID")
+    job_type = data.get("type")
+    if not isinstance(job_type, str) or job_type not in known_types:
+        raise MessageDecodeError(f"unknown job type: {job_type!r}", readable_id)
+    version = data.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise MessageDecodeError(f"version missing or not an integer: {version!r}", readable_id)
+    if version not in SUPPORTED_VERSIONS:
+        raise MessageDecodeError(f"unsupported message version: {version}", readable_id)
+    return JobMessage(job_id=readable_id, type=job_type, version=version)
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        return str(uuid.UUID(value)) == value
+    except ValueError:
+        return False

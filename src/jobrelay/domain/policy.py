@@ -1,0 +1,211 @@
+"""The delivery policy: what the worker saw -> the job's new state + what to do with the delivery.
+
+This is ARCHITECTURE.md's decision table written as code. The worker gathers facts (the job
+row, the clock, the outcome of the operation), turns them into an ``Observation`` and asks
+``decide`` what to do; it never decides on its own. Keeping the table pure means every row,
+and every illegal combination, is a plain unit test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+
+from jobrelay.domain.states import JobState, can_transition
+
+
+class Action(StrEnum):
+    RUN = "run"  # claim the job and run the operation
+    ACK = "ack"  # done with this delivery
+    REJECT = "reject"  # reject without requeue: dead-letter exchange -> quarantine queue
+    DEFER = "defer"  # re-check later through the delay route, then ack this delivery
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The facts about a job that the policy needs; read from the store, never written."""
+
+    state: JobState
+    attempt: int
+    max_attempts: int
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    next_attempt_at: datetime | None = None
+    result_key: str | None = None
+
+
+# --- observations: what the worker saw ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadyToRun:
+    """The job may be claimed now."""
+
+    state: JobState
+
+
+@dataclass(frozen=True)
+class ResultSaved:
+    result_key: str
+
+
+@dataclass(frozen=True)
+class TransientFailure:
+    error: str
+    attempt: int
+    max_attempts: int
+    retry_delays: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PermanentFailure:
+    error: str
+
+
+@dataclass(frozen=True)
+class InvalidPayload:
+    reason: str
+    job_state: JobState | None  # None: the job is unknown or its id unreadable
+
+
+@dataclass(frozen=True)
+class AttemptsExhausted:
+    """Every attempt was consumed before this delivery (a worker died mid-run, repeatedly)."""
+
+    attempt: int
+    state: JobState
+
+
+@dataclass(frozen=True)
+class DeliveryForFinished:
+    state: JobState
+    result_key: str | None
+
+
+@dataclass(frozen=True)
+class LeaseHeld:
+    owner: str
+
+
+@dataclass(frozen=True)
+class EarlyRetryDelivery:
+    """A copy of an older message for a job whose retry is scheduled but not yet due.
+
+    The scheduled retry already sits in the outbox or the delay route, so this copy is
+    redundant; running it would spend an attempt before the back-off elapsed.
+    """
+
+    next_attempt_at: datetime
+
+
+Observation = (
+    ReadyToRun
+    | ResultSaved
+    | TransientFailure
+    | PermanentFailure
+    | InvalidPayload
+    | AttemptsExhausted
+    | DeliveryForFinished
+    | LeaseHeld
+    | EarlyRetryDelivery
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    new_state: JobState | None  # None: the job row is not changed
+    action: Action
+    event: str  # the job_events kind that records this decision
+    reason: str | None = None
+    retry_delay: int | None = None  # seconds, when the delivery goes through the delay route
+
+
+# Slack for clocks: a retry delivered by the broker a moment before the database clock says
+# it is due is still treated as due.
+RETRY_SLACK = timedelta(seconds=1)
+
+
+def observe_delivery(job: JobView, now: datetime) -> Observation:
+    """Classify a well-formed delivery for an existing job, before any work happens."""
+    if job.state.is_terminal:
+        return DeliveryForFinished(job.state, job.result_key)
+    lease = job.lease_expires_at
+    if job.state is JobState.RUNNING and lease is not None and lease > now:
+        return LeaseHeld(job.lease_owner or "unknown")
+    due = job.next_attempt_at
+    if job.state is JobState.RETRY_WAIT and due is not None and due - RETRY_SLACK > now:
+        return EarlyRetryDelivery(due)
+    if job.attempt >= job.max_attempts:
+        return AttemptsExhausted(job.attempt, job.state)
+    return ReadyToRun(job.state)
+
+
+def retry_delay_for(attempt: int, delays: tuple[int, ...]) -> int:
+    """The back-off after attempt ``attempt`` (1-based) failed; the last tier repeats."""
+    if not delays:
+        raise ValueError("retry delays must not be empty")
+    return delays[min(attempt, len(delays)) - 1]
+
+
+def decide(observation: Observation) -> Decision:
+    """The decision table. Exhaustive over Observation; mypy checks the match."""
+    match observation:
+        case ReadyToRun(state):
+            _require(state, JobState.RUNNING)
+            return Decision(JobState.RUNNING, Action.RUN, "claimed")
+        case ResultSaved(result_key):
+            return Decision(JobState.SUCCEEDED, Action.ACK, "result_saved", reason=result_key)
+        case TransientFailure(error, attempt, max_attempts, delays):
+            if attempt >= max_attempts:
+                return Decision(
+                    JobState.QUARANTINED,
+                    Action.REJECT,
+                    "quarantined",
+                    reason=f"attempts exhausted ({attempt}/{max_attempts}): {error}",
+                )
+            return Decision(
+                JobState.RETRY_WAIT,
+                Action.ACK,
+                "retry_scheduled",
+                reason=error,
+                retry_delay=retry_delay_for(attempt, delays),
+            )
+        case PermanentFailure(error):
+            return Decision(JobState.QUARANTINED, Action.REJECT, "quarantined", reason=error)
+        case InvalidPayload(reason, job_state):
+            if job_state is None or job_state.is_terminal:
+                # A bad message never changes a finished job; the message itself still goes
+                # to the quarantine queue so an operator can see it.
+                return Decision(None, Action.REJECT, "invalid_message", reason=reason)
+            _require(job_state, JobState.QUARANTINED)
+            return Decision(
+                JobState.QUARANTINED,
+                Action.REJECT,
+                "quarantined",
+                reason=f"invalid payload: {reason}",
+            )
+        case AttemptsExhausted(attempt, state):
+            _require(state, JobState.QUARANTINED)
+            return Decision(
+                JobState.QUARANTINED,
+                Action.REJECT,
+                "quarantined",
+                reason=f"attempts exhausted ({attempt} claimed, worker lost before an outcome)",
+            )
+        case DeliveryForFinished(state, result_key):
+            return Decision(None, Action.ACK, "duplicate_acked", reason=result_key or state.value)
+        case LeaseHeld(owner):
+            return Decision(None, Action.DEFER, "deferred", reason=f"lease held by {owner}")
+        case EarlyRetryDelivery(next_attempt_at):
+            return Decision(
+                None,
+                Action.ACK,
+                "duplicate_acked",
+                reason=f"retry due {next_attempt_at.isoformat()}",
+            )
+
+
+def _require(source: JobState, target: JobState) -> None:
+    if not can_transition(source, target):
+        raise ValueError(f"illegal transition {source} -> {target}")

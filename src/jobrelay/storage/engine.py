@@ -1,0 +1,105 @@
+"""Engines and migrations: the only place that knows the URL schemes and driver quirks.
+
+SQLite needs three things to be a safe shared queue for several processes: WAL (readers do
+not block the writer), a busy timeout (writers wait instead of failing), and ``BEGIN
+IMMEDIATE`` (a transaction takes the write lock up front, so two claimers cannot both read
+the same row and then deadlock upgrading their locks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import StaticPool
+
+from jobrelay.errors import ConfigError, StoreError
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+# Execution option marking a connection that only reads (SQLite then begins DEFERRED).
+READ_ONLY_OPTION = "jobrelay_read_only"
+
+
+def async_url(database_url: str) -> URL:
+    """Map the user-facing URL (``postgresql://``, ``sqlite:///``) to its async driver."""
+    url = make_url(database_url)
+    if url.drivername in ("postgresql", "postgresql+asyncpg"):
+        return url.set(drivername="postgresql+asyncpg")
+    if url.drivername in ("sqlite", "sqlite+aiosqlite"):
+        return url.set(drivername="sqlite+aiosqlite")
+    raise ConfigError("JOBRELAY_DATABASE_URL", f"unsupported scheme {url.drivername!r}")
+
+
+def create_engine(database_url: str) -> AsyncEngine:
+    url = async_url(database_url)
+    if url.get_backend_name() == "sqlite":
+        return _sqlite_engine(url)
+    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
+
+
+def _sqlite_engine(url: URL) -> AsyncEngine:
+    memory = url.database in (None, "", ":memory:")
+    if not memory:
+        assert url.database is not None
+        Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = {"connect_args": {"timeout": 30}}
+    if memory:
+        kwargs["poolclass"] = StaticPool
+    engine = create_async_engine(url, **kwargs)
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let us issue BEGIN ourselves (pysqlite's implicit BEGIN is DEFERRED).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        if not memory:
+            cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        # Readers (status reads, the export's row stream) must not hold the write lock.
+        read_only = conn.get_execution_options().get(READ_ONLY_OPTION, False)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+    return engine
+
+
+def alembic_config(database_url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("sqlalchemy.url", async_url(database_url).render_as_string(False))
+    return config
+
+
+def upgrade(database_url: str, revision: str = "head") -> None:
+    """Apply migrations; safe to run again (Alembic records the version)."""
+    command.upgrade(alembic_config(database_url), revision)
+
+
+async def upgrade_async(database_url: str, revision: str = "head") -> None:
+    # Alembic's env.py runs its own event loop, so run it in a thread.
+    await asyncio.to_thread(upgrade, database_url, revision)
+
+
+async def check_reachable(engine: AsyncEngine) -> None:
+    """Raise StoreError with a short reason when the database cannot be queried."""
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        raise StoreError(f"database unreachable: {_short(exc)}") from exc
+
+
+def _short(exc: BaseException) -> str:
+    text_ = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text_[0] if text_ else ''}"

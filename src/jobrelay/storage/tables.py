@@ -1,0 +1,181 @@
+"""The schema as SQLAlchemy Core tables; Alembic migrations are written to match it.
+
+Times are stored as UTC. On SQLite, which has no time zone type, ``UTCDateTime`` writes naive
+UTC text in one fixed format so comparisons in SQL stay correct; every value read back is
+timezone-aware again.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    Date,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    Numeric,
+    String,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.types import TypeDecorator
+
+# BIGINT on PostgreSQL, but INTEGER on SQLite so the column is an alias for ROWID and
+# autoincrements.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to the database; use an aware UTC datetime")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = datetime.fromisoformat(value)
+        assert isinstance(value, datetime)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", String(36), primary_key=True),
+    Column("type", String(64), nullable=False),
+    Column("account_id", String(64), nullable=False),
+    Column("params", JSON, nullable=False),
+    Column("idempotency_key", String(255)),
+    Column("request_hash", String(64), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("attempt", Integer, nullable=False, server_default=text("0")),
+    Column("max_attempts", Integer, nullable=False),
+    Column("result_key", Text),
+    Column("result_meta", JSON),
+    Column("last_error", Text),
+    Column("quarantine_reason", Text),
+    Column("next_attempt_at", UTCDateTime()),
+    Column("lease_owner", String(128)),
+    Column("lease_expires_at", UTCDateTime()),
+    Column("progress_done", BigInteger),
+    Column("progress_total", BigInteger),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("updated_at", UTCDateTime(), nullable=False),
+)
+Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
+Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)
+
+outbox = Table(
+    "outbox",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("job_id", String(36), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+    # Logical destination ("work", "retry.5s"); the topology module maps it to the broker.
+    Column("destination", String(64), nullable=False),
+    Column("body", Text, nullable=False),
+    Column("headers", JSON, nullable=False),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("published_at", UTCDateTime()),
+    # A relay owns a claimed row until claimed_until; after that another relay may take it.
+    Column("claimed_by", String(128)),
+    Column("claimed_until", UTCDateTime()),
+    Column("publish_attempts", Integer, nullable=False, server_default=text("0")),
+    Column("last_error", Text),
+)
+Index("ix_outbox_job", outbox.c.job_id)
+# Partial index: the relay only ever scans rows that still wait.
+Index(
+    "ix_outbox_unpublished",
+    outbox.c.id,
+    postgresql_where=outbox.c.published_at.is_(None),
+    sqlite_where=outbox.c.published_at.is_(None),
+)
+
+job_events = Table(
+    "job_events",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("job_id", String(36), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+    Column("at", UTCDateTime(), nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("detail", JSON, nullable=False),
+)
+Index("ix_job_events_job", job_events.c.job_id, job_events.c.id)
+
+api_tokens = Table(
+    "api_tokens",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("token_hash", String(64), nullable=False, unique=True),
+    Column("account_id", String(64)),
+    Column("is_admin", Boolean, nullable=False, server_default=text("false")),
+    Column("label", String(255)),
+    Column("created_at", UTCDateTime(), nullable=False),
+)
+
+ledger_entries = Table(
+    "ledger_entries",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("account_id", String(64), nullable=False),
+    Column("booked_on", Date, nullable=False),
+    Column("period", String(7), nullable=False),  # "YYYY-MM", indexed for the export scan
+    Column("description", Text, nullable=False),
+    Column("counterparty", Text, nullable=False),
+    Column("amount", Numeric(14, 2), nullable=False),
+    Column("currency", String(3), nullable=False),
+)
+Index(
+    "ix_ledger_account_period",
+    ledger_entries.c.account_id,
+    ledger_entries.c.period,
+    ledger_entries.c.id,
+)
+
+# The database-backed local transport (embedded default). One row per message in flight.
+local_messages = Table(
+    "local_messages",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("queue", String(64), nullable=False),
+    Column("body", Text, nullable=False),
+    Column("headers", JSON, nullable=False),
+    Column("available_at", UTCDateTime(), nullable=False),
+    Column("delivery_count", Integer, nullable=False, server_default=text("0")),
+    Column("consumer", String(128)),
+    Column("invisible_until", UTCDateTime()),
+    Column("created_at", UTCDateTime(), nullable=False),
+)
+Index(
+    "ix_local_messages_ready",
+    local_messages.c.queue,
+    local_messages.c.available_at,
+    local_messages.c.id,
+)

@@ -1,0 +1,1 @@
+"""Transports move messages between the relay and the workers: RabbitMQ, or the local one."""

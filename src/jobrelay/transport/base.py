@@ -1,0 +1,73 @@
+"""The transport port: what the relay and the worker need from a broker, and nothing more.
+
+Both adapters (RabbitMQ, and the database-backed local transport) are held to the same
+contract by one test suite (tests/integration/test_transport_contract.py):
+
+- ``publish`` returns only once the broker has taken responsibility for the message (a
+  publisher confirm, or a committed row). An unknown destination raises ``PublishError``
+  instead of being dropped: a confirm alone does not prove the message was routed.
+- ``consume`` yields deliveries to one consumer at a time, at most ``prefetch`` unsettled.
+- A delivery not settled when its consumer dies is delivered again, ``redelivered=True``.
+- ``reject`` settles without requeue and sends the message to the quarantine queue.
+- Destinations ``retry.<n>s`` come back to the work queue after n seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class OutgoingMessage:
+    destination: str
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
+    message_id: str | None = None
+
+
+class Delivery(Protocol):
+    @property
+    def body(self) -> bytes: ...
+
+    @property
+    def headers(self) -> Mapping[str, object]: ...
+
+    @property
+    def redelivered(self) -> bool: ...
+
+    @property
+    def delivery_count(self) -> int:
+        """How many times the broker has handed this message out before (0 the first time)."""
+        ...
+
+    async def ack(self) -> None: ...
+
+    async def reject(self) -> None:
+        """Settle without requeue: the message goes to the quarantine queue."""
+        ...
+
+
+class Transport(Protocol):
+    async def connect(self) -> None:
+        """Connect and declare the topology idempotently."""
+        ...
+
+    async def close(self) -> None: ...
+
+    async def ping(self) -> None:
+        """Raise TransportError unless the broker answers."""
+        ...
+
+    async def publish(self, message: OutgoingMessage) -> None:
+        """Return once confirmed; raise PublishError (nack, unroutable, timeout) otherwise."""
+        ...
+
+    def consume(self, prefetch: int) -> AsyncIterator[Delivery]:
+        """Deliveries from the work queue until the iterator is closed."""
+        ...
+
+    async def quarantine_depth(self) -> int:
+        """Messages waiting in the quarantine queue (for operators and tests)."""
+        ...
