@@ -86,17 +86,18 @@ async def test_mark_published_sets_fact_and_event(store: Store) -> None:
 async def test_release_keeps_row_waiting_with_error(store: Store) -> None:
     job_id, _ = await store.submit(new_job(), T0)
     rows = await store.claim_outbox("r1", T0, 10, LEASE)
-    await store.release_outbox(rows[0], "unroutable", T0)
+    await store.release_outbox(rows[0], "unroutable", T0 + timedelta(seconds=2))
     job = await store.get_job(job_id)
     assert job is not None and not job.published and job.last_publish_error == "unroutable"
-    assert len(await store.claim_outbox("r2", T0, 10, LEASE)) == 1
+    assert await store.claim_outbox("r2", T0 + timedelta(seconds=1), 10, LEASE) == []
+    assert len(await store.claim_outbox("r2", T0 + timedelta(seconds=3), 10, LEASE)) == 1
 
 
 async def test_claim_increments_attempt_and_guards_live_lease(store: Store) -> None:
     job_id, _ = await store.submit(new_job(), T0)
-    assert await store.claim_job(job_id, "w1", T0, LEASE)
-    assert not await store.claim_job(job_id, "w2", T0 + timedelta(seconds=1), LEASE)
-    assert await store.claim_job(job_id, "w2", T0 + LEASE, LEASE)  # lease expired: taken over
+    assert await store.claim_job(job_id, "w1", T0, LEASE) == 1
+    assert await store.claim_job(job_id, "w2", T0 + timedelta(seconds=1), LEASE) is None
+    assert await store.claim_job(job_id, "w2", T0 + LEASE, LEASE) == 2  # lease expired: taken over
     job = await store.get_job(job_id)
     assert job is not None and job.attempt == 2 and job.lease_owner == "w2"
     # The first worker lost its lease: its result is refused.
@@ -107,7 +108,7 @@ async def test_complete_then_nothing_moves_it(store: Store) -> None:
     job_id, _ = await store.submit(new_job(), T0)
     await store.claim_job(job_id, "w1", T0, LEASE)
     assert await store.complete(job_id, "w1", "exports/acme/x.csv", {"rows": 3}, T0)
-    assert not await store.claim_job(job_id, "w2", T0 + LEASE * 2, LEASE)
+    assert await store.claim_job(job_id, "w2", T0 + LEASE * 2, LEASE) is None
     assert not await store.quarantine(job_id, "bad", T0)
     job = await store.get_job(job_id)
     assert job is not None and job.state is JobState.SUCCEEDED
@@ -124,15 +125,15 @@ async def test_retry_writes_outbox_row_and_waits_until_due(store: Store) -> None
     assert job.next_attempt_at == T0 + timedelta(seconds=5)
     rows = await store.claim_outbox("r", T0, 10, LEASE)
     assert sorted(r.destination for r in rows) == ["retry.5s", "work"]
-    assert not await store.claim_job(job_id, "w2", T0 + timedelta(seconds=2), LEASE)
-    assert await store.claim_job(job_id, "w2", T0 + timedelta(seconds=5), LEASE)
+    assert await store.claim_job(job_id, "w2", T0 + timedelta(seconds=2), LEASE) is None
+    assert await store.claim_job(job_id, "w2", T0 + timedelta(seconds=5), LEASE) == 2
 
 
 async def test_attempt_budget_is_enforced_in_sql(store: Store) -> None:
     job_id, _ = await store.submit(new_job(), T0)
     for i in range(3):
-        assert await store.claim_job(job_id, f"w{i}", T0 + LEASE * i, LEASE)
-    assert not await store.claim_job(job_id, "w9", T0 + LEASE * 10, LEASE)
+        assert await store.claim_job(job_id, f"w{i}", T0 + LEASE * i, LEASE) == i + 1
+    assert await store.claim_job(job_id, "w9", T0 + LEASE * 10, LEASE) is None
 
 
 async def test_quarantine_keeps_reason(store: Store) -> None:

@@ -12,6 +12,7 @@ Rules every method keeps:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -121,6 +122,13 @@ class Store:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.is_postgres = engine.dialect.name == "postgresql"
+        # In-process wake-ups for a relay in this same process (``jobrelay up``), set after
+        # a commit that wrote outbox rows. PostgreSQL relays elsewhere get NOTIFY instead.
+        self.outbox_listeners: list[asyncio.Event] = []
+
+    def _wake_relays(self) -> None:
+        for listener in self.outbox_listeners:
+            listener.set()
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -236,6 +244,7 @@ class Store:
             message = JobMessage(job_id=job.job_id, type=job.type)
             await self._enqueue(conn, job.job_id, message, WORK_DESTINATION, now, job.headers)
             await self._event(conn, job.job_id, "accepted", now, type=job.type)
+        self._wake_relays()
         return job.job_id, True
 
     # --- read -------------------------------------------------------------------------------
@@ -392,22 +401,29 @@ class Store:
                 )
         return len(marked)
 
-    async def release_outbox(self, row: OutboxRow, error: str, now: datetime) -> None:
-        """A publish failed (nack, return, timeout): keep the row waiting, record why."""
+    async def release_outbox(self, row: OutboxRow, error: str, retry_at: datetime) -> None:
+        """A publish failed (nack, return, timeout): keep the row waiting, record why.
+
+        The row stays claimed until ``retry_at`` so an unroutable row backs off instead of
+        being retried in a hot loop.
+        """
         async with self._write() as conn:
             await conn.execute(
                 update(outbox)
                 .where(outbox.c.id == row.id, outbox.c.published_at.is_(None))
-                .values(claimed_until=None, claimed_by=None, last_error=error[:2000])
+                .values(claimed_until=retry_at, claimed_by=None, last_error=error[:2000])
             )
 
     # --- worker -----------------------------------------------------------------------------
 
     async def claim_job(
         self, job_id: str, worker_id: str, now: datetime, lease: timedelta, **detail: Any
-    ) -> bool:
-        """attempt += 1 and take the lease, before any work. Guarded on every condition the
-        policy checked, so a racing worker or a not-yet-due retry makes this return False."""
+    ) -> int | None:
+        """attempt += 1 and take the lease, before any work; returns the attempt, or None.
+
+        Guarded on every condition the policy checked, so a racing worker or a retry that is
+        not yet due loses here instead of running twice.
+        """
         async with self._write() as conn:
             won = await self._transition(
                 conn,
@@ -438,12 +454,15 @@ class Store:
                 progress_done=None,
                 progress_total=None,
             )
-            if won:
-                attempt = await conn.scalar(select(jobs.c.attempt).where(jobs.c.id == job_id))
-                await self._event(
-                    conn, job_id, "claimed", now, worker=worker_id, attempt=attempt, **detail
-                )
-        return won
+            if not won:
+                return None
+            attempt = int(
+                (await conn.execute(select(jobs.c.attempt).where(jobs.c.id == job_id))).scalar_one()
+            )
+            await self._event(
+                conn, job_id, "claimed", now, worker=worker_id, attempt=attempt, **detail
+            )
+        return attempt
 
     def _held_by(self, worker_id: str) -> list[Any]:
         return [jobs.c.lease_owner == worker_id]
@@ -549,6 +568,8 @@ class Store:
                     delaySeconds=delay,
                     nextAttemptAt=due,
                 )
+        if won:
+            self._wake_relays()
         return won
 
     async def quarantine(
@@ -587,6 +608,7 @@ class Store:
                 conn, job_id, JobMessage(job_id, job_type), retry_destination(delay), now
             )
             await self._event(conn, job_id, "deferred", now, reason=reason, delaySeconds=delay)
+        self._wake_relays()
 
     async def record_event(self, job_id: str, kind: str, now: datetime, **detail: Any) -> None:
         """An event with no state change (ack_sent, duplicate_acked); ignored for unknown jobs."""

@@ -1,0 +1,254 @@
+"""The ``jobrelay`` command.
+
+Every command accepts every setting as ``--option`` (``--database-url``…) next to its
+``JOBRELAY_*`` variable; the option wins. A bad setting is one line on stderr naming the
+variable, exit code 2, and nothing created. Long-running commands drain on SIGTERM/SIGINT.
+"""
+
+import asyncio
+import functools
+import inspect
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Annotated, Any, Optional, TypeVar
+
+import typer
+
+from jobrelay import logs
+from jobrelay.errors import ConfigError, JobrelayError
+from jobrelay.settings import ENV_PREFIX, Settings, load_settings
+
+app = typer.Typer(
+    name="jobrelay",
+    help="Background jobs that never silently disappear and never silently happen twice.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
+broker_app = typer.Typer(help="Broker topology.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
+job_app = typer.Typer(help="One job.", no_args_is_help=True)
+jobs_app = typer.Typer(help="Many jobs.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(broker_app, name="broker")
+app.add_typer(token_app, name="token")
+app.add_typer(job_app, name="job")
+app.add_typer(jobs_app, name="jobs")
+
+F = TypeVar("F", bound=Callable[..., Any])
+_SETTINGS_FIELDS = tuple(Settings.model_fields)
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"jobrelay: error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def with_settings(func: F) -> F:
+    """Add one ``--option`` per setting to a command and hand it the loaded ``Settings``."""
+    signature = inspect.signature(func)
+    params = [p for p in signature.parameters.values() if p.name != "settings"]
+    for name in _SETTINGS_FIELDS:
+        option = typer.Option(
+            "--" + name.replace("_", "-"),
+            help=f"Overrides {ENV_PREFIX}{name.upper()}.",
+            show_default=False,
+            rich_help_panel="Settings",
+        )
+        params.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[Optional[str], option],  # noqa: UP045 (typer needs it)
+            )
+        )
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        overrides = {name: kwargs.pop(name) for name in _SETTINGS_FIELDS}
+        try:
+            settings = load_settings(**overrides)
+        except ConfigError as exc:
+            raise fail(str(exc), 2) from None
+        try:
+            return func(*args, settings=settings, **kwargs)
+        except ConfigError as exc:
+            raise fail(str(exc), 2) from None
+        except JobrelayError as exc:
+            raise fail(str(exc)) from None
+
+    wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper  # type: ignore[return-value]
+
+
+def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run ``main(stop)``; SIGTERM/SIGINT set ``stop`` so it can drain, a second one aborts."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if stop.is_set():
+                raise SystemExit(130)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        await main(stop)
+
+    asyncio.run(runner())
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(coro)
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+@app.command("api")
+@with_settings
+def api_cmd(
+    settings: Settings,
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+) -> None:
+    """Serve the HTTP API."""
+    from jobrelay.processes import serve_api
+
+    logs.configure("api", settings.log_level)
+    run_until_signalled(lambda stop: serve_api(settings, host, port, stop))
+
+
+@app.command("relay")
+@with_settings
+def relay_cmd(settings: Settings) -> None:
+    """Publish outbox rows to the broker (several may run at once)."""
+    from jobrelay.processes import run_relay
+
+    logs.configure("relay", settings.log_level)
+    run_until_signalled(lambda stop: run_relay(settings, stop))
+
+
+@app.command("worker")
+@with_settings
+def worker_cmd(settings: Settings) -> None:
+    """Consume jobs and run them."""
+    from jobrelay.processes import run_worker
+
+    logs.configure("worker", settings.log_level)
+    run_until_signalled(lambda stop: run_worker(settings, stop))
+
+
+@app.command("up")
+@with_settings
+def up_cmd(
+    settings: Settings,
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+) -> None:
+    """API + relay + worker in one process (development and the embedded default)."""
+    from jobrelay.processes import run_up
+
+    logs.configure("up", settings.log_level)
+    run_until_signalled(lambda stop: run_up(settings, host, port, stop))
+
+
+# --- set-up ----------------------------------------------------------------------------------
+
+
+@db_app.command("upgrade")
+@with_settings
+def db_upgrade_cmd(settings: Settings) -> None:
+    """Create or migrate the schema (idempotent)."""
+    from jobrelay.processes import upgrade_database
+
+    revision = run(upgrade_database(settings))
+    typer.echo(f"database schema at revision {revision}")
+
+
+@broker_app.command("declare")
+@with_settings
+def broker_declare_cmd(settings: Settings) -> None:
+    """Declare exchanges and queues (idempotent)."""
+    from jobrelay.processes import declare_broker
+
+    typer.echo(run(declare_broker(settings)))
+
+
+@token_app.command("create")
+@with_settings
+def token_create_cmd(
+    settings: Settings,
+    account: Annotated[Optional[str], typer.Option(help="Account the token acts for.")] = None,  # noqa: UP045
+    admin: Annotated[bool, typer.Option(help="Operator token for every account.")] = False,
+    label: Annotated[Optional[str], typer.Option(help="A note on who holds it.")] = None,  # noqa: UP045
+) -> None:
+    """Create an API token; the token alone is printed on the last line."""
+    from jobrelay.processes import create_token
+
+    if account is None and not admin:
+        raise fail("give --account ACCOUNT (or --admin)", 2)
+    token = run(create_token(settings, account, admin, label))
+    typer.echo(
+        f"created {'admin' if admin else 'account'} token for {account or 'all accounts'}", err=True
+    )
+    typer.echo(token)
+
+
+@app.command("seed")
+@with_settings
+def seed_cmd(
+    settings: Settings,
+    rows_per_month: Annotated[int, typer.Option(min=0, max=1_000_000)] = 300,
+) -> None:
+    """Fill ledger_entries with the deterministic sample (acme, globex, initech; 2019-2021)."""
+    from jobrelay.processes import seed_database
+
+    counts = run(seed_database(settings, rows_per_month))
+    for account, n in counts.items():
+        typer.echo(f"{account}: {n} ledger rows")
+
+
+# --- inspection ------------------------------------------------------------------------------
+
+
+@job_app.command("show")
+@with_settings
+def job_show_cmd(settings: Settings, job_id: Annotated[str, typer.Argument()]) -> None:
+    """State, facts and timeline of one job."""
+    from jobrelay.explain import show_job
+
+    if not run(show_job(settings, job_id)):
+        raise fail(f"no job {job_id}")
+
+
+@jobs_app.command("list")
+@with_settings
+def jobs_list_cmd(
+    settings: Settings,
+    state: Annotated[Optional[str], typer.Option(help="Only jobs in this state.")] = None,  # noqa: UP045
+    limit: Annotated[int, typer.Option(min=1, max=10_000)] = 50,
+) -> None:
+    """Recent jobs, newest first."""
+    from jobrelay.domain.states import JobState
+    from jobrelay.explain import list_jobs
+
+    try:
+        wanted = JobState(state) if state else None
+    except ValueError:
+        choices = ", ".join(s.value for s in JobState)
+        raise fail(f"--state must be one of {choices}", 2) from None
+    run(list_jobs(settings, wanted, limit))
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:  # pragma: no cover
+        sys.exit(130)

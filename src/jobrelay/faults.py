@@ -1,0 +1,118 @@
+"""Named fault points for fault tests: ``JOBRELAY_FAULTS="point:action[:n],…"``.
+
+Off by default. When any fault is armed, the process says so loudly at start-up, because a
+production process with faults armed is a misconfiguration worth noticing.
+
+Points and actions:
+- ``export.run:transient|invalid|crash[:n]`` — n means only on attempt n; without n, every attempt.
+- ``worker.before_ack:crash[:n]``, ``relay.before_mark:crash[:n]``,
+  ``api.before_response:crash[:n]`` — n means the n-th time this process reaches the point;
+  without n, every time.
+
+``crash`` ends the process at once with ``os._exit``, like ``kill -9``: no finally blocks, no
+acks, no flushes. Tests of a single process can swap ``crash_handler`` to raise instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
+from jobrelay.errors import ConfigError, PermanentError, TransientError
+
+log = logging.getLogger("jobrelay.faults")
+
+POINTS: dict[str, frozenset[str]] = {
+    "export.run": frozenset({"transient", "invalid", "crash"}),
+    "worker.before_ack": frozenset({"crash"}),
+    "relay.before_mark": frozenset({"crash"}),
+    "api.before_response": frozenset({"crash"}),
+    "notify.after_send": frozenset({"crash"}),
+}
+# Points whose n counts the job's attempt rather than occurrences in this process.
+_ATTEMPT_POINTS = frozenset({"export.run"})
+CRASH_EXIT_CODE = 137
+
+
+@dataclass(frozen=True)
+class Fault:
+    point: str
+    action: str
+    n: int | None
+
+
+def parse(spec: str) -> tuple[Fault, ...]:
+    faults: list[Fault] = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        pieces = item.split(":")
+        if len(pieces) not in (2, 3):
+            raise ConfigError("JOBRELAY_FAULTS", f"expected point:action[:n], got {item!r}")
+        point, action = pieces[0], pieces[1]
+        if point not in POINTS:
+            raise ConfigError("JOBRELAY_FAULTS", f"unknown fault point {point!r}")
+        if action not in POINTS[point]:
+            raise ConfigError("JOBRELAY_FAULTS", f"{point} does not support action {action!r}")
+        n: int | None = None
+        if len(pieces) == 3:
+            if not pieces[2].isdigit() or int(pieces[2]) < 1:
+                raise ConfigError("JOBRELAY_FAULTS", f"n must be a positive integer in {item!r}")
+            n = int(pieces[2])
+        faults.append(Fault(point, action, n))
+    return tuple(faults)
+
+
+def _exit_now(point: str) -> NoReturn:
+    sys.stderr.write(f"jobrelay: FAULT {point}:crash — exiting now (os._exit)\n")
+    sys.stderr.flush()
+    os._exit(CRASH_EXIT_CODE)
+
+
+class Faults:
+    """The armed faults of one process, with per-point occurrence counters."""
+
+    def __init__(self, spec: str = "", crash_handler: Callable[[str], NoReturn] = _exit_now):
+        self.faults = parse(spec)
+        self.crash_handler = crash_handler
+        self._seen: Counter[str] = Counter()
+        if self.faults:
+            log.warning(
+                "FAULT INJECTION ARMED: %s — this process will fail on purpose",
+                spec,
+                extra={"event": "faults_armed", "faults": spec},
+            )
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def hit(self, point: str, *, attempt: int | None = None) -> None:
+        """Call at a named point; does nothing unless a fault is armed there."""
+        if not self.faults:
+            return
+        self._seen[point] += 1
+        count = attempt if point in _ATTEMPT_POINTS else self._seen[point]
+        for fault in self.faults:
+            if fault.point != point or (fault.n is not None and fault.n != count):
+                continue
+            log.warning(
+                "fault %s:%s fired (n=%s)",
+                point,
+                fault.action,
+                count,
+                extra={"event": "fault_fired", "point": point},
+            )
+            if fault.action == "crash":
+                self.crash_handler(point)
+            if fault.action == "transient":
+                raise TransientError(f"injected transient failure at {point} (attempt {count})")
+            if fault.action == "invalid":
+                raise PermanentError(f"injected invalid payload at {point} (attempt {count})")
+
+
+NO_FAULTS = Faults()

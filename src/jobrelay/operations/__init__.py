@@ -1,0 +1,1 @@
+"""Operations: the business work a job performs. ``report.export`` is the first."""

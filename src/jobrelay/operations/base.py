@@ -1,0 +1,63 @@
+"""The operation port, and the registry the worker looks types up in.
+
+An operation gets everything it may touch through ``OperationContext``; it never sees the
+broker or the delivery, so it cannot ack early or publish behind the outbox's back. It must
+be safe to run again for the same job: it writes its result under a key derived from the
+job id, so a second run replaces the first instead of adding a second result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from jobrelay.faults import Faults
+from jobrelay.results.base import ResultStore
+from jobrelay.storage.store import JobRecord, Store
+
+ProgressFn = Callable[[int, int], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class OperationContext:
+    job: JobRecord
+    attempt: int
+    store: Store
+    results: ResultStore
+    faults: Faults
+    report_progress: ProgressFn
+
+
+@dataclass(frozen=True)
+class OperationResult:
+    result_key: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Operation(Protocol):
+    type: str
+
+    def validate(self, params: Mapping[str, Any]) -> None:
+        """Raise PermanentError when the stored parameters cannot ever succeed."""
+        ...
+
+    async def run(self, ctx: OperationContext) -> OperationResult: ...
+
+
+class Registry:
+    def __init__(self, operations: list[Operation]) -> None:
+        self._by_type = {op.type: op for op in operations}
+
+    @property
+    def types(self) -> frozenset[str]:
+        return frozenset(self._by_type)
+
+    def get(self, job_type: str) -> Operation | None:
+        return self._by_type.get(job_type)
+
+
+def default_registry() -> Registry:
+    from jobrelay.operations.report_export import ReportExport
+
+    return Registry([ReportExport()])

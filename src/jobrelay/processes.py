@@ -1,0 +1,131 @@
+"""The async entry points behind the CLI: one function per process or set-up step."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import uvicorn
+
+from jobrelay.runtime import Runtime, open_runtime, schema_revision, topology_for, utc_now
+from jobrelay.settings import Settings
+from jobrelay.storage.engine import check_reachable, create_engine, upgrade_async
+
+log = logging.getLogger("jobrelay")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: our handler drains relay and worker first."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _server(rt: Runtime, host: str, port: int) -> _Server:
+    from jobrelay.api.app import create_app
+
+    app = create_app(rt.settings, runtime=rt)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_config=None, access_log=False, lifespan="on"
+    )
+    return _Server(config)
+
+
+async def _serve_until(server: _Server, stop: asyncio.Event) -> None:
+    task = asyncio.create_task(server.serve())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    server.should_exit = True
+    stopping.cancel()
+    await task
+    if not server.started:
+        raise SystemExit(
+            f"jobrelay: error: could not serve on {server.config.host}:"
+            f"{server.config.port} (see the log above)"
+        )
+
+
+async def serve_api(settings: Settings, host: str, port: int, stop: asyncio.Event) -> None:
+    async with open_runtime(settings) as rt:
+        await _serve_until(_server(rt, host, port), stop)
+
+
+async def run_relay(settings: Settings, stop: asyncio.Event) -> None:
+    from jobrelay.relay import Relay
+
+    async with open_runtime(settings) as rt:
+        await Relay(rt).run(stop)
+
+
+async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
+    from jobrelay.worker import Worker
+
+    async with open_runtime(settings) as rt:
+        await Worker(rt).run(stop)
+
+
+async def run_up(settings: Settings, host: str, port: int, stop: asyncio.Event) -> None:
+    """API, relay and worker sharing one runtime; the API stops first, then both drain."""
+    from jobrelay.relay import Relay
+    from jobrelay.worker import Worker
+
+    await upgrade_database(settings)
+    async with open_runtime(settings) as rt:
+        relay = asyncio.create_task(Relay(rt).run(stop))
+        worker = asyncio.create_task(Worker(rt).run(stop))
+        try:
+            await _serve_until(_server(rt, host, port), stop)
+        finally:
+            stop.set()
+            await asyncio.gather(relay, worker, return_exceptions=True)
+
+
+async def upgrade_database(settings: Settings) -> str | None:
+    from jobrelay.errors import ConfigError, StoreError
+
+    engine = create_engine(settings.database_url)
+    try:
+        try:
+            await check_reachable(engine)
+        except StoreError as exc:
+            raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
+        await upgrade_async(settings.database_url)
+        return await schema_revision(engine)
+    finally:
+        await engine.dispose()
+
+
+async def declare_broker(settings: Settings) -> str:
+    if settings.uses_local_broker:
+        return "local transport: its queue is a table, created by `jobrelay db upgrade`"
+    from jobrelay.errors import ConfigError, TransportError
+    from jobrelay.transport.rabbitmq import declare_topology
+
+    topology = topology_for(settings)
+    try:
+        await declare_topology(settings.broker_url, topology)
+    except TransportError as exc:
+        raise ConfigError("JOBRELAY_BROKER_URL", f"broker unreachable: {exc}") from None
+    tiers = ", ".join(f"jobrelay.retry.{t}s" for t in topology.tiers)
+    return f"declared jobrelay, jobrelay.dlx, jobrelay.work, {tiers}, jobrelay.quarantine"
+
+
+async def create_token(
+    settings: Settings, account: str | None, admin: bool, label: str | None
+) -> str:
+    from jobrelay.api.auth import hash_token, new_token
+
+    token = new_token()
+    async with open_runtime(settings, connect_transport=False) as rt:
+        await rt.store.add_token(hash_token(token), account, admin, utc_now(), label)
+    return token
+
+
+async def seed_database(settings: Settings, rows_per_month: int) -> dict[str, int]:
+    from jobrelay.seed import seed
+
+    async with open_runtime(settings, connect_transport=False) as rt:
+        return await seed(rt.store, rows_per_month)

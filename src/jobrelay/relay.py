@@ -1,0 +1,146 @@
+"""The relay: move outbox rows to the broker, and mark them published only once confirmed.
+
+Each round claims a batch in a short transaction (the claim is a column with an expiry, so
+no transaction stays open while we wait for the broker), publishes the batch concurrently,
+awaits every confirm, and then marks the confirmed rows in a second short transaction.
+
+A relay killed between the confirm and the mark leaves rows that another relay republishes
+when the claim expires: that is the at-least-once half of the guarantee, and the worker's
+duplicate handling is the other half. A nack, a ``basic.return`` (unroutable) or a confirm
+timeout leaves the row waiting with the error recorded and a back-off before the next try.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from datetime import timedelta
+
+from jobrelay.errors import PublishError, StoreError, TransportError
+from jobrelay.runtime import Runtime
+from jobrelay.storage.notify import OutboxListener
+from jobrelay.storage.store import OutboxRow
+from jobrelay.transport.base import OutgoingMessage
+
+log = logging.getLogger("jobrelay.relay")
+
+_MAX_BACKOFF_SECONDS = 30.0
+
+
+def new_relay_id() -> str:
+    return f"relay:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Relay:
+    def __init__(self, rt: Runtime, *, relay_id: str | None = None) -> None:
+        self.rt = rt
+        self.relay_id = relay_id or new_relay_id()
+        self.claim_for = timedelta(seconds=rt.settings.relay_claim_seconds)
+        self.published = 0
+        self.failed = 0
+
+    def message_for(self, row: OutboxRow) -> OutgoingMessage:
+        headers = {str(k): str(v) for k, v in row.headers.items()}
+        headers["x-jobrelay-job-id"] = row.job_id
+        headers["x-jobrelay-outbox-id"] = str(row.id)
+        return OutgoingMessage(
+            destination=row.destination,
+            body=row.body,
+            headers=headers,
+            message_id=f"{row.job_id}:{row.id}",
+        )
+
+    async def relay_once(self) -> int:
+        """One round: claim, publish, confirm, mark. Returns how many rows were claimed."""
+        store = self.rt.store
+        rows = await store.claim_outbox(
+            self.relay_id, self.rt.clock(), self.rt.settings.relay_batch, self.claim_for
+        )
+        if not rows:
+            return 0
+        outcomes = await asyncio.gather(
+            *(self._publish(row) for row in rows), return_exceptions=False
+        )
+        confirmed = [row for row, error in zip(rows, outcomes, strict=True) if error is None]
+        self.rt.faults.hit("relay.before_mark")
+        if confirmed:
+            await store.mark_published(self.relay_id, confirmed, self.rt.clock())
+            self.published += len(confirmed)
+        for row, error in zip(rows, outcomes, strict=True):
+            if error is not None:
+                self.failed += 1
+                await store.release_outbox(row, error, self.rt.clock() + self._backoff(row))
+        return len(rows)
+
+    async def _publish(self, row: OutboxRow) -> str | None:
+        """Publish one row; None when confirmed, else the error to record."""
+        try:
+            await self.rt.transport.publish(self.message_for(row))
+        except PublishError as exc:
+            kind = "publish_unknown" if exc.unknown else "publish_failed"
+            log.warning(
+                "publish failed: %s",
+                exc,
+                extra={"event": kind, "jobId": row.job_id, "outboxId": row.id},
+            )
+            return f"{kind}: {exc}"
+        except TransportError as exc:
+            log.warning(
+                "broker error: %s", exc, extra={"event": "publish_unknown", "jobId": row.job_id}
+            )
+            return f"publish_unknown: {exc}"
+        log.info(
+            "published",
+            extra={
+                "event": "published",
+                "jobId": row.job_id,
+                "outboxId": row.id,
+                "destination": row.destination,
+            },
+        )
+        return None
+
+    def _backoff(self, row: OutboxRow) -> timedelta:
+        base = self.rt.settings.relay_poll_seconds
+        seconds = min(base * 2 ** max(row.publish_attempts - 1, 0), _MAX_BACKOFF_SECONDS)
+        return timedelta(seconds=seconds)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Relay until ``stop``; wake on NOTIFY or an in-process hint, else poll."""
+        wake = asyncio.Event()
+        self.rt.store.outbox_listeners.append(wake)
+        poll = self.rt.settings.relay_poll_seconds
+        log.info("relay started", extra={"event": "relay_started", "relay": self.relay_id})
+        async with OutboxListener(self.rt.engine, wake):
+            try:
+                while not stop.is_set():
+                    wake.clear()
+                    try:
+                        claimed = await self.relay_once()
+                    except StoreError as exc:
+                        log.warning(
+                            "relay round failed: %s", exc, extra={"event": "relay_round_failed"}
+                        )
+                        claimed = 0
+                    if claimed >= self.rt.settings.relay_batch:
+                        continue  # more waiting: go again at once
+                    await _wait_any(stop, wake, seconds=poll)
+            finally:
+                self.rt.store.outbox_listeners.remove(wake)
+        log.info("relay stopped", extra={"event": "relay_stopped", "published": self.published})
+
+
+async def _wait_any(*events: asyncio.Event, seconds: float) -> None:
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        for w in waiters:
+            with contextlib.suppress(asyncio.CancelledError):
+                await w

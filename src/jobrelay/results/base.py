@@ -1,0 +1,46 @@
+"""The results port: write a result under a stable key, atomically, and read it back.
+
+The key is chosen by the operation from the job id alone, so every attempt of a job writes
+to the same place; "atomically" means a reader sees either no object or the whole one,
+never a partial file, so a worker killed mid-write leaves nothing behind that looks done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class StoredResult:
+    key: str
+    size: int
+    sha256: str
+
+
+class ResultWriter(Protocol):
+    async def write(self, chunk: bytes) -> None: ...
+
+
+class ResultStore(Protocol):
+    def writer(self, key: str) -> ResultSession: ...
+
+    async def exists(self, key: str) -> bool: ...
+
+    def read(self, key: str) -> AsyncIterator[bytes]: ...
+
+    def describe(self, key: str) -> str:
+        """Where a person finds the result (a path or URL), for CLI output."""
+        ...
+
+
+class ResultSession(Protocol):
+    """``async with store.writer(key) as w: await w.write(...)``; committed on clean exit."""
+
+    async def __aenter__(self) -> ResultWriter: ...
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None: ...
+
+    @property
+    def result(self) -> StoredResult: ...

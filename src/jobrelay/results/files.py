@@ -1,0 +1,126 @@
+"""Results on the local file system: ``file://DIR`` keeps key ``a/b.csv`` at ``DIR/a/b.csv``.
+
+A result is written to a unique temporary name in the same directory, flushed and fsynced,
+then renamed over the final name. Rename within a directory is atomic on POSIX, so a reader
+never sees half a file, and a retry that writes the same key simply replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import IO
+from urllib.parse import unquote, urlsplit
+
+from jobrelay.errors import ConfigError, TransientError
+from jobrelay.results.base import ResultWriter, StoredResult
+
+_CHUNK = 64 * 1024
+
+
+def path_from_url(url: str) -> Path:
+    parts = urlsplit(url)
+    if parts.scheme != "file":
+        raise ConfigError("JOBRELAY_RESULTS_URL", f"expected file://PATH, got {url!r}")
+    # file://./var/exports (relative) and file:///abs/path are both accepted.
+    return Path(unquote(parts.netloc + parts.path))
+
+
+class FileResults:
+    def __init__(self, url: str) -> None:
+        self.root = path_from_url(url)
+
+    def path_for(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root.resolve()):
+            raise ValueError(f"result key escapes the results directory: {key!r}")
+        return path
+
+    def writer(self, key: str) -> _FileSession:
+        return _FileSession(key, self.path_for(key))
+
+    async def exists(self, key: str) -> bool:
+        return await asyncio.to_thread(self.path_for(key).is_file)
+
+    async def read(self, key: str) -> AsyncIterator[bytes]:
+        handle = await asyncio.to_thread(self.path_for(key).open, "rb")
+        try:
+            while chunk := await asyncio.to_thread(handle.read, _CHUNK):
+                yield chunk
+        finally:
+            handle.close()
+
+    def describe(self, key: str) -> str:
+        return str(self.path_for(key))
+
+
+class _FileWriter:
+    def __init__(self, handle: IO[bytes]) -> None:
+        self._handle = handle
+        self._buffer = bytearray()
+        self.size = 0
+        self.digest = hashlib.sha256()
+
+    async def write(self, chunk: bytes) -> None:
+        self.digest.update(chunk)
+        self.size += len(chunk)
+        self._buffer += chunk
+        if len(self._buffer) >= _CHUNK:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if self._buffer:
+            data, self._buffer = bytes(self._buffer), bytearray()
+            await asyncio.to_thread(self._handle.write, data)
+
+
+class _FileSession:
+    def __init__(self, key: str, path: Path) -> None:
+        self.key = key
+        self.path = path
+        self.temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        self._writer: _FileWriter | None = None
+        self._result: StoredResult | None = None
+
+    async def __aenter__(self) -> ResultWriter:
+        try:
+            await asyncio.to_thread(self.path.parent.mkdir, parents=True, exist_ok=True)
+            handle = await asyncio.to_thread(self.temp.open, "xb")
+        except OSError as exc:
+            raise TransientError(f"cannot open result file: {exc}") from exc
+        self._writer = _FileWriter(handle)
+        return self._writer
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        writer = self._writer
+        assert writer is not None
+        handle = writer._handle
+        try:
+            if exc_type is None:
+                await writer.flush()
+                await asyncio.to_thread(_sync_and_close, handle)
+                await asyncio.to_thread(os.replace, self.temp, self.path)
+                self._result = StoredResult(self.key, writer.size, writer.digest.hexdigest())
+            else:
+                handle.close()
+                self.temp.unlink(missing_ok=True)
+        except OSError as err:
+            handle.close()
+            self.temp.unlink(missing_ok=True)
+            raise TransientError(f"cannot save result file: {err}") from err
+
+    @property
+    def result(self) -> StoredResult:
+        if self._result is None:
+            raise RuntimeError("result not committed")
+        return self._result
+
+
+def _sync_and_close(handle: IO[bytes]) -> None:
+    handle.flush()
+    os.fsync(handle.fileno())
+    handle.close()

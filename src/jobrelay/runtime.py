@@ -1,0 +1,122 @@
+"""Wiring: turn one Settings into the live adapters, and check they answer before anything runs.
+
+This is the only module that chooses between adapters (SQLite or PostgreSQL, local or
+RabbitMQ). The relay, worker and API receive a ``Runtime`` and never look at URLs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobrelay.errors import ConfigError, StoreError, TransportError
+from jobrelay.faults import Faults
+from jobrelay.results.base import ResultStore
+from jobrelay.results.files import FileResults
+from jobrelay.settings import Settings
+from jobrelay.storage.engine import alembic_config, check_reachable, create_engine
+from jobrelay.storage.store import Store
+from jobrelay.transport.base import Transport
+from jobrelay.transport.topology import Topology
+
+Clock = Callable[[], datetime]
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: AsyncEngine
+    store: Store
+    transport: Transport
+    results: ResultStore
+    faults: Faults
+    topology: Topology
+    clock: Clock = field(default=utc_now)
+
+
+def topology_for(settings: Settings) -> Topology:
+    return Topology(retry_delays=settings.retry_delays, delivery_limit=settings.delivery_limit)
+
+
+def build_transport(settings: Settings, engine: AsyncEngine, clock: Clock = utc_now) -> Transport:
+    topology = topology_for(settings)
+    if settings.uses_local_broker:
+        from jobrelay.transport.local import LocalTransport
+
+        return LocalTransport(
+            engine, topology, visibility_seconds=settings.visibility_seconds, clock=clock
+        )
+    from jobrelay.transport.rabbitmq import RabbitTransport
+
+    return RabbitTransport(settings.broker_url, topology, confirm_timeout=settings.confirm_timeout)
+
+
+def build_results(settings: Settings) -> ResultStore:
+    return FileResults(settings.results_url)
+
+
+async def schema_revision(engine: AsyncEngine) -> str | None:
+    async with engine.connect() as conn:
+        return await conn.run_sync(
+            lambda sync: MigrationContext.configure(sync).get_current_revision()
+        )
+
+
+async def check_schema(settings: Settings, engine: AsyncEngine) -> None:
+    head = ScriptDirectory.from_config(alembic_config(settings.database_url)).get_current_head()
+    current = await schema_revision(engine)
+    if current != head:
+        raise ConfigError(
+            "JOBRELAY_DATABASE_URL",
+            f"schema is at {current or 'nothing'}, expected {head}: run `jobrelay db upgrade`",
+        )
+
+
+@contextlib.asynccontextmanager
+async def open_runtime(
+    settings: Settings,
+    *,
+    connect_transport: bool = True,
+    clock: Clock = utc_now,
+    faults: Faults | None = None,
+) -> AsyncIterator[Runtime]:
+    """Open the database and broker, failing fast with the variable to fix."""
+    engine = create_engine(settings.database_url)
+    transport: Transport | None = None
+    try:
+        try:
+            await check_reachable(engine)
+        except StoreError as exc:
+            raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
+        await check_schema(settings, engine)
+        transport = build_transport(settings, engine, clock)
+        if connect_transport:
+            try:
+                await transport.connect()
+            except TransportError as exc:
+                raise ConfigError("JOBRELAY_BROKER_URL", f"broker unreachable: {exc}") from None
+        yield Runtime(
+            settings=settings,
+            engine=engine,
+            store=Store(engine),
+            transport=transport,
+            results=build_results(settings),
+            faults=faults if faults is not None else Faults(settings.faults),
+            topology=topology_for(settings),
+            clock=clock,
+        )
+    finally:
+        if transport is not None:
+            with contextlib.suppress(Exception):
+                await transport.close()
+        await engine.dispose()

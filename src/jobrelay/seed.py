@@ -1,0 +1,68 @@
+"""Deterministic sample ledgers for ``report.export``: the same rows on every machine.
+
+Accounts ``acme``, ``globex`` and ``initech``, every month of 2019-2021. A few descriptions
+are deliberately hostile (formula-like cells) so every export shows the defanging at work.
+"""
+
+from __future__ import annotations
+
+import random
+from datetime import date
+from decimal import Decimal
+from typing import Any
+
+from jobrelay.storage.store import Store
+
+ACCOUNTS = ("acme", "globex", "initech")
+YEARS = (2019, 2020, 2021)
+DEFAULT_ROWS_PER_MONTH = 300
+
+_DESCRIPTIONS = (
+    "Invoice payment",
+    "Office supplies",
+    "Cloud hosting",
+    "Consulting fee",
+    "Travel reimbursement",
+    "Card settlement",
+    "Payroll transfer",
+    "Refund",
+)
+_HOSTILE = ('=HYPERLINK("http://example.invalid","click")', "+1-555-0100", "@SUM(A1:A9)", "-2+3")
+_COUNTERPARTIES = ("Northwind", "Contoso", "Fabrikam", "Tailspin", "Wingtip", "Litware")
+
+
+def periods() -> list[str]:
+    return [f"{y}-{m:02d}" for y in YEARS for m in range(1, 13)]
+
+
+def ledger_rows(account_id: str, rows_per_month: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for period in periods():
+        rng = random.Random(f"{account_id}/{period}")
+        year, month = (int(p) for p in period.split("-"))
+        for i in range(rows_per_month):
+            hostile = i % 97 == 13
+            description = rng.choice(_HOSTILE) if hostile else rng.choice(_DESCRIPTIONS)
+            cents = rng.randint(-250_000, 500_000)
+            rows.append(
+                {
+                    "account_id": account_id,
+                    "booked_on": date(year, month, rng.randint(1, 28)),
+                    "period": period,
+                    "description": f"{description}" if hostile else f"{description} #{i + 1}",
+                    "counterparty": rng.choice(_COUNTERPARTIES),
+                    "amount": Decimal(cents) / 100,
+                    "currency": "EUR",
+                }
+            )
+    return rows
+
+
+async def seed(store: Store, rows_per_month: int = DEFAULT_ROWS_PER_MONTH) -> dict[str, int]:
+    """Replace each account's ledger with the deterministic sample; idempotent."""
+    counts: dict[str, int] = {}
+    for account in ACCOUNTS:
+        rows = ledger_rows(account, rows_per_month)
+        await store.replace_ledger(account, rows)
+        counts[account] = len(rows)
+    return counts
