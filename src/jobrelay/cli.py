@@ -17,6 +17,7 @@ import typer
 
 from jobrelay import logs
 from jobrelay.errors import ConfigError, JobrelayError
+from jobrelay.operations.report_export import ACCOUNT_PATTERN
 from jobrelay.settings import ENV_PREFIX, Settings, load_settings
 
 app = typer.Typer(
@@ -159,6 +160,16 @@ def up_cmd(
     run_until_signalled(lambda stop: run_up(settings, host, port, stop))
 
 
+@app.command("demo")
+@with_settings
+def demo_cmd(settings: Settings) -> None:
+    """Run the main job end to end on the configured (by default embedded) pipeline."""
+    from jobrelay.demo import demo_main
+
+    logs.configure("demo", "WARNING")
+    raise typer.Exit(demo_main(settings))
+
+
 # --- set-up ----------------------------------------------------------------------------------
 
 
@@ -194,6 +205,10 @@ def token_create_cmd(
 
     if account is None and not admin:
         raise fail("give --account ACCOUNT (or --admin)", 2)
+    if account is not None and not ACCOUNT_PATTERN.match(account):
+        raise fail(
+            f"--account {account!r} is not a valid account id ({ACCOUNT_PATTERN.pattern})", 2
+        )
     token = run(create_token(settings, account, admin, label))
     typer.echo(
         f"created {'admin' if admin else 'account'} token for {account or 'all accounts'}", err=True

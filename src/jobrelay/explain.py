@@ -33,22 +33,22 @@ def next_step(job: JobRecord, now: datetime) -> str:
         return f"done: result at {job.result_key}"
     if job.state is JobState.QUARANTINED:
         return (
-            f"quarantined: {job.quarantine_reason or job.last_error}; fix the cause, then "
-            "replay it (operator)"
+            f"quarantined: {job.quarantine_reason or job.last_error}; the message is in "
+            "jobrelay.quarantine, the reason above is the one to act on"
         )
     if job.state is JobState.CANCELLED:
         return "cancelled by an operator; nothing further will run"
-    if not job.published and job.unpublished_since is not None:
-        hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
-        return (
-            f"accepted {_ago(job.unpublished_since, now)}, outbox row not yet published: "
-            f"is a relay running?{hint}"
-        )
     if job.state is JobState.RUNNING:
         return (
             f"running attempt {job.attempt}/{job.max_attempts} on {job.lease_owner}, lease "
-            f"until {_ago(job.lease_expires_at, now)}; if that worker died the job is taken "
-            "over when the lease expires"
+            f"expires {_ago(job.lease_expires_at, now)}; if that worker died the job is "
+            "taken over when the lease expires"
+        )
+    if not job.published and job.unpublished_since is not None:
+        hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
+        return (
+            f"an outbox row has waited {_ago(job.unpublished_since, now).removesuffix(' ago')}"
+            f" to be published: is a relay running?{hint}"
         )
     if job.state is JobState.RETRY_WAIT:
         return (

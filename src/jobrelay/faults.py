@@ -1,4 +1,4 @@
-"""Named fault points for fault tests: ``JOBRELAY_FAULTS="point:action[:n],…"``.
+"""Named fault points for fault tests: ``JOBRELAY_FAULTS="point:action[:n][@k=v[&k=v]],…"``.
 
 Off by default. When any fault is armed, the process says so loudly at start-up, because a
 production process with faults armed is a misconfiguration worth noticing.
@@ -8,6 +8,9 @@ Points and actions:
 - ``worker.before_ack:crash[:n]``, ``relay.before_mark:crash[:n]``,
   ``api.before_response:crash[:n]`` — n means the n-th time this process reaches the point;
   without n, every time.
+
+``@k=v`` narrows a fault to jobs whose parameters match (``export.run:invalid@period=2019-12``),
+so the demo and the soak can poison chosen jobs while the rest flow.
 
 ``crash`` ends the process at once with ``os._exit``, like ``kill -9``: no finally blocks, no
 acks, no flushes. Tests of a single process can swap ``crash_handler`` to raise instead.
@@ -19,7 +22,7 @@ import logging
 import os
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -32,8 +35,9 @@ POINTS: dict[str, frozenset[str]] = {
     "worker.before_ack": frozenset({"crash"}),
     "relay.before_mark": frozenset({"crash"}),
     "api.before_response": frozenset({"crash"}),
-    "notify.after_send": frozenset({"crash"}),
 }
+# Points that know the job's parameters, where an ``@k=v`` selector can apply.
+_SELECTABLE_POINTS = frozenset({"export.run", "api.before_response"})
 # Points whose n counts the job's attempt rather than occurrences in this process.
 _ATTEMPT_POINTS = frozenset({"export.run"})
 CRASH_EXIT_CODE = 137
@@ -44,6 +48,12 @@ class Fault:
     point: str
     action: str
     n: int | None
+    match: tuple[tuple[str, str], ...] = ()
+
+    def applies_to(self, params: Mapping[str, object] | None) -> bool:
+        if not self.match:
+            return True
+        return params is not None and all(str(params.get(k)) == v for k, v in self.match)
 
 
 def parse(spec: str) -> tuple[Fault, ...]:
@@ -51,6 +61,8 @@ def parse(spec: str) -> tuple[Fault, ...]:
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             continue
+        item, _, selector = item.partition("@")
+        match = _parse_selector(selector, item) if selector else ()
         pieces = item.split(":")
         if len(pieces) not in (2, 3):
             raise ConfigError("JOBRELAY_FAULTS", f"expected point:action[:n], got {item!r}")
@@ -59,13 +71,27 @@ def parse(spec: str) -> tuple[Fault, ...]:
             raise ConfigError("JOBRELAY_FAULTS", f"unknown fault point {point!r}")
         if action not in POINTS[point]:
             raise ConfigError("JOBRELAY_FAULTS", f"{point} does not support action {action!r}")
+        if match and point not in _SELECTABLE_POINTS:
+            raise ConfigError(
+                "JOBRELAY_FAULTS", f"@selectors work only on {sorted(_SELECTABLE_POINTS)}: {item!r}"
+            )
         n: int | None = None
         if len(pieces) == 3:
             if not pieces[2].isdigit() or int(pieces[2]) < 1:
                 raise ConfigError("JOBRELAY_FAULTS", f"n must be a positive integer in {item!r}")
             n = int(pieces[2])
-        faults.append(Fault(point, action, n))
+        faults.append(Fault(point, action, n, match))
     return tuple(faults)
+
+
+def _parse_selector(selector: str, item: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for pair in selector.split("&"):
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ConfigError("JOBRELAY_FAULTS", f"expected @key=value in {item!r}")
+        pairs.append((key, value))
+    return tuple(pairs)
 
 
 def _exit_now(point: str) -> NoReturn:
@@ -91,7 +117,13 @@ class Faults:
     def __bool__(self) -> bool:
         return bool(self.faults)
 
-    def hit(self, point: str, *, attempt: int | None = None) -> None:
+    def hit(
+        self,
+        point: str,
+        *,
+        attempt: int | None = None,
+        params: Mapping[str, object] | None = None,
+    ) -> None:
         """Call at a named point; does nothing unless a fault is armed there."""
         if not self.faults:
             return
@@ -99,6 +131,8 @@ class Faults:
         count = attempt if point in _ATTEMPT_POINTS else self._seen[point]
         for fault in self.faults:
             if fault.point != point or (fault.n is not None and fault.n != count):
+                continue
+            if not fault.applies_to(params):
                 continue
             log.warning(
                 "fault %s:%s fired (n=%s)",

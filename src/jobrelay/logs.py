@@ -45,3 +45,5 @@ def configure(process_name: str, level: str = "INFO") -> None:
     root.setLevel(level.upper())
     for noisy in ("aiormq", "aio_pika", "uvicorn.access", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Connect failures are raised to us and reported once, naming the setting to fix.
+    logging.getLogger("aiormq.connection").setLevel(logging.CRITICAL)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -24,7 +24,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _server(rt: Runtime, host: str, port: int) -> _Server:
+def build_server(rt: Runtime, host: str, port: int) -> _Server:
     from jobrelay.api.app import create_app
 
     app = create_app(rt.settings, runtime=rt)
@@ -34,7 +34,7 @@ def _server(rt: Runtime, host: str, port: int) -> _Server:
     return _Server(config)
 
 
-async def _serve_until(server: _Server, stop: asyncio.Event) -> None:
+async def serve_until(server: _Server, stop: asyncio.Event) -> None:
     task = asyncio.create_task(server.serve())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -50,7 +50,7 @@ async def _serve_until(server: _Server, stop: asyncio.Event) -> None:
 
 async def serve_api(settings: Settings, host: str, port: int, stop: asyncio.Event) -> None:
     async with open_runtime(settings) as rt:
-        await _serve_until(_server(rt, host, port), stop)
+        await serve_until(build_server(rt, host, port), stop)
 
 
 async def run_relay(settings: Settings, stop: asyncio.Event) -> None:
@@ -74,13 +74,37 @@ async def run_up(settings: Settings, host: str, port: int, stop: asyncio.Event) 
 
     await upgrade_database(settings)
     async with open_runtime(settings) as rt:
-        relay = asyncio.create_task(Relay(rt).run(stop))
-        worker = asyncio.create_task(Worker(rt).run(stop))
+        parts = {
+            "relay": asyncio.create_task(Relay(rt).run(stop)),
+            "worker": asyncio.create_task(Worker(rt).run(stop)),
+        }
+        for name, task in parts.items():
+            task.add_done_callback(_stop_if_dead(name, stop))
         try:
-            await _serve_until(_server(rt, host, port), stop)
+            await serve_until(build_server(rt, host, port), stop)
         finally:
             stop.set()
-            await asyncio.gather(relay, worker, return_exceptions=True)
+            await asyncio.gather(*parts.values(), return_exceptions=True)
+        failed = [n for n, t in parts.items() if not t.cancelled() and t.exception()]
+        if failed:
+            raise SystemExit(f"jobrelay: error: {', '.join(failed)} died; see the log above")
+
+
+def _stop_if_dead(name: str, stop: asyncio.Event) -> Callable[[asyncio.Task[None]], None]:
+    """In ``up``, a relay or worker that dies must take the API down with it: a process that
+    answers 202 while nothing delivers its jobs would hide the failure."""
+
+    def check(task: asyncio.Task[None]) -> None:
+        if not stop.is_set() and not task.cancelled():
+            log.error(
+                "%s stopped unexpectedly: %r",
+                name,
+                task.exception(),
+                extra={"event": "component_died", "component": name},
+            )
+            stop.set()
+
+    return check
 
 
 async def upgrade_database(settings: Settings) -> str | None:

@@ -126,6 +126,10 @@ class Relay:
                             "relay round failed: %s", exc, extra={"event": "relay_round_failed"}
                         )
                         claimed = 0
+                    except Exception:
+                        # Unknown failure: keep relaying; every row is still in the outbox.
+                        log.exception("relay round failed", extra={"event": "relay_round_failed"})
+                        claimed = 0
                     if claimed >= self.rt.settings.relay_batch:
                         continue  # more waiting: go again at once
                     await _wait_any(stop, wake, seconds=poll)

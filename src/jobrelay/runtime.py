@@ -94,17 +94,18 @@ async def open_runtime(
     engine = create_engine(settings.database_url)
     transport: Transport | None = None
     try:
+        transport = build_transport(settings, engine, clock)
+        # A remote broker is checked first, so an unreachable one fails before the database
+        # is touched; the local transport lives in the database and must come after it.
+        if connect_transport and not settings.uses_local_broker:
+            await _connect(transport)
         try:
             await check_reachable(engine)
         except StoreError as exc:
             raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
         await check_schema(settings, engine)
-        transport = build_transport(settings, engine, clock)
-        if connect_transport:
-            try:
-                await transport.connect()
-            except TransportError as exc:
-                raise ConfigError("JOBRELAY_BROKER_URL", f"broker unreachable: {exc}") from None
+        if connect_transport and settings.uses_local_broker:
+            await _connect(transport)
         yield Runtime(
             settings=settings,
             engine=engine,
@@ -120,3 +121,10 @@ async def open_runtime(
             with contextlib.suppress(Exception):
                 await transport.close()
         await engine.dispose()
+
+
+async def _connect(transport: Transport) -> None:
+    try:
+        await transport.connect()
+    except TransportError as exc:
+        raise ConfigError("JOBRELAY_BROKER_URL", f"broker unreachable: {exc}") from None

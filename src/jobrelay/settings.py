@@ -56,6 +56,25 @@ class Settings(BaseSettings):
             raise ValueError("delays must be positive whole seconds")
         return value
 
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        levels = ("DEBUG", "INFO", "WARNING", "ERROR")
+        if value.upper() not in levels:
+            raise ValueError(f"expected one of {', '.join(levels)}, got {value!r}")
+        return value.upper()
+
+    @field_validator("faults")
+    @classmethod
+    def _check_faults(cls, value: str) -> str:
+        from jobrelay.faults import parse
+
+        try:
+            parse(value)
+        except ConfigError as exc:
+            raise ValueError(exc.problem) from None
+        return value
+
     @field_validator("database_url")
     @classmethod
     def _check_database_url(cls, value: str) -> str:

@@ -46,6 +46,12 @@ log = logging.getLogger("jobrelay.worker")
 _MAX_DECISION_ROUNDS = 3
 
 
+def _log_abandoned(task: asyncio.Task[None]) -> None:
+    """A handler ended by something stronger than an Exception (a simulated crash, exit)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("delivery abandoned: %r", task.exception(), extra={"event": "abandoned"})
+
+
 def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
@@ -74,30 +80,41 @@ class Worker:
         deliveries = self.rt.transport.consume(prefetch)
         iterator = deliveries.__aiter__()
         stopping = asyncio.ensure_future(stop.wait())
+        receiving: asyncio.Future[Delivery] | None = None
+        hard_stop = False
         try:
             while not stop.is_set():
                 await slots.acquire()
                 receiving = asyncio.ensure_future(anext(iterator))
-                done, _ = await asyncio.wait(
-                    {receiving, stopping}, return_when=asyncio.FIRST_COMPLETED
-                )
-                if receiving not in done:
-                    receiving.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await receiving
-                    slots.release()
+                await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not receiving.done():
                     break
                 delivery = receiving.result()
+                receiving = None
                 task = asyncio.create_task(self._handle_safely(delivery))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
+                task.add_done_callback(_log_abandoned)
                 task.add_done_callback(lambda _: slots.release())
         except StopAsyncIteration:
             log.warning("delivery stream ended", extra={"event": "consume_ended"})
+        except asyncio.CancelledError:
+            hard_stop = True  # killed, not asked to stop: abandon work like a dead process
+            raise
         finally:
             stopping.cancel()
+            if receiving is not None and not receiving.done():
+                receiving.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await receiving
             if in_flight:
-                log.info("draining", extra={"event": "worker_draining", "inFlight": len(in_flight)})
+                if hard_stop:
+                    for task in in_flight:
+                        task.cancel()
+                else:
+                    log.info(
+                        "draining", extra={"event": "worker_draining", "inFlight": len(in_flight)}
+                    )
                 await asyncio.gather(*in_flight, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await deliveries.aclose()  # type: ignore[attr-defined]
@@ -160,8 +177,16 @@ class Worker:
                 await self._defer(delivery, message, decision.reason or "deferred", meta, job)
                 return True
             case Action.REJECT:
-                if not await self.rt.store.quarantine(job.id, decision.reason or "", now, **meta):
-                    return False
+                if decision.new_state is not None:
+                    quarantined = await self.rt.store.quarantine(
+                        job.id, decision.reason or "", now, **meta
+                    )
+                    if not quarantined:
+                        return False
+                else:
+                    await self.rt.store.record_event(
+                        job.id, decision.event, now, reason=decision.reason, **meta
+                    )
                 await self._settle(delivery, job.id, Action.REJECT, job.attempt)
                 return True
             case Action.RUN:

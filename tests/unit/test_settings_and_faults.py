@@ -95,3 +95,13 @@ def test_occurrence_faults_count_hits() -> None:
 )
 def test_defang(cell: str, expected: str) -> None:
     assert defang(cell) == expected
+
+
+def test_fault_selector_narrows_to_matching_jobs() -> None:
+    faults = Faults("export.run:invalid@period=2019-12&accountId=acme")
+    faults.hit("export.run", attempt=1, params={"accountId": "acme", "period": "2020-01"})
+    faults.hit("export.run", attempt=1, params={"accountId": "globex", "period": "2019-12"})
+    with pytest.raises(PermanentError):
+        faults.hit("export.run", attempt=1, params={"accountId": "acme", "period": "2019-12"})
+    with pytest.raises(ConfigError, match="key=value"):
+        parse("export.run:invalid@period")

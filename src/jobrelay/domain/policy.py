@@ -174,9 +174,9 @@ def decide(observation: Observation) -> Decision:
         case PermanentFailure(error):
             return Decision(JobState.QUARANTINED, Action.REJECT, "quarantined", reason=error)
         case InvalidPayload(reason, job_state):
-            if job_state is None or job_state.is_terminal:
-                # A bad message never changes a finished job; the message itself still goes
-                # to the quarantine queue so an operator can see it.
+            if job_state is None or job_state.is_terminal or job_state is JobState.RUNNING:
+                # A bad message never changes a finished job, nor one a worker is running from
+                # a good copy; the bad copy itself still goes to the quarantine queue.
                 return Decision(None, Action.REJECT, "invalid_message", reason=reason)
             _require(job_state, JobState.QUARANTINED)
             return Decision(
@@ -194,6 +194,10 @@ def decide(observation: Observation) -> Decision:
                 reason=f"attempts exhausted ({attempt} claimed, worker lost before an outcome)",
             )
         case DeliveryForFinished(state, result_key):
+            if state is JobState.QUARANTINED:
+                # The worker that quarantined the job may have died before its reject: send
+                # this copy to the quarantine queue too, so the broker-side surface matches.
+                return Decision(None, Action.REJECT, "duplicate_rejected", reason=state.value)
             return Decision(None, Action.ACK, "duplicate_acked", reason=result_key or state.value)
         case LeaseHeld(owner):
             return Decision(None, Action.DEFER, "deferred", reason=f"lease held by {owner}")

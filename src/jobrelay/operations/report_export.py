@@ -21,7 +21,7 @@ from jobrelay.operations.base import OperationContext, OperationResult
 
 TYPE = "report.export"
 COLUMNS = ("entry_id", "booked_on", "description", "counterparty", "amount", "currency")
-_ACCOUNT = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+ACCOUNT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _PERIOD = re.compile(r"^(19|2[0-9])[0-9]{2}-(0[1-9]|1[0-2])$")
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n")
 _ROWS_PER_CHUNK = 500
@@ -44,7 +44,7 @@ class ReportExport:
         if set(params) != {"accountId", "period"}:
             raise PermanentError(f"report.export takes accountId and period, got {sorted(params)}")
         account, period = params["accountId"], params["period"]
-        if not isinstance(account, str) or not _ACCOUNT.match(account):
+        if not isinstance(account, str) or not ACCOUNT_PATTERN.match(account):
             raise PermanentError(f"invalid accountId {account!r}")
         if not isinstance(period, str) or not _PERIOD.match(period):
             raise PermanentError(f"invalid period {period!r}; expected YYYY-MM")
@@ -52,7 +52,7 @@ class ReportExport:
     async def run(self, ctx: OperationContext) -> OperationResult:
         job = ctx.job
         self.validate(job.params)
-        ctx.faults.hit("export.run", attempt=ctx.attempt)
+        ctx.faults.hit("export.run", attempt=ctx.attempt, params=job.params)
         account, period = job.params["accountId"], job.params["period"]
         if account != job.account_id:
             raise PermanentError("accountId in params does not match the job's account")

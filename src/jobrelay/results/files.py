@@ -8,8 +8,10 @@ never sees half a file, and a retry that writes the same key simply replaces it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +22,8 @@ from jobrelay.errors import ConfigError, TransientError
 from jobrelay.results.base import ResultWriter, StoredResult
 
 _CHUNK = 64 * 1024
+# A temp file untouched this long belongs to a writer that died (exports write continuously).
+STALE_TEMP_SECONDS = 600
 
 
 def path_from_url(url: str) -> Path:
@@ -104,6 +108,8 @@ class _FileSession:
                 await writer.flush()
                 await asyncio.to_thread(_sync_and_close, handle)
                 await asyncio.to_thread(os.replace, self.temp, self.path)
+                await asyncio.to_thread(_fsync_dir, self.path.parent)
+                await asyncio.to_thread(self._remove_stale_temps)
                 self._result = StoredResult(self.key, writer.size, writer.digest.hexdigest())
             else:
                 handle.close()
@@ -112,6 +118,18 @@ class _FileSession:
             handle.close()
             self.temp.unlink(missing_ok=True)
             raise TransientError(f"cannot save result file: {err}") from err
+
+    def _remove_stale_temps(self) -> None:
+        """Temp files of earlier attempts that died mid-write; never visible as results.
+
+        Only old ones: a younger temp file may belong to a worker that is still writing
+        (a lease takeover), and deleting it would waste that worker's attempt.
+        """
+        cutoff = time.time() - STALE_TEMP_SECONDS
+        for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                if stale.stat().st_mtime < cutoff:
+                    stale.unlink()
 
     @property
     def result(self) -> StoredResult:
@@ -124,3 +142,12 @@ def _sync_and_close(handle: IO[bytes]) -> None:
     handle.flush()
     os.fsync(handle.fileno())
     handle.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the rename itself durable, not only the file's bytes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

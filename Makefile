@@ -1,0 +1,40 @@
+# jobrelay — the two commands a newcomer needs are `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: demo test lint typecheck unit bench chaos clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+## demo: run the main job end to end on the embedded default (SQLite + local transport)
+demo: $(STAMP)
+	$(BIN)/jobrelay demo
+
+## test: lint, type-check and the whole suite (PostgreSQL + RabbitMQ tests included)
+test: $(STAMP) lint typecheck
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit
+
+## bench: throughput through separate api / relay / worker processes (PostgreSQL + RabbitMQ)
+bench: $(STAMP)
+	$(BIN)/python bench/pipeline_bench.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

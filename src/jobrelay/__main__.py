@@ -1,0 +1,5 @@
+"""``python -m jobrelay``: the same as the ``jobrelay`` command."""
+
+from jobrelay.cli import main
+
+main()

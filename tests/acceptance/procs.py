@@ -1,0 +1,117 @@
+"""Run real ``jobrelay`` processes for acceptance and fault tests, and wait on them by polling."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+
+T = TypeVar("T")
+JOBRELAY = [sys.executable, "-m", "jobrelay"]
+FAST_ENV = {
+    "JOBRELAY_RETRY_DELAYS": "1",
+    "JOBRELAY_LEASE_SECONDS": "2",
+    "JOBRELAY_VISIBILITY_SECONDS": "2",
+    "JOBRELAY_RELAY_POLL_SECONDS": "0.1",
+    "JOBRELAY_RELAY_CLAIM_SECONDS": "3",
+}
+
+
+def clean_env(**settings: str) -> dict[str, str]:
+    """The test process's environment without any JOBRELAY_* setting, plus ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBRELAY_")}
+    env.update(settings)
+    return env
+
+
+def run_cli(*args: str, env: dict[str, str], cwd: Path | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*JOBRELAY, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def poll(check: Callable[[], T | None], timeout: float = 30, what: str = "condition") -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("ab")
+        self.popen = subprocess.Popen([*JOBRELAY, *args], env=env, stdout=self._log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_exit(self, timeout: float = 30) -> int:
+        return self.popen.wait(timeout)
+
+    def kill9(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()  # SIGKILL
+            self.popen.wait(10)
+
+    def stop(self) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        self._log.close()
+        return self.popen.returncode
+
+
+@contextmanager
+def processes(log_dir: Path) -> Iterator[Callable[..., Proc]]:
+    started: list[Proc] = []
+
+    def start(name: str, *args: str, env: dict[str, str]) -> Proc:
+        proc = Proc(f"{name}-{len(started)}", list(args), env, log_dir)
+        started.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            proc.stop()
+
+
+def wait_http(base: str, proc: Proc, timeout: float = 30) -> None:
+    def ready() -> bool:
+        if proc.popen.poll() is not None:
+            raise AssertionError(f"{proc.name} exited early:\n{proc.log()[-3000:]}")
+        try:
+            return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    poll(ready, timeout, f"{base}/healthz")

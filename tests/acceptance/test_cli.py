@@ -1,0 +1,85 @@
+"""The ``jobrelay`` command as a user meets it: exit codes, one-line errors, nothing half-made."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .procs import clean_env, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def sqlite_env(tmp_path: Path) -> dict[str, str]:
+    env = clean_env(
+        JOBRELAY_DATABASE_URL=f"sqlite:///{tmp_path}/jr.db",
+        JOBRELAY_RESULTS_URL=f"file://{tmp_path}/exports",
+    )
+    assert run_cli("db", "upgrade", env=env).returncode == 0
+    return env
+
+
+def assert_one_line_error(result: object, variable: str) -> None:
+    stderr = result.stderr.strip()  # type: ignore[attr-defined]
+    assert result.returncode == 2, stderr  # type: ignore[attr-defined]
+    assert stderr.startswith(f"jobrelay: error: {variable}: "), stderr
+    assert len(stderr.splitlines()) == 1 and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("JOBRELAY_DATABASE_URL", "mysql://root@localhost/x"),
+        ("JOBRELAY_DATABASE_URL", "postgresql://postgres@127.0.0.1:1/nope"),
+        ("JOBRELAY_BROKER_URL", "kafka://localhost"),
+        ("JOBRELAY_BROKER_URL", "amqp://guest:guest@127.0.0.1:1/"),
+        ("JOBRELAY_MAX_ATTEMPTS", "lots"),
+        ("JOBRELAY_FAULTS", "export.run:explode"),
+    ],
+)
+def test_bad_or_unreachable_settings_fail_in_one_line(
+    variable: str, value: str, tmp_path: Path
+) -> None:
+    settings = {
+        "JOBRELAY_DATABASE_URL": f"sqlite:///{tmp_path}/never.db",
+        "JOBRELAY_RESULTS_URL": f"file://{tmp_path}/exports",
+    }
+    env = clean_env(**{**settings, variable: value})
+    assert_one_line_error(run_cli("worker", env=env, cwd=tmp_path), variable)
+    assert not (tmp_path / "never.db").exists()  # nothing half-created
+    assert not (tmp_path / "var").exists()
+
+
+def test_option_overrides_environment(tmp_path: Path) -> None:
+    env = clean_env(JOBRELAY_MAX_ATTEMPTS="lots")
+    result = run_cli("db", "upgrade", "--max-attempts", "4",
+                     "--database-url", f"sqlite:///{tmp_path}/o.db", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "revision" in result.stdout
+
+
+def test_token_create_prints_token_alone_on_last_line(sqlite_env: dict[str, str]) -> None:
+    result = run_cli("token", "create", "--account", "acme", env=sqlite_env)
+    assert result.returncode == 0, result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("jr_") and " " not in last and len(last) > 30
+    missing = run_cli("token", "create", env=sqlite_env)
+    assert missing.returncode == 2 and "--account" in missing.stderr
+
+
+def test_job_show_and_list(sqlite_env: dict[str, str]) -> None:
+    unknown = run_cli("job", "show", "00000000-0000-0000-0000-000000000000", env=sqlite_env)
+    assert unknown.returncode == 1 and "no job" in unknown.stderr
+    bad_state = run_cli("jobs", "list", "--state", "sleeping", env=sqlite_env)
+    assert bad_state.returncode == 2 and "queued" in bad_state.stderr
+    listed = run_cli("jobs", "list", "--state", "queued", env=sqlite_env)
+    assert listed.returncode == 0 and "0 job(s)" in listed.stdout
+
+
+def test_unmigrated_database_is_named(tmp_path: Path) -> None:
+    env = clean_env(JOBRELAY_DATABASE_URL=f"sqlite:///{tmp_path}/empty.db")
+    result = run_cli("jobs", "list", env=env)
+    assert_one_line_error(result, "JOBRELAY_DATABASE_URL")
+    assert "jobrelay db upgrade" in result.stderr

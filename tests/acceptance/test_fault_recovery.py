@@ -1,0 +1,220 @@
+"""Real processes on PostgreSQL + RabbitMQ, killed at named points; then the invariants.
+
+Each test starts ``jobrelay api/relay/worker`` as separate processes, makes one of them die
+like ``kill -9`` (a ``crash`` fault is ``os._exit``; one test sends a real SIGKILL), starts
+a replacement, and checks the database, the result files and the broker: the job finished,
+exactly one result, nothing lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from jobrelay.domain.states import JobState
+from jobrelay.storage.engine import create_engine
+from jobrelay.storage.store import JobRecord, Store
+
+from .procs import FAST_ENV, clean_env, free_port, poll, processes, run_cli, wait_http
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+T = TypeVar("T")
+
+
+class Db:
+    """Synchronous view of the job store for polling from a plain test."""
+
+    def __init__(self, url: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.engine = create_engine(url)
+        self.store = Store(self.engine)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    def job(self, job_id: str) -> JobRecord | None:
+        return self.run(self.store.get_job(job_id))
+
+    def kinds(self, job_id: str) -> list[str]:
+        return [e.kind for e in self.run(self.store.events(job_id))]
+
+    def close(self) -> None:
+        self.run(self.engine.dispose())
+        self.loop.close()
+
+
+@pytest.fixture
+def env(pg_url: str, amqp_url: str, tmp_path: Path) -> dict[str, str]:
+    env = clean_env(
+        JOBRELAY_DATABASE_URL=pg_url,
+        JOBRELAY_BROKER_URL=amqp_url,
+        JOBRELAY_RESULTS_URL=f"file://{tmp_path}/exports",
+        **FAST_ENV,
+    )
+    assert run_cli("seed", "--rows-per-month", "20", env=env).returncode == 0
+    return env
+
+
+@pytest.fixture
+def db(pg_url: str) -> Iterator[Db]:
+    db = Db(pg_url)
+    yield db
+    db.close()
+
+
+def token(env: dict[str, str], account: str = "acme") -> str:
+    result = run_cli("token", "create", "--account", account, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def results(tmp_path: Path) -> list[Path]:
+    """Visible results; a dead writer's hidden temp file is not one."""
+    files = (tmp_path / "exports").rglob("*")
+    return sorted(p for p in files if p.is_file() and not p.name.startswith("."))
+
+
+def finished(db: Db, job_id: str) -> Any:
+    return poll(lambda: (j := db.job(job_id)) and j.state.is_terminal and j, 60,
+                f"job {job_id} to finish")
+
+
+def test_api_killed_after_commit_job_is_still_delivered(
+    env: dict[str, str], db: Db, tmp_path: Path
+) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {token(env)}"}
+    body = {"accountId": "acme", "period": "2020-05"}
+    with processes(tmp_path) as start:
+        api = start("api", "api", "--port", str(port),
+                    env={**env, "JOBRELAY_FAULTS": "api.before_response:crash:1"})
+        wait_http(base, api)
+        with pytest.raises(httpx.HTTPError):  # the client never gets an answer
+            httpx.post(f"{base}/v1/exports", json=body, headers=auth, timeout=10)
+        assert api.wait_exit() == 137
+        # The commit happened: the job and its unpublished outbox row are there, no relay yet.
+        rows = db.run(_fetch(db, "SELECT job_id, published_at FROM outbox"))
+        assert len(rows) == 1 and rows[0][1] is None
+        job_id = rows[0][0]
+        assert db.job(job_id).state is JobState.QUEUED
+        # The client retries after the unknown outcome: same request, same job, nothing new.
+        api2 = start("api", "api", "--port", str(port), env=env)
+        wait_http(base, api2)
+        again = httpx.post(f"{base}/v1/exports", json=body, headers=auth, timeout=10)
+        assert again.status_code == 202 and again.json()["jobId"] == job_id
+        start("relay", "relay", env=env)
+        start("worker", "worker", env=env)
+        job = finished(db, job_id)
+    assert job.state is JobState.SUCCEEDED and job.attempt == 1
+    assert db.kinds(job_id).count("accepted") == 1
+    assert results(tmp_path) == [tmp_path / "exports" / job.result_key]
+
+
+def test_worker_crash_in_export_consumes_attempt_and_completes_once(
+    env: dict[str, str], db: Db, tmp_path: Path
+) -> None:
+    with processes(tmp_path) as start:
+        start("relay", "relay", env=env)
+        job_id = _submit(db, env)
+        crashing = start("worker", "worker", env={**env, "JOBRELAY_FAULTS": "export.run:crash:1"})
+        assert crashing.wait_exit(60) == 137
+        assert db.job(job_id).state is JobState.RUNNING  # lease held by a dead worker
+        start("worker", "worker", env=env)
+        job = finished(db, job_id)
+    assert job.state is JobState.SUCCEEDED and job.attempt == 2
+    kinds = db.kinds(job_id)
+    assert kinds.count("result_saved") == 1 and kinds.count("claimed") == 2
+    assert results(tmp_path) == [tmp_path / "exports" / job.result_key]
+
+
+def test_worker_sigkilled_mid_export_completes_once(
+    env: dict[str, str], db: Db, tmp_path: Path
+) -> None:
+    # A month big enough that the export is still streaming when we kill the worker.
+    db.run(_execute(db, """
+        INSERT INTO ledger_entries (account_id, booked_on, period, description, counterparty,
+                                    amount, currency)
+        SELECT 'acme', DATE '2021-06-15', '2021-06', 'bulk row ' || g, 'Contoso', g % 1000, 'EUR'
+        FROM generate_series(1, 400000) AS g"""))
+    with processes(tmp_path) as start:
+        start("relay", "relay", env=env)
+        job_id = _submit(db, env, period="2021-06")
+        victim = start("worker", "worker", env=env)
+        poll(lambda: (j := db.job(job_id)) and (j.progress_done or 0) > 0, 60,
+             "the export to be under way")
+        victim.kill9()
+        assert db.job(job_id).state is JobState.RUNNING
+        start("worker", "worker", env=env)
+        job = finished(db, job_id)
+    assert job.state is JobState.SUCCEEDED and job.attempt == 2
+    assert job.result_meta["rows"] == 400020
+    assert db.kinds(job_id).count("result_saved") == 1
+    assert results(tmp_path) == [tmp_path / "exports" / job.result_key]
+    temps = list((tmp_path / "exports").rglob(".*.tmp"))
+    assert len(temps) <= 1  # the killed writer's partial file: hidden, removed once stale
+
+
+def test_worker_killed_after_commit_before_ack_does_not_redo(
+    env: dict[str, str], db: Db, tmp_path: Path
+) -> None:
+    with processes(tmp_path) as start:
+        start("relay", "relay", env=env)
+        job_id = _submit(db, env)
+        crashing = start("worker", "worker",
+                         env={**env, "JOBRELAY_FAULTS": "worker.before_ack:crash:1"})
+        assert crashing.wait_exit(60) == 137
+        assert db.job(job_id).state is JobState.SUCCEEDED  # committed before the ack
+        first = results(tmp_path)[0].stat().st_mtime_ns
+        start("worker", "worker", env=env)
+        poll(lambda: "duplicate_acked" in db.kinds(job_id), 60, "the redelivery to be acked")
+    kinds = db.kinds(job_id)
+    assert kinds.count("result_saved") == 1 and kinds.count("claimed") == 1
+    assert results(tmp_path)[0].stat().st_mtime_ns == first and len(results(tmp_path)) == 1
+
+
+def test_relay_killed_before_mark_republishes_without_second_result(
+    env: dict[str, str], db: Db, tmp_path: Path
+) -> None:
+    with processes(tmp_path) as start:
+        job_id = _submit(db, env)
+        relay = start("relay", "relay", env={**env, "JOBRELAY_FAULTS": "relay.before_mark:crash:1"})
+        assert relay.wait_exit(60) == 137
+        assert not db.job(job_id).published  # confirmed by the broker, not yet marked
+        start("relay", "relay", env=env)  # republishes after the claim expires
+        start("worker", "worker", env=env)
+        job = finished(db, job_id)
+        poll(lambda: db.job(job_id).published, 30, "the row to be marked published")
+        poll(lambda: "duplicate_acked" in db.kinds(job_id), 30, "the duplicate to be acked")
+    assert job.state is JobState.SUCCEEDED
+    assert db.kinds(job_id).count("result_saved") == 1
+    assert len(results(tmp_path)) == 1
+
+
+def _submit(db: Db, env: dict[str, str], period: str = "2020-05") -> str:
+    from jobrelay.domain.ids import job_id_for, request_hash
+    from jobrelay.runtime import utc_now
+    from jobrelay.storage.store import NewJob
+
+    params = {"accountId": "acme", "period": period}
+    job = NewJob(job_id_for("acme", "report.export", params), "report.export", "acme", params,
+                 request_hash("acme", "report.export", params), max_attempts=3)
+    job_id, created = db.run(db.store.submit(job, utc_now()))
+    assert created
+    return job_id
+
+
+async def _fetch(db: Db, sql: str) -> list[Any]:
+    async with db.engine.connect() as conn:
+        return list((await conn.execute(text(sql))).all())
+
+
+async def _execute(db: Db, sql: str) -> None:
+    async with db.engine.begin() as conn:
+        await conn.execute(text(sql))

@@ -1,0 +1,130 @@
+"""Helpers for the HTTP API tests: a real Runtime on a real database, a controllable clock,
+tokens, and a broker stand-in.
+
+The readiness tests use the real ``LocalTransport``. Everywhere else ``ProbeTransport`` is
+used, and it is not a fake broker: the API never publishes or consumes, it only asks the
+transport whether the broker answers (``/readyz``), so anything but ``ping`` raises and a
+route that started talking to the broker would fail these tests loudly. It also lets a test
+make the broker alone fail, with a chosen exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from jobrelay.api.auth import hash_token, new_token
+from jobrelay.faults import Faults
+from jobrelay.results.files import FileResults
+from jobrelay.runtime import Runtime, topology_for
+from jobrelay.settings import Settings
+from jobrelay.storage.engine import create_engine
+from jobrelay.storage.store import Store
+from jobrelay.transport.base import Delivery, OutgoingMessage, Transport
+from jobrelay.transport.local import LocalTransport
+
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+MAX_ATTEMPTS = 4  # not the default (3), so the test sees it came from Settings
+LEASE = timedelta(seconds=30)
+
+
+@dataclass
+class Clock:
+    now: datetime = T0
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> datetime:
+        self.now += timedelta(seconds=seconds)
+        return self.now
+
+
+class ProbeTransport:
+    """Answers ``ping`` (or raises ``failure``); every other broker call is a test failure."""
+
+    def __init__(self, failure: BaseException | None = None) -> None:
+        self.failure = failure
+        self.closed = False
+
+    async def connect(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        self.closed = True
+
+    async def ping(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    async def publish(self, message: OutgoingMessage) -> None:
+        raise AssertionError(f"the API must not publish (got {message.destination})")
+
+    def consume(self, prefetch: int) -> AsyncIterator[Delivery]:
+        raise AssertionError("the API must not consume")
+
+    async def quarantine_depth(self) -> int:
+        raise AssertionError("the API must not inspect queues")
+
+
+def settings_for(database_url: str, tmp_path: Path) -> Settings:
+    return Settings(
+        database_url=database_url,
+        results_url=f"file://{tmp_path}/exports",
+        max_attempts=MAX_ATTEMPTS,
+    )
+
+
+def build_runtime(
+    database_url: str,
+    tmp_path: Path,
+    *,
+    transport: ProbeTransport | None = None,
+    local_transport: bool = False,
+    faults: Faults | None = None,
+    clock: Clock | None = None,
+) -> Runtime:
+    """A Runtime on ``database_url``; ``local_transport`` for the real database-backed broker."""
+    settings = settings_for(database_url, tmp_path)
+    engine = create_engine(database_url)
+    clock = clock or Clock()
+    topology = topology_for(settings)
+    broker: Transport = (
+        LocalTransport(engine, topology, clock=clock)
+        if local_transport
+        else transport or ProbeTransport()
+    )
+    return Runtime(
+        settings=settings,
+        engine=engine,
+        store=Store(engine),
+        transport=broker,
+        results=FileResults(settings.results_url),
+        faults=faults or Faults(),
+        topology=topology,
+        clock=clock,
+    )
+
+
+async def make_token(runtime: Runtime, account_id: str | None, *, admin: bool = False) -> str:
+    token = new_token()
+    await runtime.store.add_token(hash_token(token), account_id, admin, runtime.clock())
+    return token
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def finish_job(runtime: Runtime, job_id: str, csv: bytes) -> str:
+    """Move a queued job to succeeded the way a worker does: result first, then the state."""
+    key = f"exports/acme/{job_id}.csv"
+    session = runtime.results.writer(key)
+    async with session as out:
+        await out.write(csv)
+    now = runtime.clock()
+    assert await runtime.store.claim_job(job_id, "worker-test", now, LEASE)
+    assert await runtime.store.complete(job_id, "worker-test", key, {"rows": 2}, now)
+    return key

@@ -1,0 +1,143 @@
+"""An in-process pipeline for scenario tests: the real store, transport, relay and worker.
+
+Everything is the shipped code; only the process boundary is simulated. A ``crash`` fault
+raises ``SimulatedCrash`` (a BaseException, so no handler in the worker can swallow it),
+and the harness then cancels that worker's consume loop without settling anything, which
+is what the broker sees when a process dies. Subprocess tests with real ``os._exit`` live in
+tests/acceptance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.faults import Faults
+from jobrelay.relay import Relay
+from jobrelay.runtime import Runtime, open_runtime
+from jobrelay.seed import seed
+from jobrelay.settings import Settings
+from jobrelay.storage.store import JobRecord, NewJob
+from jobrelay.worker import Worker
+
+FAST = {
+    "retry_delays": "1",
+    "lease_seconds": "1.5",
+    "visibility_seconds": "1.5",
+    "relay_poll_seconds": "0.05",
+    "relay_claim_seconds": "3",
+    "confirm_timeout": "5",
+    "prefetch": "4",
+}
+
+
+class SimulatedCrash(BaseException):
+    """Stands in for os._exit inside one test process."""
+
+
+def settings_for(database_url: str, broker_url: str, results_dir: Path, **extra: Any) -> Settings:
+    values: dict[str, Any] = {
+        **FAST,
+        "database_url": database_url,
+        "broker_url": broker_url,
+        "results_url": f"file://{results_dir}",
+        **extra,
+    }
+    return Settings(**values)
+
+
+@dataclass
+class Pipeline:
+    rt: Runtime
+    crashed: asyncio.Event = field(default_factory=asyncio.Event)
+    workers: list[asyncio.Task[None]] = field(default_factory=list)
+    relays: list[asyncio.Task[None]] = field(default_factory=list)
+    stops: list[asyncio.Event] = field(default_factory=list)
+
+    @property
+    def store(self) -> Any:
+        return self.rt.store
+
+    async def submit(
+        self, account: str = "acme", period: str = "2020-05", key: str | None = None
+    ) -> str:
+        params = {"accountId": account, "period": period}
+        job = NewJob(
+            job_id=job_id_for(account, "report.export", params, key),
+            type="report.export",
+            account_id=account,
+            params=params,
+            request_hash=request_hash(account, "report.export", params),
+            max_attempts=self.rt.settings.max_attempts,
+            idempotency_key=key,
+        )
+        job_id, _ = await self.rt.store.submit(job, self.rt.clock())
+        return job_id
+
+    def _start(self, coro_factory: Callable[[asyncio.Event], Any], bucket: list[Any]) -> None:
+        stop = asyncio.Event()
+        self.stops.append(stop)
+        bucket.append(asyncio.create_task(coro_factory(stop)))
+
+    def start_relay(self) -> None:
+        self._start(Relay(self.rt).run, self.relays)
+
+    def start_worker(self) -> None:
+        self._start(Worker(self.rt).run, self.workers)
+
+    async def kill_crashed_worker(self, timeout: float = 20) -> None:
+        """Wait for a SimulatedCrash, then end every worker loop without settling."""
+        await asyncio.wait_for(self.crashed.wait(), timeout)
+        for task in self.workers:
+            task.cancel()
+        for task in self.workers:
+            with contextlib.suppress(asyncio.CancelledError, SimulatedCrash):
+                await task
+        self.workers.clear()
+        self.crashed.clear()
+
+    async def wait_for(
+        self, job_id: str, predicate: Callable[[JobRecord], bool], timeout: float = 30
+    ) -> JobRecord:
+        deadline = time.monotonic() + timeout
+        job = None
+        while time.monotonic() < deadline:
+            job = await self.rt.store.get_job(job_id)
+            if job is not None and predicate(job):
+                return job
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out waiting on job {job_id}; last seen: {job}")
+
+    async def kinds(self, job_id: str) -> list[str]:
+        return [e.kind for e in await self.rt.store.events(job_id)]
+
+    async def stop_all(self) -> None:
+        for stop in self.stops:
+            stop.set()
+        for task in [*self.workers, *self.relays]:
+            with contextlib.suppress(asyncio.CancelledError, SimulatedCrash):
+                await asyncio.wait_for(task, 15)
+
+
+@contextlib.asynccontextmanager
+async def pipeline(settings: Settings, rows_per_month: int = 40) -> AsyncIterator[Pipeline]:
+    crashed = asyncio.Event()
+
+    def crash(point: str) -> NoReturn:
+        crashed.set()
+        raise SimulatedCrash(point)
+
+    faults = Faults(settings.faults, crash_handler=crash)
+    async with open_runtime(settings, faults=faults) as rt:
+        await seed(rt.store, rows_per_month)
+        p = Pipeline(rt, crashed=crashed)
+        try:
+            yield p
+        finally:
+            await p.stop_all()
