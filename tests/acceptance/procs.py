@@ -32,10 +32,18 @@ def clean_env(**settings: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, env: dict[str, str], cwd: Path | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*JOBRELAY, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+def run_cli(
+    *args: str, env: dict[str, str], cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*JOBRELAY, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def free_port() -> int:
@@ -59,8 +67,13 @@ class Proc:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("ab")
-        self.popen = subprocess.Popen([*JOBRELAY, *args], env=env, stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+        self.popen = subprocess.Popen(
+            [*JOBRELAY, *args],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     @property
     def pid(self) -> int:

@@ -54,8 +54,15 @@ def test_bad_or_unreachable_settings_fail_in_one_line(
 
 def test_option_overrides_environment(tmp_path: Path) -> None:
     env = clean_env(JOBRELAY_MAX_ATTEMPTS="lots")
-    result = run_cli("db", "upgrade", "--max-attempts", "4",
-                     "--database-url", f"sqlite:///{tmp_path}/o.db", env=env)
+    result = run_cli(
+        "db",
+        "upgrade",
+        "--max-attempts",
+        "4",
+        "--database-url",
+        f"sqlite:///{tmp_path}/o.db",
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert "revision" in result.stdout
 

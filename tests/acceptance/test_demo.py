@@ -21,8 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def fresh_copy(dest: Path) -> Path:
     listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-        text=True, check=True,
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.splitlines()
     for name in listed:
         source = ROOT / name
@@ -37,8 +40,13 @@ def test_make_demo_on_a_fresh_copy(tmp_path: Path) -> None:
     repo = fresh_copy(tmp_path / "jobrelay")
     assert not (repo / ".venv").exists() and not (repo / "var").exists()
     result = subprocess.run(
-        ["make", "demo"], cwd=repo, env=clean_env(COLUMNS="160"), capture_output=True,
-        text=True, timeout=840, check=False,
+        ["make", "demo"],
+        cwd=repo,
+        env=clean_env(COLUMNS="160"),
+        capture_output=True,
+        text=True,
+        timeout=840,
+        check=False,
     )
     out = result.stdout
     assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]

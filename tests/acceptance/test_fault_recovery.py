@@ -81,8 +81,9 @@ def results(tmp_path: Path) -> list[Path]:
 
 
 def finished(db: Db, job_id: str) -> Any:
-    return poll(lambda: (j := db.job(job_id)) and j.state.is_terminal and j, 60,
-                f"job {job_id} to finish")
+    return poll(
+        lambda: (j := db.job(job_id)) and j.state.is_terminal and j, 60, f"job {job_id} to finish"
+    )
 
 
 def test_api_killed_after_commit_job_is_still_delivered(
@@ -93,8 +94,13 @@ def test_api_killed_after_commit_job_is_still_delivered(
     auth = {"Authorization": f"Bearer {token(env)}"}
     body = {"accountId": "acme", "period": "2020-05"}
     with processes(tmp_path) as start:
-        api = start("api", "api", "--port", str(port),
-                    env={**env, "JOBRELAY_FAULTS": "api.before_response:crash:1"})
+        api = start(
+            "api",
+            "api",
+            "--port",
+            str(port),
+            env={**env, "JOBRELAY_FAULTS": "api.before_response:crash:1"},
+        )
         wait_http(base, api)
         with pytest.raises(httpx.HTTPError):  # the client never gets an answer
             httpx.post(f"{base}/v1/exports", json=body, headers=auth, timeout=10)
@@ -138,17 +144,25 @@ def test_worker_sigkilled_mid_export_completes_once(
     env: dict[str, str], db: Db, tmp_path: Path
 ) -> None:
     # A month big enough that the export is still streaming when we kill the worker.
-    db.run(_execute(db, """
+    db.run(
+        _execute(
+            db,
+            """
         INSERT INTO ledger_entries (account_id, booked_on, period, description, counterparty,
                                     amount, currency)
         SELECT 'acme', DATE '2021-06-15', '2021-06', 'bulk row ' || g, 'Contoso', g % 1000, 'EUR'
-        FROM generate_series(1, 400000) AS g"""))
+        FROM generate_series(1, 400000) AS g""",
+        )
+    )
     with processes(tmp_path) as start:
         start("relay", "relay", env=env)
         job_id = _submit(db, env, period="2021-06")
         victim = start("worker", "worker", env=env)
-        poll(lambda: (j := db.job(job_id)) and (j.progress_done or 0) > 0, 60,
-             "the export to be under way")
+        poll(
+            lambda: (j := db.job(job_id)) and (j.progress_done or 0) > 0,
+            60,
+            "the export to be under way",
+        )
         victim.kill9()
         assert db.job(job_id).state is JobState.RUNNING
         start("worker", "worker", env=env)
@@ -167,8 +181,9 @@ def test_worker_killed_after_commit_before_ack_does_not_redo(
     with processes(tmp_path) as start:
         start("relay", "relay", env=env)
         job_id = _submit(db, env)
-        crashing = start("worker", "worker",
-                         env={**env, "JOBRELAY_FAULTS": "worker.before_ack:crash:1"})
+        crashing = start(
+            "worker", "worker", env={**env, "JOBRELAY_FAULTS": "worker.before_ack:crash:1"}
+        )
         assert crashing.wait_exit(60) == 137
         assert db.job(job_id).state is JobState.SUCCEEDED  # committed before the ack
         first = results(tmp_path)[0].stat().st_mtime_ns
@@ -203,8 +218,14 @@ def _submit(db: Db, env: dict[str, str], period: str = "2020-05") -> str:
     from jobrelay.storage.store import NewJob
 
     params = {"accountId": "acme", "period": period}
-    job = NewJob(job_id_for("acme", "report.export", params), "report.export", "acme", params,
-                 request_hash("acme", "report.export", params), max_attempts=3)
+    job = NewJob(
+        job_id_for("acme", "report.export", params),
+        "report.export",
+        "acme",
+        params,
+        request_hash("acme", "report.export", params),
+        max_attempts=3,
+    )
     job_id, created = db.run(db.store.submit(job, utc_now()))
     assert created
     return job_id
