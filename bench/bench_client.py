@@ -1,0 +1,90 @@
+"""The benchmark's HTTP side: an export request per number, submitted at a fixed concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import httpx
+from bench_env import BenchFailure, RoleProcess
+
+ACCOUNTS = ("acme", "globex", "initech")
+PERIODS = tuple(f"{year}-{month:02d}" for year in (2019, 2020, 2021) for month in range(1, 13))
+
+
+def export_body(i: int) -> dict[str, str]:
+    """Request ``i``: the three seeded accounts in turn, each month of 2019-2021 in turn."""
+    return {
+        "accountId": ACCOUNTS[i % len(ACCOUNTS)],
+        "period": PERIODS[(i // len(ACCOUNTS)) % len(PERIODS)],
+    }
+
+
+def api_client(port: int, token: str, concurrency: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}",
+        headers={"Authorization": f"Bearer {token}"},
+        limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+        timeout=60.0,
+        trust_env=False,  # loopback only: never through a proxy from the environment
+    )
+
+
+async def wait_ready(client: httpx.AsyncClient, api: RoleProcess, timeout: float) -> float:
+    """Wait for ``/readyz`` to answer 200; seconds since the process was started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        api.check_alive()
+        with contextlib.suppress(httpx.TransportError):
+            if (await client.get("/readyz")).status_code == 200:
+                return time.time() - api.spawned_at
+        await asyncio.sleep(0.1)
+    raise BenchFailure(f"api not ready within {timeout:g}s:\n{api.tail()}")
+
+
+@dataclass
+class Submitted:
+    job_ids: list[str]
+    seconds: float
+    latencies: list[float]  # per POST, seconds
+
+
+async def submit(client: httpx.AsyncClient, n: int, concurrency: int, key_prefix: str) -> Submitted:
+    """N POSTs over ``concurrency`` connections, each with its own Idempotency-Key (so each
+    one creates a job); every answer must be a 202 with a distinct jobId."""
+    job_ids = [""] * n
+    latencies: list[float] = []
+    failures: list[str] = []
+    numbers = iter(range(n))
+
+    async def lane() -> None:
+        for i in numbers:
+            sent = time.perf_counter()
+            try:
+                response = await client.post(
+                    "/v1/exports",
+                    json=export_body(i),
+                    headers={"Idempotency-Key": f"{key_prefix}-{i}"},
+                )
+            except httpx.HTTPError as exc:
+                failures.append(f"request {i}: {exc!r}")
+                continue
+            latencies.append(time.perf_counter() - sent)
+            if response.status_code != 202:
+                failures.append(f"request {i}: {response.status_code} {response.text[:300]}")
+                continue
+            job_ids[i] = str(response.json()["jobId"])
+
+    started = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    seconds = time.perf_counter() - started
+    if failures:
+        raise BenchFailure(
+            f"{key_prefix}: {len(failures)} of {n} POSTs were not 202; first: "
+            + "; ".join(failures[:3])
+        )
+    if len(set(job_ids)) != n:
+        raise BenchFailure(f"{key_prefix}: {n} POSTs returned {len(set(job_ids))} distinct jobIds")
+    return Submitted(job_ids, seconds, latencies)

@@ -1,0 +1,619 @@
+"""Throughput of jobrelay's pipeline through separate api, relay and worker processes.
+
+What is measured, on PostgreSQL + RabbitMQ, with N ``report.export`` jobs of a small ledger
+(20 rows per account and month), each role a separate ``python -m jobrelay`` process:
+
+1. accept: only the API runs; N ``POST /v1/exports`` (unique Idempotency-Key each, so every
+   one creates a job) at concurrency C, every answer a 202. Jobs accepted per second.
+2. relay: one relay starts against the N waiting outbox rows; from its ``relay_started`` log
+   line until no outbox row is unpublished. Rows published (and confirmed) per second.
+3. worker drain: W workers start against the N queued messages; from the first
+   ``worker_started`` until all N jobs are ``succeeded``. Jobs per second.
+4. end to end: everything running, N more jobs; from the first POST to the last job
+   succeeded, plus the per-job accept→succeeded latency (``jobs.created_at`` to the
+   ``result_saved`` event).
+
+Process start-up (imports, connecting, declaring) is reported apart from the rates. Next to
+each figure: the cores each process group used during the phase (from ``/proc``, so a
+saturated machine or a busy neighbour shows), and at the end PostgreSQL's own counters for
+the benchmark database divided by the jobs: transactions and rows per job. ``--profile
+ROLES`` runs those roles under cProfile for diagnosis (slower; not comparable figures).
+
+Why those peers: each is the floor under one phase, done with the raw library on the same
+services with the same payload, so ``ours / peer`` says how much of the floor we reach.
+The accept path must commit a job row and an outbox row in one transaction (raw asyncpg, 8
+connections); the relay must publish persistent messages with confirms to a quorum queue
+(raw aio-pika, 500 in flight); a worker must at least consume and ack (raw aio-pika,
+prefetch 200). What jobrelay adds above each floor (HTTP, auth, the ``accepted`` event and
+NOTIFY; the claim and mark transactions; the claim, export, commit and event writes per
+job) is the cost of its guarantees, which this report makes visible, not a defect by itself.
+
+The benchmark client shares the machine's two cores with the processes it measures, and the
+processes log at jobrelay's default level (INFO), as a deployment would.
+
+It isolates itself (a fresh database and vhosts, dropped at the end, also on failure or
+Ctrl-C; ``--keep`` leaves them), bounds every phase (``--phase-timeout``), keeps process logs
+under ``bench-results/logs/``, and writes the figures to ``bench-results/pipeline-*.json``.
+It asserts nothing about speed: it exits 1 only on a functional failure (a non-202, a
+quarantined or lost job, a phase timeout, a process that died) and 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import io
+import json
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import bench_cpu
+import bench_peers
+import httpx
+from bench_client import Submitted, api_client, submit, wait_ready
+from bench_env import (
+    BenchFailure,
+    CountedConnection,
+    RoleProcess,
+    Sandbox,
+    describe_environment,
+    free_port,
+    rabbitmqctl,
+    run_command,
+    summarise_profile,
+)
+from bench_peers import PeerFigure
+from bench_report import (
+    Figure,
+    Results,
+    in_ms,
+    percentiles,
+    print_phase,
+    print_table,
+    say,
+    write_json,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench-results"
+ROWS_PER_MONTH = 20
+POLL_SECONDS = 0.1
+READY_TIMEOUT = 60.0
+RESULT_SAMPLES = 3
+PEER_RUNS = 3
+
+
+@dataclass(frozen=True)
+class Options:
+    jobs: int
+    concurrency: int
+    workers: int
+    keep: bool
+    skip_peers: bool
+    phase_timeout: float
+    tuning: dict[str, str]  # extra JOBRELAY_* settings for every process
+    profile: frozenset[str]  # roles run under cProfile (diagnosis; slows them down)
+
+
+def parse_args(argv: list[str] | None) -> Options:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--jobs", type=int, default=1000, help="jobs per phase (default 1000)")
+    parser.add_argument("--concurrency", type=int, default=32, help="HTTP clients (default 32)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--keep", action="store_true", help="keep the database and vhosts")
+    parser.add_argument("--skip-peers", action="store_true", help="do not measure the peers")
+    parser.add_argument("--phase-timeout", type=float, default=300.0, help="seconds per phase")
+    parser.add_argument("--prefetch", type=int, help="JOBRELAY_PREFETCH for the workers")
+    parser.add_argument("--relay-batch", type=int, help="JOBRELAY_RELAY_BATCH for the relay")
+    parser.add_argument("--log-level", help="JOBRELAY_LOG_LEVEL for every process")
+    parser.add_argument(
+        "--profile",
+        default="",
+        metavar="ROLES",
+        help="comma-separated roles (api,relay,worker) to run under cProfile, for diagnosis "
+        "only: profiled figures are slower; the dumps land next to the logs",
+    )
+    args = parser.parse_args(argv)
+    profile = frozenset(r.strip() for r in args.profile.split(",") if r.strip())
+    if not profile <= {"api", "relay", "worker"}:
+        parser.error("--profile takes api, relay and/or worker")
+    if args.jobs < 1 or args.concurrency < 1 or args.workers < 1:
+        parser.error("--jobs, --concurrency and --workers must be at least 1")
+    tuning = {
+        name: str(value)
+        for name, value in (
+            ("prefetch", args.prefetch),
+            ("relay_batch", args.relay_batch),
+            ("log_level", args.log_level),
+        )
+        if value is not None
+    }
+    return Options(
+        jobs=args.jobs,
+        concurrency=args.concurrency,
+        workers=args.workers,
+        keep=args.keep,
+        skip_peers=args.skip_peers,
+        phase_timeout=args.phase_timeout,
+        tuning=tuning,
+        profile=profile,
+    )
+
+
+class Bench:
+    def __init__(self, options: Options, stamp: str) -> None:
+        self.options = options
+        self.log_dir = RESULTS / "logs" / f"pipeline-{stamp}"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.sandbox = Sandbox.new(self.log_dir)
+        self.env = self.sandbox.env(options.tuning)
+        self.procs: list[RoleProcess] = []
+        self.db: CountedConnection | None = None
+        self.token = ""
+        self.db_baseline: dict[str, int] = {}
+        self.peer_sample: dict[str, Any] = {}
+        self.client: httpx.AsyncClient | None = None
+        self.results = Results(
+            stamp=stamp,
+            options={
+                "jobs": options.jobs,
+                "concurrency": options.concurrency,
+                "workers": options.workers,
+                "rows_per_month": ROWS_PER_MONTH,
+                "phase_timeout_s": options.phase_timeout,
+                "tuning": options.tuning,
+                "profiled_roles": sorted(options.profile),
+            },
+        )
+        self.broker_pid: int | None = None
+        self.last_seen = "nothing polled yet"  # the latest poll, for a timeout's message
+
+    # --- the run ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.set_up()
+        port = free_port()
+        api = self.spawn("api", ["api", "--host", "127.0.0.1", "--port", str(port)])
+        async with api_client(port, self.token, self.options.concurrency) as self.client:
+            startup = await wait_ready(self.client, api, READY_TIMEOUT)
+            say(f"bench: api ready after {startup:.2f}s")
+            await self.phase_accept()
+            await self.phase_relay()
+            await self.phase_drain()
+            await self.phase_end_to_end()
+            await self.check_results()
+        await self.stop_processes()
+        await self.check_leftovers()
+        await self.account_database_work()
+        if not self.options.skip_peers:
+            await self.measure_peers()
+
+    async def set_up(self) -> None:
+        options = self.options
+        say(
+            f"bench: {options.jobs} jobs per phase, concurrency {options.concurrency}, "
+            f"{options.workers} workers, logs in {self.log_dir.relative_to(REPO)}"
+        )
+        if options.profile:
+            say(
+                f"bench: PROFILING {', '.join(sorted(options.profile))}: figures are not comparable"
+            )
+        load = await bench_cpu.machine_load()
+        self.results.environment["machine_busy_cores_before"] = round(load, 2)
+        if load > 0.2:
+            say(f"bench: WARNING: the machine is already busy ({load:.2f} cores) before we start")
+        await self.sandbox.create()
+        say(f"bench: sandbox {self.sandbox.describe()}")
+        with contextlib.suppress(BenchFailure, ValueError):
+            self.broker_pid = int((await rabbitmqctl("eval", "os:getpid().")).strip().strip('"'))
+        await self.jobrelay("db", "upgrade")
+        await self.jobrelay("seed", "--rows-per-month", str(ROWS_PER_MONTH))
+        created = await self.jobrelay("token", "create", "--admin", "--label", "bench")
+        self.token = created.strip().splitlines()[-1]
+        self.db_baseline = await self.sandbox.database_activity()
+        self.db = await CountedConnection.open(self.sandbox.database_url)
+        server_version = await self.scalar("SHOW server_version")
+        self.results.environment |= await describe_environment(REPO) | {"postgres": server_version}
+
+    async def jobrelay(self, *args: str) -> str:
+        return await run_command(
+            [sys.executable, "-m", "jobrelay", *args], env=self.env, log=self.log_dir / "setup.log"
+        )
+
+    def spawn(self, name: str, args: list[str]) -> RoleProcess:
+        profile = args[0] in self.options.profile
+        proc = RoleProcess.spawn(name, args, self.env, self.log_dir, profile=profile)
+        self.procs.append(proc)
+        return proc
+
+    # --- phases -------------------------------------------------------------------------
+
+    async def phase_accept(self) -> None:
+        n = self.options.jobs
+        async with self.bounded("accept"), self.cpu() as cpu:
+            submitted = await self.submit(n, "accept")
+        stored = await self.scalar(
+            "SELECT count(*) FROM jobs WHERE id = ANY($1::text[])", submitted.job_ids
+        )
+        waiting = await self.unpublished()
+        if stored != n or waiting != n:
+            raise BenchFailure(
+                f"accept: {n} POSTs answered 202 but {stored} jobs are stored and "
+                f"{waiting} outbox rows wait"
+            )
+        post = percentiles(submitted.latencies)
+        figure = Figure(n, submitted.seconds, {"post_ms": in_ms(post), "cpu_cores": cpu})
+        note = f"POST p50 {post['p50'] * 1000:.1f} ms, p95 {post['p95'] * 1000:.1f} ms"
+        self.record("accept", figure, note)
+
+    async def phase_relay(self) -> None:
+        relay = self.spawn("relay", ["relay"])
+        async with self.bounded("relay"):
+            ready = await relay.wait_for_event("relay_started", READY_TIMEOUT)
+            async with self.cpu() as cpu:
+                done = await self.poll(self.outbox_drained)
+        span = await self.scalar(
+            "SELECT EXTRACT(EPOCH FROM max(published_at) - min(published_at)) FROM outbox"
+        )
+        startup = ready - relay.spawned_at
+        detail = {
+            "startup_s": round(startup, 3),
+            "db_published_at_spread_s": float(span or 0),  # one mark per batch
+            "cpu_cores": cpu,
+        }
+        self.record(
+            "relay",
+            Figure(self.options.jobs, done - ready, detail),
+            f"start-up {startup:.2f}s not counted",
+        )
+
+    async def phase_drain(self) -> None:
+        workers = [self.spawn(f"worker-{i + 1}", ["worker"]) for i in range(self.options.workers)]
+        n = self.options.jobs
+        async with self.bounded("worker drain"):
+            readies = [await w.wait_for_event("worker_started", READY_TIMEOUT) for w in workers]
+            async with self.cpu() as cpu:
+                done = await self.poll(lambda: self.all_succeeded(n))
+        ready = min(readies)
+        span = await self.scalar(
+            "SELECT EXTRACT(EPOCH FROM max(at) FILTER (WHERE kind = 'result_saved')"
+            " - min(at) FILTER (WHERE kind = 'claimed')) FROM job_events"
+        )
+        startup = ready - min(w.spawned_at for w in workers)
+        detail = {
+            "startup_s": round(startup, 3),
+            "workers_ready_spread_s": round(max(readies) - ready, 3),
+            "db_first_claim_to_last_result_s": float(span or 0),
+            "cpu_cores": cpu,
+        }
+        self.record(
+            "worker drain",
+            Figure(n, done - ready, detail),
+            f"start-up {startup:.2f}s not counted; first claim to last result {span:.2f}s",
+        )
+
+    async def phase_end_to_end(self) -> None:
+        n, total = self.options.jobs, 2 * self.options.jobs
+        async with self.bounded("end to end"), self.cpu() as cpu:
+            started = time.time()
+            submitting = asyncio.create_task(self.submit(n, "e2e"))
+
+            async def finished() -> bool:
+                if submitting.done():
+                    submitting.result()  # a non-202 surfaces here, not as a timeout
+                return await self.all_succeeded(total)
+
+            try:
+                done = await self.poll(finished)
+                submitted = await submitting
+            finally:
+                if not submitting.done():
+                    submitting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, BenchFailure):
+                        await submitting
+        assert self.db is not None
+        rows = await self.db.fetch(
+            "SELECT EXTRACT(EPOCH FROM min(e.at) - j.created_at) AS seconds"
+            " FROM jobs j JOIN job_events e ON e.job_id = j.id AND e.kind = 'result_saved'"
+            " WHERE j.id = ANY($1::text[]) GROUP BY j.id, j.created_at",
+            submitted.job_ids,
+        )
+        if len(rows) != n:
+            raise BenchFailure(
+                f"end to end: {n} jobs succeeded but {len(rows)} have a result_saved event"
+            )
+        latency = percentiles([float(r["seconds"]) for r in rows])
+        accepting = n / submitted.seconds
+        detail = {
+            "accept_rate_under_load": round(accepting, 1),
+            "latency_ms": in_ms(latency),
+            "cpu_cores": cpu,
+        }
+        self.record(
+            "end to end",
+            Figure(n, done - started, detail),
+            f"accept→succeeded p50 {latency['p50'] * 1000:.0f} ms, "
+            f"p95 {latency['p95'] * 1000:.0f} ms; accepting at {accepting:.0f}/s meanwhile",
+        )
+
+    # --- checks -------------------------------------------------------------------------
+
+    async def check_results(self) -> None:
+        """What a healthy run leaves behind: one result per job, readable over HTTP."""
+        assert self.db is not None and self.client is not None
+        rows = await self.db.fetch("SELECT kind, count(*) AS n FROM job_events GROUP BY kind")
+        kinds = {r["kind"]: int(r["n"]) for r in rows}
+        twice = await self.scalar(
+            "SELECT count(*) FROM (SELECT job_id FROM job_events WHERE kind = 'result_saved'"
+            " GROUP BY job_id HAVING count(*) > 1) t"
+        )
+        retried = await self.scalar("SELECT count(*) FROM jobs WHERE attempt > 1")
+        outbox_rows = await self.scalar("SELECT count(*) FROM outbox")
+        self.results.checks |= {
+            "events": kinds,
+            "jobs_with_two_results": twice,
+            "jobs_attempted_twice": retried,
+            "outbox_rows": outbox_rows,
+        }
+        total = 2 * self.options.jobs
+        findings = self.results.findings
+        if twice:
+            findings.append(f"{twice} jobs have more than one result_saved event")
+        if retried or outbox_rows != total:
+            findings.append(
+                f"{retried} jobs needed more than one attempt; "
+                f"{outbox_rows} outbox rows for {total} jobs"
+            )
+        for kind in ("duplicate_acked", "deferred", "lease_lost", "retry_scheduled"):
+            if kinds.get(kind):
+                findings.append(f"{kinds[kind]} '{kind}' events")
+        if kinds.get("ack_sent", 0) != total:
+            findings.append(f"{kinds.get('ack_sent', 0)} ack_sent events for {total} jobs")
+        samples = await self.db.fetch(
+            "SELECT id FROM jobs ORDER BY created_at DESC LIMIT $1", RESULT_SAMPLES
+        )
+        for row in samples:
+            response = await self.client.get(f"/v1/jobs/{row['id']}/result")
+            lines = list(csv.reader(io.StringIO(response.text)))
+            if response.status_code != 200 or len(lines) != ROWS_PER_MONTH + 1:
+                raise BenchFailure(
+                    f"result of job {row['id']}: HTTP {response.status_code} with "
+                    f"{len(lines)} CSV rows (expected 200 with {ROWS_PER_MONTH + 1})"
+                )
+
+    async def stop_processes(self) -> None:
+        """API first (stop accepting), then the relay, then the workers drain."""
+        for proc in self.procs:
+            code = await proc.stop()
+            if code != 0:
+                self.results.findings.append(f"{proc.name} exited {code} on SIGTERM (expected 0)")
+        for proc in self.procs:
+            dump = self.log_dir / f"{proc.name}.prof"
+            if dump.exists():
+                say(f"bench: profile of {proc.name}: {summarise_profile(dump).relative_to(REPO)}")
+        logs = {p.name: p.log_summary() for p in self.procs}
+        self.results.checks["logs"] = logs
+        for name, summary in logs.items():
+            for complaint, count in summary["complaints"].items():
+                sample = summary["samples"][complaint]
+                self.results.findings.append(f"{name} log: {count} x {complaint} ({sample!r})")
+
+    async def check_leftovers(self) -> None:
+        """After a graceful stop every message is settled: nothing in any jobrelay queue.
+
+        Depths come from a passive ``queue.declare`` (the queue's own answer): the counts in
+        ``rabbitmqctl list_queues`` lag behind for quorum queues by a few seconds.
+        """
+        listing = await rabbitmqctl(
+            "list_queues", "-p", self.sandbox.vhost, "--no-table-headers", "name"
+        )
+        names = [line.strip() for line in listing.splitlines() if line.strip()]
+        queues = await bench_peers.queue_depths(self.sandbox.broker_url, names)
+        self.results.checks["queues_after_stop"] = queues
+        if queues.get("jobrelay.quarantine"):
+            raise BenchFailure(
+                f"{queues['jobrelay.quarantine']} messages in jobrelay.quarantine, "
+                "though every job succeeded"
+            )
+        for name, depth in queues.items():
+            if depth:
+                self.results.findings.append(f"{depth} messages left in {name} after the stop")
+
+    async def account_database_work(self) -> None:
+        """Transactions and rows per job, from PostgreSQL's own counters for our database."""
+        assert self.db is not None
+        row = await self.db.fetchrow("SELECT id, job_id, body, headers FROM outbox LIMIT 1")
+        self.peer_sample = dict(row)
+        own = self.db.statements + 1  # and the close
+        await self.db.close()
+        self.db = None
+        after = await self.sandbox.database_activity()
+        delta = {key: after[key] - self.db_baseline.get(key, 0) for key in after}
+        delta["xact_commit"] -= own
+        jobs = 2 * self.options.jobs
+        per_job = {key: round(value / jobs, 2) for key, value in delta.items()}
+        self.results.checks["database_per_job"] = per_job | {"benchmark_statements": own}
+        say(
+            f"bench: PostgreSQL work per job (api + relay + worker, both halves): "
+            f"{per_job['xact_commit'] + per_job['xact_rollback']:.1f} transactions "
+            f"({per_job['xact_commit']:.1f} committed, {per_job['xact_rollback']:.1f} rolled "
+            f"back), {per_job['tup_inserted']:.1f} rows inserted, "
+            f"{per_job['tup_updated']:.1f} updated"
+        )
+
+    async def measure_peers(self) -> None:
+        sample = self.peer_sample
+        body: str = sample["body"]
+        headers = {str(k): str(v) for k, v in json.loads(sample["headers"] or "{}").items()}
+        headers |= {
+            "x-jobrelay-job-id": sample["job_id"],
+            "x-jobrelay-outbox-id": str(sample["id"]),
+        }
+        n, dsn, amqp = self.options.jobs, self.sandbox.database_url, self.sandbox.peer_broker_url
+        await bench_peers.create_peer_tables(dsn)
+        steps: list[tuple[str, Callable[[], Awaitable[PeerFigure]]]] = [
+            ("db", lambda: bench_peers.db_transactions(dsn, n, body)),
+            ("publish", lambda: bench_peers.broker_publish(amqp, n, body.encode(), headers)),
+            ("consume", lambda: bench_peers.broker_consume(amqp, n)),
+        ]
+        # A peer run of 1,000 items lasts a fraction of a second: take the median of a few.
+        runs: dict[str, list[PeerFigure]] = {key: [] for key, _ in steps}
+        for _ in range(PEER_RUNS):
+            for key, measure in steps:
+                async with self.bounded(f"peer {key}"):
+                    runs[key].append(await measure())
+        for key, figures in runs.items():
+            ordered = sorted(figures, key=lambda f: f.rate)
+            peer = self.results.peers[key] = ordered[len(ordered) // 2]
+            rates = ", ".join(f"{f.rate:.0f}" for f in figures)
+            self.results.checks.setdefault("peer_runs", {})[key] = [
+                round(f.rate, 1) for f in figures
+            ]
+            say(f"peer  {key:>12}: {peer.rate:8.1f}/s  (median of {rates}; {peer.name})")
+
+    # --- helpers ------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def bounded(self, phase: str) -> AsyncIterator[None]:
+        """Fail the run with a clear message when ``phase`` outlives ``--phase-timeout``."""
+        self.last_seen = "nothing polled yet"
+        timeout = self.options.phase_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                yield
+        except TimeoutError:
+            raise BenchFailure(
+                f"{phase}: not finished within {timeout:g}s (--phase-timeout); "
+                f"last seen: {self.last_seen}; logs in {self.log_dir}"
+            ) from None
+
+    @contextlib.asynccontextmanager
+    async def cpu(self) -> AsyncIterator[dict[str, float]]:
+        """Cores used per process group while the block runs (filled in when it ends)."""
+        assert self.db is not None
+        roles = {p.name: p.popen.pid for p in self.procs}
+        postgres = await bench_cpu.postgres_pids(self.db, self.sandbox.database)
+        before = bench_cpu.snapshot(roles, postgres, self.broker_pid)
+        used: dict[str, float] = {}
+        yield used
+        postgres = await bench_cpu.postgres_pids(self.db, self.sandbox.database)
+        after = bench_cpu.snapshot(roles, postgres, self.broker_pid)
+        used.update(bench_cpu.cores_used(before, after))
+
+    async def submit(self, n: int, tag: str) -> Submitted:
+        assert self.client is not None
+        prefix = f"bench-{self.sandbox.run_id}-{tag}"
+        return await submit(self.client, n, self.options.concurrency, prefix)
+
+    async def poll(self, probe: Callable[[], Awaitable[bool]]) -> float:
+        """Poll ``probe`` until it holds; the epoch time it was seen holding."""
+        while True:
+            for proc in self.procs:
+                proc.check_alive()
+            if await probe():
+                return time.time()
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def scalar(self, query: str, *args: Any) -> Any:
+        assert self.db is not None
+        return await self.db.fetchval(query, *args)
+
+    async def unpublished(self) -> int:
+        return int(await self.scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL"))
+
+    async def outbox_drained(self) -> bool:
+        waiting = await self.unpublished()
+        self.last_seen = f"{waiting} unpublished outbox rows"
+        return waiting == 0
+
+    async def all_succeeded(self, total: int) -> bool:
+        """True once exactly ``total`` jobs exist and all succeeded; fails on a quarantine."""
+        assert self.db is not None
+        rows = await self.db.fetch("SELECT state, count(*) AS n FROM jobs GROUP BY state")
+        states = {r["state"]: int(r["n"]) for r in rows}
+        self.last_seen = f"jobs by state {states}, {await self.unpublished()} unpublished rows"
+        if states.get("quarantined"):
+            bad = await self.db.fetch(
+                "SELECT id, quarantine_reason, last_error FROM jobs"
+                " WHERE state = 'quarantined' ORDER BY updated_at LIMIT 3"
+            )
+            raise BenchFailure(
+                f"{states['quarantined']} jobs quarantined; first: "
+                + "; ".join(f"{r['id']}: {r['quarantine_reason'] or r['last_error']}" for r in bad)
+                + f" (rerun with --keep and use `jobrelay job show`; logs in {self.log_dir})"
+            )
+        return states.get("succeeded", 0) == total == sum(states.values())
+
+    def record(self, phase: str, figure: Figure, note: str) -> None:
+        self.results.figures[phase] = figure
+        print_phase(phase, figure, note)
+
+    async def clean_up(self) -> None:
+        """Stop what still runs, then drop the sandbox (unless ``--keep``); never raises."""
+        for proc in self.procs:
+            if proc.exit_code is None:
+                await proc.stop()
+        if self.db is not None:
+            with contextlib.suppress(Exception):
+                await self.db.close()
+        if self.options.keep:
+            say(f"bench: kept {self.sandbox.describe()}")
+            say(
+                f"bench: inspect with JOBRELAY_DATABASE_URL={self.sandbox.database_url} "
+                f"JOBRELAY_BROKER_URL={self.sandbox.broker_url} .venv/bin/jobrelay jobs list"
+            )
+            return
+        self.results.cleanup_problems = await self.sandbox.destroy()
+        for problem in self.results.cleanup_problems:
+            print(f"bench: cleanup: {problem}", file=sys.stderr)
+
+
+async def amain(options: Options) -> int:
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    started = time.monotonic()
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    bench = Bench(options, stamp)
+    results = bench.results
+    try:
+        await bench.run()
+    except BenchFailure as exc:
+        results.failure = str(exc)
+    except asyncio.CancelledError:
+        results.failure = "interrupted"
+        raise
+    finally:
+        await bench.clean_up()
+        elapsed = time.monotonic() - started
+        path = RESULTS / f"pipeline-{stamp}.json"
+        write_json(results, path, elapsed, str(bench.log_dir.relative_to(REPO)))
+        print_table(results)
+        if results.failure is not None:
+            print(f"\nbench: FAILED: {results.failure}", file=sys.stderr)
+        say(
+            f"\nbench: figures in {path.relative_to(REPO)}, logs in "
+            f"{bench.log_dir.relative_to(REPO)}; took {elapsed:.1f}s"
+        )
+    return 0 if results.failure is None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parse_args(argv)
+    try:
+        return asyncio.run(amain(options))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("bench: interrupted; cleaned up", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
