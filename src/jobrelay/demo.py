@@ -169,16 +169,20 @@ def _table(states: dict[str, dict[str, Any]], jobs: list[dict[str, Any]]) -> Tab
 async def _follow(client: httpx.AsyncClient, jobs: list[dict[str, Any]], timeout: float) -> bool:
     states: dict[str, dict[str, Any]] = {}
     deadline = time.monotonic() + timeout
+    finished = False
     with Live(_table(states, jobs), console=console, refresh_per_second=8) as live:
         while time.monotonic() < deadline:
             for job in jobs:
                 states[job["jobId"]] = (await client.get(f"/v1/jobs/{job['jobId']}")).json()
             live.update(_table(states, jobs))
             if all(states[j["jobId"]].get("state") in TERMINAL for j in jobs):
-                return True
+                finished = True
+                break
             await asyncio.sleep(0.2)
-    console.print(f"[red]not all jobs finished within {timeout:.0f} s[/red]")
-    return False
+    console.print()  # rich leaves the cursor on the table's last line when not on a terminal
+    if not finished:
+        console.print(f"[red]not all jobs finished within {timeout:.0f} s[/red]")
+    return finished
 
 
 async def _report(client: httpx.AsyncClient, results: Any, jobs: list[dict[str, Any]]) -> None:
@@ -187,8 +191,10 @@ async def _report(client: httpx.AsyncClient, results: Any, jobs: list[dict[str, 
         events = (await client.get(f"/v1/jobs/{job['jobId']}/events")).json()["events"]
         console.rule(f"{job['jobId']}  {job['account']} {job['period']}  [bold]{state['state']}")
         for event in events:
-            detail = ", ".join(f"{k}={v}" for k, v in event["detail"].items() if v is not None)
-            console.print(f"  {event['at']}  {event['kind']:<16} {detail[:110]}")
+            detail = ", ".join(
+                f"{k}={v}" for k, v in event["detail"].items() if v is not None and k != "sha256"
+            )
+            console.print(f"  {event['at']}  {event['kind']:<16} {detail}")
         if state["state"] == "succeeded":
             console.print(f"  CSV: {results.describe(state['resultKey'])}")
         elif state.get("lastError"):

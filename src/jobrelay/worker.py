@@ -124,11 +124,15 @@ class Worker:
         try:
             await self.handle(delivery)
         except Exception:
-            # Unsettled on purpose: the broker redelivers it (to us or another worker). The job
-            # row is unchanged or guarded, so nothing is lost and nothing is done twice.
-            log.exception(
-                "delivery left unsettled after an error", extra={"event": "delivery_error"}
-            )
+            # Give it back: it is redelivered (to us or another worker) and the job row is
+            # unchanged or guarded, so nothing is lost and nothing is done twice. Releases
+            # count towards the delivery limit, so a message that always fails is quarantined
+            # by the broker instead of looping.
+            log.exception("delivery released after an error", extra={"event": "delivery_error"})
+            try:
+                await delivery.release()
+            except Exception as exc:  # the channel is gone: the broker requeues it anyway
+                log.warning("release failed: %s", exc, extra={"event": "release_failed"})
         finally:
             self.handled += 1
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -20,10 +21,11 @@ from typing import Any, NoReturn
 from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.faults import Faults
 from jobrelay.relay import Relay
-from jobrelay.runtime import Runtime, open_runtime
+from jobrelay.runtime import Runtime, build_transport, open_runtime
 from jobrelay.seed import seed
 from jobrelay.settings import Settings
 from jobrelay.storage.store import JobRecord, NewJob
+from jobrelay.transport.base import Transport
 from jobrelay.worker import Worker
 
 FAST = {
@@ -59,6 +61,7 @@ class Pipeline:
     workers: list[asyncio.Task[None]] = field(default_factory=list)
     relays: list[asyncio.Task[None]] = field(default_factory=list)
     stops: list[asyncio.Event] = field(default_factory=list)
+    worker_transports: list[Transport] = field(default_factory=list)
 
     @property
     def store(self) -> Any:
@@ -88,18 +91,26 @@ class Pipeline:
     def start_relay(self) -> None:
         self._start(Relay(self.rt).run, self.relays)
 
-    def start_worker(self) -> None:
-        self._start(Worker(self.rt).run, self.workers)
+    async def start_worker(self) -> None:
+        """A worker "process": its own broker connection, so killing it drops only its own."""
+        transport = build_transport(self.rt.settings, self.rt.engine, self.rt.clock)
+        await transport.connect()
+        self.worker_transports.append(transport)
+        self._start(Worker(dataclasses.replace(self.rt, transport=transport)).run, self.workers)
 
     async def kill_crashed_worker(self, timeout: float = 20) -> None:
-        """Wait for a SimulatedCrash, then end every worker loop without settling."""
+        """Wait for a SimulatedCrash, then end the workers without settling anything and
+        drop their connections, which is what the broker sees when a process dies."""
         await asyncio.wait_for(self.crashed.wait(), timeout)
         for task in self.workers:
             task.cancel()
         for task in self.workers:
             with contextlib.suppress(asyncio.CancelledError, SimulatedCrash):
                 await task
+        for transport in self.worker_transports:
+            await transport.close()
         self.workers.clear()
+        self.worker_transports.clear()
         self.crashed.clear()
 
     async def wait_for(
@@ -123,6 +134,8 @@ class Pipeline:
         for task in [*self.workers, *self.relays]:
             with contextlib.suppress(asyncio.CancelledError, SimulatedCrash):
                 await asyncio.wait_for(task, 15)
+        for transport in self.worker_transports:
+            await transport.close()
 
 
 @contextlib.asynccontextmanager

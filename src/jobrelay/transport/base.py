@@ -9,6 +9,7 @@ contract by one test suite (tests/integration/test_transport_contract.py):
 - ``consume`` yields deliveries to one consumer at a time, at most ``prefetch`` unsettled.
 - A delivery not settled when its consumer dies is delivered again, ``redelivered=True``.
 - ``reject`` settles without requeue and sends the message to the quarantine queue.
+- ``release`` gives it back for redelivery now; it counts towards the delivery limit.
 - Destinations ``retry.<n>s`` come back to the work queue after n seconds.
 """
 
@@ -46,6 +47,15 @@ class Delivery(Protocol):
 
     async def reject(self) -> None:
         """Settle without requeue: the message goes to the quarantine queue."""
+        ...
+
+    async def release(self) -> None:
+        """Give the message back for redelivery now (nack with requeue).
+
+        For a delivery the worker could not handle at all (the database was down, a bug):
+        holding it unsettled would pin a prefetch slot until the consumer dies. Each release
+        counts towards the delivery limit, so a message that always fails ends in quarantine.
+        """
         ...
 
 

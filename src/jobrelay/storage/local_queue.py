@@ -1,0 +1,250 @@
+"""The local transport's queue as SQL: every statement it runs, each a named function.
+
+One row of ``local_messages`` is one message. A consumer owns a row while ``consumer`` names
+it and ``invisible_until`` lies in the future; ``delivery_count`` is bumped on every claim and
+doubles as a fencing token, so a consumer that lost its claim (it stalled past the visibility
+timeout and someone else took the row) can never ack or reject the new holder's delivery.
+
+Rules, the same as the job store's:
+- Times come from the caller's clock, never the database's ``now()``.
+- Claims run in one short write transaction: ``FOR UPDATE SKIP LOCKED`` lets PostgreSQL
+  consumers claim side by side; on SQLite ``BEGIN IMMEDIATE`` (see ``engine``) serialises
+  claimers across processes, so two of them never read the same free row.
+- Every settle is guarded on (id, consumer, fence); the caller learns from the result whether
+  it still held the row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import delete, func, insert, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobrelay.storage.engine import READ_ONLY_OPTION
+from jobrelay.storage.tables import local_messages as lm
+
+WORK = "work"
+QUARANTINE = "quarantine"
+# Why a row reached the quarantine queue ("rejected" or "delivery_limit", as RabbitMQ says).
+REASON_HEADER = "x-quarantine-reason"
+
+
+@dataclass(frozen=True)
+class Claimed:
+    id: int
+    body: bytes
+    headers: dict[str, Any]
+    delivery_count: int  # handed out before this claim
+    fence: int  # the row's delivery_count while this claim holds it
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    claimed: list[Claimed]
+    quarantined: int  # rows moved aside instead, for exceeding the delivery limit
+
+
+@contextlib.asynccontextmanager
+async def writing(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A write transaction (BEGIN IMMEDIATE on SQLite, so the lock is taken up front)."""
+    async with engine.begin() as conn:
+        yield conn
+
+
+@contextlib.asynccontextmanager
+async def reading(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A read-only transaction, which on SQLite does not queue behind the writers."""
+    async with engine.connect() as conn:
+        await conn.execution_options(**{READ_ONLY_OPTION: True})
+        async with conn.begin():
+            yield conn
+
+
+async def check_table(conn: AsyncConnection) -> None:
+    """Fail (with the driver's error) unless the queue table exists and can be read."""
+    await conn.execute(select(lm.c.id).limit(1))
+
+
+async def insert_message(
+    conn: AsyncConnection,
+    *,
+    queue: str,
+    body: str,
+    headers: Mapping[str, Any],
+    available_at: datetime,
+    now: datetime,
+) -> None:
+    await conn.execute(
+        insert(lm).values(
+            queue=queue,
+            body=body,
+            headers=dict(headers),
+            available_at=available_at,
+            delivery_count=0,
+            created_at=now,
+        )
+    )
+
+
+async def claim_messages(
+    conn: AsyncConnection,
+    *,
+    consumer: str,
+    now: datetime,
+    invisible_until: datetime,
+    limit: int,
+    delivery_limit: int,
+) -> ClaimResult:
+    """Take up to ``limit`` visible work rows; quarantine those past the delivery limit.
+
+    A row already handed out more than ``delivery_limit`` times goes to the quarantine queue
+    here instead of out again: the same backstop as RabbitMQ's ``x-delivery-limit`` for a
+    message that kills every consumer that takes it.
+    """
+    rows = (
+        await conn.execute(
+            select(lm.c.id, lm.c.body, lm.c.headers, lm.c.delivery_count)
+            .where(
+                lm.c.queue == WORK,
+                lm.c.available_at <= now,
+                or_(lm.c.invisible_until.is_(None), lm.c.invisible_until <= now),
+            )
+            .order_by(lm.c.available_at, lm.c.id)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+    ).all()
+    exhausted = [r for r in rows if r.delivery_count > delivery_limit]
+    for row in exhausted:
+        headers = {**(row.headers or {}), REASON_HEADER: "delivery_limit"}
+        await conn.execute(
+            update(lm)
+            .where(lm.c.id == row.id)
+            .values(queue=QUARANTINE, consumer=None, invisible_until=None, headers=headers)
+        )
+    fresh = [r for r in rows if r.delivery_count <= delivery_limit]
+    if fresh:
+        await conn.execute(
+            update(lm)
+            .where(lm.c.id.in_([r.id for r in fresh]))
+            .values(
+                consumer=consumer,
+                invisible_until=invisible_until,
+                delivery_count=lm.c.delivery_count + 1,
+            )
+        )
+    claimed = [
+        Claimed(
+            id=r.id,
+            body=r.body.encode(),
+            headers=dict(r.headers or {}),
+            delivery_count=r.delivery_count,
+            fence=r.delivery_count + 1,
+        )
+        for r in fresh
+    ]
+    return ClaimResult(claimed=claimed, quarantined=len(exhausted))
+
+
+def _held(message_id: int, consumer: str, fence: int) -> list[Any]:
+    return [
+        lm.c.id == message_id,
+        lm.c.queue == WORK,
+        lm.c.consumer == consumer,
+        lm.c.delivery_count == fence,
+    ]
+
+
+async def renew_claims(
+    conn: AsyncConnection, *, consumer: str, claims: Mapping[int, int], invisible_until: datetime
+) -> set[int]:
+    """Push back ``invisible_until`` of rows still held; returns the ids that were.
+
+    ``claims`` maps id to fence. An id missing from the result was lost (its claim expired
+    and another consumer took it), so the caller stops counting it as in flight.
+    """
+    if not claims:
+        return set()
+    result = await conn.execute(
+        update(lm)
+        .where(lm.c.id.in_(list(claims)), lm.c.queue == WORK, lm.c.consumer == consumer)
+        .values(invisible_until=invisible_until)
+        .returning(lm.c.id, lm.c.delivery_count)
+    )
+    return {r.id for r in result.all() if claims.get(r.id) == r.delivery_count}
+
+
+async def delete_claimed(
+    conn: AsyncConnection, *, message_id: int, consumer: str, fence: int
+) -> bool:
+    """The ack: remove the row, only if this claim still holds it."""
+    result = await conn.execute(delete(lm).where(*_held(message_id, consumer, fence)))
+    return bool(result.rowcount == 1)
+
+
+async def quarantine_claimed(
+    conn: AsyncConnection,
+    *,
+    message_id: int,
+    consumer: str,
+    fence: int,
+    headers: Mapping[str, Any],
+) -> bool:
+    """The reject: move the row (body kept) to the quarantine queue, if still held."""
+    result = await conn.execute(
+        update(lm)
+        .where(*_held(message_id, consumer, fence))
+        .values(
+            queue=QUARANTINE,
+            consumer=None,
+            invisible_until=None,
+            headers={**headers, REASON_HEADER: "rejected"},
+        )
+    )
+    return bool(result.rowcount == 1)
+
+
+async def release_claims(conn: AsyncConnection, *, consumer: str, claims: Mapping[int, int]) -> int:
+    """Make held rows visible again at once (a consumer that stops cleanly gives them back).
+
+    ``delivery_count`` stays bumped, so the next delivery says ``redelivered`` and the
+    delivery limit still counts the hand-out.
+    """
+    released = 0
+    for message_id, fence in claims.items():
+        result = await conn.execute(
+            update(lm)
+            .where(*_held(message_id, consumer, fence))
+            .values(consumer=None, invisible_until=None)
+        )
+        released += result.rowcount
+    return released
+
+
+async def count_queue(conn: AsyncConnection, queue: str) -> int:
+    n = await conn.scalar(select(func.count()).select_from(lm).where(lm.c.queue == queue))
+    return int(n or 0)
+
+
+__all__ = [
+    "QUARANTINE",
+    "REASON_HEADER",
+    "WORK",
+    "ClaimResult",
+    "Claimed",
+    "check_table",
+    "claim_messages",
+    "count_queue",
+    "delete_claimed",
+    "insert_message",
+    "quarantine_claimed",
+    "reading",
+    "release_claims",
+    "renew_claims",
+    "writing",
+]

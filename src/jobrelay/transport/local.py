@@ -1,0 +1,439 @@
+"""The database-backed transport: the embedded default, with RabbitMQ's delivery semantics.
+
+A message is a row (SQL in ``storage.local_queue``). What stands in for each broker feature:
+
+- publisher confirm: the commit of the inserted row;
+- delayed retry tier ``retry.<n>s``: a work row that becomes available n seconds later;
+- prefetch and manual ack: at most ``prefetch`` rows claimed per consumer, deleted on ack;
+- requeue when a consumer dies: a claim is only good until ``invisible_until``; a background
+  task renews it while the delivery is unsettled, so a live consumer keeps its long jobs and
+  a dead one's rows come back after ``visibility_seconds`` with ``redelivered=True``;
+- ``x-delivery-limit``: a row handed out more than ``topology.delivery_limit`` times is moved
+  to the quarantine queue instead of out again.
+
+Closing the iterator stops consuming and gives back rows claimed but not yet handed out.
+Deliveries already handed out are no longer renewed: a draining worker can still settle
+them, and whatever it does not settle comes back after the visibility timeout, or at once
+on ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobrelay.errors import PublishError, TransportError
+from jobrelay.storage import local_queue as q
+from jobrelay.transport.base import Delivery, OutgoingMessage
+from jobrelay.transport.topology import WORK_ROUTING_KEY, Topology, retry_seconds
+
+log = logging.getLogger("jobrelay.transport.local")
+_DB_ERRORS = (SQLAlchemyError, OSError)
+_MAX_BACKOFF_SECONDS = 5.0
+
+
+_Waiter = tuple[asyncio.AbstractEventLoop, asyncio.Event]
+
+
+class _Doorbells:
+    """Wakes this process's idle consumers of a database the moment a publish commits.
+
+    Process-wide on purpose: in ``jobrelay up`` the relay and the worker may hold different
+    transport objects on the same database. Other processes still find rows by polling.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, set[_Waiter]] = {}
+
+    def register(self, key: str, event: asyncio.Event) -> _Waiter:
+        waiter = (asyncio.get_running_loop(), event)
+        self._waiting.setdefault(key, set()).add(waiter)
+        return waiter
+
+    def unregister(self, key: str, waiter: _Waiter) -> None:
+        waiting = self._waiting.get(key, set())
+        waiting.discard(waiter)
+        if not waiting:
+            self._waiting.pop(key, None)
+
+    def ring(self, key: str) -> None:
+        current = asyncio.get_running_loop()
+        for loop, event in tuple(self._waiting.get(key, ())):
+            if loop is current:
+                event.set()
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(event.set)
+
+
+_DOORBELLS = _Doorbells()
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One ``consume()`` iterator: claimed rows not yet handed out, and those in flight."""
+
+    prefetch: int
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    buffer: deque[q.Claimed] = field(default_factory=deque)
+    handed: set[int] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Hold:
+    fence: int
+    stream: _Stream
+    settling: bool = False
+
+
+class _LocalDelivery:
+    def __init__(self, transport: LocalTransport, claim: q.Claimed) -> None:
+        self._transport = transport
+        self._claim = claim
+        self._settled = False
+
+    @property
+    def body(self) -> bytes:
+        return self._claim.body
+
+    @property
+    def headers(self) -> Mapping[str, object]:
+        return self._claim.headers
+
+    @property
+    def redelivered(self) -> bool:
+        return self._claim.delivery_count > 0
+
+    @property
+    def delivery_count(self) -> int:
+        return self._claim.delivery_count
+
+    async def ack(self) -> None:
+        await self._settle(reject=False)
+
+    async def reject(self) -> None:
+        await self._settle(reject=True)
+
+    async def release(self) -> None:
+        if self._settled:
+            log.warning("delivery already settled", extra={"event": "settle_ignored"})
+            return
+        self._settled = True
+        await self._transport._release(self._claim)
+
+    async def _settle(self, *, reject: bool) -> None:
+        if self._settled:
+            log.warning("delivery already settled", extra={"event": "settle_ignored"})
+        else:
+            self._settled = True
+            await self._transport._settle(self._claim, reject=reject)
+
+
+class LocalTransport:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        topology: Topology,
+        *,
+        visibility_seconds: float = 30.0,
+        poll_seconds: float = 0.2,
+        consumer_id: str | None = None,
+        clock: Callable[[], datetime] | None = None,
+    ) -> None:
+        if visibility_seconds <= 0 or poll_seconds <= 0:
+            raise ValueError("visibility_seconds and poll_seconds must be positive")
+        self._engine = engine
+        self._topology = topology
+        self._visibility = timedelta(seconds=visibility_seconds)
+        self._poll = poll_seconds
+        self._consumer = (
+            consumer_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        )[:128]
+        self._clock = clock or (lambda: datetime.now(UTC))
+        self._bell = engine.url.render_as_string(hide_password=True)
+        self._holds: dict[int, _Hold] = {}  # claims renewed for live iterators
+        self._orphans: dict[int, int] = {}  # id -> fence, in flight from closed iterators
+        self._streams: set[_Stream] = set()
+        self._renewer: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self._closed = False
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Check the queue table is there; the migration is what "declares" this topology."""
+        await self.ping()
+        self._closed = False
+
+    async def ping(self) -> None:
+        try:
+            async with q.reading(self._engine) as conn:
+                await q.check_table(conn)
+        except _DB_ERRORS as exc:
+            raise TransportError(
+                f"local queue unreachable (run `jobrelay db upgrade`?): {_short(exc)}"
+            ) from exc
+
+    async def close(self) -> None:
+        """Stop every consumer and give back all unsettled rows at once."""
+        self._closed = True
+        for stream in self._streams:
+            stream.wake.set()
+        if self._renewer is not None:
+            # Woken, not cancelled: a cancel landing mid-transaction can strand a connection.
+            self._stopping.set()
+            await self._renewer
+            self._renewer = None
+        orphans, self._orphans = self._orphans, {}
+        await self._give_back(list(self._holds), orphans)
+
+    # --- publishing -----------------------------------------------------------------------
+
+    async def publish(self, message: OutgoingMessage) -> None:
+        destination = message.destination
+        if not self._topology.routes(destination):
+            raise PublishError(f"unroutable: no queue for destination {destination!r}")
+        delay = 0 if destination == WORK_ROUTING_KEY else retry_seconds(destination) or 0
+        try:
+            body = message.body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PublishError("the local transport stores text: body is not UTF-8") from exc
+        now = self._clock()
+        try:
+            async with q.writing(self._engine) as conn:
+                await q.insert_message(
+                    conn,
+                    queue=q.WORK,
+                    body=body,
+                    headers=message.headers,
+                    available_at=now + timedelta(seconds=delay),
+                    now=now,
+                )
+        except _DB_ERRORS as exc:
+            # We cannot tell whether the commit happened; the relay will simply publish again.
+            raise PublishError(f"database write failed: {_short(exc)}", unknown=True) from exc
+        _DOORBELLS.ring(self._bell)
+
+    async def quarantine_depth(self) -> int:
+        try:
+            async with q.reading(self._engine) as conn:
+                return await q.count_queue(conn, q.QUARANTINE)
+        except _DB_ERRORS as exc:
+            raise TransportError(f"local queue unreachable: {_short(exc)}") from exc
+
+    # --- consuming ------------------------------------------------------------------------
+
+    async def consume(self, prefetch: int) -> AsyncIterator[Delivery]:
+        if prefetch < 1:
+            raise ValueError("prefetch must be at least 1")
+        if self._closed:
+            raise TransportError("transport is closed")
+        stream = _Stream(prefetch)
+        bell = _DOORBELLS.register(self._bell, stream.wake)
+        self._streams.add(stream)
+        self._start_renewer()
+        backoff = self._poll
+        try:
+            while not self._closed:
+                if stream.buffer:
+                    claim = stream.buffer.popleft()
+                    stream.handed.add(claim.id)
+                    yield _LocalDelivery(self, claim)
+                    continue
+                stream.wake.clear()
+                wait: float | None = None  # prefetch full: sleep until a settle wakes us
+                if len(stream.handed) < prefetch:
+                    try:
+                        if await self._claim_shielded(stream):
+                            backoff = self._poll
+                            continue
+                        wait = self._poll
+                    except TransportError as exc:
+                        log.warning("claim failed: %s", exc, extra={"event": "consume_retry"})
+                        wait, backoff = backoff, min(backoff * 2, _MAX_BACKOFF_SECONDS)
+                # Not wait_for: on 3.11 it swallows a cancel that lands as the event is set
+                # (an ack then closing the iterator), and the consumer would never stop.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await stream.wake.wait()
+        finally:
+            _DOORBELLS.unregister(self._bell, bell)
+            self._streams.discard(stream)
+            # In flight: no longer renewed, so they come back after the visibility timeout
+            # unless settled first (a draining worker still acks them).
+            for message_id in stream.handed:
+                if (hold := self._holds.pop(message_id, None)) is not None:
+                    self._orphans[message_id] = hold.fence
+            leftover, stream.buffer = [c.id for c in stream.buffer], deque()
+            await asyncio.shield(self._give_back(leftover))  # even if we are being cancelled
+
+    async def _claim_shielded(self, stream: _Stream) -> bool:
+        """Claim into ``stream.buffer``; a cancelled caller still gets the rows given back.
+
+        The claim itself is shielded so its result is always recorded: otherwise a claim
+        committed just as the worker cancels ``anext`` would strand its rows until the
+        visibility timeout.
+        """
+        claiming = asyncio.ensure_future(self._claim(stream))
+        try:
+            return await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            await asyncio.gather(claiming, return_exceptions=True)
+            raise
+
+    async def _claim(self, stream: _Stream) -> bool:
+        now = self._clock()
+        try:
+            async with q.writing(self._engine) as conn:
+                result = await q.claim_messages(
+                    conn,
+                    consumer=self._consumer,
+                    now=now,
+                    invisible_until=now + self._visibility,
+                    limit=stream.prefetch - len(stream.handed) - len(stream.buffer),
+                    delivery_limit=self._topology.delivery_limit,
+                )
+        except _DB_ERRORS as exc:
+            raise TransportError(f"claim failed: {_short(exc)}") from exc
+        for claim in result.claimed:
+            self._holds[claim.id] = _Hold(claim.fence, stream)
+            stream.buffer.append(claim)
+        if result.quarantined:
+            log.warning(
+                "delivery limit exceeded: %d message(s) quarantined",
+                result.quarantined,
+                extra={"event": "delivery_limit_quarantined", "count": result.quarantined},
+            )
+        return bool(result.claimed or result.quarantined)
+
+    # --- settling and claims --------------------------------------------------------------
+
+    async def _settle(self, claim: q.Claimed, *, reject: bool) -> None:
+        hold = self._holds.get(claim.id)
+        if hold is not None and hold.fence == claim.fence:
+            hold.settling = True
+        # Shielded: a worker cancelled mid-ack still finishes the write (or its rollback).
+        held = await asyncio.shield(self._write_settle(claim, reject=reject))
+        if not held:
+            log.warning(
+                "settle ignored: claim on message %s was lost (visibility timeout passed)",
+                claim.id,
+                extra={"event": "settle_ignored", "messageId": claim.id},
+            )
+
+    async def _write_settle(self, claim: q.Claimed, *, reject: bool) -> bool:
+        try:
+            async with q.writing(self._engine) as conn:
+                if reject:
+                    return await q.quarantine_claimed(
+                        conn,
+                        message_id=claim.id,
+                        consumer=self._consumer,
+                        fence=claim.fence,
+                        headers=claim.headers,
+                    )
+                return await q.delete_claimed(
+                    conn, message_id=claim.id, consumer=self._consumer, fence=claim.fence
+                )
+        except _DB_ERRORS as exc:
+            # Not renewed any more: the row comes back after the visibility timeout.
+            raise TransportError(f"settle failed: {_short(exc)}") from exc
+        finally:
+            self._forget(claim.id, claim.fence)
+            if self._orphans.get(claim.id) == claim.fence:
+                del self._orphans[claim.id]
+
+    async def _release(self, claim: q.Claimed) -> None:
+        """Give one handed-out message back now, as RabbitMQ's nack with requeue does."""
+        self._forget(claim.id, claim.fence)
+        try:
+            async with q.writing(self._engine) as conn:
+                await q.release_claims(
+                    conn, consumer=self._consumer, claims={claim.id: claim.fence}
+                )
+        except _DB_ERRORS as exc:
+            # Not renewed any more: the row comes back after the visibility timeout anyway.
+            raise TransportError(f"release failed: {_short(exc)}") from exc
+
+    def _forget(self, message_id: int, fence: int) -> None:
+        """Stop renewing a claim and free its prefetch slot (waking its consumer)."""
+        hold = self._holds.get(message_id)
+        if hold is not None and hold.fence == fence:
+            del self._holds[message_id]
+            hold.stream.handed.discard(message_id)
+            hold.stream.wake.set()
+
+    async def _give_back(self, ids: list[int], orphans: Mapping[int, int] | None = None) -> None:
+        """Release claims now instead of waiting out the visibility timeout (best effort)."""
+        claims = {i: h.fence for i in ids if (h := self._holds.pop(i, None)) is not None}
+        claims.update(orphans or {})
+        if not claims:
+            return
+        try:
+            async with q.writing(self._engine) as conn:
+                await q.release_claims(conn, consumer=self._consumer, claims=claims)
+        except _DB_ERRORS as exc:
+            log.warning(
+                "could not give back %d message(s); they return after the visibility timeout: %s",
+                len(claims),
+                _short(exc),
+                extra={"event": "release_failed"},
+            )
+
+    def _start_renewer(self) -> None:
+        if self._renewer is None or self._renewer.done():
+            self._stopping = asyncio.Event()
+            self._renewer = asyncio.create_task(self._renew_until_closed())
+
+    async def _renew_until_closed(self) -> None:
+        interval = self._visibility.total_seconds() / 3
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):  # the usual way out: time to renew
+                async with asyncio.timeout(interval):
+                    await self._stopping.wait()
+                return  # closed
+            claims = {i: h.fence for i, h in self._holds.items()}
+            if not claims:
+                continue
+            now = self._clock()
+            try:
+                async with q.writing(self._engine) as conn:
+                    kept = await q.renew_claims(
+                        conn,
+                        consumer=self._consumer,
+                        claims=claims,
+                        invisible_until=now + self._visibility,
+                    )
+            except _DB_ERRORS as exc:
+                log.warning(
+                    "claim renewal failed: %s", _short(exc), extra={"event": "renew_failed"}
+                )
+                continue
+            for message_id in claims.keys() - kept:
+                hold = self._holds.get(message_id)
+                if hold is None or hold.settling:
+                    continue
+                self._forget(message_id, claims[message_id])
+                log.warning(
+                    "claim on message %s lost; another consumer may have it",
+                    message_id,
+                    extra={"event": "claim_lost", "messageId": message_id},
+                )
+
+
+def _short(exc: BaseException) -> str:
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+__all__ = ["LocalTransport"]

@@ -1,0 +1,453 @@
+"""The RabbitMQ transport (aio-pika), and the declaration of jobrelay's topology.
+
+What each choice protects against:
+
+- Publishing uses a channel with publisher confirms AND ``on_return_raises=True`` and
+  publishes ``mandatory``: the broker sends ``basic.return`` before the confirm for a message
+  no queue took, so a confirm alone does not prove routing (aio-pika's default ignores it).
+- aiormq matches a ``basic.return`` to its publish by ``message_id``; two publishes in flight
+  with the same id can swap results and report an unroutable message as confirmed. Publishes
+  sharing a message id therefore go out one at a time.
+- Queues are quorum queues that dead-letter ``at-least-once`` (which needs ``x-overflow:
+  reject-publish``): an expired retry or a rejected message stays in its queue until the
+  target queue confirms it, instead of being dropped when the target is missing.
+- The connection is robust (it reconnects and restores consumers), so a delivery received
+  on a channel that has since closed must not be acked on its successor: its delivery tag
+  means nothing there and the broker has already requeued the message. Such an ack or
+  reject is a logged no-op.
+- Each ``consume()`` has its own channel. Closing the iterator cancels the consumer and
+  returns what was prefetched but not handed out. Deliveries already handed out stay
+  settleable, so a draining worker can still ack them; the channel closes after the last
+  one, or ``settle_grace_seconds`` later, or at ``close()``, and the broker requeues
+  whatever is still unsettled then.
+
+No aio-pika or aiormq type or exception leaves this module; they become ``jobrelay.errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aio_pika
+import aiormq
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractRobustChannel,
+    AbstractRobustConnection,
+)
+from yarl import URL
+
+from jobrelay.errors import PublishError, TransportError
+from jobrelay.transport.base import Delivery, OutgoingMessage
+from jobrelay.transport.topology import (
+    DEAD_LETTER_EXCHANGE,
+    EXCHANGE,
+    QUARANTINE_QUEUE,
+    QUARANTINE_ROUTING_KEY,
+    WORK_QUEUE,
+    WORK_ROUTING_KEY,
+    Topology,
+    retry_queue,
+    retry_routing_key,
+)
+
+log = logging.getLogger("jobrelay.transport.rabbitmq")
+
+_RECONNECT_INTERVAL = 2.0  # seconds between attempts while the broker is down
+# Connecting, declaring and queue reads: independent of the (often tighter) confirm timeout.
+_BROKER_TIMEOUT = 10.0
+# Library failures meaning "the broker, or our link to it, failed".
+_AMQP_ERRORS = (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError, OSError)
+_SAFE_DEAD_LETTERING = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
+
+
+def work_queue_arguments(topology: Topology) -> dict[str, Any]:
+    return {
+        "x-queue-type": "quorum",
+        "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
+        "x-dead-letter-routing-key": QUARANTINE_ROUTING_KEY,
+        "x-delivery-limit": topology.delivery_limit,
+        **_SAFE_DEAD_LETTERING,
+    }
+
+
+def retry_queue_arguments(seconds: int) -> dict[str, Any]:
+    # One fixed TTL per queue: every message expires in order, no head-of-line blocking.
+    return {
+        "x-queue-type": "quorum",
+        "x-message-ttl": seconds * 1000,
+        "x-dead-letter-exchange": EXCHANGE,
+        "x-dead-letter-routing-key": WORK_ROUTING_KEY,
+        **_SAFE_DEAD_LETTERING,
+    }
+
+
+async def _declare(channel: AbstractChannel, topology: Topology) -> None:
+    direct = aio_pika.ExchangeType.DIRECT
+    exchange = await channel.declare_exchange(EXCHANGE, direct, durable=True)
+    dlx = await channel.declare_exchange(DEAD_LETTER_EXCHANGE, direct, durable=True)
+    work = await channel.declare_queue(
+        WORK_QUEUE, durable=True, arguments=work_queue_arguments(topology)
+    )
+    await work.bind(exchange, WORK_ROUTING_KEY)
+    for seconds in topology.tiers:
+        tier = await channel.declare_queue(
+            retry_queue(seconds), durable=True, arguments=retry_queue_arguments(seconds)
+        )
+        await tier.bind(exchange, retry_routing_key(seconds))
+    quarantine = await channel.declare_queue(
+        QUARANTINE_QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
+    )
+    await quarantine.bind(dlx, QUARANTINE_ROUTING_KEY)
+
+
+def _declare_error(exc: BaseException) -> TransportError:
+    if isinstance(exc, aiormq.exceptions.ChannelPreconditionFailed):
+        return TransportError(
+            "topology mismatch: a jobrelay queue exists with other arguments (another delivery "
+            f"limit, or declared by an older version); delete it or align the settings: {exc}"
+        )
+    return TransportError(f"declaring the topology failed: {_short(exc)}")
+
+
+async def declare_topology(url: str, topology: Topology) -> None:
+    """Declare exchanges, queues and bindings; safe to run again with the same settings."""
+    connection = await _opened(aio_pika.Connection(URL(url)), url)
+    try:
+        async with connection.channel(publisher_confirms=False) as channel:
+            await _declare(channel, topology)
+    except _AMQP_ERRORS as exc:
+        raise _declare_error(exc) from exc
+    finally:
+        with contextlib.suppress(*_AMQP_ERRORS):
+            await connection.close()
+
+
+@dataclass(eq=False)
+class _Consumer:
+    """The state of one ``consume()`` call and its channel."""
+
+    channel: AbstractChannel
+    inbox: asyncio.Queue[AbstractIncomingMessage | None] = field(default_factory=asyncio.Queue)
+    unsettled: int = 0  # handed out, neither acked nor rejected yet
+    stopping: bool = False
+    deadline: asyncio.TimerHandle | None = None
+    closer: asyncio.Task[None] | None = None
+
+    async def on_message(self, message: AbstractIncomingMessage) -> None:
+        if self.stopping:  # raced the basic.cancel: give it straight back
+            await _quietly(message.nack(requeue=True))
+        else:
+            self.inbox.put_nowait(message)
+
+    def stop(self, grace: float) -> None:
+        """Close the channel once nothing is unsettled, or after ``grace`` seconds at most."""
+        self.stopping = True
+        if self.unsettled == 0:
+            self.close_soon()
+        elif self.deadline is None:
+            self.deadline = asyncio.get_running_loop().call_later(grace, self.close_soon)
+
+    def settled(self) -> None:
+        self.unsettled -= 1
+        if self.stopping and self.unsettled == 0:
+            self.close_soon()
+
+    def close_soon(self) -> None:
+        """Close the channel: the broker requeues whatever is still unsettled on it."""
+        if self.deadline is not None:
+            self.deadline.cancel()
+        if self.closer is None:
+            if self.unsettled:
+                log.warning(
+                    "consumer closed with %d unsettled deliveries; the broker requeues them",
+                    self.unsettled,
+                    extra={"event": "unsettled_requeued", "count": self.unsettled},
+                )
+            self.closer = asyncio.create_task(_quietly(self.channel.close()))
+
+
+class _RabbitDelivery:
+    def __init__(self, message: AbstractIncomingMessage, consumer: _Consumer) -> None:
+        self._message = message
+        self._consumer = consumer
+        self._headers: dict[str, object] = dict(message.headers or {})
+        self._settled = False
+
+    @property
+    def body(self) -> bytes:
+        return self._message.body
+
+    @property
+    def headers(self) -> Mapping[str, object]:
+        return self._headers
+
+    @property
+    def redelivered(self) -> bool:
+        return bool(self._message.redelivered)
+
+    @property
+    def delivery_count(self) -> int:
+        # Quorum queues count returns (nack, channel or connection closed) in this header.
+        count = self._headers.get("x-delivery-count", 0)
+        return count if isinstance(count, int) else 0
+
+    async def ack(self) -> None:
+        await self._settle("ack")
+
+    async def reject(self) -> None:
+        await self._settle("reject")
+
+    async def release(self) -> None:
+        await self._settle("release")
+
+    async def _settle(self, action: str) -> None:
+        if self._settled:
+            log.warning("delivery already settled", extra={"event": "settle_ignored"})
+            return
+        self._settled = True
+        try:
+            if _stale(self._message):
+                raise aiormq.exceptions.ChannelInvalidStateError("channel closed")
+            if action == "ack":
+                await self._message.ack()
+            elif action == "release":
+                await self._message.nack(requeue=True)
+            else:
+                await self._message.reject(requeue=False)
+        except _AMQP_ERRORS as exc:
+            log.warning(
+                "%s ignored: the channel this delivery came on is gone and the broker has "
+                "requeued it (%s)",
+                action,
+                _short(exc),
+                extra={"event": "settle_ignored", "action": action},
+            )
+        finally:
+            self._consumer.settled()
+
+
+class RabbitTransport:
+    # After its iterator closes, how long a consumer's unsettled deliveries stay settleable
+    # before its channel closes and the broker requeues them (the local transport's
+    # counterpart is its visibility timeout).
+    settle_grace_seconds: float = 5.0
+
+    def __init__(self, url: str, topology: Topology, *, confirm_timeout: float = 10.0) -> None:
+        self._url = url
+        self._topology = topology
+        self._timeout = confirm_timeout
+        self._connection: AbstractRobustConnection | None = None
+        self._topology_channel: AbstractRobustChannel | None = None
+        self._exchange: AbstractExchange | None = None
+        self._consumers: set[_Consumer] = set()
+        self._id_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = (
+            weakref.WeakValueDictionary()
+        )
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Connect (robustly) and declare the topology; calling it again only re-declares."""
+        if self._connection is None or self._connection.is_closed:
+            self._connection = await _opened(
+                aio_pika.RobustConnection(URL(self._url), reconnect_interval=_RECONNECT_INTERVAL),
+                self._url,
+            )
+        connection = self._connection
+        try:
+            # A robust channel re-declares what it declared after every reconnection, so a
+            # broker that lost its definitions gets them back before consumers resume.
+            if self._topology_channel is None:
+                self._topology_channel = await connection.channel(publisher_confirms=False)
+            await _declare(self._topology_channel, self._topology)
+            if self._exchange is None:
+                publishing = await connection.channel(
+                    publisher_confirms=True, on_return_raises=True
+                )
+                self._exchange = await publishing.get_exchange(EXCHANGE, ensure=False)
+        except _AMQP_ERRORS as exc:
+            await self.close()
+            raise _declare_error(exc) from exc
+
+    async def close(self) -> None:
+        """Close the connection: the broker requeues every unsettled delivery."""
+        connection, self._connection = self._connection, None
+        self._topology_channel = self._exchange = None
+        for consumer in self._consumers:
+            consumer.stopping = True
+            consumer.inbox.put_nowait(None)
+            if consumer.deadline is not None:
+                consumer.deadline.cancel()
+        self._consumers.clear()
+        if connection is not None:
+            await _quietly(connection.close())
+
+    async def ping(self) -> None:
+        """Answer from the broker itself: a passive declare of the work queue, or a connect."""
+        if self._connection is not None:
+            await self._message_count(WORK_QUEUE)
+            return
+        try:
+            async with asyncio.timeout(_BROKER_TIMEOUT):
+                await (await _opened(aio_pika.Connection(URL(self._url)), self._url)).close()
+        except TimeoutError as exc:
+            raise TransportError("broker unreachable: no answer in time") from exc
+
+    async def _message_count(self, queue_name: str) -> int:
+        connection = self._require_connection()
+        try:
+            async with asyncio.timeout(_BROKER_TIMEOUT):
+                async with connection.channel(publisher_confirms=False) as channel:
+                    queue = await channel.declare_queue(queue_name, passive=True, robust=False)
+        except _AMQP_ERRORS as exc:  # TimeoutError is an OSError
+            raise TransportError(f"cannot read queue {queue_name}: {_short(exc)}") from exc
+        return int(queue.declaration_result.message_count or 0)
+
+    # --- publishing -----------------------------------------------------------------------
+
+    async def publish(self, message: OutgoingMessage) -> None:
+        if not self._topology.routes(message.destination):
+            raise PublishError(f"unroutable: no queue for destination {message.destination!r}")
+        exchange = self._exchange
+        if exchange is None:
+            raise PublishError("not connected: call connect() first")
+        amqp_message = aio_pika.Message(
+            message.body,
+            headers=dict(message.headers),
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=message.message_id or None,
+        )
+        try:
+            async with asyncio.timeout(self._timeout), self._one_per_id(message.message_id):
+                await exchange.publish(
+                    amqp_message,
+                    routing_key=message.destination,
+                    mandatory=True,
+                    timeout=self._timeout,
+                )
+        except aiormq.exceptions.PublishError as exc:  # basic.return
+            raise PublishError(f"unroutable: {exc}") from exc
+        except aiormq.exceptions.DeliveryError as exc:  # basic.nack
+            raise PublishError(f"rejected by the broker: {exc}") from exc
+        except aiormq.exceptions.ChannelNotFoundEntity as exc:  # exchange deleted
+            raise PublishError(f"unroutable: {_short(exc)}") from exc
+        except TimeoutError as exc:
+            raise PublishError(f"no confirm within {self._timeout:g}s", unknown=True) from exc
+        except _AMQP_ERRORS as exc:
+            raise PublishError(f"connection lost: {_short(exc)}", unknown=True) from exc
+
+    @contextlib.asynccontextmanager
+    async def _one_per_id(self, message_id: str | None) -> AsyncIterator[None]:
+        if not message_id:
+            yield
+            return
+        # Weak values: an id's lock lives exactly as long as some publish holds or awaits it.
+        lock = self._id_locks.setdefault(message_id, asyncio.Lock())
+        async with lock:
+            yield
+
+    async def quarantine_depth(self) -> int:
+        return await self._message_count(QUARANTINE_QUEUE)
+
+    # --- consuming ------------------------------------------------------------------------
+
+    async def consume(self, prefetch: int) -> AsyncIterator[Delivery]:
+        if prefetch < 1:
+            raise ValueError("prefetch must be at least 1")
+        connection = self._require_connection()
+        try:
+            channel = await connection.channel(publisher_confirms=False)
+            consumer = _Consumer(channel)
+            await channel.set_qos(prefetch_count=prefetch)
+            queue = await channel.declare_queue(WORK_QUEUE, passive=True)
+            tag = await queue.consume(consumer.on_message, no_ack=False)
+        except _AMQP_ERRORS as exc:
+            raise TransportError(f"cannot consume from {WORK_QUEUE}: {_short(exc)}") from exc
+        self._consumers.add(consumer)
+        try:
+            while (message := await consumer.inbox.get()) is not None:
+                if _stale(message):
+                    continue  # came on a channel lost since; the broker has requeued it
+                consumer.unsettled += 1
+                yield _RabbitDelivery(message, consumer)
+        finally:
+            if consumer.unsettled and self._connection is not None:
+                # Deliveries in flight stay settleable for a while (a draining worker acks
+                # them); only the prefetched rest goes back now.
+                await _quietly(queue.cancel(tag))
+                while not consumer.inbox.empty():
+                    if (left := consumer.inbox.get_nowait()) is not None:
+                        await _quietly(left.nack(requeue=True))
+            consumer.stop(self.settle_grace_seconds)
+            if consumer.closer is not None:
+                self._consumers.discard(consumer)
+                await asyncio.shield(consumer.closer)
+
+    def _require_connection(self) -> AbstractRobustConnection:
+        if self._connection is None:
+            raise TransportError("not connected: call connect() first")
+        return self._connection
+
+
+_C = TypeVar("_C", bound=AbstractConnection)
+
+
+async def _opened(connection: _C, url: str) -> _C:
+    """Connect, closing the half-made connection on failure.
+
+    ``aio_pika.connect*()`` leaves a failed connection object to its ``__del__``, which then
+    schedules ``close()`` on whatever loop is current, or none; so we build it ourselves.
+    """
+    try:
+        await connection.connect(timeout=_BROKER_TIMEOUT)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            await connection.close()
+        if isinstance(exc, _AMQP_ERRORS):
+            raise TransportError(f"cannot connect to {_safe(url)}: {_short(exc)}") from exc
+        raise
+    return connection
+
+
+def _stale(message: AbstractIncomingMessage) -> bool:
+    """True once the channel a message came on has closed (a delivery tag is per channel)."""
+    try:
+        return message.channel.is_closed
+    except aiormq.exceptions.ChannelInvalidStateError:  # aio-pika >= 10 raises instead
+        return True
+
+
+async def _quietly(operation: Any) -> None:
+    """Await a best-effort broker call whose failure only means the channel is gone."""
+    try:
+        await operation
+    except _AMQP_ERRORS as exc:
+        log.debug("ignored broker error during cleanup: %s", _short(exc))
+
+
+def _safe(url: str) -> str:
+    return str(URL(url).with_password("***")) if URL(url).password else url
+
+
+def _short(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+__all__ = [
+    "RabbitTransport",
+    "declare_topology",
+    "retry_queue_arguments",
+    "work_queue_arguments",
+]

@@ -1,0 +1,529 @@
+"""One transport contract, held against the local transport (SQLite, PostgreSQL) and RabbitMQ.
+
+The worker and relay are written against ``jobrelay.transport.base`` only; these tests are
+what makes "the embedded default has the same delivery semantics" true. Each RabbitMQ test
+gets a fresh vhost and each database test a fresh database, so nothing leaks between them.
+Waiting is always "poll until, with a deadline"; the only fixed waits are the windows in
+which nothing may be delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import aio_pika
+import pytest
+
+from jobrelay.errors import PublishError, TransportError
+from jobrelay.storage import local_queue
+from jobrelay.transport.base import OutgoingMessage, Transport
+from jobrelay.transport.rabbitmq import retry_queue_arguments, work_queue_arguments
+from jobrelay.transport.topology import (
+    DEAD_LETTER_EXCHANGE,
+    EXCHANGE,
+    QUARANTINE_QUEUE,
+    WORK_QUEUE,
+    Topology,
+    retry_queue,
+)
+from tests.integration.transport_fixtures import (
+    TOPOLOGY,
+    Backend,
+    body_of,
+    close_iterator,
+    message,
+    unreachable,
+    wait_until,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+BACKENDS = [
+    pytest.param("local-sqlite", id="local-sqlite"),
+    pytest.param("local-postgres", id="local-postgres", marks=pytest.mark.postgres),
+    pytest.param("rabbitmq", id="rabbitmq", marks=pytest.mark.rabbitmq),
+]
+_URL_FIXTURE = {"local-sqlite": "sqlite_url", "local-postgres": "pg_url", "rabbitmq": "amqp_url"}
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_url(request: pytest.FixtureRequest) -> tuple[str, str]:
+    return request.param, str(request.getfixturevalue(_URL_FIXTURE[request.param]))
+
+
+@pytest.fixture
+async def backend(backend_url: tuple[str, str]) -> AsyncIterator[Backend]:
+    made = Backend(*backend_url)
+    yield made
+    await made.aclose()
+
+
+async def depth_is(transport: Transport, expected: int, timeout: float = 10.0) -> None:
+    async def reached() -> bool:
+        return await transport.quarantine_depth() == expected
+
+    await wait_until(reached, timeout)
+
+
+# --- the contract, on every backend ---------------------------------------------------------
+
+
+async def test_ack_settles_for_good_and_unknown_destinations_deliver_nothing(
+    backend: Backend,
+) -> None:
+    transport = await backend.connected()
+    for destination in ("nope", "retry.7s", "retry.0s", "quarantine", ""):
+        with pytest.raises(PublishError, match="unroutable") as raised:
+            await transport.publish(message({"n": 0}, destination=destination))
+        assert raised.value.unknown is False, destination
+    await transport.publish(message({"n": 1}, traceparent="00-abc-01", jobId="j-1"))
+    pump = backend.pump(transport)
+    delivery = await pump.get()
+    assert body_of(delivery) == {"n": 1}  # and nothing of the unroutable ones
+    assert {"traceparent": "00-abc-01", "jobId": "j-1"}.items() <= delivery.headers.items()
+    assert (delivery.redelivered, delivery.delivery_count) == (False, 0)
+    await delivery.ack()
+    await pump.expect_none(0.3)
+    await pump.stop()
+    await transport.close()  # an unsettled message would come back now
+    again = await backend.connected()
+    await backend.pump(again).expect_none(0.3)
+    assert await again.quarantine_depth() == 0
+
+
+async def test_reject_quarantines_and_never_redelivers(backend: Backend) -> None:
+    transport = await backend.connected()
+    await transport.publish(message({"n": 1}))
+    pump = backend.pump(transport)
+    await (await pump.get()).reject()
+    await depth_is(transport, 1)
+    await pump.expect_none(0.3)
+    await pump.stop()
+    await transport.close()
+    again = await backend.connected()
+    await backend.pump(again).expect_none(0.3)
+    assert await again.quarantine_depth() == 1
+
+
+async def test_release_gives_the_message_back_at_once_and_counts_it(backend: Backend) -> None:
+    # Long visibility / grace: if the message comes back, it is the release at work.
+    transport = await backend.connected(visibility_seconds=30, settle_grace_seconds=30)
+    await transport.publish(message({"n": 1}))
+    pump = backend.pump(transport)
+    first = await pump.get()
+    assert not first.redelivered
+    await first.release()
+    again = await pump.get(timeout=5)
+    assert body_of(again) == {"n": 1}
+    assert again.redelivered and again.delivery_count >= 1
+    await again.ack()
+    await pump.expect_none(0.3)
+    await pump.stop()
+    assert await transport.quarantine_depth() == 0
+
+
+async def test_unsettled_delivery_returns_when_its_consumer_stops(backend: Backend) -> None:
+    publisher = await backend.connected()
+    for n, how in enumerate(["iterator closed", "transport closed under a live iterator"]):
+        await publisher.publish(message({"n": n}))
+        consumer = await backend.connected()
+        pump = backend.pump(consumer)
+        taken = await pump.get()
+        assert body_of(taken) == {"n": n} and not taken.redelivered, how
+        if n == 0:
+            await pump.stop()  # the transport lives on: back after the grace / visibility
+        else:
+            await consumer.close()  # back at once
+        successor = backend.pump(await backend.connected())
+        delivery = await successor.get()
+        assert body_of(delivery) == {"n": n}, how
+        assert delivery.redelivered and delivery.delivery_count >= 1, how
+        await taken.ack()  # too late: a logged no-op that must not touch the new delivery
+        await delivery.ack()
+        await successor.stop()
+        await pump.stop()
+        await consumer.close()
+    await backend.pump(publisher).expect_none(0.3)
+
+
+async def test_closing_the_iterator_keeps_handed_out_deliveries_settleable(
+    backend: Backend,
+) -> None:
+    # A draining worker stops consuming first, then acks what it is still working on; what
+    # was prefetched but never handed out goes to other consumers at once (local: long
+    # visibility, so this is not the timeout at work).
+    transport = await backend.connected(visibility_seconds=30, settle_grace_seconds=30)
+    for n in range(3):
+        await transport.publish(message({"n": n}))
+    iterator = transport.consume(3)
+    first = await asyncio.wait_for(anext(iterator), 10)
+    await close_iterator(iterator)
+    other = backend.pump(await backend.connected(visibility_seconds=30, settle_grace_seconds=30))
+    rest = {body_of(await other.get(timeout=5))["n"] for _ in range(2)}
+    assert rest == {0, 1, 2} - {body_of(first)["n"]}
+    await first.ack()
+    await transport.close()  # had the ack not counted, the message would come back now
+    await other.expect_none(0.3)
+
+
+async def test_retry_tier_comes_back_after_its_delay(backend: Backend) -> None:
+    transport = await backend.connected()
+    pump = backend.pump(transport)
+    started = asyncio.get_running_loop().time()
+    await transport.publish(message({"n": 1}, destination="retry.1s", jobId="j-1"))
+    await pump.expect_none(0.5)
+    delivery = await pump.get(timeout=5)
+    assert asyncio.get_running_loop().time() - started >= 0.9
+    assert body_of(delivery) == {"n": 1} and delivery.headers["jobId"] == "j-1"
+    assert (delivery.redelivered, delivery.delivery_count) == (False, 0)
+    await delivery.ack()
+
+
+async def test_prefetch_bounds_unsettled_deliveries(backend: Backend) -> None:
+    transport = await backend.connected()
+    for n in range(5):
+        await transport.publish(message({"n": n}))
+    pump = backend.pump(transport, prefetch=2)
+    first, second = await pump.get(), await pump.get()
+    await pump.expect_none(0.5)  # three more wait, but two are unsettled
+    await first.ack()
+    third = await pump.get(timeout=5)
+    await pump.expect_none(0.3)
+    await second.ack()
+    await third.ack()
+    rest = [await pump.get(timeout=5), await pump.get(timeout=5)]
+    for delivery in rest:
+        await delivery.ack()
+    seen = sorted(body_of(d)["n"] for d in (first, second, third, *rest))
+    assert seen == list(range(5))
+
+
+async def test_delivery_limit_sends_a_crash_looping_message_to_quarantine(
+    backend: Backend,
+) -> None:
+    publisher = await backend.connected()
+    await publisher.publish(message({"n": 1}))
+    for count in range(TOPOLOGY.delivery_limit + 1):  # the consumer dies each time
+        consumer = await backend.connected()
+        pump = backend.pump(consumer, prefetch=1)
+        delivery = await pump.get()
+        assert delivery.delivery_count == count and delivery.redelivered == (count > 0)
+        await pump.stop()
+        await consumer.close()
+    await backend.pump(await backend.connected()).expect_none(0.5)
+    await depth_is(publisher, 1)
+
+
+async def test_concurrent_publishes_are_all_confirmed_and_delivered(backend: Backend) -> None:
+    transport = await backend.connected()
+    await asyncio.gather(
+        *(
+            transport.publish(OutgoingMessage("work", json.dumps({"n": n}).encode(), {}, f"m{n}"))
+            for n in range(50)
+        )
+    )
+    pump = backend.pump(transport, prefetch=50)
+    seen = []
+    for _ in range(50):
+        delivery = await pump.get()
+        seen.append(body_of(delivery)["n"])
+        await delivery.ack()
+    assert sorted(seen) == list(range(50))
+
+
+async def test_a_live_consumer_keeps_a_long_running_delivery(backend: Backend) -> None:
+    worker = await backend.connected(visibility_seconds=0.3)
+    await worker.publish(message({"n": 1}))
+    delivery = await backend.pump(worker).get()
+    other = backend.pump(await backend.connected(visibility_seconds=0.3))
+    await other.expect_none(1.2)  # four local visibility timeouts, renewed meanwhile
+    await delivery.ack()
+    await worker.close()
+    await other.expect_none(0.3)
+
+
+async def test_connect_and_declare_are_idempotent(backend: Backend) -> None:
+    await backend.declare()
+    await backend.declare()
+    transport = backend.transport()
+    await transport.connect()
+    await transport.connect()
+    await transport.ping()  # reachable and declared
+    await transport.publish(message({"n": 1}))
+    delivery = await backend.pump(await backend.connected()).get()
+    assert body_of(delivery) == {"n": 1}
+    await delivery.ack()
+
+
+@pytest.mark.parametrize("kind", [p.values[0] for p in BACKENDS])
+async def test_unreachable_broker_raises_transport_error(kind: str, tmp_path: Path) -> None:
+    async with unreachable(kind, tmp_path) as transport:
+        with pytest.raises(TransportError):
+            await transport.ping()
+        with pytest.raises(TransportError):
+            await transport.connect()
+
+
+async def test_a_killed_consumer_process_loses_nothing(backend: Backend, tmp_path: Path) -> None:
+    transport = await backend.connected()
+    await transport.publish(message({"n": 7}))
+    holder = await _spawn(tmp_path / "holder.err", "hold", backend.kind, backend.url)
+    try:
+        line = await asyncio.wait_for(holder.stdout.readline(), 30)  # type: ignore[union-attr]
+        assert line.decode().strip() == 'HELD {"n": 7}', (tmp_path / "holder.err").read_text()
+        pump = backend.pump(transport)
+        await pump.expect_none(0.3)  # held by a live process
+    finally:
+        holder.kill()
+        await holder.wait()
+    delivery = await pump.get(timeout=10)
+    assert body_of(delivery) == {"n": 7} and delivery.redelivered
+    await delivery.ack()
+
+
+# --- the local transport only ---------------------------------------------------------------
+
+
+@pytest.fixture
+async def local(database_url: str) -> AsyncIterator[Backend]:
+    made = Backend(
+        "local-sqlite" if database_url.startswith("sqlite") else "local-postgres", database_url
+    )
+    yield made
+    await made.aclose()
+
+
+async def test_local_publish_wakes_an_idle_consumer_in_the_same_process(local: Backend) -> None:
+    transport = await local.connected(poll_seconds=5.0)
+    pump = local.pump(transport)
+    await pump.expect_none(0.3)  # idle: its next poll is seconds away
+    await (await local.connected()).publish(message({"n": 1}))
+    assert body_of(await pump.get(timeout=1.0)) == {"n": 1}
+
+
+async def test_local_settle_after_a_lost_claim_is_a_no_op(local: Backend) -> None:
+    # The second consumer's clock is an hour ahead, so the first one's claim looks expired.
+    slow = await local.connected(visibility_seconds=30)
+    await slow.publish(message({"n": 1}))
+    stale = await local.pump(slow).get()
+    later = lambda: datetime.now(UTC) + timedelta(hours=1)  # noqa: E731
+    fresh = await local.pump(await local.connected(visibility_seconds=30, clock=later)).get()
+    assert fresh.redelivered and fresh.delivery_count == 1
+    await stale.ack()  # lost the row: must not delete the new holder's message
+    await fresh.reject()
+    assert await slow.quarantine_depth() == 1
+
+
+@pytest.mark.slow
+async def test_local_consumer_processes_share_the_queue_exactly_once(
+    local: Backend, tmp_path: Path
+) -> None:
+    records = [tmp_path / f"consumer-{i}.txt" for i in range(3)]
+    workers = [
+        await _spawn(tmp_path / f"consumer-{i}.err", "drain", local.kind, local.url, str(r))
+        for i, r in enumerate(records)
+    ]
+    try:
+        for worker in workers:
+            assert (await asyncio.wait_for(worker.stdout.readline(), 30)).strip() == b"READY"  # type: ignore[union-attr]
+        publisher = await local.connected()
+        for n in range(200):
+            await publisher.publish(message({"n": n}))
+        engine = local._engine  # the rows themselves: all gone means all acked
+        assert engine is not None
+
+        async def drained() -> bool:
+            async with local_queue.reading(engine) as conn:
+                return await local_queue.count_queue(conn, local_queue.WORK) == 0
+
+        await wait_until(drained, timeout=60, interval=0.2)
+    finally:
+        for worker in workers:
+            worker.terminate()
+        codes = [await asyncio.wait_for(w.wait(), 30) for w in workers]
+    assert codes == [0, 0, 0], [(tmp_path / f"consumer-{i}.err").read_text() for i in range(3)]
+    per_consumer = [r.read_text().split() if r.exists() else [] for r in records]
+    numbers = sorted(int(n) for seen in per_consumer for n in seen)
+    assert numbers == list(range(200))  # none missing, none twice
+    assert sum(1 for seen in per_consumer if seen) >= 2  # they really ran side by side
+
+
+# --- RabbitMQ only ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def rabbit(amqp_url: str) -> AsyncIterator[Backend]:
+    made = Backend("rabbitmq", amqp_url)
+    yield made
+    await made.aclose()
+
+
+def _vhost(backend: Backend) -> str:
+    return backend.url.rsplit("/", 1)[1]
+
+
+async def _rabbitmqctl(*args: str) -> str:
+    done = await asyncio.to_thread(
+        subprocess.run,
+        ["rabbitmqctl", "-q", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done.stdout
+
+
+async def _delete_queue(backend: Backend, name: str) -> None:
+    connection = await aio_pika.connect(backend.url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(name)
+
+
+@pytest.mark.rabbitmq
+async def test_rabbit_topology_is_declared_as_specified_and_checked(rabbit: Backend) -> None:
+    await rabbit.declare()
+    listed = json.loads(
+        await _rabbitmqctl(
+            "list_queues",
+            "-p",
+            _vhost(rabbit),
+            "name",
+            "arguments",
+            "type",
+            "durable",
+            "--formatter",
+            "json",
+        )
+    )
+    queues = {q["name"]: q for q in listed}
+    assert set(queues) == {WORK_QUEUE, retry_queue(1), retry_queue(3), QUARANTINE_QUEUE}
+    assert all(q["type"] == "quorum" and q["durable"] for q in listed)
+    args = {name: {a[0]: a[2] for a in q["arguments"]} for name, q in queues.items()}
+    assert args[WORK_QUEUE] == work_queue_arguments(TOPOLOGY)
+    assert args[WORK_QUEUE]["x-dead-letter-strategy"] == "at-least-once"
+    assert args[WORK_QUEUE]["x-delivery-limit"] == TOPOLOGY.delivery_limit
+    assert args[retry_queue(3)] == retry_queue_arguments(3)
+    assert args[retry_queue(3)]["x-message-ttl"] == 3000
+    bindings = json.loads(
+        await _rabbitmqctl(
+            "list_bindings",
+            "-p",
+            _vhost(rabbit),
+            "source_name",
+            "destination_name",
+            "routing_key",
+            "--formatter",
+            "json",
+        )
+    )
+    routes = {(b["source_name"], b["routing_key"], b["destination_name"]) for b in bindings}
+    assert {
+        (EXCHANGE, "work", WORK_QUEUE),
+        (EXCHANGE, "retry.1s", retry_queue(1)),
+        (EXCHANGE, "retry.3s", retry_queue(3)),
+        (DEAD_LETTER_EXCHANGE, "quarantine", QUARANTINE_QUEUE),
+    } <= routes
+    # Queue arguments cannot change in place: a new delivery limit must be a clear error.
+    changed = rabbit.transport(topology=Topology(retry_delays=(1, 3), delivery_limit=5))
+    with pytest.raises(TransportError, match="topology mismatch"):
+        await changed.connect()
+
+
+@pytest.mark.rabbitmq
+async def test_rabbit_publish_failures_say_whether_the_outcome_is_known(rabbit: Backend) -> None:
+    # No confirm in time: the broker may or may not have the message.
+    hasty = await rabbit.connected(confirm_timeout=1e-6)
+    with pytest.raises(PublishError) as raised:
+        await hasty.publish(message({"n": 0}))
+    assert raised.value.unknown is True
+
+    # basic.nack (a queue at its length limit with x-overflow=reject-publish).
+    transport = await rabbit.connected()
+    await _rabbitmqctl(
+        "set_policy", "-p", _vhost(rabbit), "--apply-to", "queues", "tiny",
+        "^jobrelay\\.work$", '{"max-length": 1}',
+    )  # fmt: skip
+
+    async def nacked() -> bool:
+        try:
+            await transport.publish(message({"n": 1}))
+        except PublishError as exc:
+            assert exc.unknown is False and "rejected" in str(exc)
+            return True
+        return False
+
+    await wait_until(nacked, timeout=10, interval=0.2)
+
+    # basic.return: the work queue vanished behind our back; only `mandatory` can tell.
+    await _delete_queue(rabbit, WORK_QUEUE)
+    with pytest.raises(PublishError, match="unroutable") as raised:
+        await transport.publish(message({"n": 2}))
+    assert raised.value.unknown is False
+    # aiormq matches returns by message id: several in flight with one id must all fail.
+    same_id = [OutgoingMessage("work", b"{}", {}, "same-id") for _ in range(4)]
+    results = await asyncio.gather(*(transport.publish(m) for m in same_id), return_exceptions=True)
+    assert all(isinstance(r, PublishError) for r in results), results
+
+
+@pytest.mark.rabbitmq
+async def test_rabbit_delivery_from_before_a_reconnect_is_not_settled_on_its_successor(
+    rabbit: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    transport = await rabbit.connected()
+    await transport.publish(message({"n": 1}))
+    pump = rabbit.pump(transport)
+    old = await pump.get()
+    await _rabbitmqctl("close_all_connections", "-p", _vhost(rabbit), "test")
+    again = await pump.get(timeout=30)  # the robust connection restored the consumer
+    assert body_of(again) == {"n": 1} and again.redelivered and again.delivery_count == 1
+    with caplog.at_level(logging.WARNING, "jobrelay.transport.rabbitmq"):
+        await old.ack()  # its delivery tag is 1 on the new channel too: must not be sent
+    ours = [r for r in caplog.records if r.name == "jobrelay.transport.rabbitmq"]
+    assert any("ack ignored" in r.getMessage() for r in ours)
+    await pump.stop()
+    await transport.close()  # `again` is still unsettled, so it comes back
+    last = await rabbit.pump(await rabbit.connected()).get()
+    assert body_of(last) == {"n": 1} and last.delivery_count == 2
+    await last.ack()
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(
+    os.environ.get("JOBRELAY_SLOW_BROKER_TESTS") != "1",
+    reason="takes ~3 minutes (the broker retries dead-lettering every 180 s); "
+    "set JOBRELAY_SLOW_BROKER_TESTS=1",
+)
+async def test_rabbit_at_least_once_dead_lettering_keeps_a_message_with_no_target(
+    rabbit: Backend,
+) -> None:
+    transport = await rabbit.connected()
+    await _delete_queue(rabbit, QUARANTINE_QUEUE)
+    await transport.publish(message({"n": 1}))
+    pump = rabbit.pump(transport)
+    await (await pump.get()).reject()  # at-most-once would drop it right here
+    await rabbit.declare()
+    await depth_is(transport, 1, timeout=300)
+
+
+async def _spawn(stderr: Path, *args: str) -> asyncio.subprocess.Process:
+    with stderr.open("w") as errors:  # the child keeps its own copy of the descriptor
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.integration.transport_fixtures",
+            *args,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=errors,
+        )
