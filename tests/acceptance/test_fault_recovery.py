@@ -144,16 +144,7 @@ def test_worker_sigkilled_mid_export_completes_once(
     env: dict[str, str], db: Db, tmp_path: Path
 ) -> None:
     # A month big enough that the export is still streaming when we kill the worker.
-    db.run(
-        _execute(
-            db,
-            """
-        INSERT INTO ledger_entries (account_id, booked_on, period, description, counterparty,
-                                    amount, currency)
-        SELECT 'acme', DATE '2021-06-15', '2021-06', 'bulk row ' || g, 'Contoso', g % 1000, 'EUR'
-        FROM generate_series(1, 400000) AS g""",
-        )
-    )
+    _bulk_month(db, "2021-06", 400_000)
     with processes(tmp_path) as start:
         start("relay", "relay", env=env)
         job_id = _submit(db, env, period="2021-06")
@@ -173,6 +164,25 @@ def test_worker_sigkilled_mid_export_completes_once(
     assert results(tmp_path) == [tmp_path / "exports" / job.result_key]
     temps = list((tmp_path / "exports").rglob(".*.tmp"))
     assert len(temps) <= 1  # the killed writer's partial file: hidden, removed once stale
+
+
+def test_sigterm_drains_the_export_in_flight(env: dict[str, str], db: Db, tmp_path: Path) -> None:
+    _bulk_month(db, "2021-07", 150_000)
+    with processes(tmp_path) as start:
+        start("relay", "relay", env=env)
+        job_id = _submit(db, env, period="2021-07")
+        worker = start("worker", "worker", env=env)
+        poll(
+            lambda: (j := db.job(job_id)) and (j.progress_done or 0) > 0,
+            60,
+            "the export to be under way",
+        )
+        worker.popen.terminate()  # SIGTERM: stop taking work, finish and settle what runs
+        assert worker.wait_exit(60) == 0
+        job = db.job(job_id)
+    assert job is not None and job.state is JobState.SUCCEEDED and job.attempt == 1
+    assert db.kinds(job_id)[-1] == "ack_sent"
+    assert '"event": "worker_draining"' in worker.log()
 
 
 def test_worker_killed_after_commit_before_ack_does_not_redo(
@@ -239,3 +249,17 @@ async def _fetch(db: Db, sql: str) -> list[Any]:
 async def _execute(db: Db, sql: str) -> None:
     async with db.engine.begin() as conn:
         await conn.execute(text(sql))
+
+
+def _bulk_month(db: Db, period: str, rows: int) -> None:
+    db.run(
+        _execute(
+            db,
+            f"""
+            INSERT INTO ledger_entries (account_id, booked_on, period, description,
+                                        counterparty, amount, currency)
+            SELECT 'acme', DATE '{period}-15', '{period}', 'bulk row ' || g, 'Contoso',
+                   g % 1000, 'EUR'
+            FROM generate_series(1, {rows}) AS g""",
+        )
+    )
