@@ -1,0 +1,112 @@
+"""Known traps of outbox relays, each pinned by a test on the real PostgreSQL and RabbitMQ.
+
+- A lower outbox id that commits after a higher one must still be published (no id
+  watermark: SKIP LOCKED gives no global order).
+- A binding deleted behind our back makes publishes unroutable: the rows stay unpublished,
+  with the error, until the binding is back, and are then published.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aio_pika
+import pytest
+from sqlalchemy import insert, select
+
+from jobrelay.domain.states import JobState
+from jobrelay.relay import Relay
+from jobrelay.runtime import Runtime, open_runtime, utc_now
+from jobrelay.storage.tables import jobs, outbox
+from jobrelay.transport.topology import EXCHANGE, WORK_QUEUE, WORK_ROUTING_KEY
+
+from .pipeline import settings_for
+
+pytestmark = [pytest.mark.postgres, pytest.mark.rabbitmq]
+
+
+@pytest.fixture
+async def rt(pg_url: str, amqp_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
+    async with open_runtime(settings_for(pg_url, amqp_url, tmp_path / "exports")) as runtime:
+        yield runtime
+
+
+def _job_row(job_id: str) -> dict[str, object]:
+    now = utc_now()
+    return {
+        "id": job_id,
+        "type": "report.export",
+        "account_id": "acme",
+        "params": {"accountId": "acme", "period": "2020-05"},
+        "request_hash": "x",
+        "state": JobState.QUEUED.value,
+        "attempt": 0,
+        "max_attempts": 3,
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
+def _outbox_row(job_id: str) -> dict[str, object]:
+    body = '{"jobId":"' + job_id + '","type":"report.export","version":1}'
+    return {
+        "job_id": job_id,
+        "destination": "work",
+        "body": body,
+        "headers": {},
+        "created_at": utc_now(),
+    }
+
+
+async def _published(rt: Runtime) -> dict[str, bool]:
+    async with rt.engine.connect() as conn:
+        rows = (await conn.execute(select(outbox.c.job_id, outbox.c.published_at))).all()
+    return {r.job_id: r.published_at is not None for r in rows}
+
+
+async def test_late_committing_lower_id_is_still_published(rt: Runtime) -> None:
+    early, late = "00000000-0000-0000-0000-00000000000a", "00000000-0000-0000-0000-00000000000b"
+    relay = Relay(rt)
+    async with rt.engine.connect() as slow:
+        slow_tx = await slow.begin()
+        await slow.execute(insert(jobs).values(_job_row(early)))
+        await slow.execute(insert(outbox).values(_outbox_row(early)))  # takes the lower id
+        async with rt.engine.begin() as fast:
+            await fast.execute(insert(jobs).values(_job_row(late)))
+            await fast.execute(insert(outbox).values(_outbox_row(late)))
+        assert await relay.relay_once() == 1  # only the committed, higher id is visible
+        assert await _published(rt) == {late: True}
+        await slow_tx.commit()
+    assert await relay.relay_once() == 1  # found by per-row state, not by "id > last"
+    assert await _published(rt) == {early: True, late: True}
+    async with rt.engine.connect() as conn:
+        ids = (await conn.execute(select(outbox.c.id, outbox.c.job_id))).all()
+    assert {r.job_id: r.id for r in ids}[early] < {r.job_id: r.id for r in ids}[late]
+
+
+async def test_deleted_binding_keeps_rows_unpublished_until_restored(
+    rt: Runtime, amqp_url: str
+) -> None:
+    connection = await aio_pika.connect(amqp_url)
+    try:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(WORK_QUEUE, passive=True)
+        await queue.unbind(EXCHANGE, WORK_ROUTING_KEY)
+        job_id = "00000000-0000-0000-0000-00000000000c"
+        async with rt.engine.begin() as conn:
+            await conn.execute(insert(jobs).values(_job_row(job_id)))
+            await conn.execute(insert(outbox).values(_outbox_row(job_id)))
+        relay = Relay(rt)
+        assert await relay.relay_once() == 1
+        assert relay.failed == 1 and await _published(rt) == {job_id: False}
+        job = await rt.store.get_job(job_id)
+        assert job is not None and "unroutable" in (job.last_publish_error or "")
+        await queue.bind(EXCHANGE, WORK_ROUTING_KEY)
+        async with rt.engine.begin() as conn:  # skip the back-off instead of waiting it out
+            await conn.execute(outbox.update().values(claimed_until=None))
+        assert await relay.relay_once() == 1
+        assert await _published(rt) == {job_id: True}
+        assert (await rt.store.get_job(job_id)).published  # type: ignore[union-attr]
+    finally:
+        await connection.close()
