@@ -222,6 +222,39 @@ def test_relay_killed_before_mark_republishes_without_second_result(
     assert len(results(tmp_path)) == 1
 
 
+def test_crash_looping_job_ends_quarantined_while_healthy_jobs_flow(
+    env: dict[str, str], db: Db, tmp_path: Path
+) -> None:
+    poison_env = {**env, "JOBRELAY_FAULTS": "export.run:crash@period=2020-02"}
+    with processes(tmp_path) as start:
+        start("relay", "relay", env=env)
+        poison = _submit(db, env, period="2020-02")
+        healthy = [_submit(db, env, period=f"2021-{m:02d}") for m in range(1, 7)]
+        workers = [start("worker", "worker", env=poison_env) for _ in range(2)]
+        restarts = 0
+
+        def settled() -> bool:
+            nonlocal restarts
+            for i, worker in enumerate(workers):  # a supervisor restarting dead workers
+                if worker.popen.poll() is not None:
+                    assert worker.popen.returncode == 137, worker.log()[-2000:]
+                    restarts += 1
+                    workers[i] = start("worker", "worker", env=poison_env)
+            jobs = [db.job(j) for j in [poison, *healthy]]
+            return all(j is not None and j.state.is_terminal for j in jobs)
+
+        poll(settled, 120, "the poison job to be quarantined and the others to finish")
+    job = db.job(poison)
+    assert job is not None and job.state is JobState.QUARANTINED
+    assert job.attempt == 3 and "attempts exhausted" in (job.quarantine_reason or "")
+    assert restarts == 3  # one crash per attempt, then quarantine instead of a hot loop
+    for job_id in healthy:
+        done = db.job(job_id)
+        # A neighbour running in the crashing process when it died loses that attempt.
+        assert done is not None and done.state is JobState.SUCCEEDED and done.attempt <= 2
+        assert db.kinds(job_id).count("result_saved") == 1
+
+
 def _submit(db: Db, env: dict[str, str], period: str = "2020-05") -> str:
     from jobrelay.domain.ids import job_id_for, request_hash
     from jobrelay.runtime import utc_now
