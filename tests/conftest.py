@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from jobrelay.storage.engine import upgrade
 
 PG_ADMIN_URL = os.environ.get(

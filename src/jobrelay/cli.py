@@ -126,24 +126,51 @@ def api_cmd(
     run_until_signalled(lambda stop: serve_api(settings, host, port, stop))
 
 
+MetricsPort = Annotated[
+    Optional[int],  # noqa: UP045 (typer needs it)
+    typer.Option(
+        min=1,
+        max=65535,
+        envvar="JOBRELAY_METRICS_PORT",
+        help="Serve Prometheus metrics at http://HOST:PORT/metrics.",
+        show_default=False,
+    ),
+]
+MetricsHost = Annotated[
+    str, typer.Option(envvar="JOBRELAY_METRICS_HOST", help="Interface for --metrics-port.")
+]
+
+
+def _metrics_at(host: str, port: int | None) -> Any:
+    from jobrelay.processes import MetricsAddress
+
+    return MetricsAddress(host, port) if port is not None else None
+
+
 @app.command("relay")
 @with_settings
-def relay_cmd(settings: Settings) -> None:
-    """Publish outbox rows to the broker (several may run at once)."""
+def relay_cmd(
+    settings: Settings, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1"
+) -> None:
+    """Publish outbox rows to the broker (several may run at once), and reconcile."""
     from jobrelay.processes import run_relay
 
     logs.configure("relay", settings.log_level)
-    run_until_signalled(lambda stop: run_relay(settings, stop))
+    at = _metrics_at(metrics_host, metrics_port)
+    run_until_signalled(lambda stop: run_relay(settings, stop, at))
 
 
 @app.command("worker")
 @with_settings
-def worker_cmd(settings: Settings) -> None:
+def worker_cmd(
+    settings: Settings, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1"
+) -> None:
     """Consume jobs and run them."""
     from jobrelay.processes import run_worker
 
     logs.configure("worker", settings.log_level)
-    run_until_signalled(lambda stop: run_worker(settings, stop))
+    at = _metrics_at(metrics_host, metrics_port)
+    run_until_signalled(lambda stop: run_worker(settings, stop, at))
 
 
 @app.command("up")
@@ -166,7 +193,7 @@ def demo_cmd(settings: Settings) -> None:
     """Run the main job end to end on the configured (by default embedded) pipeline."""
     from jobrelay.demo import demo_main
 
-    logs.configure("demo", "WARNING")
+    logs.configure("demo", "ERROR")  # the demo narrates; faults it arms are announced
     raise typer.Exit(demo_main(settings))
 
 
@@ -235,11 +262,15 @@ def seed_cmd(
 
 @job_app.command("show")
 @with_settings
-def job_show_cmd(settings: Settings, job_id: Annotated[str, typer.Argument()]) -> None:
-    """State, facts and timeline of one job."""
+def job_show_cmd(
+    settings: Settings,
+    job_id: Annotated[str, typer.Argument()],
+    as_json: Annotated[bool, typer.Option("--json", help="The explanation as JSON.")] = False,
+) -> None:
+    """State, facts, attempts and timeline of one job, and where to look next."""
     from jobrelay.explain import show_job
 
-    if not run(show_job(settings, job_id)):
+    if not run(show_job(settings, job_id, as_json=as_json)):
         raise fail(f"no job {job_id}")
 
 
@@ -249,6 +280,14 @@ def jobs_list_cmd(
     settings: Settings,
     state: Annotated[Optional[str], typer.Option(help="Only jobs in this state.")] = None,  # noqa: UP045
     limit: Annotated[int, typer.Option(min=1, max=10_000)] = 50,
+    reason: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="Only jobs whose quarantine reason or last error contains this."),
+    ] = None,
+    job_type: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option("--type", help="Only jobs of this type."),
+    ] = None,
 ) -> None:
     """Recent jobs, newest first."""
     from jobrelay.domain.states import JobState
@@ -259,7 +298,11 @@ def jobs_list_cmd(
     except ValueError:
         choices = ", ".join(s.value for s in JobState)
         raise fail(f"--state must be one of {choices}", 2) from None
-    run(list_jobs(settings, wanted, limit))
+    run(list_jobs(settings, wanted, limit, reason=reason, job_type=job_type))
+
+
+# Operator actions and the reconciler live in their own module; importing it registers them.
+from jobrelay import operator_cli  # noqa: E402, F401
 
 
 def main() -> None:

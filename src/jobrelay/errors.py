@@ -9,6 +9,7 @@
     ├── JobNotFound            no such job (or not visible to the caller)
     └── OperationError         raised by an operation while it runs
         ├── TransientError     worth retrying later (timeouts, unreachable services)
+        │   └── EffectOutcomeUnknown  an external effect may or may not have happened
         └── PermanentError     retrying cannot help (invalid parameters, unknown type)
 
 Adapters translate library exceptions into this tree at their boundary, so the relay,
@@ -70,6 +71,15 @@ class TransientError(OperationError):
     """Retrying later may succeed."""
 
     code = "transient"
+
+
+class EffectOutcomeUnknown(TransientError):
+    """The connection broke while an external effect was being handed over (an SMTP session
+    dropped mid-DATA, a read timeout): the other side may have accepted it. Retried like any
+    transient failure, but the effects ledger keeps its doubt instead of recording a refusal.
+    """
+
+    code = "effect_outcome_unknown"
 
 
 class PermanentError(OperationError):

@@ -3,11 +3,19 @@
 The answer to "where is my export?" is a boundary: not yet published (look at the relay),
 published but not claimed (look at the workers), waiting for a retry, quarantined (read the
 reason), or done (here is the file). ``next_step`` says which, in one line.
+
+``explain_document`` is the same explanation as JSON, for ``job show --json``, the HTTP
+``/v1/jobs/{jobId}/explain`` and the support console; ``attempts`` folds the timeline into
+one row per attempt with its outcome and error.
 """
 
 from __future__ import annotations
 
+import json
+import sys
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -17,7 +25,8 @@ from jobrelay.runtime import open_runtime, utc_now
 from jobrelay.settings import Settings
 from jobrelay.storage.store import EventRecord, JobRecord
 
-console = Console(highlight=False, soft_wrap=True)
+# Piped into a file or grep, lines are not wrapped at 80 columns (job ids stay whole).
+console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 
 def _ago(when: datetime | None, now: datetime) -> str:
@@ -28,46 +37,184 @@ def _ago(when: datetime | None, now: datetime) -> str:
     return f"{span} ago" if seconds >= 0 else f"in {span}"
 
 
+def _span(when: datetime | None, now: datetime) -> str:
+    return _ago(when, now).removesuffix(" ago").removeprefix("in ")
+
+
 def next_step(job: JobRecord, now: datetime) -> str:
     if job.state is JobState.SUCCEEDED:
         return f"done: result at {job.result_key}"
     if job.state is JobState.QUARANTINED:
         return (
-            f"quarantined: {job.quarantine_reason or job.last_error}; the message is in "
-            "jobrelay.quarantine, the reason above is the one to act on"
+            f"quarantined: {job.quarantine_reason or job.last_error}; fix the cause, then "
+            f"replay it: jobrelay job replay {job.id}"
         )
     if job.state is JobState.CANCELLED:
-        return "cancelled by an operator; nothing further will run"
+        return "cancelled by an operator; later deliveries are acked without work"
     if job.state is JobState.RUNNING:
+        lease = job.lease_expires_at
+        if lease is not None and lease <= now:
+            return (
+                f"running attempt {job.attempt}/{job.max_attempts}, but the lease of "
+                f"{job.lease_owner} expired {_ago(lease, now)}: that worker is presumed lost; "
+                "a redelivery or the reconciler takes the job over"
+            )
         return (
             f"running attempt {job.attempt}/{job.max_attempts} on {job.lease_owner}, lease "
-            f"expires {_ago(job.lease_expires_at, now)}; if that worker died the job is "
-            "taken over when the lease expires"
+            f"expires {_ago(lease, now)}; if that worker died the job is taken over when the "
+            "lease expires"
         )
     if not job.published and job.unpublished_since is not None:
         hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
+        if job.state is JobState.QUEUED and job.attempt == 0:
+            what = f"accepted {_ago(job.created_at, now)}"
+        elif job.state is JobState.RETRY_WAIT:
+            what = f"retry scheduled {_ago(job.updated_at, now)}"
+        else:
+            what = f"{job.state.value} since {_ago(job.updated_at, now)}"
         return (
-            f"an outbox row has waited {_ago(job.unpublished_since, now).removesuffix(' ago')}"
-            f" to be published: is a relay running?{hint}"
+            f"{what}, outbox row not yet published (waiting "
+            f"{_span(job.unpublished_since, now)}): is a relay running?{hint}"
         )
     if job.state is JobState.RETRY_WAIT:
+        due = job.next_attempt_at
+        if due is not None and due <= now:
+            return (
+                f"retry was due {_ago(due, now)} after: {job.last_error}; is a worker running "
+                "and consuming? (the reconciler re-sends an overdue retry)"
+            )
         return (
-            f"waiting to retry ({_ago(job.next_attempt_at, now)}) after: {job.last_error}; "
+            f"waiting to retry ({_ago(due, now)}) after: {job.last_error}; "
             "the retry message is in the delay route"
         )
-    return "published and waiting for a worker: is a worker running and consuming?"
+    return (
+        f"published and waiting for a worker (accepted {_ago(job.created_at, now)}): "
+        "is a worker running and consuming?"
+    )
 
 
-def render_job(job: JobRecord, events: list[EventRecord], now: datetime) -> None:
+@dataclass(frozen=True)
+class Attempt:
+    number: int
+    started_at: datetime
+    worker: str | None
+    outcome: str  # succeeded, retry, quarantined, lease lost, lost, running, no outcome
+    error: str | None = None
+
+
+_OUTCOME_EVENTS = {
+    "result_saved": "succeeded",
+    "retry_scheduled": "retry",
+    "quarantined": "quarantined",
+    "lease_lost": "lease lost",
+    "reconciled_lease_expired": "lost (lease expired, re-queued by the reconciler)",
+}
+
+
+def attempts(job: JobRecord, events: list[EventRecord]) -> list[Attempt]:
+    """One row per claimed attempt, with how it ended, from the timeline alone."""
+    found: dict[int, Attempt] = {}
+    current: int | None = None
+    for event in events:
+        detail = event.detail
+        if event.kind == "claimed":
+            current = int(detail.get("attempt") or len(found) + 1)
+            found[current] = Attempt(current, event.at, detail.get("worker"), "no outcome")
+            continue
+        outcome = _OUTCOME_EVENTS.get(event.kind)
+        if outcome is None:
+            continue
+        number = detail.get("attempt", current)
+        if event.kind == "reconciled_lease_expired":
+            number = detail.get("attempt")
+        if not isinstance(number, int) or number not in found:
+            continue  # decided on delivery, before any attempt (invalid payload, exhausted)
+        previous = found[number]
+        if previous.outcome not in ("no outcome", "lease lost"):
+            continue  # the first outcome of an attempt is the one that counted
+        error = detail.get("error") or detail.get("reason")
+        if event.kind == "result_saved":
+            error = None
+        if event.kind == "reconciled_lease_expired":
+            error = f"worker {detail.get('worker')} stopped renewing its lease"
+        found[number] = Attempt(
+            number, previous.started_at, previous.worker, outcome, str(error) if error else None
+        )
+    if job.state is JobState.RUNNING and job.attempt in found:
+        last = found[job.attempt]
+        if last.outcome == "no outcome":
+            found[job.attempt] = Attempt(last.number, last.started_at, last.worker, "running")
+    return [found[n] for n in sorted(found)]
+
+
+def explain_document(
+    job: JobRecord, events: list[EventRecord], now: datetime, trace_id: str | None = None
+) -> dict[str, Any]:
+    """Everything ``job show`` prints, as camelCase JSON."""
+
+    def iso(when: datetime | None) -> str | None:
+        return when.isoformat() if when is not None else None
+
+    return {
+        "jobId": job.id,
+        "type": job.type,
+        "accountId": job.account_id,
+        "params": job.params,
+        "state": job.state.value,
+        "published": job.published,
+        "unpublishedSince": iso(job.unpublished_since),
+        "lastPublishError": job.last_publish_error,
+        "attempt": job.attempt,
+        "maxAttempts": job.max_attempts,
+        "lastError": job.last_error,
+        "quarantineReason": job.quarantine_reason,
+        "nextAttemptAt": iso(job.next_attempt_at),
+        "leaseOwner": job.lease_owner,
+        "leaseExpiresAt": iso(job.lease_expires_at),
+        "resultKey": job.result_key,
+        "progress": (
+            {"done": job.progress_done or 0, "total": job.progress_total}
+            if job.progress_total is not None
+            else None
+        ),
+        "traceId": trace_id,
+        "createdAt": iso(job.created_at),
+        "updatedAt": iso(job.updated_at),
+        "attempts": [
+            {
+                "attempt": a.number,
+                "startedAt": iso(a.started_at),
+                "worker": a.worker,
+                "outcome": a.outcome,
+                "error": a.error,
+            }
+            for a in attempts(job, events)
+        ],
+        "nextStep": next_step(job, now),
+        "events": [{"at": iso(e.at), "kind": e.kind, "detail": e.detail} for e in events],
+    }
+
+
+def render_job(
+    job: JobRecord, events: list[EventRecord], now: datetime, trace_id: str | None = None
+) -> None:
     console.print(f"[bold]job {job.id}[/bold]  {job.type}  account {job.account_id}")
     facts = Table.grid(padding=(0, 2))
     facts.add_row("state", f"[bold]{job.state.value}[/bold]")
     facts.add_row(
         "published",
-        "yes" if job.published else f"no (waiting since {_ago(job.unpublished_since, now)})",
+        "yes"
+        if job.published
+        else f"no (an outbox row waits since {_ago(job.unpublished_since, now)})"
+        if job.unpublished_since is not None
+        else "no",
     )
+    if job.last_publish_error and not job.published:
+        facts.add_row("publish error", job.last_publish_error)
     facts.add_row("attempts", f"{job.attempt}/{job.max_attempts}")
     facts.add_row("last error", job.last_error or "-")
+    if job.quarantine_reason:
+        facts.add_row("quarantined for", job.quarantine_reason)
     facts.add_row("next attempt", _ago(job.next_attempt_at, now))
     facts.add_row(
         "lease",
@@ -77,7 +224,25 @@ def render_job(job: JobRecord, events: list[EventRecord], now: datetime) -> None
     if job.progress_total is not None:
         facts.add_row("progress", f"{job.progress_done or 0}/{job.progress_total} rows")
     facts.add_row("params", str(job.params))
+    facts.add_row("trace id", trace_id or "-")
+    facts.add_row(
+        "accepted", f"{job.created_at.isoformat(timespec='seconds')} ({_ago(job.created_at, now)})"
+    )
     console.print(facts)
+    tried = attempts(job, events)
+    if tried:
+        table = Table(title="attempts", show_edge=False)
+        for column in ("#", "started", "worker", "outcome", "error"):
+            table.add_column(column)
+        for a in tried:
+            table.add_row(
+                str(a.number),
+                a.started_at.isoformat(timespec="milliseconds"),
+                a.worker or "-",
+                a.outcome,
+                a.error or "",
+            )
+        console.print(table)
     timeline = Table(title="timeline", show_edge=False)
     for column in ("at", "event", "detail"):
         timeline.add_column(column)
@@ -88,28 +253,47 @@ def render_job(job: JobRecord, events: list[EventRecord], now: datetime) -> None
     console.print(f"next: {next_step(job, now)}")
 
 
-async def show_job(settings: Settings, job_id: str) -> bool:
+async def show_job(settings: Settings, job_id: str, *, as_json: bool = False) -> bool:
+    from jobrelay.storage.admin import AdminQueries
+
     async with open_runtime(settings, connect_transport=False) as rt:
         job = await rt.store.get_job(job_id)
         if job is None:
             return False
-        render_job(job, await rt.store.events(job_id), utc_now())
+        events = await rt.store.events(job_id)
+        trace_id = await AdminQueries(rt.store).trace_id(job_id)
+    now = utc_now()
+    if as_json:
+        print(json.dumps(explain_document(job, events, now, trace_id), indent=2))
+    else:
+        render_job(job, events, now, trace_id)
     return True
 
 
-async def list_jobs(settings: Settings, state: JobState | None, limit: int) -> None:
+async def list_jobs(
+    settings: Settings,
+    state: JobState | None,
+    limit: int,
+    *,
+    reason: str | None = None,
+    job_type: str | None = None,
+) -> None:
+    from jobrelay.storage.admin import AdminQueries
+
     async with open_runtime(settings, connect_transport=False) as rt:
-        jobs = await rt.store.list_jobs(state=state, limit=limit)
+        jobs = await AdminQueries(rt.store).find_jobs(
+            state=state, reason=reason, job_type=job_type, limit=limit
+        )
     table = Table(show_edge=False)
+    table.add_column("job id", no_wrap=True)
     for column in (
-        "job id",
         "type",
         "account",
         "state",
         "published",
         "attempt",
         "updated",
-        "last error",
+        "reason / last error",
     ):
         table.add_column(column)
     now = utc_now()
@@ -122,7 +306,7 @@ async def list_jobs(settings: Settings, state: JobState | None, limit: int) -> N
             "yes" if job.published else "no",
             f"{job.attempt}/{job.max_attempts}",
             _ago(job.updated_at, now),
-            (job.last_error or "")[:60],
+            (job.quarantine_reason or job.last_error or "")[:80],
         )
     console.print(table)
     console.print(f"{len(jobs)} job(s)")

@@ -5,6 +5,8 @@ production process with faults armed is a misconfiguration worth noticing.
 
 Points and actions:
 - ``export.run:transient|invalid|crash[:n]`` — n means only on attempt n; without n, every attempt.
+- ``notify.after_send:crash[:n]`` — after the SMTP server accepted a notification, before the
+  effects ledger says ``sent``; n is the notify job's attempt, as for ``export.run``.
 - ``worker.before_ack:crash[:n]``, ``relay.before_mark:crash[:n]``,
   ``api.before_response:crash[:n]`` — n means the n-th time this process reaches the point;
   without n, every time.
@@ -35,11 +37,12 @@ POINTS: dict[str, frozenset[str]] = {
     "worker.before_ack": frozenset({"crash"}),
     "relay.before_mark": frozenset({"crash"}),
     "api.before_response": frozenset({"crash"}),
+    "notify.after_send": frozenset({"crash"}),
 }
 # Points that know the job's parameters, where an ``@k=v`` selector can apply.
-_SELECTABLE_POINTS = frozenset({"export.run", "api.before_response"})
+_SELECTABLE_POINTS = frozenset({"export.run", "api.before_response", "notify.after_send"})
 # Points whose n counts the job's attempt rather than occurrences in this process.
-_ATTEMPT_POINTS = frozenset({"export.run"})
+_ATTEMPT_POINTS = frozenset({"export.run", "notify.after_send"})
 CRASH_EXIT_CODE = 137
 
 

@@ -3,17 +3,71 @@
 Lifecycle lines carry ``event`` (a stable action name) and ``jobId``/``attempt`` where they
 apply, passed through ``extra=``; support greps one job's story across api, relay and
 worker logs by its id. Never log tokens or payload bodies.
+
+A task can ``bound()`` context (``jobId``, ``attempt``, ``traceId``) that the formatter adds
+to every line logged inside it, so lines from deep helpers carry the job too. ``traceId``
+comes from the W3C ``traceparent`` the API received, which travels in the outbox row and the
+message headers. As a last guard the formatter masks anything shaped like an API token, a
+bearer credential or a password in a URL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import re
 import sys
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+_CONTEXT: ContextVar[Mapping[str, Any]] = ContextVar(
+    "jobrelay_log_context", default=MappingProxyType({})
+)
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+_SECRETS = (
+    (re.compile(r"jr_[A-Za-z0-9_-]{16,}"), "jr_***"),
+    (re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1***"),
+    (re.compile(r"(://[^:/@\s\"']+:)[^@/\s\"']+@"), r"\1***@"),
+)
+
+
+def trace_id(traceparent: object) -> str | None:
+    """The trace id of a W3C ``traceparent`` header value, or None when it is not one."""
+    if not isinstance(traceparent, str):
+        return None
+    match = _TRACEPARENT.match(traceparent.strip().lower())
+    return match.group(1) if match and match.group(1) != "0" * 32 else None
+
+
+def context() -> Mapping[str, Any]:
+    """What ``bound()`` has attached to log lines in the current task."""
+    return _CONTEXT.get()
+
+
+@contextlib.contextmanager
+def bound(**values: Any) -> Iterator[None]:
+    """Add ``values`` (None ones skipped) to every line logged in this block and its tasks."""
+    token = _CONTEXT.set({**_CONTEXT.get(), **{k: v for k, v in values.items() if v is not None}})
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def bind(**values: Any) -> None:
+    """Like ``bound()`` until the enclosing ``bound()`` block (or the task) ends."""
+    _CONTEXT.set({**_CONTEXT.get(), **{k: v for k, v in values.items() if v is not None}})
+
+
+def scrub(text: str) -> str:
+    for pattern, replacement in _SECRETS:
+        text = pattern.sub(replacement, text)
+    return text
 
 
 class JsonFormatter(logging.Formatter):
@@ -29,12 +83,13 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        entry.update(_CONTEXT.get())
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
                 entry[key] = value
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+        return scrub(json.dumps(entry, default=str))
 
 
 def configure(process_name: str, level: str = "INFO") -> None:

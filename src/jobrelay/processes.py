@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
@@ -53,22 +55,70 @@ async def serve_api(settings: Settings, host: str, port: int, stop: asyncio.Even
         await serve_until(build_server(rt, host, port), stop)
 
 
-async def run_relay(settings: Settings, stop: asyncio.Event) -> None:
+@dataclass(frozen=True)
+class MetricsAddress:
+    host: str
+    port: int
+
+
+async def run_relay(
+    settings: Settings, stop: asyncio.Event, metrics_at: MetricsAddress | None = None
+) -> None:
+    """The relay, its reconciler (one leader at a time), and optionally a metrics port."""
+    from jobrelay.metrics import refresh_database_gauges
+    from jobrelay.reconcile import Reconciler
     from jobrelay.relay import Relay
 
     async with open_runtime(settings) as rt:
-        await Relay(rt).run(stop)
+        parts = {"relay": Relay(rt).run(stop), "reconciler": Reconciler(rt).run(stop)}
+        if metrics_at is not None:
+            parts["metrics"] = _metrics_server(rt, metrics_at, stop, refresh_database_gauges)
+        await run_parts(parts, stop)
 
 
-async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
+async def run_worker(
+    settings: Settings, stop: asyncio.Event, metrics_at: MetricsAddress | None = None
+) -> None:
     from jobrelay.worker import Worker
 
     async with open_runtime(settings) as rt:
-        await Worker(rt).run(stop)
+        parts = {"worker": Worker(rt).run(stop)}
+        if metrics_at is not None:
+            parts["metrics"] = _metrics_server(rt, metrics_at, stop)
+        await run_parts(parts, stop)
+
+
+def _metrics_server(
+    rt: Runtime,
+    at: MetricsAddress,
+    stop: asyncio.Event,
+    refresh: Callable[[Runtime], Awaitable[None]] | None = None,
+) -> Coroutine[Any, Any, None]:
+    from jobrelay.metrics import serve_metrics
+
+    return serve_metrics(
+        rt.metrics, at.host, at.port, stop, refresh=(lambda: refresh(rt)) if refresh else None
+    )
+
+
+async def run_parts(parts: dict[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> None:
+    """Run the parts of one process together; one that dies stops the others (and fails)."""
+    tasks = {name: asyncio.create_task(coro) for name, coro in parts.items()}
+    for name, task in tasks.items():
+        task.add_done_callback(_stop_if_dead(name, stop))
+    try:
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+    failed = [n for n, t in tasks.items() if not t.cancelled() and t.exception()]
+    if failed:
+        raise SystemExit(f"jobrelay: error: {', '.join(failed)} died; see the log above")
 
 
 async def run_up(settings: Settings, host: str, port: int, stop: asyncio.Event) -> None:
     """API, relay and worker sharing one runtime; the API stops first, then both drain."""
+    from jobrelay.reconcile import Reconciler
     from jobrelay.relay import Relay
     from jobrelay.worker import Worker
 
@@ -77,6 +127,7 @@ async def run_up(settings: Settings, host: str, port: int, stop: asyncio.Event) 
         parts = {
             "relay": asyncio.create_task(Relay(rt).run(stop)),
             "worker": asyncio.create_task(Worker(rt).run(stop)),
+            "reconciler": asyncio.create_task(Reconciler(rt).run(stop)),
         }
         for name, task in parts.items():
             task.add_done_callback(_stop_if_dead(name, stop))

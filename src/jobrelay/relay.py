@@ -17,9 +17,11 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
 from datetime import timedelta
 
+from jobrelay import logs
 from jobrelay.errors import PublishError, StoreError, TransportError
 from jobrelay.runtime import Runtime
 from jobrelay.storage.notify import OutboxListener
@@ -78,6 +80,16 @@ class Relay:
 
     async def _publish(self, row: OutboxRow) -> str | None:
         """Publish one row; None when confirmed, else the error to record."""
+        with logs.bound(traceId=logs.trace_id(row.headers.get("traceparent"))):
+            started = time.monotonic()
+            error = await self._publish_row(row)
+            outcome = "confirmed" if error is None else error.split(":", 1)[0]
+            self.rt.metrics.publish_seconds.labels(outcome=outcome).observe(
+                time.monotonic() - started
+            )
+            return error
+
+    async def _publish_row(self, row: OutboxRow) -> str | None:
         try:
             await self.rt.transport.publish(self.message_for(row))
         except PublishError as exc:

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.errors import ConfigError, StoreError, TransportError
 from jobrelay.faults import Faults
+from jobrelay.metrics import Metrics
 from jobrelay.results.base import ResultStore
 from jobrelay.results.files import FileResults
 from jobrelay.settings import Settings
@@ -42,6 +43,7 @@ class Runtime:
     faults: Faults
     topology: Topology
     clock: Clock = field(default=utc_now)
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 def topology_for(settings: Settings) -> Topology:
@@ -62,6 +64,10 @@ def build_transport(settings: Settings, engine: AsyncEngine, clock: Clock = utc_
 
 
 def build_results(settings: Settings) -> ResultStore:
+    if settings.results_url.startswith("s3://"):
+        from jobrelay.results.s3 import S3Results
+
+        return S3Results(settings.results_url, endpoint_url=settings.s3_endpoint_url)
     return FileResults(settings.results_url)
 
 
@@ -93,6 +99,7 @@ async def open_runtime(
     """Open the database and broker, failing fast with the variable to fix."""
     engine = create_engine(settings.database_url)
     transport: Transport | None = None
+    results: ResultStore | None = None
     try:
         transport = build_transport(settings, engine, clock)
         # A remote broker is checked first, so an unreachable one fails before the database
@@ -106,17 +113,23 @@ async def open_runtime(
         await check_schema(settings, engine)
         if connect_transport and settings.uses_local_broker:
             await _connect(transport)
+        # Not probed here: an unreachable S3 endpoint is a transient failure of the jobs
+        # that write to it (retried), never a reason for a worker not to start.
+        results = build_results(settings)
         yield Runtime(
             settings=settings,
             engine=engine,
             store=Store(engine),
             transport=transport,
-            results=build_results(settings),
+            results=results,
             faults=faults if faults is not None else Faults(settings.faults),
             topology=topology_for(settings),
             clock=clock,
         )
     finally:
+        if results is not None:
+            with contextlib.suppress(Exception):
+                await results.aclose()
         if transport is not None:
             with contextlib.suppress(Exception):
                 await transport.close()

@@ -7,15 +7,18 @@ before anything is created.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from jobrelay.errors import ConfigError
 
 ENV_PREFIX = "JOBRELAY_"
+# S3 bucket naming rules: 3-63 lowercase letters, digits, dots and hyphens, alnum at the ends.
+_S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 class Settings(BaseSettings):
@@ -38,8 +41,20 @@ class Settings(BaseSettings):
     relay_claim_seconds: float = Field(default=30.0, gt=0)
     # Local transport: how long a delivery stays invisible to other consumers without a renewal.
     visibility_seconds: float = Field(default=30.0, gt=0)
+    # The relay's reconciler: how often it runs (0: never), and how far past its due time a
+    # lease, a retry or an unpublished outbox row must be before it is repaired or reported.
+    reconcile_seconds: float = Field(default=30.0, ge=0)
+    reconcile_grace_seconds: float = Field(default=60.0, ge=0)
     faults: str = ""
     log_level: str = "INFO"
+    # S3-compatible endpoint for s3:// results (MinIO, Ceph, moto); unset means AWS itself.
+    # Credentials and region come from the standard AWS variables, never from here.
+    s3_endpoint_url: str | None = None
+    # Outgoing mail for notify.email jobs: smtp://[user:pass@]host[:port] or smtps://…
+    smtp_url: str | None = None
+    mail_from: str | None = Field(default=None, validate_default=True)
+    # Where people reach the API; links in e-mails are built from it.
+    public_url: str = "http://127.0.0.1:8000"
 
     @field_validator("retry_delays", mode="before")
     @classmethod
@@ -97,9 +112,62 @@ class Settings(BaseSettings):
     @classmethod
     def _check_results_url(cls, value: str) -> str:
         parts = urlsplit(value)
+        if parts.scheme == "s3":
+            if not _S3_BUCKET.fullmatch(parts.netloc) or parts.query or parts.fragment:
+                raise ValueError(
+                    f"expected s3://bucket[/prefix] with a valid bucket name, got {value!r}"
+                )
+            return value
         if parts.scheme != "file" or not (parts.netloc + parts.path):
-            raise ValueError(f"expected file://PATH, got {value!r}")
+            raise ValueError(f"expected file://PATH or s3://bucket[/prefix], got {value!r}")
         return value
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _check_s3_endpoint_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in {"http", "https"} or not parts.hostname:
+            raise ValueError(f"expected http(s)://host[:port], got {redact_url(value)!r}")
+        return value
+
+    @field_validator("smtp_url")
+    @classmethod
+    def _check_smtp_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        try:
+            parts.port  # noqa: B018 - raises on a non-numeric port
+        except ValueError:
+            parts = parts._replace(scheme="")
+        if parts.scheme not in {"smtp", "smtps"} or not parts.hostname:
+            raise ValueError(
+                f"expected smtp://host:port or smtps://host:port, got {redact_url(value)!r}"
+            )
+        return value
+
+    @field_validator("mail_from")
+    @classmethod
+    def _check_mail_from(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            if info.data.get("smtp_url"):
+                raise ValueError(
+                    "required when JOBRELAY_SMTP_URL is set (e.g. jobrelay@example.com)"
+                )
+            return None
+        from jobrelay.domain.effects import check_address
+
+        return check_address(value)
+
+    @field_validator("public_url")
+    @classmethod
+    def _check_public_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in {"http", "https"} or not parts.hostname or parts.query:
+            raise ValueError(f"expected http(s)://host[:port][/path], got {value!r}")
+        return value.rstrip("/")
 
     @property
     def is_postgres(self) -> bool:
@@ -112,8 +180,9 @@ class Settings(BaseSettings):
     def redacted(self) -> dict[str, Any]:
         """Settings safe to log: passwords in URLs replaced."""
         out = self.model_dump()
-        for key in ("database_url", "broker_url", "results_url"):
-            out[key] = redact_url(out[key])
+        for key in ("database_url", "broker_url", "results_url", "s3_endpoint_url", "smtp_url"):
+            if out[key] is not None:
+                out[key] = redact_url(out[key])
         return out
 
 

@@ -17,10 +17,12 @@ import logging
 import math
 import os
 import socket
+import time
 import uuid
 from datetime import timedelta
 from typing import Any
 
+from jobrelay import logs
 from jobrelay.domain.messages import JobMessage, MessageDecodeError, decode
 from jobrelay.domain.policy import (
     Action,
@@ -33,10 +35,11 @@ from jobrelay.domain.policy import (
     decide,
     observe_delivery,
 )
+from jobrelay.domain.states import JobState
 from jobrelay.errors import OperationError, PermanentError, StoreError
 from jobrelay.operations.base import OperationContext, Registry, default_registry
 from jobrelay.runtime import Runtime
-from jobrelay.storage.store import JobRecord
+from jobrelay.storage.store import JobRecord, NewJob
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
@@ -61,7 +64,7 @@ class Worker:
         self, rt: Runtime, *, registry: Registry | None = None, worker_id: str | None = None
     ) -> None:
         self.rt = rt
-        self.registry = registry or default_registry()
+        self.registry = registry or default_registry(rt.settings)
         self.worker_id = worker_id or new_worker_id()
         self.lease = timedelta(seconds=rt.settings.lease_seconds)
         self.handled = 0
@@ -139,12 +142,21 @@ class Worker:
     # --- one delivery -----------------------------------------------------------------------
 
     async def handle(self, delivery: Delivery) -> None:
+        """Handle one delivery; its log lines carry the trace id from its ``traceparent``."""
+        self.rt.metrics.deliveries.inc()
+        if delivery.redelivered:
+            self.rt.metrics.redeliveries.inc()
+        with logs.bound(traceId=logs.trace_id(delivery.headers.get("traceparent"))):
+            await self._handle(delivery)
+
+    async def _handle(self, delivery: Delivery) -> None:
         meta = {"redelivered": delivery.redelivered, "deliveryCount": delivery.delivery_count}
         try:
             message = decode(delivery.body, self.registry.types)
         except MessageDecodeError as exc:
             await self._invalid(delivery, exc.reason, exc.job_id, meta)
             return
+        logs.bind(jobId=message.job_id)
         for _ in range(_MAX_DECISION_ROUNDS):
             job = await self.rt.store.get_job(message.job_id)
             if job is None:
@@ -175,6 +187,8 @@ class Worker:
                 await self.rt.store.record_event(
                     job.id, decision.event, now, reason=decision.reason, **meta
                 )
+                if decision.event == "duplicate_acked":
+                    self.rt.metrics.duplicates_acked.inc()
                 await self._settle(delivery, job.id, Action.ACK, job.attempt)
                 return True
             case Action.DEFER:
@@ -187,6 +201,7 @@ class Worker:
                     )
                     if not quarantined:
                         return False
+                    self.rt.metrics.quarantined(job.state.value, decision.reason or "")
                 else:
                     await self.rt.store.record_event(
                         job.id, decision.event, now, reason=decision.reason, **meta
@@ -199,6 +214,8 @@ class Worker:
                 )
                 if attempt is None:
                     return False
+                self.rt.metrics.transition(job.state.value, JobState.RUNNING.value)
+                logs.bind(attempt=attempt)
                 await self._run(delivery, job, attempt)
                 return True
         raise AssertionError(decision)  # pragma: no cover
@@ -224,8 +241,10 @@ class Worker:
             report_progress=lambda done, total: self.rt.store.report_progress(
                 job.id, self.worker_id, done, total, self.rt.clock()
             ),
+            clock=self.rt.clock,
         )
         observation: Observation
+        started = time.monotonic()
         heartbeat = asyncio.create_task(self._heartbeat(job.id))
         try:
             result = await operation.run(context)
@@ -247,6 +266,8 @@ class Worker:
             attempt,
             observation,
             result_meta=(result.meta if isinstance(observation, ResultSaved) else {}),
+            started=started,
+            follow_ups=(result.follow_ups if isinstance(observation, ResultSaved) else ()),
         )
 
     def _transient(self, job: JobRecord, attempt: int, error: str) -> TransientFailure:
@@ -259,6 +280,8 @@ class Worker:
         attempt: int,
         observation: Observation,
         result_meta: dict[str, Any],
+        started: float | None = None,
+        follow_ups: tuple[NewJob, ...] = (),
     ) -> None:
         decision = decide(observation)
         now = self.rt.clock()
@@ -270,6 +293,7 @@ class Worker:
                 observation.result_key,
                 {**result_meta, "attempt": attempt},
                 now,
+                follow_ups=follow_ups,
             )
         elif decision.action is Action.ACK:
             assert decision.retry_delay is not None
@@ -289,6 +313,7 @@ class Worker:
                 "reason": decision.reason,
             },
         )
+        self._measure(job, decision, won, started)
         if not won:
             # Our lease was taken over (we were presumed dead). The new owner has its own
             # delivery; ours is redundant. The result, if any, went to the same stable key.
@@ -298,6 +323,25 @@ class Worker:
             await self._settle(delivery, job.id, Action.ACK, attempt)
             return
         await self._settle(delivery, job.id, decision.action, attempt)
+
+    def _measure(
+        self, job: JobRecord, decision: Decision, won: bool, started: float | None
+    ) -> None:
+        metrics = self.rt.metrics
+        target = decision.new_state.value if decision.new_state is not None else "unchanged"
+        if started is not None:
+            outcome = target if won else "lease_lost"
+            metrics.job_duration.labels(type=job.type, outcome=outcome).observe(
+                time.monotonic() - started
+            )
+        if not won:
+            return
+        if decision.new_state is JobState.QUARANTINED:
+            metrics.quarantined(JobState.RUNNING.value, decision.reason or "")
+        else:
+            metrics.transition(JobState.RUNNING.value, target)
+            if decision.new_state is JobState.RETRY_WAIT:
+                metrics.retries.inc()
 
     async def _heartbeat(self, job_id: str) -> None:
         interval = self.lease.total_seconds() / 3
@@ -362,7 +406,8 @@ class Worker:
         now = self.rt.clock()
         if job is not None:
             if decision.new_state is not None:
-                await self.rt.store.quarantine(job.id, decision.reason or reason, now, **meta)
+                if await self.rt.store.quarantine(job.id, decision.reason or reason, now, **meta):
+                    self.rt.metrics.quarantined(job.state.value, decision.reason or reason)
             else:
                 await self.rt.store.record_event(job.id, decision.event, now, reason=reason, **meta)
         log.warning(

@@ -530,7 +530,7 @@ async def test_openapi_lists_the_routes_with_their_models(client: httpx.AsyncCli
         "$ref": "#/components/schemas/Accepted"
     }
     request = export["requestBody"]["content"]["application/json"]["schema"]
-    assert set(request["properties"]) == {"accountId", "period"}
+    assert set(request["properties"]) == {"accountId", "period", "notifyEmail"}
     assert request["additionalProperties"] is False
     assert set(export["responses"]["422"]["content"]) == {PROBLEM}
     job = paths["/v1/jobs/{jobId}"]["get"]["responses"]

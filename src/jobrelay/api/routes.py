@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
+from fastapi.responses import RedirectResponse, StreamingResponse
 from pydantic import ValidationError
 
 from jobrelay.api.auth import Principal, PrincipalDep
@@ -24,6 +24,7 @@ from jobrelay.api.problems import (
     IDEMPOTENCY_CONFLICT,
     NOT_FINISHED,
     RESULT_GONE,
+    UNAVAILABLE,
     FieldError,
     NotFinishedProblem,
     ProblemError,
@@ -42,7 +43,8 @@ from jobrelay.api.schemas import (
 )
 from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.states import JobState
-from jobrelay.errors import IdempotencyConflict
+from jobrelay.errors import IdempotencyConflict, TransientError
+from jobrelay.metrics import NEW as NEW_JOB
 from jobrelay.operations.report_export import TYPE as EXPORT_TYPE
 from jobrelay.runtime import Runtime
 from jobrelay.storage.store import JobRecord, NewJob
@@ -53,6 +55,10 @@ log = logging.getLogger("jobrelay.api")
 MAX_BODY_BYTES = 16 * 1024
 _NOT_FOUND = "no job with this id is visible to this token"
 _UNSAFE_FILENAME = re.compile(r"[^A-Za-z0-9._-]")
+# Lifetime of a presigned result URL: long enough to follow a redirect and start a download
+# (S3 checks expiry when a GET starts, not while it streams), short enough that a leaked URL
+# is soon worthless. The ceiling is 15 minutes.
+RESULT_URL_SECONDS = 300
 
 router = APIRouter()
 
@@ -139,10 +145,18 @@ async def create_export(
             title="Idempotency-Key reused",
             errors=[FieldError(field="Idempotency-Key", message=str(exc)).model_dump()],
         ) from None
+    if created:
+        runtime.metrics.transition(NEW_JOB, JobState.QUEUED.value)
     runtime.faults.hit("api.before_response", params=params)
     log.info(
         "job accepted" if created else "job already accepted",
-        extra={"event": "job_accepted", "jobId": job_id, "isNew": created, "type": EXPORT_TYPE},
+        extra={
+            "event": "job_accepted",
+            "jobId": job_id,
+            "isNew": created,
+            "type": EXPORT_TYPE,
+            "attempt": 0 if created else None,  # a repeat: the job may be further along
+        },
     )
     status_url = f"/v1/jobs/{job_id}"
     response.headers["Location"] = status_url
@@ -174,15 +188,25 @@ async def get_events(job_id: JobIdPath, principal: PrincipalDep, runtime: Runtim
     summary="The CSV of a succeeded job",
     responses={
         **_JOB_RESPONSES,
-        200: {"description": "The export as CSV, streamed."},
+        200: {"description": "The export as CSV, streamed (results on file://)."},
+        307: {
+            "description": (
+                "Results on s3://: a redirect to a presigned GET URL that expires after "
+                f"{RESULT_URL_SECONDS} s. Sent only after the token was checked for this job."
+            )
+        },
         409: problem_openapi(
             "The job has not succeeded (the detail says its state).", NotFinishedProblem
         ),
         410: problem_openapi("The job succeeded but its result file is gone."),
+        503: problem_openapi("The database or the result store (S3) is unavailable."),
     },
 )
 async def get_result(job_id: JobIdPath, principal: PrincipalDep, runtime: RuntimeDep) -> Response:
+    # Tenancy first: no URL is ever signed for a job the caller may not see.
     job = await _visible_job(runtime, principal, job_id)
+    if job.type != EXPORT_TYPE:
+        raise ProblemError(404, f"a {job.type} job has no result to download")
     if job.state is not JobState.SUCCEEDED:
         raise ProblemError(
             409,
@@ -192,8 +216,15 @@ async def get_result(job_id: JobIdPath, principal: PrincipalDep, runtime: Runtim
             state=job.state.value,
         )
     key = job.result_key
-    if key is None or not await runtime.results.exists(key):
-        raise _result_gone(job)
+    try:
+        if key is None or not await runtime.results.exists(key):
+            raise _result_gone(job)
+        url = await runtime.results.presign(key, RESULT_URL_SECONDS, filename=_filename(job))
+    except TransientError as exc:
+        raise _results_unavailable(exc) from None
+    if url is not None:
+        # The URL is a bearer credential for a while: no cache may keep it.
+        return RedirectResponse(url, status_code=307, headers={"Cache-Control": "no-store"})
     chunks = runtime.results.read(key)
     # Read the first chunk before answering, so a file removed since exists() is still a
     # clean 410 and not a stream that breaks after a 200 was sent.
@@ -234,6 +265,21 @@ async def _visible_job(runtime: Runtime, principal: Principal, raw_id: str) -> J
     if job is None or not principal.may_act_for(job.account_id):
         raise ProblemError(404, _NOT_FOUND)
     return job
+
+
+def _results_unavailable(exc: TransientError) -> ProblemError:
+    # The reason goes to the log only: it can name endpoints and buckets.
+    log.warning(
+        "result store unavailable: %s",
+        exc,
+        extra={"event": "api_dependency_unavailable", "dependency": "results"},
+    )
+    return ProblemError(
+        503,
+        "the result store is unavailable; try again later",
+        type_=UNAVAILABLE,
+        headers={"Retry-After": "5"},
+    )
 
 
 def _result_gone(job: JobRecord) -> ProblemError:

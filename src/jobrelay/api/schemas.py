@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
+from jobrelay.domain.effects import MAX_ADDRESS_LENGTH, check_address
 from jobrelay.storage.store import EventRecord, JobRecord
 
 ACCOUNT_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
@@ -44,6 +45,21 @@ class ExportRequest(WireModel):
         description="A calendar month, YYYY-MM, from 1900-01 to 2999-12.",
         examples=["2020-05"],
     )
+    notify_email: str | None = Field(
+        default=None,
+        max_length=MAX_ADDRESS_LENGTH,
+        description=(
+            "Optional. One plain address (name@example.com, at most 254 characters, no display "
+            "name, no list) that gets one e-mail with a link to the result once the export "
+            "has succeeded. Part of the request's identity: it changes the jobId."
+        ),
+        examples=["ops@example.com"],
+    )
+
+    @field_validator("notify_email")
+    @classmethod
+    def _single_address(cls, value: str | None) -> str | None:
+        return None if value is None else check_address(value)
 
     @field_validator("period")
     @classmethod
@@ -56,8 +72,15 @@ class ExportRequest(WireModel):
         return value
 
     def params(self) -> dict[str, Any]:
-        """The job's stored parameters: exactly the two wire fields, in wire spelling."""
-        return {"accountId": self.account_id, "period": self.period}
+        """The job's stored parameters: the wire fields given, in wire spelling.
+
+        ``notifyEmail`` is stored only when given, so a request without it keeps the jobId
+        it always had.
+        """
+        params = {"accountId": self.account_id, "period": self.period}
+        if self.notify_email is not None:
+            params["notifyEmail"] = self.notify_email
+        return params
 
 
 class Accepted(WireModel):

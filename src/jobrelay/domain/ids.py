@@ -39,3 +39,14 @@ def job_id_for(
     else:
         material = canonical_json({"account": account_id, "type": job_type, "params": params})
     return str(uuid.uuid5(_NAMESPACE, material))
+
+
+def follow_up_job_id(parent_job_id: str, job_type: str) -> str:
+    """The id of the one ``job_type`` job that ``parent_job_id`` may create when it succeeds.
+
+    A function of the parent's id alone, so a second "succeeded" for the same parent (a
+    duplicate delivery, a lease takeover) lands on the existing follow-up instead of
+    creating another one: one export, at most one notification.
+    """
+    material = canonical_json({"parent": parent_job_id, "type": job_type})
+    return str(uuid.uuid5(_NAMESPACE, material))

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jobrelay.faults import Faults
 from jobrelay.results.base import ResultStore
-from jobrelay.storage.store import JobRecord, Store
+from jobrelay.storage.store import JobRecord, NewJob, Store
+
+if TYPE_CHECKING:
+    from jobrelay.settings import Settings
 
 ProgressFn = Callable[[int, int], Awaitable[None]]
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
 
 
 @dataclass(frozen=True)
@@ -27,12 +35,16 @@ class OperationContext:
     results: ResultStore
     faults: Faults
     report_progress: ProgressFn
+    # The runtime's clock, for times an operation writes (the effects ledger).
+    clock: Callable[[], datetime] = _utc_now
 
 
 @dataclass(frozen=True)
 class OperationResult:
     result_key: str
     meta: dict[str, Any] = field(default_factory=dict)
+    # Jobs to create in the same transaction that records this success (a notification).
+    follow_ups: tuple[NewJob, ...] = ()
 
 
 class Operation(Protocol):
@@ -57,7 +69,10 @@ class Registry:
         return self._by_type.get(job_type)
 
 
-def default_registry() -> Registry:
+def default_registry(settings: Settings | None = None) -> Registry:
+    """Every shipped operation. Without settings, ``notify.email`` is still known (so its
+    messages decode) but cannot send, and its jobs are quarantined saying so."""
+    from jobrelay.operations.notify_email import NotifyEmail
     from jobrelay.operations.report_export import ReportExport
 
-    return Registry([ReportExport()])
+    return Registry([ReportExport(), NotifyEmail(settings)])

@@ -16,8 +16,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from jobrelay.domain.effects import check_address
 from jobrelay.errors import PermanentError
 from jobrelay.operations.base import OperationContext, OperationResult
+from jobrelay.operations.notify_email import NOTIFY_PARAM, notification_for
 
 TYPE = "report.export"
 COLUMNS = ("entry_id", "booked_on", "description", "counterparty", "amount", "currency")
@@ -41,8 +43,16 @@ class ReportExport:
     type = TYPE
 
     def validate(self, params: Mapping[str, Any]) -> None:
-        if set(params) != {"accountId", "period"}:
-            raise PermanentError(f"report.export takes accountId and period, got {sorted(params)}")
+        if set(params) - {NOTIFY_PARAM} != {"accountId", "period"}:
+            raise PermanentError(
+                f"report.export takes accountId, period and optionally {NOTIFY_PARAM},"
+                f" got {sorted(params)}"
+            )
+        if NOTIFY_PARAM in params:
+            try:
+                check_address(str(params[NOTIFY_PARAM]))
+            except ValueError as exc:
+                raise PermanentError(f"invalid {NOTIFY_PARAM}: {exc}") from None
         account, period = params["accountId"], params["period"]
         if not isinstance(account, str) or not ACCOUNT_PATTERN.match(account):
             raise PermanentError(f"invalid accountId {account!r}")
@@ -85,9 +95,11 @@ class ReportExport:
                         last_report = time.monotonic()
             await writer.write(_drain(buffer))
         stored = session.result
+        notification = notification_for(job)
         return OperationResult(
             result_key=key,
             meta={"rows": rows, "bytes": stored.size, "sha256": stored.sha256},
+            follow_ups=(notification,) if notification is not None else (),
         )
 
 

@@ -1,1 +1,1 @@
-"""Where finished exports are kept. ``file://`` here; other backends plug in beside it."""
+"""Where finished exports are kept: ``file://`` (files.py) or ``s3://`` (s3.py)."""

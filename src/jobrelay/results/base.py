@@ -34,6 +34,18 @@ class ResultStore(Protocol):
         """Where a person finds the result (a path or URL), for CLI output."""
         ...
 
+    async def presign(self, key: str, seconds: int, *, filename: str | None = None) -> str | None:
+        """A URL that lets its bearer GET the result for ``seconds``, or None when this store
+        has no such URLs and the API must stream the bytes itself (``file://``).
+
+        Only ever called after the caller checked that the requester may see the job.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections; the runtime calls it once, on shutdown."""
+        ...
+
 
 class ResultSession(Protocol):
     """``async with store.writer(key) as w: await w.write(...)``; committed on clean exit."""

@@ -61,6 +61,12 @@ class FileResults:
     def describe(self, key: str) -> str:
         return str(self.path_for(key))
 
+    async def presign(self, key: str, seconds: int, *, filename: str | None = None) -> str | None:
+        return None  # a path on this machine is no URL for a client: the API streams it
+
+    async def aclose(self) -> None:
+        return None
+
 
 class _FileWriter:
     def __init__(self, handle: IO[bytes]) -> None:

@@ -28,6 +28,7 @@ from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.policy import RETRY_SLACK, JobView
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.errors import IdempotencyConflict, StoreError
+from jobrelay.storage.effects import EffectsLedger
 from jobrelay.storage.engine import READ_ONLY_OPTION
 from jobrelay.storage.tables import (
     UTCDateTime,
@@ -125,6 +126,8 @@ class Store:
         # In-process wake-ups for a relay in this same process (``jobrelay up``), set after
         # a commit that wrote outbox rows. PostgreSQL relays elsewhere get NOTIFY instead.
         self.outbox_listeners: list[asyncio.Event] = []
+        # External effects of jobs (e-mails sent): a small module of its own, same database.
+        self.effects = EffectsLedger(engine)
 
     def _wake_relays(self) -> None:
         for listener in self.outbox_listeners:
@@ -170,6 +173,16 @@ class Store:
         now: datetime,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        if headers is None:
+            # Retries, deferrals and repairs carry on the trace of the job's first message.
+            first = await conn.scalar(
+                select(outbox.c.headers)
+                .where(outbox.c.job_id == job_id)
+                .order_by(outbox.c.id)
+                .limit(1)
+            )
+            trace = (first or {}).get("traceparent")
+            headers = {"traceparent": trace} if isinstance(trace, str) else None
         await conn.execute(
             insert(outbox).values(
                 job_id=job_id,
@@ -242,7 +255,8 @@ class Store:
                     )
                 return job.job_id, False
             message = JobMessage(job_id=job.job_id, type=job.type)
-            await self._enqueue(conn, job.job_id, message, WORK_DESTINATION, now, job.headers)
+            headers = job.headers or {}  # a new job: no earlier message to inherit from
+            await self._enqueue(conn, job.job_id, message, WORK_DESTINATION, now, headers)
             await self._event(conn, job.job_id, "accepted", now, type=job.type)
         self._wake_relays()
         return job.job_id, True
@@ -503,8 +517,14 @@ class Store:
         result_key: str,
         result_meta: dict[str, Any],
         now: datetime,
+        follow_ups: Sequence[NewJob] = (),
     ) -> bool:
-        """running -> succeeded with its result key, BEFORE the delivery is acked."""
+        """running -> succeeded with its result key, BEFORE the delivery is acked.
+
+        ``follow_ups`` (a notification of this success) are created in the SAME transaction,
+        each with its outbox row and ``accepted`` event: no success without its follow-up,
+        and, their ids being derived from this job's, never a second one.
+        """
         async with self._write() as conn:
             won = await self._transition(
                 conn,
@@ -530,7 +550,40 @@ class Store:
                     worker=worker_id,
                     **result_meta,
                 )
+                for follow_up in follow_ups:
+                    await self._add_follow_up(conn, job_id, follow_up, now)
+        if won and follow_ups:
+            self._wake_relays()
         return won
+
+    async def _add_follow_up(
+        self, conn: AsyncConnection, parent_id: str, job: NewJob, now: datetime
+    ) -> None:
+        inserted = await conn.execute(
+            self._insert(jobs)
+            .values(
+                id=job.job_id,
+                type=job.type,
+                account_id=job.account_id,
+                params=job.params,
+                idempotency_key=job.idempotency_key,
+                request_hash=job.request_hash,
+                state=JobState.QUEUED.value,
+                attempt=0,
+                max_attempts=job.max_attempts,
+                created_at=now,
+                updated_at=now,
+            )
+            .on_conflict_do_nothing(index_elements=[jobs.c.id])
+        )
+        if inserted.rowcount != 1:
+            return  # created by an earlier success of the same parent
+        message = JobMessage(job_id=job.job_id, type=job.type)
+        await self._enqueue(conn, job.job_id, message, WORK_DESTINATION, now, job.headers or {})
+        await self._event(conn, job.job_id, "accepted", now, type=job.type, parentJobId=parent_id)
+        await self._event(
+            conn, parent_id, "follow_up_accepted", now, jobId=job.job_id, type=job.type
+        )
 
     async def schedule_retry(
         self,

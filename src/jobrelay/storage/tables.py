@@ -23,6 +23,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     Numeric,
+    PrimaryKeyConstraint,
     String,
     Table,
     Text,
@@ -178,4 +179,22 @@ Index(
     local_messages.c.queue,
     local_messages.c.available_at,
     local_messages.c.id,
+)
+
+# One row per external effect of a job (kind "email": the notification it sends), so a retry
+# decides from a recorded fact whether the effect already happened. See domain/effects.py.
+effects_ledger = Table(
+    "effects_ledger",
+    metadata,
+    Column("job_id", String(36), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("state", String(24), nullable=False),  # sending | sent | failed | possible_duplicate
+    # The effect's own stable identity (an e-mail's Message-ID): the same on every attempt.
+    Column("message_id", Text, nullable=False),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("last_error", Text),
+    Column("sent_at", UTCDateTime()),  # when the other side first accepted it (this ledger knows)
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("updated_at", UTCDateTime(), nullable=False),
+    PrimaryKeyConstraint("job_id", "kind"),
 )

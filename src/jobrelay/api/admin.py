@@ -1,0 +1,238 @@
+"""Operator endpoints: replay, cancel and list for admin tokens; explain and whoami for all.
+
+Replay and cancel are the same ``Operator`` actions as the CLI. The event they write names
+the admin token that did it (``token#<id> (<label>)``), never the token itself. Account
+tokens get 403 on every admin endpoint, even for their own jobs: those actions are for
+operators. ``/explain`` follows the read rules of ``GET /v1/jobs/{jobId}`` (an account sees
+only its own jobs; another account's job is a 404).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, Header, Path, Query
+from fastapi.security import HTTPAuthorizationCredentials
+from pydantic import ConfigDict, Field, field_validator
+
+from jobrelay.api.auth import Principal, PrincipalDep, _bearer, hash_token
+from jobrelay.api.deps import RuntimeDep
+from jobrelay.api.problems import ProblemError, problem_openapi
+from jobrelay.api.schemas import JobOut, WireModel, canonical_job_id, valid_traceparent
+from jobrelay.domain.states import JobState
+from jobrelay.explain import explain_document
+from jobrelay.operator import Operator, refusal
+from jobrelay.runtime import Runtime
+from jobrelay.storage.admin import ActionOutcome, AdminQueries
+from jobrelay.storage.store import JobRecord
+
+INVALID_TRANSITION = "urn:jobrelay:problem:invalid-transition"
+_NOT_FOUND = "no job with this id is visible to this token"
+
+router = APIRouter()
+
+_ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: problem_openapi("No token, or not a valid one."),
+    403: problem_openapi("Not an admin token."),
+    503: problem_openapi("The database is unavailable; nothing was changed."),
+}
+_ACTION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **_ADMIN_RESPONSES,
+    404: problem_openapi("No such job."),
+    409: problem_openapi("The job is in a state this action may not move it from."),
+    422: problem_openapi("Invalid body."),
+}
+JobIdPath = Annotated[str, Path(alias="jobId", description="The jobId returned by the 202.")]
+
+
+class _Reasoned(WireModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("reason", check_fields=False)
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be blank")
+        return value.strip()
+
+
+class ReplayRequest(_Reasoned):
+    reason: str = Field(default="replayed by an operator", min_length=1, max_length=500)
+
+
+class CancelRequest(_Reasoned):
+    reason: str = Field(min_length=1, max_length=500, description="Why; kept in the timeline.")
+
+
+class ActionOut(WireModel):
+    job_id: str
+    action: str
+    state: str
+    previous_state: str
+    actor: str
+
+
+class JobSummary(JobOut):
+    quarantine_reason: str | None = None
+
+    @classmethod
+    def from_job(cls, job: JobRecord) -> JobSummary:
+        return cls(**JobOut.from_record(job).model_dump(), quarantine_reason=job.quarantine_reason)
+
+
+class JobsOut(WireModel):
+    jobs: list[JobSummary]
+
+
+class WhoAmI(WireModel):
+    account_id: str | None
+    admin: bool
+
+
+async def admin_actor(
+    principal: PrincipalDep,
+    runtime: RuntimeDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> str:
+    """The name of the admin token calling (for the audit trail); 403 for account tokens."""
+    if not principal.is_admin or credentials is None:
+        raise ProblemError(
+            403, "this endpoint needs an admin token (jobrelay token create --admin)"
+        )
+    identity = await AdminQueries(runtime.store).token_identity(hash_token(credentials.credentials))
+    if identity is None:  # revoked between the two reads
+        raise ProblemError(401, "the API token is not valid")
+    token_id, label = identity
+    return f"token#{token_id}" + (f" ({label})" if label else "")
+
+
+AdminActor = Annotated[str, Depends(admin_actor)]
+
+
+@router.get(
+    "/v1/whoami",
+    response_model=WhoAmI,
+    summary="What this token may do",
+    responses={
+        401: problem_openapi("No token, or not a valid one."),
+        503: problem_openapi("The database is unavailable."),
+    },
+)
+async def whoami(principal: PrincipalDep) -> WhoAmI:
+    return WhoAmI(account_id=principal.account_id, admin=principal.is_admin)
+
+
+@router.get(
+    "/v1/jobs",
+    response_model=JobsOut,
+    summary="List jobs (admin)",
+    responses={**_ADMIN_RESPONSES, 422: problem_openapi("An unknown state or a bad limit.")},
+)
+async def list_jobs(
+    runtime: RuntimeDep,
+    actor: AdminActor,
+    state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
+    reason: Annotated[
+        str | None,
+        Query(max_length=500, description="Part of the quarantine reason or last error."),
+    ] = None,
+    job_type: Annotated[str | None, Query(alias="type", max_length=64)] = None,
+    account_id: Annotated[str | None, Query(alias="accountId", max_length=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> JobsOut:
+    jobs = await AdminQueries(runtime.store).find_jobs(
+        state=state, reason=reason, job_type=job_type, account_id=account_id, limit=limit
+    )
+    return JobsOut(jobs=[JobSummary.from_job(j) for j in jobs])
+
+
+@router.post(
+    "/v1/jobs/{jobId}/replay",
+    response_model=ActionOut,
+    summary="Replay a quarantined job (admin)",
+    responses=_ACTION_RESPONSES,
+)
+async def replay_job(
+    job_id: JobIdPath,
+    runtime: RuntimeDep,
+    actor: AdminActor,
+    body: Annotated[ReplayRequest | None, Body()] = None,
+    traceparent: Annotated[str | None, Header()] = None,
+) -> ActionOut:
+    """``quarantined -> queued`` with a fresh attempt budget; a new message goes through the
+    outbox. The timeline gets a ``replayed`` event naming this token."""
+    reason = (body or ReplayRequest()).reason
+    return await _act(runtime, job_id, "replay", actor, reason, valid_traceparent(traceparent))
+
+
+@router.post(
+    "/v1/jobs/{jobId}/cancel",
+    response_model=ActionOut,
+    summary="Cancel a job that is not running or finished (admin)",
+    responses=_ACTION_RESPONSES,
+)
+async def cancel_job(
+    job_id: JobIdPath, runtime: RuntimeDep, actor: AdminActor, body: CancelRequest
+) -> ActionOut:
+    """``queued | retry_wait | quarantined -> cancelled``; later deliveries are acked without
+    work. The timeline gets a ``cancelled`` event naming this token."""
+    return await _act(runtime, job_id, "cancel", actor, body.reason, None)
+
+
+@router.get(
+    "/v1/jobs/{jobId}/explain",
+    summary="A job explained: facts, attempts, timeline and where to look next",
+    responses={
+        200: {"description": "The explanation (the JSON of `jobrelay job show --json`)."},
+        401: problem_openapi("No token, or not a valid one."),
+        404: problem_openapi("No such job, or it belongs to another account (not distinguished)."),
+        503: problem_openapi("The database is unavailable."),
+    },
+)
+async def explain_job(
+    job_id: JobIdPath, principal: PrincipalDep, runtime: RuntimeDep
+) -> dict[str, Any]:
+    canonical = canonical_job_id(job_id)
+    job = _visible(principal, await runtime.store.get_job(canonical) if canonical else None)
+    events = await runtime.store.events(job.id)
+    trace_id = await AdminQueries(runtime.store).trace_id(job.id)
+    return explain_document(job, events, runtime.clock(), trace_id)
+
+
+async def _act(
+    runtime: Runtime, raw_id: str, action: str, actor: str, reason: str, trace: str | None
+) -> ActionOut:
+    job_id = canonical_job_id(raw_id)
+    if job_id is None:
+        raise ProblemError(404, _NOT_FOUND)
+    operator = Operator(runtime)
+    outcome: ActionOutcome
+    if action == "replay":
+        headers = {"traceparent": trace} if trace else None
+        outcome = await operator.replay(job_id, actor=actor, reason=reason, headers=headers)
+    else:
+        outcome = await operator.cancel(job_id, actor=actor, reason=reason)
+    if outcome.state is None:
+        raise ProblemError(404, _NOT_FOUND)
+    if not outcome.done:
+        raise ProblemError(
+            409,
+            refusal(action, outcome),
+            type_=INVALID_TRANSITION,
+            title="Not allowed in this state",
+            state=outcome.state.value,
+        )
+    assert outcome.previous_state is not None
+    return ActionOut(
+        job_id=job_id,
+        action=action,
+        state=outcome.state.value,
+        previous_state=outcome.previous_state.value,
+        actor=actor,
+    )
+
+
+def _visible(principal: Principal, job: JobRecord | None) -> JobRecord:
+    if job is None or not principal.may_act_for(job.account_id):
+        raise ProblemError(404, _NOT_FOUND)
+    return job

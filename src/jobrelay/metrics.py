@@ -1,0 +1,245 @@
+"""Prometheus metrics: one ``Metrics`` object per runtime, its own registry, no globals.
+
+Counters and histograms count what *this process* did (a worker's claims, a relay's
+publishes); Prometheus sums them across processes. The gauges read from the database
+(``jobrelay_jobs``, ``jobrelay_outbox_*``) describe the whole system and are refreshed on
+each scrape by the processes that serve them (the API and the relay): aggregate those with
+``max``, not ``sum``. Every name is documented in docs/reference/metrics.md; a test checks
+that the page and this module agree.
+
+``serve_metrics`` is the small HTTP server behind ``--metrics-port`` (relay, worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from jobrelay.runtime import Runtime
+
+log = logging.getLogger("jobrelay.metrics")
+
+# The classic text format every Prometheus version reads (the names here need nothing newer).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+NEW = "new"  # the from_state of a job that was just accepted
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.transitions = Counter(
+            "jobrelay_job_transitions",
+            "Job state changes committed by this process.",
+            ["from_state", "to_state"],
+            registry=r,
+        )
+        self.jobs = Gauge(
+            "jobrelay_jobs", "Jobs in each state (read from the database).", ["state"], registry=r
+        )
+        self.outbox_unpublished = Gauge(
+            "jobrelay_outbox_unpublished",
+            "Outbox rows not yet confirmed by the broker (read from the database).",
+            registry=r,
+        )
+        self.outbox_oldest_age = Gauge(
+            "jobrelay_outbox_oldest_unpublished_age_seconds",
+            "Age of the oldest unpublished outbox row; 0 when none waits.",
+            registry=r,
+        )
+        self.publish_seconds = Histogram(
+            "jobrelay_publish_seconds",
+            "From handing a message to the broker to its publisher confirm (or failure).",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.job_duration = Histogram(
+            "jobrelay_job_duration_seconds",
+            "From a worker's claim to its committed outcome.",
+            ["type", "outcome"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.deliveries = Counter(
+            "jobrelay_deliveries", "Deliveries a worker received.", registry=r
+        )
+        self.redeliveries = Counter(
+            "jobrelay_redeliveries",
+            "Deliveries the broker flagged as redelivered (handed out before).",
+            registry=r,
+        )
+        self.duplicates_acked = Counter(
+            "jobrelay_duplicates_acked",
+            "Deliveries acked without work: the job was finished or its retry not yet due.",
+            registry=r,
+        )
+        self.retries = Counter(
+            "jobrelay_retries", "Retries scheduled after a transient failure.", registry=r
+        )
+        self.quarantines = Counter(
+            "jobrelay_quarantines",
+            "Jobs moved to quarantined, by cause.",
+            ["cause"],
+            registry=r,
+        )
+        self.operator_actions = Counter(
+            "jobrelay_operator_actions",
+            "Operator actions that changed a job (replay, cancel).",
+            ["action"],
+            registry=r,
+        )
+        self.reconcile_runs = Counter(
+            "jobrelay_reconcile_runs", "Reconciler passes completed.", registry=r
+        )
+        self.reconcile_repairs = Counter(
+            "jobrelay_reconcile_repairs",
+            "Jobs the reconciler repaired, by finding.",
+            ["finding"],
+            registry=r,
+        )
+        self.reconcile_findings = Gauge(
+            "jobrelay_reconcile_findings",
+            "What the last reconciler pass found, by finding (repaired or only reported).",
+            ["finding"],
+            registry=r,
+        )
+        self.reconcile_leader = Gauge(
+            "jobrelay_reconcile_leader",
+            "1 while this process is the reconciler leader, else 0.",
+            registry=r,
+        )
+        self.http_requests = Counter(
+            "jobrelay_http_requests",
+            "HTTP requests answered by the API, by route template and status.",
+            ["method", "route", "status"],
+            registry=r,
+        )
+
+    # --- recording helpers (one line at each call site) -----------------------------------
+
+    def transition(self, source: str, target: str) -> None:
+        self.transitions.labels(from_state=source, to_state=target).inc()
+
+    def quarantined(self, source: str, reason: str) -> None:
+        self.transition(source, "quarantined")
+        self.quarantines.labels(cause=quarantine_cause(reason)).inc()
+
+    # --- database gauges and exposition ---------------------------------------------------
+
+    def set_database_gauges(
+        self,
+        by_state: dict[str, int],
+        unpublished: int,
+        oldest: datetime | None,
+        now: datetime,
+    ) -> None:
+        from jobrelay.domain.states import JobState
+
+        for state in JobState:
+            self.jobs.labels(state=state.value).set(by_state.get(state.value, 0))
+        self.outbox_unpublished.set(unpublished)
+        age = (now - oldest).total_seconds() if oldest is not None else 0.0
+        self.outbox_oldest_age.set(max(age, 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def names(self) -> list[str]:
+        """Every metric family name as exposed (counters with their ``_total``)."""
+        return sorted(
+            family.name + ("_total" if family.type == "counter" else "")
+            for family in self.registry.collect()
+        )
+
+
+def quarantine_cause(reason: str) -> str:
+    """A low-cardinality label for a quarantine reason."""
+    if reason.startswith("attempts exhausted"):
+        return "exhausted"
+    if reason.startswith("invalid payload"):
+        return "invalid"
+    return "permanent"
+
+
+async def refresh_database_gauges(rt: Runtime) -> None:
+    """Set the gauges read from the database: jobs by state, outbox backlog and its age."""
+    from jobrelay.storage.admin import AdminQueries
+
+    by_state = await rt.store.count_by_state()
+    unpublished, oldest = await AdminQueries(rt.store).outbox_stats()
+    rt.metrics.set_database_gauges(by_state, unpublished, oldest, rt.clock())
+
+
+# --- the --metrics-port server ----------------------------------------------------------------
+
+Refresh = Callable[[], Awaitable[None]]
+
+
+async def serve_metrics(
+    metrics: Metrics,
+    host: str,
+    port: int,
+    stop: asyncio.Event,
+    *,
+    refresh: Refresh | None = None,
+    started: asyncio.Event | None = None,
+) -> None:
+    """Answer ``GET /metrics`` (and ``/healthz``) on ``host:port`` until ``stop`` is set.
+
+    A deliberately tiny HTTP/1.0 server: one request per connection, no keep-alive, nothing
+    but two paths. A failing ``refresh`` (the database is down) still serves the counters.
+    """
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(10):
+                request_line = await reader.readline()
+                while (await reader.readline()).strip():
+                    pass  # headers: not needed
+            parts = request_line.decode("latin-1").split()
+            method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("", "")
+            if method != "GET" or path not in ("/metrics", "/healthz"):
+                status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
+            elif path == "/healthz":
+                status, body, ctype = "200 OK", b"ok\n", "text/plain"
+            else:
+                if refresh is not None:
+                    try:
+                        await refresh()
+                    except Exception as exc:
+                        log.warning(
+                            "metrics refresh failed: %s", exc, extra={"event": "metrics_refresh"}
+                        )
+                status, body, ctype = "200 OK", metrics.render(), CONTENT_TYPE
+            head = (
+                f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode("latin-1") + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError, UnicodeDecodeError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(handle, host, port)
+    log.info(
+        "metrics served on %s:%d", host, port, extra={"event": "metrics_started", "port": port}
+    )
+    if started is not None:
+        started.set()
+    async with server:
+        await stop.wait()

@@ -1,0 +1,338 @@
+"""The reconciler: find jobs that fell between two hand-offs, repair what is safe, report the rest.
+
+It runs inside every ``jobrelay relay`` (one leader at a time) every ``reconcile_seconds``, and
+on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for four things, each at least
+``reconcile_grace_seconds`` overdue so that the normal path gets its chance first:
+
+- ``lease_expired``: ``running``, but the worker's lease ran out (it died, and no redelivery
+  took the job over). Repair: ``running -> retry_wait`` due now, plus a work message; the
+  next delivery claims it, or quarantines it if no attempt is left.
+- ``retry_overdue``: ``retry_wait`` past its due time with no message of it in the outbox.
+  Repair: re-send the retry as a work message, once per wait; still overdue after that, the
+  pass only reports it (are workers consuming?).
+- ``outbox_stale``: an outbox row no broker has confirmed. Reported: the relay owns
+  publishing, and the row says why it fails.
+- ``quarantine_mismatch``: a message in the quarantine queue whose job is not
+  ``quarantined``. Reported.
+
+Every repair is a guarded transition with its ``reconciled_*`` event (``actor`` = this
+reconciler) and its outbox row in one transaction, so a job that moved on meanwhile — above
+all a finished one — is never overwritten; the repair just loses its guard. Two reconcilers
+racing are therefore safe; leadership only saves work. Leadership on PostgreSQL is
+``pg_try_advisory_lock`` held on a dedicated connection while leading. On SQLite the relay of
+the one process using the file (``jobrelay up`` or a single relay) is the only reconciler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from jobrelay.domain.states import JobState
+from jobrelay.runtime import Runtime
+from jobrelay.storage.admin import AdminQueries
+
+log = logging.getLogger("jobrelay.reconcile")
+
+LEASE_EXPIRED = "lease_expired"
+RETRY_OVERDUE = "retry_overdue"
+OUTBOX_STALE = "outbox_stale"
+QUARANTINE_MISMATCH = "quarantine_mismatch"
+FINDINGS = (LEASE_EXPIRED, RETRY_OVERDUE, OUTBOX_STALE, QUARANTINE_MISMATCH)
+
+# "jrrecncl" as a big-endian 64-bit integer: the advisory lock only reconcilers take.
+LOCK_KEY = int.from_bytes(b"jrrecncl", "big")
+_BATCH = 500
+_MOVED = "left alone, the job moved on meanwhile"
+
+
+def new_reconciler_id() -> str:
+    return f"reconciler:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str
+    job_id: str | None
+    detail: str
+    repaired: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "jobId": self.job_id,
+            "detail": self.detail,
+            "repaired": self.repaired,
+        }
+
+
+@dataclass
+class Report:
+    dry_run: bool
+    findings: list[Finding] = field(default_factory=list)
+    quarantine_scanned: int | None = None  # None: the quarantine queue was not read
+
+    @property
+    def repaired(self) -> int:
+        return sum(1 for f in self.findings if f.repaired)
+
+    def counts(self) -> dict[str, int]:
+        seen = Counter(f.kind for f in self.findings)
+        return {kind: seen.get(kind, 0) for kind in FINDINGS}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dryRun": self.dry_run,
+            "counts": self.counts(),
+            "repaired": self.repaired,
+            "quarantineScanned": self.quarantine_scanned,
+            "findings": [f.as_dict() for f in self.findings],
+        }
+
+
+def _age(since: datetime | None, now: datetime) -> str:
+    if since is None:
+        return "?"
+    seconds = int((now - since).total_seconds())
+    return f"{seconds} s" if seconds < 120 else f"{seconds // 60} min"
+
+
+class Reconciler:
+    def __init__(self, rt: Runtime, *, actor: str | None = None, batch: int = _BATCH) -> None:
+        self.rt = rt
+        self.actor = actor or new_reconciler_id()
+        self.batch = batch
+        self.queries = AdminQueries(rt.store)
+        self._reported: set[tuple[str, str | None]] = set()
+
+    async def run_once(self, *, dry_run: bool = False, scan_quarantine: bool = True) -> Report:
+        report = Report(dry_run=dry_run)
+        now = self.rt.clock()
+        before = now - timedelta(seconds=self.rt.settings.reconcile_grace_seconds)
+        await self._expired_leases(report, before, now)
+        await self._overdue_retries(report, before, now)
+        await self._stale_outbox(report, before, now)
+        if scan_quarantine:
+            await self._quarantine_mismatches(report)
+        metrics = self.rt.metrics
+        for kind, n in report.counts().items():
+            metrics.reconcile_findings.labels(finding=kind).set(n)
+        metrics.reconcile_runs.inc()
+        self._log(report)
+        return report
+
+    def _log(self, report: Report) -> None:
+        """Repairs at INFO; a reported finding at WARNING the first time this reconciler sees
+        it, then at DEBUG while it persists, so a periodic pass does not repeat itself."""
+        for finding in report.findings:
+            key = (finding.kind, finding.job_id)
+            if finding.repaired:
+                level = logging.INFO
+            else:
+                level = logging.DEBUG if key in self._reported else logging.WARNING
+            log.log(
+                level,
+                "%s: %s",
+                finding.kind,
+                finding.detail,
+                extra={
+                    "event": f"reconcile_{finding.kind}",
+                    "jobId": finding.job_id,
+                    "repaired": finding.repaired,
+                    "dryRun": report.dry_run,
+                },
+            )
+        self._reported = {(f.kind, f.job_id) for f in report.findings if not f.repaired}
+        if report.findings:
+            log.info(
+                "reconcile pass: %s",
+                ", ".join(f"{n} {kind}" for kind, n in report.counts().items() if n),
+                extra={"event": "reconcile_pass", "repaired": report.repaired, **report.counts()},
+            )
+
+    async def _expired_leases(self, report: Report, before: datetime, now: datetime) -> None:
+        for job in await self.queries.expired_leases(before, self.batch):
+            repaired = not report.dry_run and await self.queries.requeue_expired_lease(
+                job.id, job.lease_owner, before, now, self.actor
+            )
+            if repaired:
+                self.rt.metrics.reconcile_repairs.labels(finding=LEASE_EXPIRED).inc()
+                self.rt.metrics.transition(JobState.RUNNING.value, JobState.RETRY_WAIT.value)
+            action = "re-queued" if repaired else ("would re-queue" if report.dry_run else _MOVED)
+            report.findings.append(
+                Finding(
+                    LEASE_EXPIRED,
+                    job.id,
+                    f"running attempt {job.attempt}/{job.max_attempts} on {job.lease_owner}, "
+                    f"lease expired {_age(job.lease_expires_at, now)} ago: {action}",
+                    repaired,
+                )
+            )
+
+    async def _overdue_retries(self, report: Report, before: datetime, now: datetime) -> None:
+        for overdue in await self.queries.overdue_retries(before, self.batch):
+            job = overdue.job
+            late = f"retry of attempt {job.attempt} was due {_age(job.next_attempt_at, now)} ago"
+            if overdue.requeued_before:
+                report.findings.append(
+                    Finding(
+                        RETRY_OVERDUE,
+                        job.id,
+                        f"{late}, still waiting after the reconciler re-sent it: "
+                        "are workers consuming?",
+                    )
+                )
+                continue
+            repaired = not report.dry_run and await self.queries.requeue_overdue_retry(
+                job.id, before, now, self.actor
+            )
+            if repaired:
+                self.rt.metrics.reconcile_repairs.labels(finding=RETRY_OVERDUE).inc()
+            action = "re-sent" if repaired else ("would re-send" if report.dry_run else _MOVED)
+            report.findings.append(
+                Finding(
+                    RETRY_OVERDUE, job.id, f"{late} and no message waits in the outbox: {action}",
+                    repaired,
+                )
+            )  # fmt: skip
+
+    async def _stale_outbox(self, report: Report, before: datetime, now: datetime) -> None:
+        for row in await self.queries.stale_outbox(before, self.batch):
+            error = f", last error: {row.last_error}" if row.last_error else ""
+            report.findings.append(
+                Finding(
+                    OUTBOX_STALE,
+                    row.job_id,
+                    f"outbox row {row.id} ({row.destination}, job {row.job_state.value}) "
+                    f"unpublished for {_age(row.created_at, now)} after {row.publish_attempts} "
+                    f"publish attempt(s){error}: is a relay running?",
+                )
+            )
+
+    async def _quarantine_mismatches(self, report: Report) -> None:
+        from jobrelay.quarantine_scan import scan_quarantine
+
+        letters = await scan_quarantine(self.rt, self.batch)
+        report.quarantine_scanned = len(letters)
+        by_job: dict[str, list[str | None]] = {}
+        for letter in letters:
+            if letter.job_id is not None:
+                by_job.setdefault(letter.job_id, []).append(letter.reason)
+        states = await self.queries.states_of(by_job)
+        for job_id, reasons in by_job.items():
+            state = states.get(job_id)
+            if state is None or state is JobState.QUARANTINED:
+                continue
+            why = ", ".join(sorted({r or "unknown" for r in reasons}))
+            copies = f"{len(reasons)} message(s) dead-lettered ({why})"
+            if state in (JobState.SUCCEEDED, JobState.CANCELLED) or state is JobState.RUNNING:
+                advice = "stale copies, safe to purge from the quarantine queue"
+            else:
+                advice = (
+                    "if the job does not move, its only message was dead-lettered: "
+                    "cancel it (the customer may ask again with a new Idempotency-Key)"
+                )
+            report.findings.append(
+                Finding(QUARANTINE_MISMATCH, job_id, f"job is {state.value} but {copies}; {advice}")
+            )
+
+    # --- periodic, with leadership ----------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Every ``reconcile_seconds`` while leading, until ``stop``."""
+        interval = self.rt.settings.reconcile_seconds
+        if interval <= 0:
+            log.info("reconciler disabled", extra={"event": "reconcile_disabled"})
+            await stop.wait()  # ending early would read as a crashed part of the process
+            return
+        # Broker-side reads on RabbitMQ touch the messages (see quarantine_scan): on demand only.
+        scan = self.rt.settings.uses_local_broker
+        async with Leadership(self.rt) as leadership:
+            while not stop.is_set():
+                try:
+                    if await leadership.check():
+                        await self.run_once(scan_quarantine=scan)
+                except Exception:
+                    log.exception("reconcile pass failed", extra={"event": "reconcile_failed"})
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval):
+                        await stop.wait()
+
+
+class Leadership:
+    """At most one reconciler leads: a session advisory lock on PostgreSQL, held on a
+    dedicated connection for as long as it leads; always the leader on SQLite."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        engine = rt.engine
+        self.enabled = engine.dialect.name == "postgresql"
+        self.dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._conn: Any = None
+
+    @property
+    def leading(self) -> bool:
+        return not self.enabled or self._conn is not None
+
+    async def __aenter__(self) -> Leadership:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.release()
+
+    async def check(self) -> bool:
+        """Still (or now) the leader? Never raises: a failure means not leading."""
+        if not self.enabled:
+            self.rt.metrics.reconcile_leader.set(1)
+            return True
+        if self._conn is not None:
+            try:
+                async with asyncio.timeout(5):
+                    await self._conn.fetchval("SELECT 1")
+                return True
+            except Exception as exc:
+                log.warning(
+                    "reconciler leadership lost: %s", exc, extra={"event": "reconcile_leader_lost"}
+                )
+                await self.release()
+        await self._try_acquire()
+        return self._conn is not None
+
+    async def _try_acquire(self) -> None:
+        import asyncpg
+
+        conn = None
+        try:
+            async with asyncio.timeout(10):
+                conn = await asyncpg.connect(self.dsn)
+                got = await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY)
+        except Exception as exc:
+            log.warning(
+                "reconciler leadership check failed: %s",
+                type(exc).__name__,
+                extra={"event": "reconcile_leader_failed"},
+            )
+            got = False
+        if got:
+            self._conn = conn
+            self.rt.metrics.reconcile_leader.set(1)
+            log.info("reconciler leading", extra={"event": "reconcile_leader"})
+        elif conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+    async def release(self) -> None:
+        conn, self._conn = self._conn, None
+        self.rt.metrics.reconcile_leader.set(0)
+        if conn is not None:
+            # Closing the session releases the advisory lock.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(conn.close())

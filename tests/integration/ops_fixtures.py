@@ -1,0 +1,101 @@
+"""Helpers shared by the operations tests (operator actions, reconciler, metrics, tracing).
+
+``backend`` runs a test once on SQLite + the local transport and once on PostgreSQL +
+RabbitMQ; ``make_pipeline`` builds the in-process pipeline of pipeline.py on it. The store
+helpers put a job into a given state the way the pipeline would (claim, then an outcome),
+with times from the test's clock, so no test waits for a real lease or retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.domain.states import JobState
+from jobrelay.runtime import Runtime
+from jobrelay.storage.store import NewJob, Store
+
+from .pipeline import pipeline, settings_for
+
+T = TypeVar("T")
+WORKER = "host-w:1:abcdef"
+LEASE = timedelta(seconds=30)
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.fixture(params=["sqlite-local", "postgres-rabbitmq"])
+def backend(request: pytest.FixtureRequest) -> tuple[str, str]:
+    if request.param == "sqlite-local":
+        return request.getfixturevalue("sqlite_url"), "local"
+    return request.getfixturevalue("pg_url"), request.getfixturevalue("amqp_url")
+
+
+@pytest.fixture
+def make_pipeline(backend: tuple[str, str], tmp_path: Path) -> Any:
+    database_url, broker_url = backend
+
+    def build(**extra: Any) -> Any:
+        settings = settings_for(database_url, broker_url, tmp_path / "exports", **extra)
+        return pipeline(settings)
+
+    return build
+
+
+def new_job(period: str = "2020-05", account: str = "acme", **extra: Any) -> NewJob:
+    params = {"accountId": account, "period": period}
+    return NewJob(
+        job_id=job_id_for(account, "report.export", params, None),
+        type="report.export",
+        account_id=account,
+        params=params,
+        request_hash=request_hash(account, "report.export", params),
+        max_attempts=3,
+        **extra,
+    )
+
+
+async def job_in_state(
+    store: Store, state: JobState, now: datetime, period: str = "2020-05", **extra: Any
+) -> str:
+    """A job moved to ``state`` through the same store calls the worker makes."""
+    job_id, _ = await store.submit(new_job(period, **extra), now)
+    if state is JobState.QUEUED:
+        return job_id
+    if state is JobState.CANCELLED:
+        assert (await store.get_job(job_id)) is not None
+        from jobrelay.storage.admin import AdminQueries
+
+        assert (await AdminQueries(store).cancel(job_id, actor="t", reason="t", now=now)).done
+        return job_id
+    assert await store.claim_job(job_id, WORKER, now, LEASE) == 1
+    if state is JobState.SUCCEEDED:
+        assert await store.complete(job_id, WORKER, f"exports/acme/{job_id}.csv", {"rows": 1}, now)
+    elif state is JobState.RETRY_WAIT:
+        assert await store.schedule_retry(job_id, WORKER, "report.export", "boom", 5, now)
+    elif state is JobState.QUARANTINED:
+        assert await store.quarantine(job_id, "invalid period 2020-13", now, worker_id=WORKER)
+    return job_id
+
+
+async def kinds(rt: Runtime, job_id: str) -> list[str]:
+    return [e.kind for e in await rt.store.events(job_id)]
+
+
+async def eventually(
+    check: Callable[[], Awaitable[T | None]], timeout: float = 20, what: str = "condition"
+) -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await check()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -1,0 +1,360 @@
+"""The reconciler: what it finds, what it repairs, and what it must never touch.
+
+Store-level tests move a test clock instead of waiting (SQLite and PostgreSQL). The pipeline
+tests run the shipped relay and worker after a repair, on SQLite + local transport and on
+PostgreSQL + RabbitMQ, to show that a repaired job really finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from jobrelay.domain.messages import JobMessage
+from jobrelay.domain.states import JobState
+from jobrelay.reconcile import (
+    LEASE_EXPIRED,
+    OUTBOX_STALE,
+    QUARANTINE_MISMATCH,
+    RETRY_OVERDUE,
+    Leadership,
+    Reconciler,
+)
+from jobrelay.runtime import Runtime, utc_now
+from jobrelay.storage.admin import AdminQueries
+from jobrelay.storage.tables import outbox
+from jobrelay.transport.base import OutgoingMessage
+from tests.integration.api_fixtures import T0, Clock, build_runtime
+
+from .ops_fixtures import (
+    LEASE,
+    WORKER,
+    eventually,
+    job_in_state,
+    kinds,
+)
+
+pytestmark = pytest.mark.timeout(90)
+S = JobState
+GRACE = 60  # Settings default for reconcile_grace_seconds
+
+
+@pytest.fixture
+async def runtime(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
+    rt = build_runtime(database_url, tmp_path, clock=Clock())
+    yield rt
+    await rt.engine.dispose()
+
+
+async def mark_all_published(rt: Runtime) -> None:
+    """As if the relay sent every message, and the broker then lost it."""
+    async with rt.engine.begin() as conn:
+        await conn.execute(outbox.update().values(published_at=T0, claimed_until=None))
+
+
+async def outbox_count(rt: Runtime, job_id: str) -> int:
+    async with rt.engine.connect() as conn:
+        n = await conn.scalar(select(func.count()).where(outbox.c.job_id == job_id))
+    return int(n or 0)
+
+
+def clock(rt: Runtime) -> Clock:
+    assert isinstance(rt.clock, Clock)
+    return rt.clock
+
+
+# --- expired leases ---------------------------------------------------------------------------
+
+
+async def test_expired_lease_is_requeued_with_an_event_and_a_message(runtime: Runtime) -> None:
+    job_id = await job_in_state(runtime.store, S.RUNNING, T0)  # lease until T0 + 30 s
+    await mark_all_published(runtime)
+    clock(runtime).advance(30 + GRACE - 1)
+    assert (await Reconciler(runtime).run_once(scan_quarantine=False)).findings == []
+
+    clock(runtime).advance(2)
+    report = await Reconciler(runtime, actor="reconciler:test").run_once(scan_quarantine=False)
+
+    [finding] = report.findings
+    assert (finding.kind, finding.job_id, finding.repaired) == (LEASE_EXPIRED, job_id, True)
+    assert WORKER in finding.detail and "re-queued" in finding.detail
+    job = await runtime.store.get_job(job_id)
+    assert job.state is S.RETRY_WAIT and job.lease_owner is None
+    assert job.next_attempt_at == runtime.clock() and job.attempt == 1
+    assert not job.published and await outbox_count(runtime, job_id) == 2
+    event = (await runtime.store.events(job_id))[-1]
+    assert event.kind == "reconciled_lease_expired"
+    assert event.detail["actor"] == "reconciler:test" and event.detail["worker"] == WORKER
+    assert runtime.metrics.reconcile_repairs.labels(finding=LEASE_EXPIRED)._value.get() == 1
+
+
+async def test_dry_run_finds_the_same_and_changes_nothing(runtime: Runtime) -> None:
+    job_id = await job_in_state(runtime.store, S.RUNNING, T0)
+    await mark_all_published(runtime)
+    clock(runtime).advance(3600)
+    before = await kinds(runtime, job_id)
+
+    report = await Reconciler(runtime).run_once(dry_run=True, scan_quarantine=False)
+
+    [finding] = report.findings
+    assert finding.kind == LEASE_EXPIRED and not finding.repaired
+    assert "would re-queue" in finding.detail
+    assert (await runtime.store.get_job(job_id)).state is S.RUNNING
+    assert await kinds(runtime, job_id) == before and await outbox_count(runtime, job_id) == 1
+
+
+# --- overdue retries --------------------------------------------------------------------------
+
+
+async def test_overdue_retry_is_resent_once_then_only_reported(runtime: Runtime) -> None:
+    job_id = await job_in_state(runtime.store, S.RETRY_WAIT, T0)  # due at T0 + 5 s
+    await mark_all_published(runtime)
+    clock(runtime).advance(5 + GRACE + 1)
+
+    first = await Reconciler(runtime).run_once(scan_quarantine=False)
+
+    [finding] = first.findings
+    assert (finding.kind, finding.repaired) == (RETRY_OVERDUE, True)
+    assert await outbox_count(runtime, job_id) == 3  # first message, its retry, the re-send
+    job = await runtime.store.get_job(job_id)
+    assert job.state is S.RETRY_WAIT and job.next_attempt_at == T0 + timedelta(seconds=5)
+    assert (await kinds(runtime, job_id))[-1] == "reconciled_retry_overdue"
+
+    await mark_all_published(runtime)
+    clock(runtime).advance(600)
+    again = await Reconciler(runtime).run_once(scan_quarantine=False)
+
+    [still] = again.findings
+    assert (still.kind, still.repaired) == (RETRY_OVERDUE, False)
+    assert "are workers consuming?" in still.detail
+    assert await outbox_count(runtime, job_id) == 3
+
+
+async def test_overdue_retry_with_its_message_still_in_the_outbox_is_an_outbox_finding(
+    runtime: Runtime,
+) -> None:
+    job_id = await job_in_state(runtime.store, S.RETRY_WAIT, T0)
+    async with runtime.engine.begin() as conn:
+        await conn.execute(
+            outbox.update()
+            .where(outbox.c.destination == "work")
+            .values(published_at=T0, claimed_until=None)
+        )
+        await conn.execute(
+            outbox.update()
+            .where(outbox.c.destination != "work")
+            .values(publish_attempts=4, last_error="unroutable: no queue for 'retry.5s'")
+        )
+    clock(runtime).advance(5 + GRACE + 1)
+
+    report = await Reconciler(runtime).run_once(scan_quarantine=False)
+
+    [finding] = report.findings
+    assert (finding.kind, finding.job_id, finding.repaired) == (OUTBOX_STALE, job_id, False)
+    assert "retry.5s" in finding.detail and "4 publish attempt(s)" in finding.detail
+    assert "unroutable" in finding.detail and "is a relay running?" in finding.detail
+    assert await outbox_count(runtime, job_id) == 2
+
+
+# --- guards -----------------------------------------------------------------------------------
+
+
+async def test_a_repair_that_loses_its_race_never_overwrites_the_job(runtime: Runtime) -> None:
+    queries = AdminQueries(runtime.store)
+    running = await job_in_state(runtime.store, S.RUNNING, T0, "2020-01")
+    waiting = await job_in_state(runtime.store, S.RETRY_WAIT, T0, "2020-02")
+    await mark_all_published(runtime)
+    now = clock(runtime).advance(3600)
+    before = now - timedelta(seconds=GRACE)
+    assert [j.id for j in await queries.expired_leases(before, 10)] == [running]
+    assert [o.job.id for o in await queries.overdue_retries(before, 10)] == [waiting]
+
+    # Between the find and the repair, the slow worker finishes and an operator cancels.
+    assert await runtime.store.complete(running, WORKER, "exports/x.csv", {"rows": 1}, now)
+    assert (await queries.cancel(waiting, actor="op", reason="r", now=now)).done
+    history = {j: await kinds(runtime, j) for j in (running, waiting)}
+
+    assert not await queries.requeue_expired_lease(running, WORKER, before, now, "rec")
+    assert not await queries.requeue_overdue_retry(waiting, before, now, "rec")
+
+    assert (await runtime.store.get_job(running)).state is S.SUCCEEDED
+    assert (await runtime.store.get_job(waiting)).state is S.CANCELLED
+    assert {j: await kinds(runtime, j) for j in (running, waiting)} == history
+    assert await outbox_count(runtime, running) == 1
+
+
+async def test_finished_jobs_are_never_findings(runtime: Runtime) -> None:
+    for n, state in enumerate((S.SUCCEEDED, S.QUARANTINED, S.CANCELLED, S.QUEUED)):
+        await job_in_state(runtime.store, state, T0, f"2020-0{n + 1}")
+    await mark_all_published(runtime)
+    clock(runtime).advance(86400)
+
+    report = await Reconciler(runtime).run_once(scan_quarantine=False)
+
+    assert report.findings == []
+
+
+async def test_a_renewed_lease_is_not_taken(runtime: Runtime) -> None:
+    job_id = await job_in_state(runtime.store, S.RUNNING, T0)
+    await mark_all_published(runtime)
+    queries = AdminQueries(runtime.store)
+    now = clock(runtime).advance(3600)
+    before = now - timedelta(seconds=GRACE)
+    [job] = await queries.expired_leases(before, 10)
+    # The worker was only slow: its heartbeat renews the lease before the repair lands.
+    assert await runtime.store.renew_lease(job_id, WORKER, now + LEASE, now)
+
+    assert not await queries.requeue_expired_lease(job_id, job.lease_owner, before, now, "rec")
+    assert (await runtime.store.get_job(job_id)).state is S.RUNNING
+
+
+# --- through the pipeline ---------------------------------------------------------------------
+
+
+async def claim_in_the_past(p: Any, job_id: str, minutes: int = 10) -> None:
+    """A worker claimed the job long ago and died; its message is gone with it."""
+    past = utc_now() - timedelta(minutes=minutes)
+    assert await p.store.claim_job(job_id, "dead-host:1:000000", past, LEASE)
+    async with p.rt.engine.begin() as conn:
+        await conn.execute(outbox.update().values(published_at=past))
+
+
+async def test_a_job_whose_worker_died_finishes_after_the_repair(make_pipeline: Any) -> None:
+    async with make_pipeline() as p:
+        job_id = await p.submit()
+        await claim_in_the_past(p, job_id)
+
+        report = await Reconciler(p.rt).run_once()
+        assert [(f.kind, f.repaired) for f in report.findings] == [(LEASE_EXPIRED, True)]
+
+        p.start_relay()
+        await p.start_worker()
+        job = await p.wait_for(job_id, lambda j: j.state is S.SUCCEEDED)
+        assert job.attempt == 2
+        history = await kinds(p.rt, job_id)
+        assert history.count("result_saved") == 1
+        assert history.index("reconciled_lease_expired") < history.index("result_saved")
+
+
+async def test_a_repaired_job_with_no_attempt_left_is_quarantined(make_pipeline: Any) -> None:
+    async with make_pipeline(max_attempts="1") as p:
+        job_id = await p.submit()
+        await claim_in_the_past(p, job_id)
+        await Reconciler(p.rt).run_once(scan_quarantine=False)
+
+        p.start_relay()
+        await p.start_worker()
+        job = await p.wait_for(job_id, lambda j: j.state is S.QUARANTINED)
+        assert "attempts exhausted" in (job.quarantine_reason or "")
+
+        async def in_quarantine_queue() -> bool:
+            return await p.rt.transport.quarantine_depth() == 1
+
+        await eventually(in_quarantine_queue, what="the message in the quarantine queue")
+
+
+async def reject_one(transport: Any) -> None:
+    """Consume one delivery and reject it: the broker dead-letters it to quarantine."""
+    deliveries = transport.consume(1)
+    try:
+        delivery = await asyncio.wait_for(anext(deliveries), 20)
+        await delivery.reject()
+    finally:
+        with contextlib.suppress(Exception):
+            await deliveries.aclose()
+
+
+async def test_quarantine_messages_of_unquarantined_jobs_are_reported(make_pipeline: Any) -> None:
+    async with make_pipeline(faults="export.run:invalid@period=2020-01") as p:
+        quarantined = await p.submit(period="2020-01")
+        p.start_relay()
+        await p.start_worker()
+        await p.wait_for(quarantined, lambda j: j.state is S.QUARANTINED)
+        await p.stop_all()
+        # A copy of a queued job's message dead-lettered behind the database's back.
+        stuck = await p.submit(period="2020-02")
+        await p.rt.transport.publish(
+            OutgoingMessage(
+                "work",
+                JobMessage(stuck, "report.export").encode(),
+                headers={"x-jobrelay-job-id": stuck},
+            )
+        )
+        await reject_one(p.rt.transport)
+
+        async def both_there() -> bool:
+            return await p.rt.transport.quarantine_depth() == 2
+
+        await eventually(both_there, what="two messages in the quarantine queue")
+
+        report = await Reconciler(p.rt).run_once()
+
+        assert report.quarantine_scanned == 2
+        mismatches = [f for f in report.findings if f.kind == QUARANTINE_MISMATCH]
+        assert [(f.job_id, f.repaired) for f in mismatches] == [(stuck, False)]
+        assert "job is queued" in mismatches[0].detail and "rejected" in mismatches[0].detail
+        assert (await p.store.get_job(stuck)).state is S.QUEUED  # reported, not changed
+        await eventually(both_there, what="the scan to give both messages back")
+
+
+async def test_the_relay_process_reconciles_periodically(
+    backend: tuple[str, str], tmp_path: Path
+) -> None:
+    from .pipeline import pipeline, settings_for
+
+    database_url, broker_url = backend
+    settings = settings_for(
+        database_url,
+        broker_url,
+        tmp_path / "exports",
+        reconcile_seconds="0.1",
+        reconcile_grace_seconds="0",
+    )
+    async with pipeline(settings) as p:
+        job_id = await p.submit()
+        await claim_in_the_past(p, job_id)
+        stop = asyncio.Event()
+        task = asyncio.create_task(Reconciler(p.rt).run(stop))
+        try:
+            await p.wait_for(job_id, lambda j: j.state is S.RETRY_WAIT, timeout=20)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+        assert "reconciled_lease_expired" in await kinds(p.rt, job_id)
+        assert p.rt.metrics.reconcile_runs._value.get() >= 1
+
+
+# --- leadership -------------------------------------------------------------------------------
+
+
+async def test_one_leader_at_a_time_on_postgres(pg_url: str, tmp_path: Path) -> None:
+    first, second = build_runtime(pg_url, tmp_path), build_runtime(pg_url, tmp_path)
+    try:
+        async with Leadership(first) as a, Leadership(second) as b:
+            assert await a.check() is True
+            assert await b.check() is False
+            assert await a.check() is True  # still leading, the lock is held
+            await a.release()
+            assert await eventually(b.check, what="the second reconciler to take over")
+            assert await a.check() is False
+            assert first.metrics.reconcile_leader._value.get() == 0
+            assert second.metrics.reconcile_leader._value.get() == 1
+    finally:
+        await first.engine.dispose()
+        await second.engine.dispose()
+
+
+async def test_sqlite_reconciler_always_leads(sqlite_url: str, tmp_path: Path) -> None:
+    rt = build_runtime(sqlite_url, tmp_path)
+    try:
+        async with Leadership(rt) as leadership:
+            assert await leadership.check() and await leadership.check()
+    finally:
+        await rt.engine.dispose()

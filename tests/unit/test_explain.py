@@ -1,0 +1,168 @@
+"""``job show``'s reasoning, as pure functions: the one-line next step, and the timeline folded
+into attempts. No database: records are built by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from jobrelay.domain.states import JobState as S
+from jobrelay.explain import attempts, explain_document, next_step
+from jobrelay.storage.store import EventRecord, JobRecord
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+JOB_ID = "355781a6-5d2a-57ff-a430-b2902eefab0f"
+
+
+def job(**changes: Any) -> JobRecord:
+    base = JobRecord(
+        id=JOB_ID,
+        type="report.export",
+        account_id="acme",
+        params={"accountId": "acme", "period": "2020-05"},
+        idempotency_key=None,
+        state=S.QUEUED,
+        attempt=0,
+        max_attempts=3,
+        result_key=None,
+        result_meta=None,
+        last_error=None,
+        quarantine_reason=None,
+        next_attempt_at=None,
+        lease_owner=None,
+        lease_expires_at=None,
+        progress_done=None,
+        progress_total=None,
+        created_at=NOW - timedelta(seconds=40),
+        updated_at=NOW - timedelta(seconds=40),
+        published=True,
+        unpublished_since=None,
+        last_publish_error=None,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def ago(seconds: float) -> datetime:
+    return NOW - timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize(
+    ("record", "expected"),
+    [
+        (
+            job(published=False, unpublished_since=ago(40)),
+            "accepted 40 s ago, outbox row not yet published (waiting 40 s): is a relay running?",
+        ),
+        (
+            job(published=False, unpublished_since=ago(40), last_publish_error="unroutable: x"),
+            "accepted 40 s ago, outbox row not yet published (waiting 40 s): is a relay "
+            "running?; last publish error: unroutable: x",
+        ),
+        (
+            job(state=S.RETRY_WAIT, attempt=1, updated_at=ago(3), published=False,
+                unpublished_since=ago(3), next_attempt_at=NOW + timedelta(seconds=2)),
+            "retry scheduled 3 s ago, outbox row not yet published (waiting 3 s): is a relay "
+            "running?",
+        ),
+        (
+            job(),
+            "published and waiting for a worker (accepted 40 s ago): is a worker running and "
+            "consuming?",
+        ),
+        (
+            job(state=S.RETRY_WAIT, attempt=1, last_error="timeout",
+                next_attempt_at=NOW + timedelta(seconds=25)),
+            "waiting to retry (in 25 s) after: timeout; the retry message is in the delay route",
+        ),
+        (
+            job(state=S.RETRY_WAIT, attempt=1, last_error="timeout", next_attempt_at=ago(300)),
+            "retry was due 5 min ago after: timeout; is a worker running and consuming? (the "
+            "reconciler re-sends an overdue retry)",
+        ),
+        (
+            job(state=S.RUNNING, attempt=2, lease_owner="h:1:a",
+                lease_expires_at=NOW + timedelta(seconds=20)),
+            "running attempt 2/3 on h:1:a, lease expires in 20 s; if that worker died the job "
+            "is taken over when the lease expires",
+        ),
+        (
+            job(state=S.RUNNING, attempt=2, lease_owner="h:1:a", lease_expires_at=ago(90)),
+            "running attempt 2/3, but the lease of h:1:a expired 90 s ago: that worker is "
+            "presumed lost; a redelivery or the reconciler takes the job over",
+        ),
+        (
+            job(state=S.QUARANTINED, attempt=1, quarantine_reason="invalid period"),
+            f"quarantined: invalid period; fix the cause, then replay it: jobrelay job replay "
+            f"{JOB_ID}",
+        ),
+        (
+            job(state=S.CANCELLED),
+            "cancelled by an operator; later deliveries are acked without work",
+        ),
+        (
+            job(state=S.SUCCEEDED, attempt=1, result_key="exports/acme/x.csv"),
+            "done: result at exports/acme/x.csv",
+        ),
+    ],
+)  # fmt: skip
+def test_next_step_names_the_boundary(record: JobRecord, expected: str) -> None:
+    assert next_step(record, NOW) == expected
+
+
+def event(kind: str, seconds_ago: float, **detail: Any) -> EventRecord:
+    return EventRecord(at=ago(seconds_ago), kind=kind, detail=detail)
+
+
+def test_attempts_fold_the_timeline_with_each_outcome() -> None:
+    timeline = [
+        event("accepted", 100, type="report.export"),
+        event("published", 99, destination="work"),
+        event("claimed", 98, worker="w1", attempt=1),
+        event("retry_scheduled", 97, error="db timeout", delaySeconds=5),
+        event("claimed", 90, worker="w2", attempt=2),  # w2 is killed: no outcome
+        event("claimed", 50, worker="w3", attempt=3),
+        event("lease_lost", 45, worker="w2", attempt=2),  # w2 was only slow after all
+        event("result_saved", 40, resultKey="k", worker="w3", attempt=3),
+        event("ack_sent", 39, attempt=3),
+        event("duplicate_acked", 10, reason="k"),
+    ]
+    found = attempts(job(state=S.SUCCEEDED, attempt=3), timeline)
+    assert [(a.number, a.worker, a.outcome, a.error) for a in found] == [
+        (1, "w1", "retry", "db timeout"),
+        (2, "w2", "lease lost", None),
+        (3, "w3", "succeeded", None),
+    ]
+
+
+def test_attempts_show_a_running_one_a_reconciled_one_and_skip_delivery_decisions() -> None:
+    timeline = [
+        event("claimed", 500, worker="dead", attempt=1),
+        event("reconciled_lease_expired", 300, actor="reconciler:x", worker="dead", attempt=1),
+        event("claimed", 20, worker="w2", attempt=2),
+    ]
+    found = attempts(job(state=S.RUNNING, attempt=2), timeline)
+    assert [(a.number, a.outcome) for a in found] == [
+        (1, "lost (lease expired, re-queued by the reconciler)"),
+        (2, "running"),
+    ]
+    invalid = [event("quarantined", 1, reason="invalid payload: version 9")]
+    assert attempts(job(state=S.QUARANTINED), invalid) == []
+
+
+def test_explain_document_is_json_ready() -> None:
+    import json
+
+    document = explain_document(
+        job(state=S.QUARANTINED, attempt=1, quarantine_reason="bad"),
+        [event("accepted", 40, type="report.export")],
+        NOW,
+        trace_id="4bf92f3577b34da6a3ce929d0e0e4736",
+    )
+    assert json.loads(json.dumps(document))["nextStep"].startswith("quarantined: bad")
+    assert document["traceId"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert document["events"] == [
+        {"at": ago(40).isoformat(), "kind": "accepted", "detail": {"type": "report.export"}}
+    ]
