@@ -215,6 +215,27 @@ class Store:
         )
         return bool(result.rowcount == 1)
 
+    async def _insert_job(self, conn: AsyncConnection, job: NewJob, now: datetime) -> bool:
+        """Insert a queued job unless its id exists; True when this call created it."""
+        inserted = await conn.execute(
+            self._insert(jobs)
+            .values(
+                id=job.job_id,
+                type=job.type,
+                account_id=job.account_id,
+                params=job.params,
+                idempotency_key=job.idempotency_key,
+                request_hash=job.request_hash,
+                state=JobState.QUEUED.value,
+                attempt=0,
+                max_attempts=job.max_attempts,
+                created_at=now,
+                updated_at=now,
+            )
+            .on_conflict_do_nothing(index_elements=[jobs.c.id])
+        )
+        return bool(inserted.rowcount == 1)
+
     async def ping(self) -> None:
         async with self._read() as conn:
             await conn.execute(text("SELECT 1"))
@@ -228,24 +249,7 @@ class Store:
         and writes nothing; the same idempotency key with another body raises.
         """
         async with self._write() as conn:
-            inserted = await conn.execute(
-                self._insert(jobs)
-                .values(
-                    id=job.job_id,
-                    type=job.type,
-                    account_id=job.account_id,
-                    params=job.params,
-                    idempotency_key=job.idempotency_key,
-                    request_hash=job.request_hash,
-                    state=JobState.QUEUED.value,
-                    attempt=0,
-                    max_attempts=job.max_attempts,
-                    created_at=now,
-                    updated_at=now,
-                )
-                .on_conflict_do_nothing(index_elements=[jobs.c.id])
-            )
-            if inserted.rowcount != 1:
+            if not await self._insert_job(conn, job, now):
                 existing = (
                     await conn.execute(select(jobs.c.request_hash).where(jobs.c.id == job.job_id))
                 ).scalar_one()
@@ -559,24 +563,7 @@ class Store:
     async def _add_follow_up(
         self, conn: AsyncConnection, parent_id: str, job: NewJob, now: datetime
     ) -> None:
-        inserted = await conn.execute(
-            self._insert(jobs)
-            .values(
-                id=job.job_id,
-                type=job.type,
-                account_id=job.account_id,
-                params=job.params,
-                idempotency_key=job.idempotency_key,
-                request_hash=job.request_hash,
-                state=JobState.QUEUED.value,
-                attempt=0,
-                max_attempts=job.max_attempts,
-                created_at=now,
-                updated_at=now,
-            )
-            .on_conflict_do_nothing(index_elements=[jobs.c.id])
-        )
-        if inserted.rowcount != 1:
+        if not await self._insert_job(conn, job, now):
             return  # created by an earlier success of the same parent
         message = JobMessage(job_id=job.job_id, type=job.type)
         await self._enqueue(conn, job.job_id, message, WORK_DESTINATION, now, job.headers or {})
