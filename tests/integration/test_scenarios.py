@@ -21,27 +21,13 @@ from jobrelay.relay import Relay
 from jobrelay.storage.tables import outbox
 from jobrelay.transport.base import OutgoingMessage
 
-from .pipeline import Pipeline, pipeline, settings_for
+from .pipeline import Pipeline
 
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.fixture(params=["sqlite-local", "postgres-rabbitmq"])
-def backend(request: pytest.FixtureRequest) -> tuple[str, str]:
-    if request.param == "sqlite-local":
-        return request.getfixturevalue("sqlite_url"), "local"
-    return request.getfixturevalue("pg_url"), request.getfixturevalue("amqp_url")
-
-
-@pytest.fixture
-def make_pipeline(backend: tuple[str, str], tmp_path: Path) -> Any:
-    database_url, broker_url = backend
-
-    def build(**extra: Any) -> Any:
-        settings = settings_for(database_url, broker_url, tmp_path / "exports", **extra)
-        return pipeline(settings)
-
-    return build
+# ``backend`` (SQLite + local, PostgreSQL + RabbitMQ) and ``make_pipeline`` come from
+# tests/integration/conftest.py.
 
 
 def result_files(root: Path) -> list[Path]:
