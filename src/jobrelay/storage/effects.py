@@ -14,13 +14,11 @@ which is exactly the fact the next attempt needs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import insert, select, update
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.domain.effects import (
@@ -30,7 +28,7 @@ from jobrelay.domain.effects import (
     state_before_send,
 )
 from jobrelay.errors import StoreError
-from jobrelay.storage.engine import READ_ONLY_OPTION
+from jobrelay.storage.engine import read_tx, write_tx
 from jobrelay.storage.tables import effects_ledger, job_events
 
 
@@ -60,13 +58,8 @@ class EffectsLedger:
         self.engine = engine
         self._lock_rows = engine.dialect.name == "postgresql"
 
-    @contextlib.asynccontextmanager
-    async def _write(self) -> AsyncIterator[AsyncConnection]:
-        try:
-            async with self.engine.begin() as conn:
-                yield conn
-        except (DBAPIError, OSError) as exc:
-            raise StoreError(f"effects ledger write failed: {_first_line(exc)}") from exc
+    def _write(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        return write_tx(self.engine, "effects ledger")
 
     async def _row(self, conn: AsyncConnection, job_id: str, kind: str) -> EffectRecord | None:
         query = select(effects_ledger).where(
@@ -85,13 +78,8 @@ class EffectsLedger:
         )
 
     async def get(self, job_id: str, kind: str) -> EffectRecord | None:
-        try:
-            async with self.engine.connect() as conn:
-                await conn.execution_options(**{READ_ONLY_OPTION: True})
-                async with conn.begin():
-                    return await self._row(conn, job_id, kind)
-        except (DBAPIError, OSError) as exc:
-            raise StoreError(f"effects ledger read failed: {_first_line(exc)}") from exc
+        async with read_tx(self.engine, "effects ledger") as conn:
+            return await self._row(conn, job_id, kind)
 
     async def begin(
         self, job_id: str, kind: str, message_id: str, now: datetime, *, attempt: int
@@ -214,8 +202,3 @@ def _record(m: Any) -> EffectRecord:
         sent_at=m["sent_at"],
         updated_at=m["updated_at"],
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(getattr(exc, "orig", exc)).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

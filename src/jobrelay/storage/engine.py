@@ -9,6 +9,8 @@ the same row and then deadlock upgrading their locks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,8 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import event, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
 from jobrelay.errors import ConfigError, StoreError
@@ -103,3 +106,38 @@ async def check_reachable(engine: AsyncEngine) -> None:
 def _short(exc: BaseException) -> str:
     text_ = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text_[0] if text_ else ''}"
+
+
+@contextlib.asynccontextmanager
+async def read_only(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A read transaction that, on SQLite, begins DEFERRED and so never waits for writers."""
+    async with engine.connect() as conn:
+        await conn.execution_options(**{READ_ONLY_OPTION: True})
+        async with conn.begin():
+            yield conn
+
+
+@contextlib.asynccontextmanager
+async def write_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnection]:
+    """A write transaction whose driver errors surface as StoreError("<what> write failed")."""
+    try:
+        async with engine.begin() as conn:
+            yield conn
+    except (DBAPIError, OSError) as exc:
+        raise StoreError(f"{what} write failed: {first_line(exc)}") from exc
+
+
+@contextlib.asynccontextmanager
+async def read_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnection]:
+    """``read_only`` whose driver errors surface as StoreError("<what> read failed")."""
+    try:
+        async with read_only(engine) as conn:
+            yield conn
+    except (DBAPIError, OSError) as exc:
+        raise StoreError(f"{what} read failed: {first_line(exc)}") from exc
+
+
+def first_line(exc: BaseException) -> str:
+    """The driver's own message, first line only: enough to act on, no stack of wrappers."""
+    lines = str(getattr(exc, "orig", exc)).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

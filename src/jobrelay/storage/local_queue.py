@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from jobrelay.storage.engine import READ_ONLY_OPTION
+from jobrelay.storage.engine import read_only
 from jobrelay.storage.tables import local_messages as lm
 
 WORK = "work"
@@ -56,13 +56,9 @@ async def writing(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
         yield conn
 
 
-@contextlib.asynccontextmanager
-async def reading(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+def reading(engine: AsyncEngine) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
     """A read-only transaction, which on SQLite does not queue behind the writers."""
-    async with engine.connect() as conn:
-        await conn.execution_options(**{READ_ONLY_OPTION: True})
-        async with conn.begin():
-            yield conn
+    return read_only(engine)
 
 
 async def check_table(conn: AsyncConnection) -> None:

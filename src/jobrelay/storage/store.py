@@ -29,7 +29,7 @@ from jobrelay.domain.policy import RETRY_SLACK, JobView
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.errors import IdempotencyConflict, StoreError
 from jobrelay.storage.effects import EffectsLedger
-from jobrelay.storage.engine import READ_ONLY_OPTION
+from jobrelay.storage.engine import READ_ONLY_OPTION, first_line, read_tx, write_tx
 from jobrelay.storage.tables import (
     UTCDateTime,
     api_tokens,
@@ -135,23 +135,11 @@ class Store:
 
     # --- plumbing ---------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _write(self) -> AsyncIterator[AsyncConnection]:
-        try:
-            async with self.engine.begin() as conn:
-                yield conn
-        except (DBAPIError, OSError) as exc:
-            raise StoreError(f"database write failed: {_first_line(exc)}") from exc
+    def _write(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        return write_tx(self.engine, "database")
 
-    @contextlib.asynccontextmanager
-    async def _read(self) -> AsyncIterator[AsyncConnection]:
-        try:
-            async with self.engine.connect() as conn:
-                await conn.execution_options(**{READ_ONLY_OPTION: True})
-                async with conn.begin():
-                    yield conn
-        except (DBAPIError, OSError) as exc:
-            raise StoreError(f"database read failed: {_first_line(exc)}") from exc
+    def _read(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        return read_tx(self.engine, "database")
 
     def _insert(self, table: Any) -> Any:
         dialect = postgresql if self.is_postgres else sqlite
@@ -725,7 +713,7 @@ class Store:
                     async for row in result:
                         yield row
         except (DBAPIError, OSError) as exc:
-            raise StoreError(f"ledger read failed: {_first_line(exc)}") from exc
+            raise StoreError(f"ledger read failed: {first_line(exc)}") from exc
 
     async def replace_ledger(self, account_id: str, rows: Sequence[dict[str, Any]]) -> None:
         async with self._write() as conn:
@@ -774,11 +762,6 @@ def _jsonable(detail: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in detail.items():
         out[key] = value.isoformat() if isinstance(value, datetime) else value
     return out
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(getattr(exc, "orig", exc)).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 __all__ = [
