@@ -175,7 +175,9 @@ async def _follow(client: httpx.AsyncClient, jobs: list[dict[str, Any]], timeout
             for job in jobs:
                 states[job["jobId"]] = (await client.get(f"/v1/jobs/{job['jobId']}")).json()
             live.update(_table(states, jobs))
-            if all(states[j["jobId"]].get("state") in TERMINAL for j in jobs):
+            if all(states[j["jobId"]].get("state") in TERMINAL for j in jobs) and all(
+                [await _settled(client, j["jobId"]) for j in jobs]
+            ):
                 finished = True
                 break
             await asyncio.sleep(0.2)
@@ -183,6 +185,13 @@ async def _follow(client: httpx.AsyncClient, jobs: list[dict[str, Any]], timeout
     if not finished:
         console.print(f"[red]not all jobs finished within {timeout:.0f} s[/red]")
     return finished
+
+
+async def _settled(client: httpx.AsyncClient, job_id: str) -> bool:
+    """The ack or reject is recorded just after the broker has it: wait, so timelines are whole."""
+    events = (await client.get(f"/v1/jobs/{job_id}/events")).json()["events"]
+    kinds = [e["kind"] for e in events if e["kind"] != "published"]
+    return bool(kinds) and kinds[-1] in ("ack_sent", "rejected")
 
 
 async def _report(client: httpx.AsyncClient, results: Any, jobs: list[dict[str, Any]]) -> None:

@@ -112,6 +112,8 @@ async def test_d_invalid_payload_is_quarantined_not_requeued(make_pipeline: Any)
         assert job.state is JobState.QUARANTINED and job.attempt == 1
         assert "injected invalid" in (job.quarantine_reason or "")
         await _wait_quarantine_depth(p, 1)
+        # The reject is recorded after the broker has it, so the queue can be ahead of the event.
+        await _wait_kind(p, job_id, "rejected")
         kinds = await p.kinds(job_id)
         settled = [k for k in kinds if k != "published"]  # the mark may land after the reject
         assert kinds.count("claimed") == 1 and settled[-1] == "rejected"
