@@ -4,10 +4,17 @@
   watermark: SKIP LOCKED gives no global order).
 - A binding deleted behind our back makes publishes unroutable: the rows stay unpublished,
   with the error, until the binding is back, and are then published.
+- A publisher-confirm timeout is an unknown outcome, never a drop: the row stays unpublished
+  with the error and is published again after the back-off. The broker may then hold two
+  copies, and the worker produces the result once and acks the extra copy as a duplicate.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,9 +26,12 @@ from jobrelay.domain.states import JobState
 from jobrelay.relay import Relay
 from jobrelay.runtime import Runtime, open_runtime, utc_now
 from jobrelay.storage.tables import jobs, outbox
+from jobrelay.transport.rabbitmq import RabbitTransport
 from jobrelay.transport.topology import EXCHANGE, WORK_QUEUE, WORK_ROUTING_KEY
+from jobrelay.worker import Worker
 
 from .pipeline import settings_for
+from .transport_fixtures import wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.rabbitmq]
 
@@ -110,3 +120,88 @@ async def test_deleted_binding_keeps_rows_unpublished_until_restored(
         assert (await rt.store.get_job(job_id)).published  # type: ignore[union-attr]
     finally:
         await connection.close()
+
+
+async def _work_queue_messages(amqp_url: str) -> int:
+    """Ready plus unacked messages in the work queue, as the broker counts them."""
+    vhost = amqp_url.rsplit("/", 1)[1]
+    args = ("list_queues", "-p", vhost, "name", "messages", "--formatter", "json")
+    done = await asyncio.to_thread(
+        subprocess.run,
+        ["rabbitmqctl", "-q", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return int({q["name"]: q["messages"] for q in json.loads(done.stdout)}[WORK_QUEUE])
+
+
+async def test_confirm_timeout_is_unknown_and_republished_never_dropped(
+    rt: Runtime, amqp_url: str
+) -> None:
+    job_id = "00000000-0000-0000-0000-00000000000d"
+    async with rt.engine.begin() as conn:
+        await conn.execute(insert(jobs).values(_job_row(job_id)))
+        await conn.execute(insert(outbox).values(_outbox_row(job_id)))
+
+    # No confirm in time: the broker may or may not have the message, so it is not marked.
+    # 0.1 ms lets aiormq send the publish (a microsecond runs out before it is sent) and is
+    # far shorter than a quorum queue's confirm, so the broker most likely keeps this copy.
+    hasty = RabbitTransport(amqp_url, rt.topology, confirm_timeout=1e-4)
+    await hasty.connect()
+    try:
+        relay = Relay(dataclasses.replace(rt, transport=hasty))
+        assert await relay.relay_once() == 1
+    finally:
+        await hasty.close()
+    assert (relay.published, relay.failed) == (0, 1)
+    assert await _published(rt) == {job_id: False}
+    job = await rt.store.get_job(job_id)
+    assert job is not None and not job.published
+    assert (job.last_publish_error or "").startswith("publish_unknown: no confirm")
+    assert "published" not in [e.kind for e in await rt.store.events(job_id)]
+
+    # After the back-off (skipped here), a relay with a working transport sends it again.
+    async with rt.engine.begin() as conn:
+        await conn.execute(outbox.update().values(claimed_until=None))
+    relay = Relay(rt)
+    assert await relay.relay_once() == 1
+    assert (relay.published, relay.failed) == (1, 0)
+    assert await _published(rt) == {job_id: True}
+    job = await rt.store.get_job(job_id)
+    assert job is not None and job.published and job.last_publish_error is None
+
+    # The timed-out publish may have reached the queue too: one or two copies now. Either
+    # way the result is produced once, any extra copy is acked as a duplicate, and the
+    # work queue ends empty (nothing ready, nothing unacked).
+    async def kinds() -> list[str]:
+        return [e.kind for e in await rt.store.events(job_id)]
+
+    async def settled() -> bool:
+        job = await rt.store.get_job(job_id)
+        seen = await kinds()
+        return (
+            job is not None
+            and job.state is JobState.SUCCEEDED
+            and seen.count("ack_sent") == 1 + seen.count("duplicate_acked")
+            and await _work_queue_messages(amqp_url) == 0
+        )
+
+    # One delivery at a time, so a second copy finds the job finished (a concurrent one would
+    # be deferred behind the live lease instead, and need a relay for its re-check).
+    one_at_a_time = rt.settings.model_copy(update={"prefetch": 1})
+    stop = asyncio.Event()
+    worker = asyncio.create_task(Worker(dataclasses.replace(rt, settings=one_at_a_time)).run(stop))
+    try:
+        await wait_until(settled, timeout=30, interval=0.1)
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 15)
+    seen = await kinds()
+    assert seen.count("result_saved") == 1 and seen.count("claimed") == 1, seen
+    assert seen.count("published") == 1, seen
+    assert seen.count("duplicate_acked") <= 1 and "deferred" not in seen, seen
+    job = await rt.store.get_job(job_id)
+    assert job is not None and job.state is JobState.SUCCEEDED and job.attempt == 1
+    assert job.result_key is not None
