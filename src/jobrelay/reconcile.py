@@ -1,7 +1,7 @@
 """The reconciler: find jobs that fell between two hand-offs, repair what is safe, report the rest.
 
 It runs inside every ``jobrelay relay`` (one leader at a time) every ``reconcile_seconds``, and
-on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for four things, each at least
+on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for five things, each at least
 ``reconcile_grace_seconds`` overdue so that the normal path gets its chance first:
 
 - ``lease_expired``: ``running``, but the worker's lease ran out (it died, and no redelivery
@@ -10,6 +10,12 @@ on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for four things, e
 - ``retry_overdue``: ``retry_wait`` past its due time with no message of it in the outbox.
   Repair: re-send the retry as a work message, once per wait; still overdue after that, the
   pass only reports it (are workers consuming?).
+- ``queued_unclaimed``: ``queued``, its message confirmed by the broker long ago, never
+  claimed, and the work queue has no backlog left that could still hold it: the broker no
+  longer has the message (its delivery limit dead-lettered it after repeated returns from
+  killed workers, or someone purged the queue) or a busy worker sits on it. Repair: re-send
+  the work message, once; a surplus copy is acked as a duplicate. Still queued after that,
+  the pass only reports it.
 - ``outbox_stale``: an outbox row no broker has confirmed. Reported: the relay owns
   publishing, and the row says why it fails.
 - ``quarantine_mismatch``: a message in the quarantine queue whose job is not
@@ -37,6 +43,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobrelay.domain.states import JobState
+from jobrelay.errors import TransportError
 from jobrelay.runtime import Runtime
 from jobrelay.storage.admin import AdminQueries
 
@@ -44,9 +51,10 @@ log = logging.getLogger("jobrelay.reconcile")
 
 LEASE_EXPIRED = "lease_expired"
 RETRY_OVERDUE = "retry_overdue"
+QUEUED_UNCLAIMED = "queued_unclaimed"
 OUTBOX_STALE = "outbox_stale"
 QUARANTINE_MISMATCH = "quarantine_mismatch"
-FINDINGS = (LEASE_EXPIRED, RETRY_OVERDUE, OUTBOX_STALE, QUARANTINE_MISMATCH)
+FINDINGS = (LEASE_EXPIRED, RETRY_OVERDUE, QUEUED_UNCLAIMED, OUTBOX_STALE, QUARANTINE_MISMATCH)
 
 # "jrrecncl" as a big-endian 64-bit integer: the advisory lock only reconcilers take.
 LOCK_KEY = int.from_bytes(b"jrrecncl", "big")
@@ -119,6 +127,7 @@ class Reconciler:
         before = now - timedelta(seconds=self.rt.settings.reconcile_grace_seconds)
         await self._expired_leases(report, before, now)
         await self._overdue_retries(report, before, now)
+        await self._unclaimed_queued(report, before, now)
         await self._stale_outbox(report, before, now)
         if scan_quarantine:
             await self._quarantine_mismatches(report)
@@ -204,6 +213,44 @@ class Reconciler:
                 )
             )  # fmt: skip
 
+    async def _unclaimed_queued(self, report: Report, before: datetime, now: datetime) -> None:
+        found = await self.queries.unclaimed_queued(before, self.batch)
+        if not found:
+            return
+        try:
+            backlog = await self.rt.transport.work_ready()
+        except TransportError:
+            return  # cannot tell a lost message from a backlog now; the next pass will
+        if backlog:
+            return  # the messages may simply be waiting their turn: nothing to say yet
+        for waiting in found:
+            job = waiting.job
+            since = f"queued {_age(job.updated_at, now)}, published and never claimed"
+            if waiting.requeued_before:
+                report.findings.append(
+                    Finding(
+                        QUEUED_UNCLAIMED,
+                        job.id,
+                        f"{since}, still after the reconciler re-sent it: are workers consuming?",
+                    )
+                )
+                continue
+            repaired = not report.dry_run and await self.queries.requeue_unclaimed(
+                job.id, before, now, self.actor
+            )
+            if repaired:
+                self.rt.metrics.reconcile_repairs.labels(finding=QUEUED_UNCLAIMED).inc()
+            action = "re-sent" if repaired else ("would re-send" if report.dry_run else _MOVED)
+            report.findings.append(
+                Finding(
+                    QUEUED_UNCLAIMED,
+                    job.id,
+                    f"{since}, and the work queue is empty: the message was lost or "
+                    f"dead-lettered: {action}",
+                    repaired,
+                )
+            )
+
     async def _stale_outbox(self, report: Report, before: datetime, now: datetime) -> None:
         for row in await self.queries.stale_outbox(before, self.batch):
             error = f", last error: {row.last_error}" if row.last_error else ""
@@ -237,8 +284,8 @@ class Reconciler:
                 advice = "stale copies, safe to purge from the quarantine queue"
             else:
                 advice = (
-                    "if the job does not move, its only message was dead-lettered: "
-                    "cancel it (the customer may ask again with a new Idempotency-Key)"
+                    "if that was its only message, the reconciler re-sends it "
+                    f"({QUEUED_UNCLAIMED}) once the work queue has no backlog"
                 )
             report.findings.append(
                 Finding(QUARANTINE_MISMATCH, job_id, f"job is {state.value} but {copies}; {advice}")

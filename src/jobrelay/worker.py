@@ -47,6 +47,7 @@ log = logging.getLogger("jobrelay.worker")
 # A claim can lose a race (another worker, a retry not yet due); re-read and decide again a
 # few times, then defer rather than drop.
 _MAX_DECISION_ROUNDS = 3
+_STORE_BACKOFF_MAX = 8.0  # seconds a delivery is held before release while the database is down
 
 
 def _log_abandoned(task: asyncio.Task[None]) -> None:
@@ -68,6 +69,7 @@ class Worker:
         self.worker_id = worker_id or new_worker_id()
         self.lease = timedelta(seconds=rt.settings.lease_seconds)
         self.handled = 0
+        self._store_failures = 0  # in a row, for the back-off before a release
 
     # --- the consume loop -------------------------------------------------------------------
 
@@ -126,12 +128,20 @@ class Worker:
     async def _handle_safely(self, delivery: Delivery) -> None:
         try:
             await self.handle(delivery)
-        except Exception:
+            self._store_failures = 0
+        except Exception as exc:
             # Give it back: it is redelivered (to us or another worker) and the job row is
             # unchanged or guarded, so nothing is lost and nothing is done twice. Releases
             # count towards the delivery limit, so a message that always fails is quarantined
             # by the broker instead of looping.
             log.exception("delivery released after an error", extra={"event": "delivery_error"})
+            if isinstance(exc, StoreError):
+                # The database is down: not this message's fault. Released at once it would
+                # bounce between workers and use up its delivery limit within a second, so
+                # hold it for a growing back-off (while it holds a prefetch slot, no more
+                # arrive) and release it after.
+                self._store_failures += 1
+                await asyncio.sleep(min(0.25 * 2**self._store_failures, _STORE_BACKOFF_MAX))
             try:
                 await delivery.release()
             except Exception as exc:  # the channel is gone: the broker requeues it anyway

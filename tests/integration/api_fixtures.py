@@ -48,6 +48,7 @@ class ProbeTransport:
     def __init__(self, failure: BaseException | None = None) -> None:
         self.failure = failure
         self.closed = False
+        self.ready = 0  # what ``work_ready`` answers (the reconciler asks)
 
     async def connect(self) -> None:
         return None
@@ -67,6 +68,9 @@ class ProbeTransport:
 
     async def quarantine_depth(self) -> int:
         raise AssertionError("the API must not inspect queues")
+
+    async def work_ready(self) -> int:
+        return self.ready
 
 
 def settings_for(database_url: str, tmp_path: Path) -> Settings:

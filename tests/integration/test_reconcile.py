@@ -23,6 +23,7 @@ from jobrelay.reconcile import (
     LEASE_EXPIRED,
     OUTBOX_STALE,
     QUARANTINE_MISMATCH,
+    QUEUED_UNCLAIMED,
     RETRY_OVERDUE,
     Leadership,
     Reconciler,
@@ -31,7 +32,7 @@ from jobrelay.runtime import Runtime, utc_now
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.tables import outbox
 from jobrelay.transport.base import OutgoingMessage
-from tests.integration.api_fixtures import T0, Clock, build_runtime
+from tests.integration.api_fixtures import T0, Clock, ProbeTransport, build_runtime
 
 from .ops_fixtures import (
     LEASE,
@@ -137,6 +138,55 @@ async def test_overdue_retry_is_resent_once_then_only_reported(runtime: Runtime)
     assert await outbox_count(runtime, job_id) == 3
 
 
+# --- queued, published, never claimed ---------------------------------------------------------
+
+
+async def test_queued_job_whose_message_is_gone_is_resent_once_then_only_reported(
+    runtime: Runtime,
+) -> None:
+    job_id = await job_in_state(runtime.store, S.QUEUED, T0)
+    await mark_all_published(runtime)  # the broker confirmed it, then dead-lettered it
+    clock(runtime).advance(GRACE - 1)
+    assert (await Reconciler(runtime).run_once(scan_quarantine=False)).findings == []
+
+    clock(runtime).advance(2)
+    first = await Reconciler(runtime, actor="reconciler:test").run_once(scan_quarantine=False)
+
+    [finding] = first.findings
+    assert (finding.kind, finding.job_id, finding.repaired) == (QUEUED_UNCLAIMED, job_id, True)
+    assert "re-sent" in finding.detail
+    assert await outbox_count(runtime, job_id) == 2
+    job = await runtime.store.get_job(job_id)
+    assert job.state is S.QUEUED and job.attempt == 0 and not job.published
+    event = (await runtime.store.events(job_id))[-1]
+    assert event.kind == "reconciled_queued_unclaimed"
+    assert event.detail["actor"] == "reconciler:test"
+
+    await mark_all_published(runtime)
+    clock(runtime).advance(GRACE + 1)
+    [still] = (await Reconciler(runtime).run_once(scan_quarantine=False)).findings
+    assert (still.kind, still.repaired) == (QUEUED_UNCLAIMED, False)
+    assert "are workers consuming?" in still.detail
+    assert await outbox_count(runtime, job_id) == 2
+
+
+async def test_queued_jobs_behind_a_backlog_are_left_to_wait(runtime: Runtime) -> None:
+    job_id = await job_in_state(runtime.store, S.QUEUED, T0)
+    await mark_all_published(runtime)
+    clock(runtime).advance(3600)
+    transport = runtime.transport
+    assert isinstance(transport, ProbeTransport)
+    transport.ready = 5  # messages not yet handed to any worker: ours may be among them
+
+    assert (await Reconciler(runtime).run_once(scan_quarantine=False)).findings == []
+    assert await outbox_count(runtime, job_id) == 1
+
+    transport.ready = 0
+    [finding] = (await Reconciler(runtime).run_once(dry_run=True, scan_quarantine=False)).findings
+    assert finding.kind == QUEUED_UNCLAIMED and "would re-send" in finding.detail
+    assert await outbox_count(runtime, job_id) == 1
+
+
 async def test_overdue_retry_with_its_message_still_in_the_outbox_is_an_outbox_finding(
     runtime: Runtime,
 ) -> None:
@@ -195,6 +245,8 @@ async def test_finished_jobs_are_never_findings(runtime: Runtime) -> None:
         await job_in_state(runtime.store, state, T0, f"2020-0{n + 1}")
     await mark_all_published(runtime)
     clock(runtime).advance(86400)
+    assert isinstance(runtime.transport, ProbeTransport)
+    runtime.transport.ready = 1  # the queued one waits behind a backlog: waiting is normal
 
     report = await Reconciler(runtime).run_once(scan_quarantine=False)
 
@@ -258,6 +310,30 @@ async def test_a_repaired_job_with_no_attempt_left_is_quarantined(make_pipeline:
             return await p.rt.transport.quarantine_depth() == 1
 
         await eventually(in_quarantine_queue, what="the message in the quarantine queue")
+
+
+async def test_a_job_whose_message_was_dead_lettered_finishes_after_the_repair(
+    make_pipeline: Any,
+) -> None:
+    async with make_pipeline(reconcile_grace_seconds="0.5") as p:
+        job_id = await p.submit()
+        p.start_relay()
+        await p.wait_for(job_id, lambda j: j.published)
+        await p.stop_all()
+        await reject_one(p.rt.transport)  # as the delivery limit would: gone to quarantine
+
+        async def repaired() -> bool:
+            report = await Reconciler(p.rt).run_once(scan_quarantine=False)
+            return any(f.kind == QUEUED_UNCLAIMED and f.repaired for f in report.findings)
+
+        await eventually(repaired, what="the reconciler to re-send the lost message")
+        p.start_relay()
+        await p.start_worker()
+        job = await p.wait_for(job_id, lambda j: j.state is S.SUCCEEDED)
+        assert job.attempt == 1
+        history = await kinds(p.rt, job_id)
+        assert history.count("result_saved") == 1
+        assert history.index("reconciled_queued_unclaimed") < history.index("claimed")
 
 
 async def reject_one(transport: Any) -> None:

@@ -24,6 +24,7 @@ from jobrelay.storage.tables import api_tokens, job_events, jobs, local_messages
 OPERATOR = "operator"
 RECONCILED_LEASE = "reconciled_lease_expired"
 RECONCILED_RETRY = "reconciled_retry_overdue"
+RECONCILED_QUEUED = "reconciled_queued_unclaimed"
 
 
 @dataclass(frozen=True)
@@ -256,13 +257,35 @@ class AdminQueries:
         """Jobs in ``retry_wait`` due before ``before`` with no message waiting in the outbox."""
         query = (
             self.store._job_query()
-            .add_columns(_requeued_this_wait().label("requeued_before"))
+            .add_columns(_requeued_this_wait(RECONCILED_RETRY).label("requeued_before"))
             .where(
                 jobs.c.state == JobState.RETRY_WAIT.value,
                 jobs.c.next_attempt_at < before,
                 ~_unpublished_row(),
             )
             .order_by(jobs.c.next_attempt_at)
+            .limit(limit)
+        )
+        async with self.store._read() as conn:
+            rows = (await conn.execute(query)).all()
+        return [OverdueRetry(_job_record(r), bool(r.requeued_before)) for r in rows]
+
+    async def unclaimed_queued(self, before: datetime, limit: int) -> list[OverdueRetry]:
+        """Jobs ``queued`` since before ``before`` whose messages were all confirmed before it.
+
+        Either a worker holds the message unclaimed (busy, prefetched) or the broker no longer
+        has it (dead-lettered by its delivery limit after repeated returns, or purged).
+        """
+        query = (
+            self.store._job_query()
+            .add_columns(_requeued_this_wait(RECONCILED_QUEUED).label("requeued_before"))
+            .where(
+                jobs.c.state == JobState.QUEUED.value,
+                jobs.c.updated_at < before,
+                ~_unpublished_row(),
+                ~exists().where(outbox.c.job_id == jobs.c.id, outbox.c.published_at >= before),
+            )
+            .order_by(jobs.c.updated_at)
             .limit(limit)
         )
         async with self.store._read() as conn:
@@ -377,7 +400,7 @@ class AdminQueries:
                     jobs.c.state == JobState.RETRY_WAIT.value,
                     jobs.c.next_attempt_at < before,
                     ~_unpublished_row(),
-                    ~_requeued_this_wait(),
+                    ~_requeued_this_wait(RECONCILED_RETRY),
                 )
                 .values(updated_at=now)
             )
@@ -396,21 +419,51 @@ class AdminQueries:
         store._wake_relays()
         return True
 
+    async def requeue_unclaimed(
+        self, job_id: str, before: datetime, now: datetime, actor: str
+    ) -> bool:
+        """Re-send the work message of a job ``queued`` and unclaimed since before ``before``,
+        at most once while it stays queued. A surplus copy is harmless: the job's state
+        decides, and the later copy is deferred or acked as a duplicate."""
+        store = self.store
+        async with store._write() as conn:
+            job_type = await conn.scalar(select(jobs.c.type).where(jobs.c.id == job_id))
+            if job_type is None:
+                return False
+            result = await conn.execute(
+                update(jobs)
+                .where(
+                    jobs.c.id == job_id,
+                    jobs.c.state == JobState.QUEUED.value,
+                    jobs.c.updated_at < before,
+                    ~_unpublished_row(),
+                    ~_requeued_this_wait(RECONCILED_QUEUED),
+                )
+                .values(updated_at=now)
+            )
+            if result.rowcount != 1:
+                return False
+            await store._enqueue(conn, job_id, JobMessage(job_id, job_type), WORK_DESTINATION, now)
+            await store._event(conn, job_id, RECONCILED_QUEUED, now, actor=actor)
+        store._wake_relays()
+        return True
+
 
 def _unpublished_row() -> Any:
     return exists().where(outbox.c.job_id == jobs.c.id, outbox.c.published_at.is_(None))
 
 
-def _requeued_this_wait() -> Any:
+def _requeued_this_wait(kind: str) -> Any:
     return exists().where(
         job_events.c.job_id == jobs.c.id,
-        job_events.c.kind == RECONCILED_RETRY,
+        job_events.c.kind == kind,
         job_events.c.at >= jobs.c.updated_at,
     )
 
 
 __all__ = [
     "RECONCILED_LEASE",
+    "RECONCILED_QUEUED",
     "RECONCILED_RETRY",
     "ActionOutcome",
     "AdminQueries",

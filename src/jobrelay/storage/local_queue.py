@@ -227,6 +227,20 @@ async def count_queue(conn: AsyncConnection, queue: str) -> int:
     return int(n or 0)
 
 
+async def count_ready(conn: AsyncConnection, now: datetime) -> int:
+    """Work messages due and handed to no consumer: what RabbitMQ calls ready."""
+    n = await conn.scalar(
+        select(func.count())
+        .select_from(lm)
+        .where(
+            lm.c.queue == WORK,
+            lm.c.available_at <= now,
+            or_(lm.c.invisible_until.is_(None), lm.c.invisible_until <= now),
+        )
+    )
+    return int(n or 0)
+
+
 __all__ = [
     "QUARANTINE",
     "REASON_HEADER",
@@ -236,6 +250,7 @@ __all__ = [
     "check_table",
     "claim_messages",
     "count_queue",
+    "count_ready",
     "delete_claimed",
     "insert_message",
     "quarantine_claimed",

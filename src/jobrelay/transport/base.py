@@ -81,3 +81,7 @@ class Transport(Protocol):
     async def quarantine_depth(self) -> int:
         """Messages waiting in the quarantine queue (for operators and tests)."""
         ...
+
+    async def work_ready(self) -> int:
+        """Messages in the work queue not handed to any consumer yet (the backlog)."""
+        ...

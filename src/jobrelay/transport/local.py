@@ -231,6 +231,13 @@ class LocalTransport:
         except _DB_ERRORS as exc:
             raise TransportError(f"local queue unreachable: {_short(exc)}") from exc
 
+    async def work_ready(self) -> int:
+        try:
+            async with q.reading(self._engine) as conn:
+                return await q.count_ready(conn, self._clock())
+        except _DB_ERRORS as exc:
+            raise TransportError(f"local queue unreachable: {_short(exc)}") from exc
+
     # --- consuming ------------------------------------------------------------------------
 
     async def consume(self, prefetch: int) -> AsyncIterator[Delivery]:

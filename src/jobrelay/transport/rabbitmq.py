@@ -360,6 +360,9 @@ class RabbitTransport:
     async def quarantine_depth(self) -> int:
         return await self._message_count(QUARANTINE_QUEUE)
 
+    async def work_ready(self) -> int:
+        return await self._message_count(WORK_QUEUE)  # passive declare counts ready only
+
     # --- consuming ------------------------------------------------------------------------
 
     async def consume(self, prefetch: int) -> AsyncIterator[Delivery]:
