@@ -36,5 +36,9 @@ unit: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/pipeline_bench.py $(BENCH_ARGS)
 
+## chaos: the fault proof: N exports under kill -9 and service restarts (PostgreSQL + RabbitMQ)
+chaos: $(STAMP)
+	$(BIN)/jobrelay chaos $(CHAOS_ARGS)
+
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

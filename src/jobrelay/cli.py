@@ -197,6 +197,68 @@ def demo_cmd(settings: Settings) -> None:
     raise typer.Exit(demo_main(settings))
 
 
+@app.command("chaos")
+def chaos_cmd(
+    jobs: Annotated[int, typer.Option(min=1, help="Exports to submit.")] = 2000,
+    seed: Annotated[int, typer.Option(help="Decides the whole plan; rerun a failure with it.")] = 1,
+    profile: Annotated[
+        str, typer.Option(help="full (make chaos) or short (the CI version): how many faults.")
+    ] = "full",
+    poison: Annotated[int, typer.Option(min=0, help="Jobs that fail on every attempt.")] = 3,
+    concurrency: Annotated[int, typer.Option(min=1, help="Concurrent HTTP clients.")] = 8,
+    rate: Annotated[
+        Optional[float],  # noqa: UP045 (typer needs it)
+        typer.Option(min=0.1, help="Submissions per second [default: spread over the faults]."),
+    ] = None,
+    settle_timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for quiet after the faults.")
+    ] = 240.0,
+    out: Annotated[str, typer.Option(help="Where reports and process logs go.")] = "chaos-results",
+    keep: Annotated[bool, typer.Option(help="Keep the database and vhost afterwards.")] = False,
+    pg_server: Annotated[
+        str, typer.Option(help="PostgreSQL server (a scratch database is made there).")
+    ] = "postgresql://postgres@127.0.0.1:5432",
+    amqp_server: Annotated[
+        str, typer.Option(help="RabbitMQ server (a scratch vhost is made there).")
+    ] = "amqp://guest:guest@127.0.0.1:5672",
+    postgres_restart: Annotated[
+        Optional[str],  # noqa: UP045 (typer needs it)
+        typer.Option(help="Command that restarts PostgreSQL [default: pg_ctlcluster … restart]."),
+    ] = None,
+) -> None:
+    """Soak PostgreSQL + RabbitMQ under kill -9 and restarts; check nothing lost or doubled."""
+    import shlex
+    from pathlib import Path
+
+    try:
+        from jobrelay.chaos.plan import PROFILES
+        from jobrelay.chaos.run import ChaosOptions, run_chaos
+        from jobrelay.chaos.sandbox import Services
+    except ImportError as exc:
+        raise fail(f"the soak needs the chaos extra ('jobrelay[chaos]'): {exc}", 2) from exc
+    if profile not in PROFILES:
+        raise fail(f"--profile must be one of {', '.join(PROFILES)}", 2)
+    if not 0 <= poison < jobs:
+        raise fail("--poison must be smaller than --jobs", 2)
+    services = Services(pg_server=pg_server.rstrip("/"), amqp_server=amqp_server.rstrip("/"))
+    if postgres_restart:
+        services.postgres_restart = shlex.split(postgres_restart)
+    logs.configure("chaos", "WARNING")
+    options = ChaosOptions(
+        jobs=jobs,
+        seed=seed,
+        profile=profile,
+        poison=poison,
+        concurrency=concurrency,
+        rate=rate,
+        settle_timeout=settle_timeout,
+        out_dir=Path(out),
+        keep=keep,
+        services=services,
+    )
+    raise typer.Exit(run(run_chaos(options)))
+
+
 # --- set-up ----------------------------------------------------------------------------------
 
 

@@ -46,10 +46,10 @@ async def scan_quarantine(rt: Runtime, limit: int) -> list[DeadLetter]:
             DeadLetter(_job_id(m.headers, m.body), _text(m.headers.get(LOCAL_REASON_HEADER)))
             for m in messages
         ]
-    return await _browse_rabbitmq(rt.settings.broker_url, limit)
+    return await browse_rabbitmq(rt.settings.broker_url, limit)
 
 
-async def _browse_rabbitmq(url: str, limit: int) -> list[DeadLetter]:
+async def browse_rabbitmq(url: str, limit: int) -> list[DeadLetter]:
     import aio_pika
     import aiormq
     from yarl import URL

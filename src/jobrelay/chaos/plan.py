@@ -1,0 +1,144 @@
+"""What the soak does, decided up front from the seed, so a failing run can be replayed.
+
+A plan is the list of submissions (who asks for which export, which are poison) and the
+ordered list of faults with the pause before each. Nothing here touches a process; the same
+seed and sizes give the same plan, byte for byte (see ``describe``).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+ACCOUNTS = ("acme", "globex", "initech")
+# Healthy exports use 2019-02 … 2021-12; 2019-01 of initech is reserved for poison jobs, so a
+# fault selector can poison exactly them (``export.run:transient@accountId=initech&…``).
+POISON_ACCOUNT, POISON_PERIOD = "initech", "2019-01"
+HEALTHY_PERIODS = tuple(
+    f"{year}-{month:02d}" for year in (2019, 2020, 2021) for month in range(1, 13)
+)[1:]
+
+# Where each named fault point lives, so it is armed on a process that will reach it.
+FAULT_POINTS: dict[str, str] = {
+    "export.run": "worker",
+    "worker.before_ack": "worker",
+    "notify.after_send": "worker",
+    "relay.before_mark": "relay",
+    "api.before_response": "api",
+}
+
+FaultKind = Literal["kill", "crash", "rabbitmq_restart", "postgres_restart"]
+
+
+@dataclass(frozen=True)
+class Submission:
+    index: int
+    account: str
+    period: str
+    email: str
+    key: str  # the Idempotency-Key, stable across the client's retries
+    poison: bool
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    target: str  # role name(s, comma-separated) for kill/crash, the service for restarts
+    point: str | None = None  # for crash: the fault spec armed on the target
+    pause: float = 0.0  # seconds to wait before this fault
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How hard to push: sizes of the soak. ``full`` is ``make chaos``, ``short`` runs in CI."""
+
+    name: str
+    worker_kills: int
+    relay_kills: int
+    service_restarts: bool
+    pause: tuple[float, float]  # seconds between faults, drawn uniformly
+
+
+PROFILES = {
+    "full": Profile("full", worker_kills=4, relay_kills=3, service_restarts=True, pause=(3, 7)),
+    "short": Profile("short", worker_kills=1, relay_kills=1, service_restarts=True, pause=(2, 4)),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    seed: int
+    submissions: tuple[Submission, ...]
+    faults: tuple[Fault, ...]
+
+    @property
+    def poison_keys(self) -> frozenset[str]:
+        return frozenset(s.key for s in self.submissions if s.poison)
+
+    def describe(self) -> list[str]:
+        return [
+            f"+{f.pause:.1f}s {f.kind} {f.target}" + (f" at {f.point}" if f.point else "")
+            for f in self.faults
+        ]
+
+
+# Roughly how long each fault takes to inject, to spread the submissions over the whole plan.
+_TAKES = {"kill": 0.2, "crash": 4.0, "rabbitmq_restart": 12.0, "postgres_restart": 6.0}
+
+
+def expected_duration(plan: Plan) -> float:
+    return sum(f.pause + _TAKES[f.kind] for f in plan.faults)
+
+
+def make_plan(
+    seed: int,
+    jobs: int,
+    poison: int,
+    profile: Profile,
+    workers: tuple[str, ...],
+    relays: tuple[str, ...],
+    api: str = "api",
+) -> Plan:
+    if jobs < 1 or not 0 <= poison < jobs:
+        raise ValueError("need at least one job, and fewer poison jobs than jobs")
+    rng = random.Random(seed)
+    poison_at = set(rng.sample(range(jobs), poison))
+    submissions = []
+    for i in range(jobs):
+        bad = i in poison_at
+        submissions.append(
+            Submission(
+                index=i,
+                account=POISON_ACCOUNT if bad else rng.choice(ACCOUNTS),
+                period=POISON_PERIOD if bad else rng.choice(HEALTHY_PERIODS),
+                email=f"client-{i}@example.com",
+                key=f"chaos-{seed}-{i}",
+                poison=bad,
+            )
+        )
+    crashes: list[Fault] = []
+    # A crash point is armed on every process of its role and the first to reach it crashes:
+    # RabbitMQ may hand one worker only e-mail jobs and the other only exports for a while.
+    by_role = {"worker": ",".join(workers), "relay": ",".join(relays), "api": api}
+    for point, role in FAULT_POINTS.items():
+        crashes.append(Fault("crash", by_role[role], point=f"{point}:crash:1"))
+    others = [Fault("kill", rng.choice(workers)) for _ in range(profile.worker_kills)]
+    others += [Fault("kill", rng.choice(relays)) for _ in range(profile.relay_kills)]
+    if profile.service_restarts:
+        others += [Fault("rabbitmq_restart", "rabbitmq"), Fault("postgres_restart", "postgres")]
+    rng.shuffle(crashes)
+    rng.shuffle(others)
+    # A crash point fires only when work reaches it, so the crashes go in the first 60% of
+    # the plan, while the load is sure to be there; e-mails exist only after exports finish,
+    # so the notify crash never goes first.
+    total = len(crashes) + len(others)
+    early = max(len(crashes), int(total * 0.6))
+    slots = set(rng.sample(range(early), len(crashes)))
+    faults = [crashes.pop() if i in slots else others.pop() for i in range(total)]
+    if len(faults) > 1 and (faults[0].point or "").startswith("notify"):
+        faults[0], faults[1] = faults[1], faults[0]
+    timed = tuple(
+        Fault(f.kind, f.target, f.point, round(rng.uniform(*profile.pause), 1)) for f in faults
+    )
+    return Plan(seed, tuple(submissions), timed)

@@ -1,0 +1,455 @@
+"""``jobrelay chaos``: set up, run the clients and the fault controller, settle, check, report.
+
+The run, in order:
+
+1. a sandbox (fresh database, vhost and bucket), moto's S3 and the recording SMTP server in
+   this process; ``db upgrade``, ``broker declare``, ``seed`` and one token per account
+   through the real CLI;
+2. the cluster: one api, two relays, two workers, each a supervised process; every worker
+   carries a permanent fault that makes the poison jobs fail on every attempt;
+3. clients submit the planned exports over HTTP while the controller works through the
+   seeded fault plan (kills, a crash at every fault point, a RabbitMQ and a PostgreSQL
+   restart);
+4. when both are done, wait until nothing moves (every job terminal, outbox empty, work and
+   retry queues empty) or the settle timeout passes;
+5. read the database, bucket, mail sink and broker, judge (``verdict.judge``), print the
+   table and the one-line summary, write the JSON report; exit 1 on any violation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from aiobotocore.session import get_session
+from rich.console import Console
+from rich.table import Table
+
+from jobrelay.chaos.clients import Clients, Record
+from jobrelay.chaos.cluster import Cluster, Role
+from jobrelay.chaos.plan import (
+    POISON_ACCOUNT,
+    POISON_PERIOD,
+    PROFILES,
+    Fault,
+    Plan,
+    expected_duration,
+    make_plan,
+)
+from jobrelay.chaos.sandbox import ChaosSetupError, Sandbox, Services
+from jobrelay.chaos.sinks import MailServer, S3Server, free_port
+from jobrelay.chaos.verdict import Mail, Verdict, World, as_json, judge, summary_line
+from jobrelay.quarantine_scan import browse_rabbitmq
+from jobrelay.storage import audit
+from jobrelay.storage.engine import create_engine
+from jobrelay.transport.topology import QUARANTINE_QUEUE
+
+console = Console(stderr=True, highlight=False, width=120)
+WORKERS = ("worker-1", "worker-2")
+RELAYS = ("relay-1", "relay-2")
+MAIL_FROM = "jobrelay@example.com"
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "chaos",
+    "AWS_SECRET_ACCESS_KEY": "chaos",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+# Short leases and fast reconciling, so recovery happens within the soak; what each one means
+# is in docs/reference/settings.md.
+TUNING = {
+    "JOBRELAY_LEASE_SECONDS": "3",
+    "JOBRELAY_RETRY_DELAYS": "1,2",
+    "JOBRELAY_RELAY_POLL_SECONDS": "0.2",
+    "JOBRELAY_RELAY_CLAIM_SECONDS": "5",
+    "JOBRELAY_CONFIRM_TIMEOUT": "5",
+    "JOBRELAY_RECONCILE_SECONDS": "5",
+    "JOBRELAY_RECONCILE_GRACE_SECONDS": "10",
+    "JOBRELAY_LOG_LEVEL": "INFO",
+}
+
+
+@dataclass
+class ChaosOptions:
+    jobs: int = 2000
+    seed: int = 1
+    profile: str = "full"
+    poison: int = 3
+    concurrency: int = 8
+    rate: float | None = None  # submissions per second; None: spread over the fault plan
+    settle_timeout: float = 240.0
+    crash_timeout: float = 30.0
+    out_dir: Path = Path("chaos-results")
+    keep: bool = False
+    services: Services = field(default_factory=Services)
+
+
+@dataclass
+class FaultLog:
+    kind: str
+    target: str
+    point: str | None
+    at: float
+    took: float
+    result: str  # done | fired | missed
+    detail: str = ""
+
+
+async def run_chaos(opts: ChaosOptions) -> int:
+    """The whole soak; the process exit code (0 clean, 1 a violation, 2 could not run)."""
+    started = time.monotonic()
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    root = (opts.out_dir / f"chaos-{opts.seed}-{stamp}").resolve()
+    sandbox = Sandbox(opts.services, root)
+    plan = make_plan(opts.seed, opts.jobs, opts.poison, PROFILES[opts.profile], WORKERS, RELAYS)
+    console.print(
+        f"chaos: seed={opts.seed} jobs={opts.jobs} poison={opts.poison} profile={opts.profile}"
+        f" run={sandbox.run_id}; logs in {sandbox.log_dir}"
+    )
+    for line in plan.describe():
+        console.print(f"  plan: {line}")
+    for name, value in AWS_ENV.items():
+        os.environ.setdefault(name, value)
+    s3, mail = S3Server(), MailServer()
+    cluster: Cluster | None = None
+    verdict: Verdict | None = None
+    try:
+        await sandbox.create()
+        s3.start()
+        mail.start()
+        await _create_bucket(s3.endpoint, sandbox.bucket)
+        api_port = free_port()
+        env = _role_env(sandbox, s3, mail, api_port)
+        tokens = await _prepare(env, sandbox)
+        cluster = Cluster(_roles(api_port), env, sandbox.log_dir)
+        await cluster.start()
+        base = f"http://127.0.0.1:{api_port}"
+        await _wait_ready(base, cluster)
+        # Submissions are spread over the whole fault plan, so every fault lands on live work.
+        window = opts.jobs / opts.rate if opts.rate else expected_duration(plan)
+        clients = Clients(
+            base,
+            tokens,
+            concurrency=opts.concurrency,
+            window=window,
+            deadline=window + opts.settle_timeout / 2,
+        )
+        engine = create_engine(sandbox.database_url)
+        try:
+            records, faults = await _soak(opts, plan, cluster, clients, sandbox, engine)
+            quiet = await _settle(engine, sandbox, opts.settle_timeout, cluster)
+            world = await _world(s3, mail, sandbox, faults)
+            facts = await audit.collect(engine)
+        finally:
+            await engine.dispose()
+        verdict = judge(plan, records, facts, world)
+        elapsed = time.monotonic() - started
+        line = summary_line(opts.seed, verdict, elapsed, len(faults))
+        report = _report(opts, plan, sandbox, records, faults, cluster, verdict, quiet, elapsed)
+        report["versions"] = await _object_versions(s3.endpoint, sandbox.bucket)
+        report["summary"] = line
+        report_path = root / "report.json"
+        report_path.write_text(json.dumps(report, indent=2, default=str))
+        _print_table(verdict, faults, cluster, quiet)
+        console.print(f"report: {report_path}")
+        print(line, flush=True)
+        return 0 if verdict.ok else 1
+    except ChaosSetupError as exc:
+        console.print(f"[red]chaos: could not run: {exc}[/red]")
+        return 2
+    finally:
+        if cluster is not None:
+            await cluster.stop()
+        mail.stop()
+        s3.stop()
+        if opts.keep or (verdict is not None and not verdict.ok):
+            console.print(f"kept for inspection: database and vhost {sandbox.database}")
+        else:
+            for problem in await sandbox.destroy():
+                console.print(f"[yellow]cleanup: {problem}[/yellow]")
+
+
+def _role_env(sandbox: Sandbox, s3: S3Server, mail: MailServer, api_port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBRELAY_")}
+    env.update(AWS_ENV)
+    env.update(TUNING)
+    env.update(
+        {
+            "JOBRELAY_DATABASE_URL": sandbox.database_url,
+            "JOBRELAY_BROKER_URL": sandbox.broker_url,
+            "JOBRELAY_RESULTS_URL": f"s3://{sandbox.bucket}/jobrelay",
+            "JOBRELAY_S3_ENDPOINT_URL": s3.endpoint,
+            "JOBRELAY_SMTP_URL": mail.url,
+            "JOBRELAY_MAIL_FROM": MAIL_FROM,
+            "JOBRELAY_PUBLIC_URL": f"http://127.0.0.1:{api_port}",
+        }
+    )
+    return env
+
+
+def _roles(api_port: int) -> list[Role]:
+    poison = f"export.run:transient@accountId={POISON_ACCOUNT}&period={POISON_PERIOD}"
+    return [
+        Role("api", ["api", "--host", "127.0.0.1", "--port", str(api_port)]),
+        *(Role(name, ["relay"]) for name in RELAYS),
+        *(Role(name, ["worker"], permanent_faults=poison) for name in WORKERS),
+    ]
+
+
+async def _prepare(env: dict[str, str], sandbox: Sandbox) -> dict[str, str]:
+    """Schema, topology, ledger data and one token per account, through the real CLI."""
+    log = sandbox.log_dir / "setup.log"
+
+    async def cli(*args: str) -> str:
+        argv = [sys.executable, "-m", "jobrelay", *args]
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
+        )
+        out, err = await proc.communicate()
+        with log.open("a") as f:
+            f.write(f"$ jobrelay {' '.join(args)}\n{err.decode(errors='replace')}\n")
+        if proc.returncode != 0:
+            raise ChaosSetupError(f"`jobrelay {' '.join(args)}` failed: {err.decode()[-800:]}")
+        return out.decode()
+
+    await cli("db", "upgrade")
+    await cli("broker", "declare")
+    await cli("seed")
+    tokens = {}
+    for account in ("acme", "globex", "initech"):
+        tokens[account] = (await cli("token", "create", "--account", account)).splitlines()[-1]
+    return tokens
+
+
+async def _create_bucket(endpoint: str, bucket: str) -> None:
+    async with get_session().create_client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1"
+    ) as client:
+        await client.create_bucket(Bucket=bucket)
+        # Versioning makes every write of a key visible, so rewrites by retries can be counted.
+        await client.put_bucket_versioning(
+            Bucket=bucket, VersioningConfiguration={"Status": "Enabled"}
+        )
+
+
+async def _wait_ready(base: str, cluster: Cluster, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=2) as client:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{base}/readyz")).status_code == 200:
+                    return
+            await asyncio.sleep(0.2)
+    exits = ", ".join(f"{e.role}:{e.code}" for e in cluster.exits)
+    raise ChaosSetupError(f"the api did not become ready within {timeout:g}s (exits: {exits})")
+
+
+async def _soak(
+    opts: ChaosOptions,
+    plan: Plan,
+    cluster: Cluster,
+    clients: Clients,
+    sandbox: Sandbox,
+    engine: Any,
+) -> tuple[list[Record], list[FaultLog]]:
+    faults: list[FaultLog] = []
+    done = asyncio.Event()
+
+    async def controller() -> None:
+        for fault in plan.faults:
+            await asyncio.sleep(fault.pause)  # the plan's spacing between faults
+            faults.append(await _inject(fault, cluster, sandbox, opts.crash_timeout))
+            entry = faults[-1]
+            console.print(
+                f"  [{entry.at:6.1f}s] {entry.kind} {entry.target}"
+                f"{' ' + entry.point if entry.point else ''}: {entry.result}"
+                f"{' (' + entry.detail + ')' if entry.detail else ''}"
+            )
+
+    async def progress() -> None:
+        while not done.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), 5)
+            outcomes = [r.outcome for r in clients.records if r.requests]
+            moving = unpublished = -1
+            with contextlib.suppress(Exception):
+                moving, unpublished = await audit.non_terminal_and_unpublished(engine)
+            console.print(
+                f"  [{cluster.elapsed():6.1f}s] submitted {len(outcomes)}/{len(plan.submissions)}"
+                f" ok={outcomes.count('ok')} moving={moving} unpublished={unpublished}"
+                f" faults={len(faults)}/{len(plan.faults)} exits={len(cluster.exits)}"
+            )
+
+    ticker = asyncio.create_task(progress())
+    try:
+        records, _ = await asyncio.gather(clients.run(plan.submissions), controller())
+    finally:
+        done.set()
+        await ticker
+    return records, faults
+
+
+async def _inject(
+    fault: Fault, cluster: Cluster, sandbox: Sandbox, crash_timeout: float
+) -> FaultLog:
+    at = cluster.elapsed()
+    log = sandbox.log_dir / "faults.log"
+    try:
+        if fault.kind == "kill":
+            for _ in range(40):  # the target may be between incarnations for a moment
+                pid = await cluster.kill9(fault.target)
+                if pid is not None:
+                    return FaultLog(fault.kind, fault.target, None, at, cluster.elapsed() - at,
+                                    "done", f"pid {pid}")  # fmt: skip
+                await asyncio.sleep(0.25)
+            return FaultLog(fault.kind, fault.target, None, at, 0, "missed", "never running")
+        if fault.kind == "crash":
+            assert fault.point is not None
+            fired = await cluster.crash_at(fault.target.split(","), fault.point, crash_timeout)
+            result = "fired" if fired else "missed"
+            detail = (
+                f"{fired.role} incarnation {fired.incarnation}"
+                if fired
+                else "never reached the point"
+            )
+            return FaultLog(fault.kind, fault.target, fault.point, at, cluster.elapsed() - at,
+                            result, detail)  # fmt: skip
+        if fault.kind == "rabbitmq_restart":
+            await sandbox.services.restart_rabbitmq(log)
+        else:
+            await sandbox.services.restart_postgres(log)
+        return FaultLog(fault.kind, fault.target, None, at, cluster.elapsed() - at, "done")
+    except ChaosSetupError as exc:
+        return FaultLog(fault.kind, fault.target, fault.point, at, cluster.elapsed() - at,
+                        "missed", str(exc)[:300])  # fmt: skip
+
+
+async def _settle(engine: Any, sandbox: Sandbox, timeout: float, cluster: Cluster) -> float | None:
+    """Seconds until nothing moved (twice in a row), or None if the timeout passed first."""
+    started = time.monotonic()
+    quiet_polls = 0
+    while time.monotonic() - started < timeout:
+        try:
+            moving, unpublished = await audit.non_terminal_and_unpublished(engine)
+            depths = await sandbox.queue_depths()
+        except Exception:  # a service still coming back: ask again
+            moving, unpublished, depths = 1, 0, {}
+        busy = sum(n for q, n in depths.items() if q != QUARANTINE_QUEUE)
+        quiet_polls = quiet_polls + 1 if moving == 0 and unpublished == 0 and busy == 0 else 0
+        if quiet_polls >= 2:
+            return time.monotonic() - started
+        await asyncio.sleep(1)  # polling the system's state, with a deadline
+    console.print(f"[red]not quiet after {timeout:g}s[/red]")
+    return None
+
+
+async def _world(s3: S3Server, mail: MailServer, sandbox: Sandbox, faults: list[FaultLog]) -> World:
+    keys: list[str] = []
+    async with get_session().create_client(
+        "s3", endpoint_url=s3.endpoint, region_name="us-east-1"
+    ) as client:
+        paginator = client.get_paginator("list_objects_v2")
+        async for page in paginator.paginate(Bucket=sandbox.bucket):
+            keys += [o["Key"] for o in page.get("Contents", [])]
+        uploads = await client.list_multipart_uploads(Bucket=sandbox.bucket)
+    mails = tuple(Mail(str(m.message["Message-ID"]), tuple(m.rcpt_tos)) for m in mail.messages)
+    depths = await sandbox.queue_depths()
+    dead = await browse_rabbitmq(sandbox.broker_url, limit=10_000)
+    missed = tuple(
+        f"{f.kind} {f.target} {f.point or ''}: {f.detail}".strip()
+        for f in faults
+        if f.result == "missed"
+    )
+    return World(
+        object_keys=tuple(keys),
+        open_uploads=len(uploads.get("Uploads", [])),
+        mails=mails,
+        queue_depths=depths,
+        dead_letters=tuple((d.job_id, d.reason) for d in dead),
+        faults_missed=missed,
+    )
+
+
+async def _object_versions(endpoint: str, bucket: str) -> dict[str, int]:
+    """How many times result objects were written: rewrites by retries are allowed, and shown."""
+    versions: dict[str, int] = {}
+    async with get_session().create_client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1"
+    ) as client:
+        paginator = client.get_paginator("list_object_versions")
+        async for page in paginator.paginate(Bucket=bucket):
+            for v in page.get("Versions", []):
+                versions[v["Key"]] = versions.get(v["Key"], 0) + 1
+    rewritten = {k: n for k, n in versions.items() if n > 1}
+    return {"objects": len(versions), "rewritten": len(rewritten), "writes": sum(versions.values())}
+
+
+def _report(
+    opts: ChaosOptions,
+    plan: Plan,
+    sandbox: Sandbox,
+    records: list[Record],
+    faults: list[FaultLog],
+    cluster: Cluster,
+    verdict: Verdict,
+    quiet: float | None,
+    elapsed: float,
+) -> dict[str, Any]:
+    return {
+        "seed": opts.seed,
+        "jobs": opts.jobs,
+        "profile": opts.profile,
+        "poison": opts.poison,
+        "run_id": sandbox.run_id,
+        "database": sandbox.database,
+        "elapsed_seconds": round(elapsed, 1),
+        "settled_after_seconds": None if quiet is None else round(quiet, 1),
+        "replay": f"jobrelay chaos --seed {opts.seed} --jobs {opts.jobs} --profile {opts.profile}",
+        **as_json(verdict),
+        "faults": [asdict(f) for f in faults],
+        "exits": [asdict(e) for e in cluster.exits],
+        "unknown_requests": [
+            {"key": r.submission.key, **asdict(q)}
+            for r in records
+            for q in r.requests
+            if q.outcome != "ok"
+        ][:200],
+    }
+
+
+def _print_table(
+    verdict: Verdict, faults: list[FaultLog], cluster: Cluster, quiet: float | None
+) -> None:
+    table = Table(title="chaos: faults injected", show_edge=False)
+    for column in ("at", "fault", "target", "result", "detail"):
+        table.add_column(column)
+    for f in faults:
+        table.add_row(
+            f"{f.at:.1f}s", f.kind if not f.point else f"crash at {f.point}", f.target,
+            f.result, f.detail,
+        )  # fmt: skip
+    console.print(table)
+    exits: dict[str, int] = {}
+    for e in cluster.exits:
+        exits[e.cause] = exits.get(e.cause, 0) + 1
+    console.print(f"process exits by cause: {exits}; settled after: {quiet}")
+    checks = Table(title="chaos: checks", show_edge=False)
+    checks.add_column("check")
+    checks.add_column("value", justify="right")
+    checks.add_column("")
+    for name, value in verdict.violations.items():
+        checks.add_row(name, str(value), "ok" if value == 0 else "[red]VIOLATION[/red]")
+    for name, value in verdict.counts.items():
+        checks.add_row(name, str(value), "")
+    console.print(checks)
+    for kind, examples in verdict.examples.items():
+        for example in examples:
+            console.print(f"  {kind}: {example}")

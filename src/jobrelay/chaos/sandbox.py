@@ -1,0 +1,163 @@
+"""The soak's scratch space, and the commands that stop and start the real services.
+
+Everything the soak creates (a database, a vhost, a bucket, a directory of process logs) is
+named after one run id and removed at the end, unless the run failed: then it is kept so the
+failure can be read, and the names are printed. Names are made of hex digits here, which is
+why they can be spliced into ``CREATE DATABASE`` (a statement that takes no parameters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shlex
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+
+
+class ChaosSetupError(Exception):
+    """The soak could not be set up or could not inject a fault: not a verdict on jobrelay."""
+
+
+async def run_command(argv: list[str], *, timeout: float = 120.0, log: Path | None = None) -> str:
+    """Run a one-shot command; its stdout, or ``ChaosSetupError`` saying what failed."""
+    shown = shlex.join(argv)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+        )
+    except OSError as exc:
+        raise ChaosSetupError(f"`{shown}` could not start: {exc}") from None
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await proc.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
+    stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
+    if log is not None:
+        with log.open("a") as f:
+            f.write(f"$ {shown}\n{stdout}{stderr}[exit {proc.returncode}]\n")
+    if proc.returncode != 0:
+        raise ChaosSetupError(f"`{shown}` exited {proc.returncode}: {stderr.strip()[-1500:]}")
+    return stdout
+
+
+def default_postgres_restart() -> list[str]:
+    """Debian's cluster wrapper for the one cluster on this machine (as the machine starts it)."""
+    versions = sorted(os.listdir("/etc/postgresql")) if os.path.isdir("/etc/postgresql") else []
+    version = versions[-1] if versions else "15"
+    return ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart"]
+
+
+@dataclass
+class Services:
+    """Where PostgreSQL and RabbitMQ are, and how to bounce them."""
+
+    pg_server: str = "postgresql://postgres@127.0.0.1:5432"
+    amqp_server: str = "amqp://guest:guest@127.0.0.1:5672"
+    postgres_restart: list[str] = field(default_factory=default_postgres_restart)
+    rabbitmq_down_seconds: float = 3.0
+
+    async def rabbitmqctl(self, *args: str, log: Path | None = None) -> str:
+        return await run_command(["rabbitmqctl", "-q", *args], log=log)
+
+    async def restart_rabbitmq(self, log: Path | None = None) -> None:
+        """Stop the broker application, keep it down a moment, start it and wait until up."""
+        await self.rabbitmqctl("stop_app", log=log)
+        await asyncio.sleep(self.rabbitmq_down_seconds)  # the outage itself, not a wait
+        await self.rabbitmqctl("start_app", log=log)
+        await self.rabbitmqctl("await_startup", log=log)
+
+    async def restart_postgres(self, log: Path | None = None) -> None:
+        await run_command(self.postgres_restart, log=log)
+
+
+@dataclass
+class Sandbox:
+    services: Services
+    root: Path
+    run_id: str = field(default_factory=lambda: secrets.token_hex(4))
+    _db_created: bool = False
+    _vhost_created: bool = False
+
+    @property
+    def database(self) -> str:
+        return f"jobrelay_chaos_{self.run_id}"
+
+    @property
+    def vhost(self) -> str:
+        return f"jobrelay_chaos_{self.run_id}"
+
+    @property
+    def bucket(self) -> str:
+        return f"jobrelay-chaos-{self.run_id}"
+
+    @property
+    def database_url(self) -> str:
+        return f"{self.services.pg_server}/{self.database}"
+
+    @property
+    def broker_url(self) -> str:
+        return f"{self.services.amqp_server}/{self.vhost}"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.root / "logs"
+
+    async def create(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            admin = await asyncpg.connect(f"{self.services.pg_server}/postgres")
+        except (OSError, asyncpg.PostgresError) as exc:
+            raise ChaosSetupError(f"PostgreSQL at {self.services.pg_server}: {exc}") from None
+        try:
+            await admin.execute(f'CREATE DATABASE "{self.database}"')
+            self._db_created = True
+        finally:
+            await admin.close()
+        await self.services.rabbitmqctl("add_vhost", self.vhost)
+        self._vhost_created = True
+        await self.services.rabbitmqctl(
+            "set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*"
+        )
+
+    async def destroy(self) -> list[str]:
+        """Drop what this sandbox created; the problems met on the way (not raised)."""
+        problems: list[str] = []
+        if self._db_created:
+            try:
+                admin = await asyncpg.connect(f"{self.services.pg_server}/postgres")
+                try:
+                    await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
+                    self._db_created = False
+                finally:
+                    await admin.close()
+            except (OSError, asyncpg.PostgresError) as exc:
+                problems.append(f"database {self.database} not dropped: {exc}")
+        if self._vhost_created:
+            try:
+                await self.services.rabbitmqctl("delete_vhost", self.vhost)
+                self._vhost_created = False
+            except ChaosSetupError as exc:
+                problems.append(f"vhost {self.vhost} not deleted: {exc}")
+        return problems
+
+    async def queue_depths(self) -> dict[str, int]:
+        """Messages per queue (ready + unacknowledged), as the broker reports them."""
+        out = await self.services.rabbitmqctl(
+            "list_queues", "-p", self.vhost, "--no-table-headers", "name", "messages"
+        )
+        depths: dict[str, int] = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].isdigit():
+                depths[parts[0]] = int(parts[1])
+        return depths

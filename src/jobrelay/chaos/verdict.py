@@ -1,0 +1,255 @@
+"""The soak's checker: from what the clients saw and what the world holds, lost or doubled?
+
+Pure: it takes the facts (the clients' records, the database, the bucket's keys, the mail
+sink's messages, the broker's queues, which faults fired) and returns the counts. The
+definitions follow the Jepsen-style checker this soak is modelled on:
+
+- lost: a job the API accepted (some request got a jobId) that is missing or not finished,
+  or a finished export whose e-mail job is missing or not finished;
+- stuck: any job in the database that is not terminal, or any outbox row not published;
+- duplicate results: a second ``result_saved`` for a job, or a second object for one job;
+- duplicate e-mails: a second message with one Message-ID, unless the notification's ledger
+  says ``possible_duplicate`` (the documented SMTP window), which is counted apart;
+- quarantined must be exactly the poison jobs;
+- every ``unknown`` request is resolved from the database: it committed the job (the row was
+  created while it was in flight), an earlier request had, or it did not commit anything.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobrelay.chaos.clients import Record
+from jobrelay.chaos.plan import Plan
+from jobrelay.domain.ids import follow_up_job_id, job_id_for
+from jobrelay.domain.states import JobState
+from jobrelay.storage.audit import Facts
+
+EXPORT, NOTIFY = "report.export", "notify.email"
+POSSIBLE_DUPLICATE = "possible_duplicate"
+CLOCK_SLACK = 0.05  # seconds; the API and the clients read one machine's clock
+
+
+@dataclass(frozen=True)
+class Mail:
+    message_id: str
+    to: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class World:
+    """What the checker reads, besides the database: broker, bucket, mail sink, faults."""
+
+    object_keys: tuple[str, ...]
+    open_uploads: int
+    mails: tuple[Mail, ...]
+    queue_depths: dict[str, int]
+    dead_letters: tuple[tuple[str | None, str | None], ...]  # (job id, reason) per message
+    faults_missed: tuple[str, ...]  # planned faults that could not be injected or never fired
+
+
+@dataclass
+class Verdict:
+    counts: dict[str, int]
+    violations: dict[str, int]
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.violations.values())
+
+
+def expected_job_id(record: Record) -> str:
+    s = record.submission
+    return job_id_for(s.account, EXPORT, {}, s.key)
+
+
+def judge(plan: Plan, records: list[Record], facts: Facts, world: World) -> Verdict:
+    examples: dict[str, list[str]] = {}
+
+    def note(kind: str, what: str) -> None:
+        examples.setdefault(kind, [])
+        if len(examples[kind]) < 10:
+            examples[kind].append(what)
+
+    jobs = facts.jobs
+    requests = Counter(r.outcome for rec in records for r in rec.requests)
+    accepted = lost = failed_but_created = id_mismatch = 0
+    unknown_created = unknown_absent = unknown_existed = 0
+    poison_ids: set[str] = set()
+    for rec in records:
+        job_id = expected_job_id(rec)
+        job = jobs.get(job_id)
+        if rec.submission.poison:
+            poison_ids.add(job_id)
+        if job is not None:
+            accepted += 1
+        if rec.job_id is not None and rec.job_id != job_id:
+            id_mismatch += 1
+            note("id_mismatch", f"{rec.submission.key}: answered {rec.job_id}, expected {job_id}")
+        for request in rec.requests:
+            if request.outcome != "unknown":
+                continue
+            # Resolved by when the job row was created: during this request (it committed and
+            # the answer was lost), before it (an earlier request did), or not by it at all.
+            created = job.created_at.timestamp() if job is not None else None
+            if created is None or created > request.ended + CLOCK_SLACK:
+                unknown_absent += 1
+            elif created < request.started - CLOCK_SLACK:
+                unknown_existed += 1
+            else:
+                unknown_created += 1
+        if rec.outcome == "ok" and (job is None or not job.state.is_terminal):
+            lost += 1
+            note("lost", f"{job_id}: {'missing' if job is None else job.state.value}")
+        if rec.outcome == "failed" and job is not None:
+            failed_but_created += 1
+            note("failed_but_created", job_id)
+
+    # Each succeeded export with an address owes exactly one finished notification job.
+    exports = [j for j in jobs.values() if j.type == EXPORT]
+    for job in exports:
+        if job.state is JobState.SUCCEEDED and job.params.get("notifyEmail"):
+            notify = jobs.get(follow_up_job_id(job.id, NOTIFY))
+            if notify is None or not notify.state.is_terminal:
+                lost += 1
+                note("lost", f"notification of {job.id}: {notify.state if notify else 'missing'}")
+
+    stuck = sum(1 for j in jobs.values() if not j.state.is_terminal)
+    for j in jobs.values():
+        if not j.state.is_terminal:
+            note("stuck", f"{j.id} {j.type} {j.state.value} attempt {j.attempt}: {j.last_error}")
+
+    # Results: at most one write and one object per job; exactly one per succeeded export.
+    dup_results = sum(max(0, c["result_saved"] - 1) for c in facts.events.values())
+    dup_results_events = dup_results
+    per_job = Counter(_job_of_key(k) for k in world.object_keys)
+    succeeded_exports = {j.id for j in exports if j.state is JobState.SUCCEEDED}
+    orphan_results = missing_results = 0
+    for job_id, n in per_job.items():
+        if n > 1:
+            dup_results += n - 1
+            note("dup_results", f"{job_id}: {n} objects")
+        if job_id not in succeeded_exports:
+            orphan_results += n
+            note("orphan_results", f"{job_id}: {jobs[job_id].state if job_id in jobs else '?'}")
+    for job_id in succeeded_exports:
+        if per_job.get(job_id, 0) == 0:
+            missing_results += 1
+            note("missing_results", job_id)
+
+    # E-mails: one per Message-ID, except in the documented window.
+    by_id = Counter(m.message_id for m in world.mails)
+    ledger_by_message = {mid: (job, state) for job, (state, mid) in facts.effects.items()}
+    dup_emails = window_dup_emails = 0
+    for message_id, n in by_id.items():
+        if n < 2:
+            continue
+        _, state = ledger_by_message.get(message_id, ("?", "?"))
+        if state == POSSIBLE_DUPLICATE:
+            window_dup_emails += n - 1
+        else:
+            dup_emails += n - 1
+            note("dup_emails", f"{message_id}: {n} copies, ledger {state}")
+    missing_emails = 0
+    for job in jobs.values():
+        if job.type == NOTIFY and job.state is JobState.SUCCEEDED:
+            _, message_id = facts.effects.get(job.id, ("?", ""))
+            if by_id.get(message_id, 0) == 0:
+                missing_emails += 1
+                note("missing_emails", f"{job.id} ({message_id or 'no ledger row'})")
+
+    quarantined = {j.id for j in jobs.values() if j.state is JobState.QUARANTINED}
+    wrongly_quarantined = quarantined - poison_ids
+    poison_escaped = poison_ids - quarantined
+    for job_id in sorted(wrongly_quarantined):
+        note("wrongly_quarantined", f"{job_id}: {jobs[job_id].quarantine_reason}")
+    for job_id in sorted(poison_escaped):
+        note("poison_not_quarantined", f"{job_id}: {jobs[job_id].state if job_id in jobs else '-'}")
+
+    leftover = {q: n for q, n in world.queue_depths.items() if n and "quarantine" not in q}
+    for queue, n in leftover.items():
+        note("broker_leftover", f"{queue}: {n} messages")
+    # A dead letter for a job that finished otherwise (the delivery limit, then the reconciler):
+    # recovered, not a violation; the job itself is judged above.
+    recovered_dead_letters = 0
+    for dead, reason in world.dead_letters:
+        if dead is None or dead not in quarantined:
+            recovered_dead_letters += 1
+            state = jobs[dead].state.value if dead is not None and dead in jobs else "unknown job"
+            note("recovered_dead_letters", f"{dead}: dead-lettered ({reason}), job is {state}")
+    for fault in world.faults_missed:
+        note("faults_missed", fault)
+
+    counts = {
+        "submissions": len(records),
+        "requests_ok": requests["ok"],
+        "requests_failed": requests["failed"],
+        "requests_unknown": requests["unknown"],
+        "unknown_resolved_created": unknown_created,
+        "unknown_resolved_absent": unknown_absent,
+        "unknown_resolved_existed": unknown_existed,
+        "accepted": accepted,
+        "jobs_total": len(jobs),
+        "exports_succeeded": len(succeeded_exports),
+        "emails_received": len(world.mails),
+        "result_objects": len(world.object_keys),
+        "open_multipart_uploads": world.open_uploads,
+        "quarantined": len(quarantined),
+        "poison": len(poison_ids),
+        "window_dup_emails": window_dup_emails,
+        "dup_result_events": dup_results_events,
+        "recovered_dead_letters": recovered_dead_letters,
+        "outbox_unpublished": facts.unpublished,
+    }
+    violations = {
+        "lost": lost,
+        "stuck": stuck + facts.unpublished,
+        "dup_results": dup_results,
+        "dup_emails": dup_emails,
+        "orphan_results": orphan_results,
+        "missing_results": missing_results,
+        "missing_emails": missing_emails,
+        "wrongly_quarantined": len(wrongly_quarantined),
+        "poison_not_quarantined": len(poison_escaped),
+        "failed_but_created": failed_but_created,
+        "id_mismatch": id_mismatch,
+        "broker_leftover": sum(leftover.values()),
+        "faults_missed": len(world.faults_missed),
+    }
+    return Verdict(counts, violations, examples)
+
+
+def _job_of_key(key: str) -> str:
+    """``prefix/exports/acme/<jobId>.csv`` → ``<jobId>``."""
+    return key.rsplit("/", 1)[-1].removesuffix(".csv")
+
+
+def summary_line(seed: int, verdict: Verdict, elapsed: float, faults: int) -> str:
+    c, v = verdict.counts, verdict.violations
+    extra = " ".join(f"{k}={n}" for k, n in v.items() if n and k not in _HEADLINE)
+    return (
+        f"chaos: accepted={c['accepted']} lost={v['lost']} stuck={v['stuck']} "
+        f"dup_results={v['dup_results']} dup_emails={v['dup_emails']} "
+        f"window_dup_emails={c['window_dup_emails']} "
+        f"quarantined={c['quarantined']}/{c['poison']} "
+        f"unknown={c['requests_unknown']} (committed={c['unknown_resolved_created']} "
+        f"not_committed={c['unknown_resolved_absent']} "
+        f"earlier={c['unknown_resolved_existed']}) faults={faults} seed={seed} "
+        f"elapsed={elapsed:.0f}s {'OK' if verdict.ok else 'FAILED'}"
+        + (f" {extra}" if extra else "")
+    )
+
+
+_HEADLINE = frozenset({"lost", "stuck", "dup_results", "dup_emails"})
+
+
+def as_json(verdict: Verdict) -> dict[str, Any]:
+    return {
+        "ok": verdict.ok,
+        "counts": verdict.counts,
+        "violations": verdict.violations,
+        "examples": verdict.examples,
+    }

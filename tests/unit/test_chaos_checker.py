@@ -1,0 +1,216 @@
+"""The soak's plan and checker, as pure functions: a checker that cannot see a lost job, a
+second e-mail or a wrongly quarantined job would make every green soak meaningless, so each
+violation is shown here being caught, on facts built by hand."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import UTC, datetime
+
+import pytest
+
+from jobrelay.chaos.clients import Record, Request
+from jobrelay.chaos.plan import FAULT_POINTS, PROFILES, Plan, make_plan
+from jobrelay.chaos.verdict import (
+    EXPORT,
+    NOTIFY,
+    Mail,
+    World,
+    expected_job_id,
+    judge,
+    summary_line,
+)
+from jobrelay.domain.ids import follow_up_job_id
+from jobrelay.domain.states import JobState as S
+from jobrelay.storage.audit import Facts, JobFact
+
+WORKERS, RELAYS = ("worker-1", "worker-2"), ("relay-1", "relay-2")
+
+
+def plan(jobs: int = 4, poison: int = 1, seed: int = 5) -> Plan:
+    return make_plan(seed, jobs, poison, PROFILES["short"], WORKERS, RELAYS)
+
+
+def test_the_same_seed_gives_the_same_plan_and_another_seed_another() -> None:
+    assert make_plan(9, 50, 3, PROFILES["full"], WORKERS, RELAYS) == make_plan(
+        9, 50, 3, PROFILES["full"], WORKERS, RELAYS
+    )
+    assert plan(seed=1).faults != plan(seed=2).faults
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_fault_point_crashes_early_and_both_services_restart(profile: str) -> None:
+    for seed in range(20):
+        p = make_plan(seed, 100, 3, PROFILES[profile], WORKERS, RELAYS)
+        crashes = [i for i, f in enumerate(p.faults) if f.kind == "crash"]
+        points = {p.faults[i].point for i in crashes}
+        assert points == {f"{point}:crash:1" for point in FAULT_POINTS}
+        assert max(crashes) < max(len(crashes), int(len(p.faults) * 0.6))
+        assert not (p.faults[0].point or "").startswith("notify")
+        kinds = Counter(f.kind for f in p.faults)
+        assert kinds["rabbitmq_restart"] == kinds["postgres_restart"] == 1
+        assert sum(1 for s in p.submissions if s.poison) == 3
+        assert len({s.key for s in p.submissions}) == 100
+
+
+class World_:
+    """A consistent, all-good world for a plan, to be spoiled one fact at a time."""
+
+    def __init__(self, p: Plan) -> None:
+        self.plan = p
+        self.records: list[Record] = []
+        self.jobs: dict[str, JobFact] = {}
+        self.events: dict[str, Counter[str]] = {}
+        self.effects: dict[str, tuple[str, str]] = {}
+        self.keys: list[str] = []
+        self.mails: list[Mail] = []
+        for s in p.submissions:
+            record = Record(s)
+            job_id = expected_job_id(record)
+            record.requests.append(Request(0.0, "ok", 202, job_id))
+            record.job_id = job_id
+            self.records.append(record)
+            if s.poison:
+                self.jobs[job_id] = fact(job_id, EXPORT, S.QUARANTINED)
+                continue
+            self.jobs[job_id] = fact(job_id, EXPORT, S.SUCCEEDED, notifyEmail=s.email)
+            self.events[job_id] = Counter(result_saved=1)
+            self.keys.append(f"jobrelay/exports/{s.account}/{job_id}.csv")
+            notify = follow_up_job_id(job_id, NOTIFY)
+            self.jobs[notify] = fact(notify, NOTIFY, S.SUCCEEDED)
+            self.effects[notify] = ("sent", f"<export-{job_id}@example.com>")
+            self.mails.append(Mail(f"<export-{job_id}@example.com>", (s.email,)))
+
+    def judge(
+        self,
+        unpublished: int = 0,
+        depths: dict[str, int] | None = None,
+        missed: tuple[str, ...] = (),
+    ) -> dict[str, int]:
+        facts = Facts(self.jobs, self.events, self.effects, unpublished)
+        seen = World(
+            object_keys=tuple(self.keys),
+            open_uploads=0,
+            mails=tuple(self.mails),
+            queue_depths=depths or {"jobrelay.work": 0},
+            dead_letters=(),
+            faults_missed=missed,
+        )
+        verdict = judge(self.plan, self.records, facts, seen)
+        self.verdict = verdict
+        return {k: v for k, v in verdict.violations.items() if v}
+
+
+CREATED = datetime(2026, 1, 1, 12, 0, 10, tzinfo=UTC)
+
+
+def fact(job_id: str, job_type: str, state: S, **params: str) -> JobFact:
+    return JobFact(job_id, job_type, "acme", state, 1, None, None, None, dict(params), CREATED)
+
+
+def healthy(w: World_) -> str:
+    return next(r.job_id for r in w.records if r.job_id and not r.submission.poison)
+
+
+def test_an_all_good_world_passes_and_says_so_on_the_last_line() -> None:
+    w = World_(plan())
+    assert w.judge() == {}
+    line = summary_line(5, w.verdict, 12.0, 9)
+    assert line.startswith("chaos: accepted=4 lost=0 stuck=0 dup_results=0 dup_emails=0 ")
+    assert line.endswith(" OK") and "quarantined=1/1" in line
+
+
+def test_an_accepted_job_that_is_missing_or_unfinished_is_lost() -> None:
+    w = World_(plan())
+    job_id = healthy(w)
+    w.jobs[job_id] = fact(job_id, EXPORT, S.RUNNING, notifyEmail="x@example.com")
+    assert w.judge() == {"lost": 1, "stuck": 1, "orphan_results": 1}
+    del w.jobs[job_id]
+    assert w.judge()["lost"] == 1
+
+
+def test_a_finished_export_whose_email_job_is_missing_is_lost() -> None:
+    w = World_(plan())
+    del w.jobs[follow_up_job_id(healthy(w), NOTIFY)]
+    assert w.judge() == {"lost": 1}
+
+
+def test_second_result_write_or_object_is_a_duplicate() -> None:
+    w = World_(plan())
+    w.events[healthy(w)]["result_saved"] = 2
+    assert w.judge() == {"dup_results": 1}
+    w.events[healthy(w)]["result_saved"] = 1
+    w.keys.append(w.keys[0].replace("jobrelay/", "other/"))
+    assert w.judge() == {"dup_results": 1}
+
+
+def test_second_email_is_a_duplicate_unless_the_ledger_flagged_the_window() -> None:
+    w = World_(plan())
+    w.mails.append(w.mails[0])
+    assert w.judge() == {"dup_emails": 1}
+    notify = next(j for j, (_, mid) in w.effects.items() if mid == w.mails[0].message_id)
+    w.effects[notify] = ("possible_duplicate", w.mails[0].message_id)
+    assert w.judge() == {}
+    assert w.verdict.counts["window_dup_emails"] == 1
+
+
+def test_a_missing_email_or_result_is_caught() -> None:
+    w = World_(plan())
+    w.mails.pop()
+    w.keys.pop()
+    assert w.judge() == {"missing_emails": 1, "missing_results": 1}
+
+
+def test_quarantined_must_be_exactly_the_poison_jobs() -> None:
+    w = World_(plan())
+    job_id = healthy(w)
+    w.jobs[job_id] = fact(job_id, EXPORT, S.QUARANTINED)
+    del w.jobs[follow_up_job_id(job_id, NOTIFY)]
+    w.keys = [k for k in w.keys if job_id not in k]
+    assert w.judge() == {"wrongly_quarantined": 1}
+    poison = next(r.job_id for r in w.records if r.submission.poison)
+    assert poison is not None
+    w.jobs[poison] = fact(poison, EXPORT, S.CANCELLED)
+    assert w.judge()["poison_not_quarantined"] == 1
+
+
+def test_unknown_requests_are_resolved_by_when_the_job_was_created() -> None:
+    w = World_(plan())
+    created = CREATED.timestamp()
+    first, second = w.records[0], w.records[1]
+    # The first request committed (the row appeared while it was in flight), then the answer
+    # was lost; the retry found it. The second submission saw a 503 before its job existed.
+    first.requests.insert(0, Request(0.0, "unknown", None, "RemoteProtocolError",
+                                     created - 0.2, created + 0.1))  # fmt: skip
+    first.requests.insert(1, Request(0.0, "unknown", 503, "starting",
+                                     created + 1, created + 1.1))  # fmt: skip
+    second.requests.insert(0, Request(0.0, "unknown", 503, "database unavailable",
+                                      created - 3, created - 2.5))  # fmt: skip
+    assert w.judge() == {}
+    counts = w.verdict.counts
+    assert counts["requests_unknown"] == 3
+    assert (counts["unknown_resolved_created"], counts["unknown_resolved_existed"]) == (1, 1)
+    assert counts["unknown_resolved_absent"] == 1
+    # A submission whose every request was unknown and whose job never appeared is not lost.
+    second.requests = second.requests[:1]
+    second.job_id = None
+    del w.jobs[expected_job_id(second)]
+    if not second.submission.poison:
+        del w.jobs[follow_up_job_id(expected_job_id(second), NOTIFY)]
+        w.keys = [k for k in w.keys if expected_job_id(second) not in k]
+    assert w.judge() == {}
+
+
+def test_a_refused_request_that_created_a_job_and_stuck_rows_are_violations() -> None:
+    w = World_(plan())
+    w.records[0].requests = [Request(0.0, "failed", 422, "bad")]
+    assert w.judge(unpublished=2) == {"failed_but_created": 1, "stuck": 2}
+
+
+def test_leftover_messages_and_missed_faults_fail_the_run() -> None:
+    w = World_(plan())
+    violations = w.judge(
+        depths={"jobrelay.work": 2, "jobrelay.quarantine": 1}, missed=("crash api: never",)
+    )
+    assert violations == {"broker_leftover": 2, "faults_missed": 1}
+    assert summary_line(5, w.verdict, 1.0, 9).endswith("FAILED broker_leftover=2 faults_missed=1")
