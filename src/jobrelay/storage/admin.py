@@ -9,7 +9,7 @@ nothing and says so; a finished job is never overwritten.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -382,6 +382,38 @@ class AdminQueries:
     ) -> bool:
         """Re-send the retry of a ``retry_wait`` job that is overdue with no message waiting;
         at most once per wait (the guard looks for this repair since the job last changed)."""
+        return await self._resend_once(
+            job_id,
+            JobState.RETRY_WAIT,
+            jobs.c.next_attempt_at < before,
+            RECONCILED_RETRY,
+            now,
+            actor,
+            lambda row: {"nextAttemptAt": row.next_attempt_at, "attempt": row.attempt},
+        )
+
+    async def requeue_unclaimed(
+        self, job_id: str, before: datetime, now: datetime, actor: str
+    ) -> bool:
+        """Re-send the work message of a job ``queued`` and unclaimed since before ``before``,
+        at most once while it stays queued. A surplus copy is harmless: the job's state
+        decides, and the later copy is deferred or acked as a duplicate."""
+        return await self._resend_once(
+            job_id, JobState.QUEUED, jobs.c.updated_at < before, RECONCILED_QUEUED, now, actor
+        )
+
+    async def _resend_once(
+        self,
+        job_id: str,
+        state: JobState,
+        overdue: Any,
+        kind: str,
+        now: datetime,
+        actor: str,
+        detail: Callable[[Any], dict[str, Any]] = lambda _: {},
+    ) -> bool:
+        """A work message and a ``kind`` event for a job still in ``state`` and ``overdue``,
+        with none waiting in the outbox and no ``kind`` repair since the job last changed."""
         store = self.store
         async with store._write() as conn:
             row = (
@@ -397,54 +429,17 @@ class AdminQueries:
                 update(jobs)
                 .where(
                     jobs.c.id == job_id,
-                    jobs.c.state == JobState.RETRY_WAIT.value,
-                    jobs.c.next_attempt_at < before,
+                    jobs.c.state == state.value,
+                    overdue,
                     ~_unpublished_row(),
-                    ~_requeued_this_wait(RECONCILED_RETRY),
+                    ~_requeued_this_wait(kind),
                 )
                 .values(updated_at=now)
             )
             if result.rowcount != 1:
                 return False
             await store._enqueue(conn, job_id, JobMessage(job_id, row.type), WORK_DESTINATION, now)
-            await store._event(
-                conn,
-                job_id,
-                RECONCILED_RETRY,
-                now,
-                actor=actor,
-                nextAttemptAt=row.next_attempt_at,
-                attempt=row.attempt,
-            )
-        store._wake_relays()
-        return True
-
-    async def requeue_unclaimed(
-        self, job_id: str, before: datetime, now: datetime, actor: str
-    ) -> bool:
-        """Re-send the work message of a job ``queued`` and unclaimed since before ``before``,
-        at most once while it stays queued. A surplus copy is harmless: the job's state
-        decides, and the later copy is deferred or acked as a duplicate."""
-        store = self.store
-        async with store._write() as conn:
-            job_type = await conn.scalar(select(jobs.c.type).where(jobs.c.id == job_id))
-            if job_type is None:
-                return False
-            result = await conn.execute(
-                update(jobs)
-                .where(
-                    jobs.c.id == job_id,
-                    jobs.c.state == JobState.QUEUED.value,
-                    jobs.c.updated_at < before,
-                    ~_unpublished_row(),
-                    ~_requeued_this_wait(RECONCILED_QUEUED),
-                )
-                .values(updated_at=now)
-            )
-            if result.rowcount != 1:
-                return False
-            await store._enqueue(conn, job_id, JobMessage(job_id, job_type), WORK_DESTINATION, now)
-            await store._event(conn, job_id, RECONCILED_QUEUED, now, actor=actor)
+            await store._event(conn, job_id, kind, now, actor=actor, **detail(row))
         store._wake_relays()
         return True
 
