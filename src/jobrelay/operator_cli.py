@@ -143,7 +143,7 @@ def reconcile_cmd(
         typer.Option(help="Read the quarantine queue (returns each message to it at once)."),
     ] = True,
 ) -> None:
-    """Find jobs stuck between two hand-offs; repair expired leases and overdue retries."""
+    """Find jobs stuck between hand-offs; repair expired leases, overdue retries, lost messages."""
     logs.configure("reconcile", "ERROR")  # the findings are printed below, not logged twice
     report = run(_reconcile(settings, dry_run, scan_quarantine))
     if as_json:

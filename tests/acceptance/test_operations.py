@@ -124,7 +124,9 @@ def test_cancel_a_queued_job_and_reconcile_with_no_relay(env: dict[str, str]) ->
     assert "is a relay running?" in report["findings"][0]["detail"]
     human = run_cli("reconcile", env=stale_env)
     assert human.returncode == 0 and human.stderr == ""  # findings once, on stdout
-    assert human.stdout.startswith("reconcile: 0 lease_expired, 0 retry_overdue, 1 outbox_stale")
+    assert human.stdout.startswith(
+        "reconcile: 0 lease_expired, 0 retry_overdue, 0 queued_unclaimed, 1 outbox_stale"
+    )
 
     assert show(env, job_id)["nextStep"].startswith("accepted ")
     cancelled = cli_ok(

@@ -16,6 +16,7 @@ import shlex
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import asyncpg
 
@@ -121,13 +122,14 @@ class Sandbox:
         try:
             await admin.execute(f'CREATE DATABASE "{self.database}"')
             self._db_created = True
+        except asyncpg.PostgresError as exc:
+            raise ChaosSetupError(f"cannot create database {self.database}: {exc}") from None
         finally:
             await admin.close()
         await self.services.rabbitmqctl("add_vhost", self.vhost)
         self._vhost_created = True
-        await self.services.rabbitmqctl(
-            "set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*"
-        )
+        user = urlsplit(self.services.amqp_server).username or "guest"
+        await self.services.rabbitmqctl("set_permissions", "-p", self.vhost, user, ".*", ".*", ".*")
 
     async def destroy(self) -> list[str]:
         """Drop what this sandbox created; the problems met on the way (not raised)."""
