@@ -124,7 +124,8 @@ def test_an_accepted_job_that_is_missing_or_unfinished_is_lost() -> None:
     w = World_(plan())
     job_id = healthy(w)
     w.jobs[job_id] = fact(job_id, EXPORT, S.RUNNING, notifyEmail="x@example.com")
-    assert w.judge() == {"lost": 1, "stuck": 1, "orphan_results": 1}
+    assert w.judge() == {"lost": 1, "stuck": 1}
+    assert w.verdict.counts["orphan_results"] == 1  # its attempt's object: never served
     del w.jobs[job_id]
     assert w.judge()["lost"] == 1
 
@@ -154,11 +155,13 @@ def test_second_email_is_a_duplicate_unless_the_ledger_flagged_the_window() -> N
     assert w.verdict.counts["window_dup_emails"] == 1
 
 
-def test_a_missing_email_or_result_is_caught() -> None:
+def test_a_missing_email_or_result_and_an_object_of_no_job_are_caught() -> None:
     w = World_(plan())
     w.mails.pop()
     w.keys.pop()
     assert w.judge() == {"missing_emails": 1, "missing_results": 1}
+    w.keys.append("jobrelay/exports/acme/00000000-0000-0000-0000-000000000000.csv")
+    assert w.judge()["stray_results"] == 1
 
 
 def test_quarantined_must_be_exactly_the_poison_jobs() -> None:

@@ -29,7 +29,7 @@ class Exit:
     role: str
     incarnation: int
     code: int
-    cause: str  # sigkill | fault | stopped | unexpected
+    cause: str  # sigkill | fault | restart | stopped | unexpected
     at: float  # seconds since the soak started
     lived: float
 
@@ -43,6 +43,7 @@ class Role:
     armed: str | None = None
     proc: asyncio.subprocess.Process | None = None
     _killing: bool = False
+    _restarting: bool = False
     _stopping: bool = False
     _fired: asyncio.Future[Exit] | None = None
     exits: list[Exit] = field(default_factory=list)
@@ -108,13 +109,15 @@ class Cluster:
                 cause = "stopped"
             elif role._killing and code == -signal.SIGKILL:
                 cause = "sigkill"
-            elif role.armed is not None and code == CRASH_EXIT_CODE:
-                cause = "fault"
+            elif role._restarting and code == 0:
+                cause = "restart"
+            elif code == CRASH_EXIT_CODE:
+                cause = "fault"  # also a second armed process that fired while being disarmed
             else:
                 cause = "unexpected"
             ended = Exit(role.name, role.incarnation, code, cause, self.elapsed(), lived)
             role.exits.append(ended)
-            role._killing = False
+            role._killing = role._restarting = False
             if cause == "fault":
                 role.armed = None
                 if role._fired is not None and not role._fired.done():
@@ -135,19 +138,29 @@ class Cluster:
             role.proc.send_signal(signal.SIGKILL)
         return pid
 
+    async def restart(self, name: str) -> None:
+        """SIGTERM: the process drains and exits, and the supervisor starts the next one."""
+        role = self.roles[name]
+        if role.proc is not None and role.proc.returncode is None:
+            role._restarting = True
+            with contextlib.suppress(ProcessLookupError):
+                role.proc.send_signal(signal.SIGTERM)
+
     async def crash_at(self, names: list[str], fault: str, timeout: float) -> Exit | None:
         """Restart ``names`` with ``fault`` armed; the first crash it causes (None if none).
 
-        Arming several processes at once is for points only some of the traffic reaches (an
-        e-mail job may happen to go to the other worker for a long while). Those that did
-        not fire are disarmed by a kill, so no armed process outlives this call.
+        Arming and disarming are graceful restarts (SIGTERM, drain), as a deploy would do,
+        so only the crash itself costs work in flight. Arming several processes at once is
+        for points only some of the traffic reaches (an e-mail job may happen to go to the
+        other worker for a long while); those that did not fire are restarted clean, so no
+        armed process outlives this call.
         """
         loop = asyncio.get_running_loop()
         roles = [self.roles[name] for name in names]
         for role in roles:
             role._fired = loop.create_future()
             role.armed = fault
-            await self.kill9(role.name)
+            await self.restart(role.name)
         waiting = [r._fired for r in roles if r._fired is not None]
         try:
             done, _ = await asyncio.wait(waiting, timeout=timeout, return_when="FIRST_COMPLETED")
@@ -156,7 +169,7 @@ class Cluster:
             for role in roles:
                 if role.armed is not None:
                     role.armed = None  # the next incarnation runs clean
-                    await self.kill9(role.name)
+                    await self.restart(role.name)
                 role._fired = None
 
     async def stop(self) -> None:

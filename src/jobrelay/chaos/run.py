@@ -64,8 +64,12 @@ AWS_ENV = {
     "AWS_EC2_METADATA_DISABLED": "true",
 }
 # Short leases and fast reconciling, so recovery happens within the soak; what each one means
-# is in docs/reference/settings.md.
+# is in docs/reference/settings.md. Every worker death costs the jobs it was running an
+# attempt (that is how a crash loop ends), and the soak kills workers every few seconds, far
+# more often than production; five attempts keep healthy jobs out of quarantine, poison jobs
+# still use them all up.
 TUNING = {
+    "JOBRELAY_MAX_ATTEMPTS": "5",
     "JOBRELAY_LEASE_SECONDS": "3",
     "JOBRELAY_RETRY_DELAYS": "1,2",
     "JOBRELAY_RELAY_POLL_SECONDS": "0.2",

@@ -127,14 +127,17 @@ def judge(plan: Plan, records: list[Record], facts: Facts, world: World) -> Verd
     dup_results_events = dup_results
     per_job = Counter(_job_of_key(k) for k in world.object_keys)
     succeeded_exports = {j.id for j in exports if j.state is JobState.SUCCEEDED}
-    orphan_results = missing_results = 0
+    orphan_results = stray_results = missing_results = 0
     for job_id, n in per_job.items():
         if n > 1:
             dup_results += n - 1
             note("dup_results", f"{job_id}: {n} objects")
-        if job_id not in succeeded_exports:
+        if job_id not in jobs:
+            stray_results += n
+            note("stray_results", f"{job_id}: no such job")
+        elif job_id not in succeeded_exports:
             orphan_results += n
-            note("orphan_results", f"{job_id}: {jobs[job_id].state if job_id in jobs else '?'}")
+            note("orphan_results", f"{job_id}: {jobs[job_id].state.value}")
     for job_id in succeeded_exports:
         if per_job.get(job_id, 0) == 0:
             missing_results += 1
@@ -196,6 +199,9 @@ def judge(plan: Plan, records: list[Record], facts: Facts, world: World) -> Verd
         "exports_succeeded": len(succeeded_exports),
         "emails_received": len(world.mails),
         "result_objects": len(world.object_keys),
+        # Written by an attempt that died before its commit, for a job that never succeeded:
+        # never served (only a succeeded job has a result), replaced if the job is replayed.
+        "orphan_results": orphan_results,
         "open_multipart_uploads": world.open_uploads,
         "quarantined": len(quarantined),
         "poison": len(poison_ids),
@@ -209,8 +215,8 @@ def judge(plan: Plan, records: list[Record], facts: Facts, world: World) -> Verd
         "stuck": stuck + facts.unpublished,
         "dup_results": dup_results,
         "dup_emails": dup_emails,
-        "orphan_results": orphan_results,
         "missing_results": missing_results,
+        "stray_results": stray_results,
         "missing_emails": missing_emails,
         "wrongly_quarantined": len(wrongly_quarantined),
         "poison_not_quarantined": len(poison_escaped),
