@@ -38,6 +38,7 @@ import os
 import socket
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -45,7 +46,7 @@ from typing import Any
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransportError
 from jobrelay.runtime import Runtime
-from jobrelay.storage.admin import AdminQueries
+from jobrelay.storage.admin import AdminQueries, WaitingJob
 
 log = logging.getLogger("jobrelay.reconcile")
 
@@ -189,29 +190,16 @@ class Reconciler:
     async def _overdue_retries(self, report: Report, before: datetime, now: datetime) -> None:
         for overdue in await self.queries.overdue_retries(before, self.batch):
             job = overdue.job
-            late = f"retry of attempt {job.attempt} was due {_age(job.next_attempt_at, now)} ago"
-            if overdue.requeued_before:
-                report.findings.append(
-                    Finding(
-                        RETRY_OVERDUE,
-                        job.id,
-                        f"{late}, still waiting after the reconciler re-sent it: "
-                        "are workers consuming?",
-                    )
-                )
-                continue
-            repaired = not report.dry_run and await self.queries.requeue_overdue_retry(
-                job.id, before, now, self.actor
+            await self._resend_once(
+                report,
+                RETRY_OVERDUE,
+                overdue,
+                f"retry of attempt {job.attempt} was due {_age(job.next_attempt_at, now)} ago",
+                " and no message waits in the outbox",
+                self.queries.requeue_overdue_retry,
+                before,
+                now,
             )
-            if repaired:
-                self.rt.metrics.reconcile_repairs.labels(finding=RETRY_OVERDUE).inc()
-            action = "re-sent" if repaired else ("would re-send" if report.dry_run else _MOVED)
-            report.findings.append(
-                Finding(
-                    RETRY_OVERDUE, job.id, f"{late} and no message waits in the outbox: {action}",
-                    repaired,
-                )
-            )  # fmt: skip
 
     async def _unclaimed_queued(self, report: Report, before: datetime, now: datetime) -> None:
         found = await self.queries.unclaimed_queued(before, self.batch)
@@ -224,32 +212,46 @@ class Reconciler:
         if backlog:
             return  # the messages may simply be waiting their turn: nothing to say yet
         for waiting in found:
-            job = waiting.job
-            since = f"queued {_age(job.updated_at, now)}, published and never claimed"
-            if waiting.requeued_before:
-                report.findings.append(
-                    Finding(
-                        QUEUED_UNCLAIMED,
-                        job.id,
-                        f"{since}, still after the reconciler re-sent it: are workers consuming?",
-                    )
-                )
-                continue
-            repaired = not report.dry_run and await self.queries.requeue_unclaimed(
-                job.id, before, now, self.actor
+            await self._resend_once(
+                report,
+                QUEUED_UNCLAIMED,
+                waiting,
+                f"queued {_age(waiting.job.updated_at, now)}, published and never claimed",
+                ", and the work queue is empty: the message was lost or dead-lettered",
+                self.queries.requeue_unclaimed,
+                before,
+                now,
             )
-            if repaired:
-                self.rt.metrics.reconcile_repairs.labels(finding=QUEUED_UNCLAIMED).inc()
-            action = "re-sent" if repaired else ("would re-send" if report.dry_run else _MOVED)
+
+    async def _resend_once(
+        self,
+        report: Report,
+        kind: str,
+        waiting: WaitingJob,
+        what: str,
+        why: str,
+        repair: Callable[[str, datetime, datetime, str], Awaitable[bool]],
+        before: datetime,
+        now: datetime,
+    ) -> None:
+        """Re-send a waiting job's message once; after that only report it, so a worker
+        outage never piles up copies."""
+        job = waiting.job
+        if waiting.requeued_before:
             report.findings.append(
                 Finding(
-                    QUEUED_UNCLAIMED,
+                    kind,
                     job.id,
-                    f"{since}, and the work queue is empty: the message was lost or "
-                    f"dead-lettered: {action}",
-                    repaired,
+                    f"{what}, still waiting after the reconciler re-sent it: "
+                    "are workers consuming?",
                 )
             )
+            return
+        repaired = not report.dry_run and await repair(job.id, before, now, self.actor)
+        if repaired:
+            self.rt.metrics.reconcile_repairs.labels(finding=kind).inc()
+        action = "re-sent" if repaired else ("would re-send" if report.dry_run else _MOVED)
+        report.findings.append(Finding(kind, job.id, f"{what}{why}: {action}", repaired))
 
     async def _stale_outbox(self, report: Report, before: datetime, now: datetime) -> None:
         for row in await self.queries.stale_outbox(before, self.batch):

@@ -38,9 +38,9 @@ class ActionOutcome:
 
 
 @dataclass(frozen=True)
-class OverdueRetry:
+class WaitingJob:
     job: JobRecord
-    requeued_before: bool  # the reconciler already re-sent this wait's retry once
+    requeued_before: bool  # the reconciler already re-sent its message once in this wait
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ class AdminQueries:
             rows = (await conn.execute(query)).all()
         return [_job_record(r) for r in rows]
 
-    async def overdue_retries(self, before: datetime, limit: int) -> list[OverdueRetry]:
+    async def overdue_retries(self, before: datetime, limit: int) -> list[WaitingJob]:
         """Jobs in ``retry_wait`` due before ``before`` with no message waiting in the outbox."""
         query = (
             self.store._job_query()
@@ -268,9 +268,9 @@ class AdminQueries:
         )
         async with self.store._read() as conn:
             rows = (await conn.execute(query)).all()
-        return [OverdueRetry(_job_record(r), bool(r.requeued_before)) for r in rows]
+        return [WaitingJob(_job_record(r), bool(r.requeued_before)) for r in rows]
 
-    async def unclaimed_queued(self, before: datetime, limit: int) -> list[OverdueRetry]:
+    async def unclaimed_queued(self, before: datetime, limit: int) -> list[WaitingJob]:
         """Jobs ``queued`` since before ``before`` whose messages were all confirmed before it.
 
         Either a worker holds the message unclaimed (busy, prefetched) or the broker no longer
@@ -290,7 +290,7 @@ class AdminQueries:
         )
         async with self.store._read() as conn:
             rows = (await conn.execute(query)).all()
-        return [OverdueRetry(_job_record(r), bool(r.requeued_before)) for r in rows]
+        return [WaitingJob(_job_record(r), bool(r.requeued_before)) for r in rows]
 
     async def stale_outbox(self, before: datetime, limit: int) -> list[StaleOutboxRow]:
         """Outbox rows written before ``before`` and still not confirmed by a broker."""
@@ -462,7 +462,7 @@ __all__ = [
     "RECONCILED_RETRY",
     "ActionOutcome",
     "AdminQueries",
-    "OverdueRetry",
     "QueuedMessage",
     "StaleOutboxRow",
+    "WaitingJob",
 ]
