@@ -22,7 +22,10 @@ from jobrelay.chaos.verdict import (
 )
 from jobrelay.domain.ids import follow_up_job_id
 from jobrelay.domain.states import JobState as S
-from jobrelay.storage.audit import Facts, JobFact
+from jobrelay.storage.audit import Facts
+from jobrelay.storage.store import JobRecord
+
+from .records import job_record
 
 WORKERS, RELAYS = ("worker-1", "worker-2"), ("relay-1", "relay-2")
 
@@ -59,7 +62,7 @@ class World_:
     def __init__(self, p: Plan) -> None:
         self.plan = p
         self.records: list[Record] = []
-        self.jobs: dict[str, JobFact] = {}
+        self.jobs: dict[str, JobRecord] = {}
         self.events: dict[str, Counter[str]] = {}
         self.effects: dict[str, tuple[str, str]] = {}
         self.keys: list[str] = []
@@ -104,8 +107,10 @@ class World_:
 CREATED = datetime(2026, 1, 1, 12, 0, 10, tzinfo=UTC)
 
 
-def fact(job_id: str, job_type: str, state: S, **params: str) -> JobFact:
-    return JobFact(job_id, job_type, "acme", state, 1, None, None, None, dict(params), CREATED)
+def fact(job_id: str, job_type: str, state: S, **params: str) -> JobRecord:
+    return job_record(
+        id=job_id, type=job_type, state=state, attempt=1, params=dict(params), created_at=CREATED
+    )
 
 
 def healthy(w: World_) -> str:

@@ -51,6 +51,7 @@ from jobrelay.chaos.verdict import Mail, Verdict, World, as_json, judge, summary
 from jobrelay.quarantine_scan import browse_rabbitmq
 from jobrelay.storage import audit
 from jobrelay.storage.engine import create_engine
+from jobrelay.storage.store import Store
 from jobrelay.transport.topology import QUARANTINE_QUEUE
 
 console = Console(stderr=True, highlight=False, width=120)
@@ -151,7 +152,7 @@ async def run_chaos(opts: ChaosOptions) -> int:
             records, faults = await _soak(opts, plan, cluster, clients, sandbox, engine)
             quiet = await _settle(engine, sandbox, opts.settle_timeout, cluster)
             world = await _world(s3, mail, sandbox, faults)
-            facts = await audit.collect(engine)
+            facts = await audit.collect(Store(engine))
         finally:
             await engine.dispose()
         verdict = judge(plan, records, facts, world)

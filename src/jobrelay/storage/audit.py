@@ -8,34 +8,19 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.domain.states import JobState
 from jobrelay.storage.engine import read_tx
+from jobrelay.storage.store import JobRecord, Store, _job_record
 from jobrelay.storage.tables import effects_ledger, job_events, jobs, outbox
 
 
 @dataclass(frozen=True)
-class JobFact:
-    id: str
-    type: str
-    account_id: str
-    state: JobState
-    attempt: int
-    result_key: str | None
-    quarantine_reason: str | None
-    last_error: str | None
-    params: dict[str, Any]
-    created_at: datetime
-
-
-@dataclass(frozen=True)
 class Facts:
-    jobs: dict[str, JobFact]
+    jobs: dict[str, JobRecord]
     events: dict[str, Counter[str]]  # job id -> event kind -> count
     effects: dict[str, tuple[str, str]]  # job id -> (ledger state, message id)
     unpublished: int
@@ -54,24 +39,11 @@ async def non_terminal_and_unpublished(engine: AsyncEngine) -> tuple[int, int]:
     return int(moving or 0), int(unpublished or 0)
 
 
-async def collect(engine: AsyncEngine) -> Facts:
+async def collect(store: Store) -> Facts:
+    engine = store.engine
     async with read_tx(engine, "audit") as conn:
-        rows = (await conn.execute(select(jobs))).all()
-        found = {
-            r.id: JobFact(
-                id=r.id,
-                type=r.type,
-                account_id=r.account_id,
-                state=JobState(r.state),
-                attempt=r.attempt,
-                result_key=r.result_key,
-                quarantine_reason=r.quarantine_reason,
-                last_error=r.last_error,
-                params=dict(r.params or {}),
-                created_at=r.created_at,
-            )
-            for r in rows
-        }
+        rows = (await conn.execute(store._job_query())).all()
+        found = {r.id: _job_record(r) for r in rows}
         events: dict[str, Counter[str]] = {}
         counted = await conn.execute(
             select(job_events.c.job_id, job_events.c.kind, func.count()).group_by(
