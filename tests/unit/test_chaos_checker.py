@@ -99,7 +99,7 @@ class World_:
             dead_letters=(),
             faults_missed=missed,
         )
-        verdict = judge(self.plan, self.records, facts, seen)
+        verdict = judge(self.records, facts, seen)
         self.verdict = verdict
         return {k: v for k, v in verdict.violations.items() if v}
 

@@ -72,10 +72,6 @@ class Plan:
     submissions: tuple[Submission, ...]
     faults: tuple[Fault, ...]
 
-    @property
-    def poison_keys(self) -> frozenset[str]:
-        return frozenset(s.key for s in self.submissions if s.poison)
-
     def describe(self) -> list[str]:
         return [
             f"+{f.pause:.1f}s {f.kind} {f.target}" + (f" at {f.point}" if f.point else "")

@@ -33,6 +33,7 @@ import httpx
 from aiobotocore.session import get_session
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.chaos.clients import Clients, Record
 from jobrelay.chaos.cluster import Cluster, Role
@@ -150,12 +151,12 @@ async def run_chaos(opts: ChaosOptions) -> int:
         engine = create_engine(sandbox.database_url)
         try:
             records, faults = await _soak(opts, plan, cluster, clients, sandbox, engine)
-            quiet = await _settle(engine, sandbox, opts.settle_timeout, cluster)
+            quiet = await _settle(engine, sandbox, opts.settle_timeout)
             world = await _world(s3, mail, sandbox, faults)
             facts = await audit.collect(Store(engine))
         finally:
             await engine.dispose()
-        verdict = judge(plan, records, facts, world)
+        verdict = judge(records, facts, world)
         elapsed = time.monotonic() - started
         line = summary_line(opts.seed, verdict, elapsed, len(faults))
         report = _report(opts, plan, sandbox, records, faults, cluster, verdict, quiet, elapsed)
@@ -263,7 +264,7 @@ async def _soak(
     cluster: Cluster,
     clients: Clients,
     sandbox: Sandbox,
-    engine: Any,
+    engine: AsyncEngine,
 ) -> tuple[list[Record], list[FaultLog]]:
     faults: list[FaultLog] = []
     done = asyncio.Event()
@@ -337,7 +338,7 @@ async def _inject(
                         "missed", str(exc)[:300])  # fmt: skip
 
 
-async def _settle(engine: Any, sandbox: Sandbox, timeout: float, cluster: Cluster) -> float | None:
+async def _settle(engine: AsyncEngine, sandbox: Sandbox, timeout: float) -> float | None:
     """Seconds until nothing moved (twice in a row), or None if the timeout passed first."""
     started = time.monotonic()
     quiet_polls = 0

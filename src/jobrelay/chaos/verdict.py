@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobrelay.chaos.clients import Record
-from jobrelay.chaos.plan import Plan
 from jobrelay.domain.ids import follow_up_job_id, job_id_for
 from jobrelay.domain.states import JobState
 from jobrelay.storage.audit import Facts
@@ -66,7 +65,7 @@ def expected_job_id(record: Record) -> str:
     return job_id_for(s.account, EXPORT, {}, s.key)
 
 
-def judge(plan: Plan, records: list[Record], facts: Facts, world: World) -> Verdict:
+def judge(records: list[Record], facts: Facts, world: World) -> Verdict:
     examples: dict[str, list[str]] = {}
 
     def note(kind: str, what: str) -> None:
