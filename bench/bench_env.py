@@ -36,6 +36,8 @@ from typing import Any
 
 import asyncpg
 
+from jobrelay.chaos.sandbox import ChaosSetupError, Scratch, Services
+
 PG_SERVER = "postgresql://postgres@127.0.0.1:5432"
 AMQP_SERVER = "amqp://guest:guest@127.0.0.1:5672"
 COMMAND_TIMEOUT = 120.0  # one-shot commands: db upgrade, seed, rabbitmqctl
@@ -114,8 +116,10 @@ class Sandbox:
     run_id: str
     log_dir: Path
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="jobrelay-bench-")))
-    _db_created: bool = False
-    _vhosts: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        services = Services(pg_server=PG_SERVER, amqp_server=AMQP_SERVER)
+        self._scratch = Scratch(services, self.database, (self.vhost, self.peer_vhost))
 
     @classmethod
     def new(cls, log_dir: Path) -> Sandbox:
@@ -161,36 +165,14 @@ class Sandbox:
         return env
 
     async def create(self) -> None:
-        admin = await asyncpg.connect(f"{PG_SERVER}/postgres")
         try:
-            await admin.execute(f'CREATE DATABASE "{self.database}"')
-            self._db_created = True
-        finally:
-            await admin.close()
-        for vhost in (self.vhost, self.peer_vhost):
-            await rabbitmqctl("add_vhost", vhost)
-            self._vhosts.append(vhost)
-            await rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+            await self._scratch.create()
+        except ChaosSetupError as exc:
+            raise BenchFailure(str(exc)) from None
 
     async def destroy(self) -> list[str]:
         """Drop everything this sandbox created; the problems met on the way (not raised)."""
-        problems: list[str] = []
-        if self._db_created:
-            try:
-                admin = await asyncpg.connect(f"{PG_SERVER}/postgres")
-                try:
-                    await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-                    self._db_created = False
-                finally:
-                    await admin.close()
-            except (OSError, asyncpg.PostgresError) as exc:
-                problems.append(f"database {self.database} not dropped: {exc}")
-        for vhost in list(self._vhosts):
-            try:
-                await rabbitmqctl("delete_vhost", vhost)
-                self._vhosts.remove(vhost)
-            except BenchFailure as exc:
-                problems.append(f"vhost {vhost} not deleted: {exc}")
+        problems = await self._scratch.destroy()
         shutil.rmtree(self.root, ignore_errors=True)
         return problems
 
@@ -221,7 +203,7 @@ class Sandbox:
 
     def describe(self) -> str:
         return (
-            f"database {self.database}, vhosts {', '.join(self._vhosts) or '-'}, "
+            f"database {self.database}, vhosts {', '.join(self._scratch.created_vhosts) or '-'}, "
             f"results {self.results_dir}"
         )
 

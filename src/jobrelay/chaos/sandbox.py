@@ -82,12 +82,66 @@ class Services:
 
 
 @dataclass
+class Scratch:
+    """A scratch database and vhosts on the given servers, created and dropped together.
+
+    The soak and the pipeline benchmark (``bench/bench_env.py``) both stand on one.
+    """
+
+    services: Services
+    database: str
+    vhosts: tuple[str, ...]
+    _db_created: bool = False
+    created_vhosts: list[str] = field(default_factory=list)
+
+    async def create(self) -> None:
+        try:
+            admin = await asyncpg.connect(f"{self.services.pg_server}/postgres")
+        except (OSError, asyncpg.PostgresError) as exc:
+            raise ChaosSetupError(f"PostgreSQL at {self.services.pg_server}: {exc}") from None
+        try:
+            await admin.execute(f'CREATE DATABASE "{self.database}"')
+            self._db_created = True
+        except asyncpg.PostgresError as exc:
+            raise ChaosSetupError(f"cannot create database {self.database}: {exc}") from None
+        finally:
+            await admin.close()
+        user = urlsplit(self.services.amqp_server).username or "guest"
+        for vhost in self.vhosts:
+            await self.services.rabbitmqctl("add_vhost", vhost)
+            self.created_vhosts.append(vhost)
+            await self.services.rabbitmqctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*")
+
+    async def destroy(self) -> list[str]:
+        """Drop what was created; the problems met on the way (not raised)."""
+        problems: list[str] = []
+        if self._db_created:
+            try:
+                admin = await asyncpg.connect(f"{self.services.pg_server}/postgres")
+                try:
+                    await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
+                    self._db_created = False
+                finally:
+                    await admin.close()
+            except (OSError, asyncpg.PostgresError) as exc:
+                problems.append(f"database {self.database} not dropped: {exc}")
+        for vhost in list(self.created_vhosts):
+            try:
+                await self.services.rabbitmqctl("delete_vhost", vhost)
+                self.created_vhosts.remove(vhost)
+            except ChaosSetupError as exc:
+                problems.append(f"vhost {vhost} not deleted: {exc}")
+        return problems
+
+
+@dataclass
 class Sandbox:
     services: Services
     root: Path
     run_id: str = field(default_factory=lambda: secrets.token_hex(4))
-    _db_created: bool = False
-    _vhost_created: bool = False
+
+    def __post_init__(self) -> None:
+        self.scratch = Scratch(self.services, self.database, (self.vhost,))
 
     @property
     def database(self) -> str:
@@ -115,42 +169,10 @@ class Sandbox:
 
     async def create(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            admin = await asyncpg.connect(f"{self.services.pg_server}/postgres")
-        except (OSError, asyncpg.PostgresError) as exc:
-            raise ChaosSetupError(f"PostgreSQL at {self.services.pg_server}: {exc}") from None
-        try:
-            await admin.execute(f'CREATE DATABASE "{self.database}"')
-            self._db_created = True
-        except asyncpg.PostgresError as exc:
-            raise ChaosSetupError(f"cannot create database {self.database}: {exc}") from None
-        finally:
-            await admin.close()
-        await self.services.rabbitmqctl("add_vhost", self.vhost)
-        self._vhost_created = True
-        user = urlsplit(self.services.amqp_server).username or "guest"
-        await self.services.rabbitmqctl("set_permissions", "-p", self.vhost, user, ".*", ".*", ".*")
+        await self.scratch.create()
 
     async def destroy(self) -> list[str]:
-        """Drop what this sandbox created; the problems met on the way (not raised)."""
-        problems: list[str] = []
-        if self._db_created:
-            try:
-                admin = await asyncpg.connect(f"{self.services.pg_server}/postgres")
-                try:
-                    await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-                    self._db_created = False
-                finally:
-                    await admin.close()
-            except (OSError, asyncpg.PostgresError) as exc:
-                problems.append(f"database {self.database} not dropped: {exc}")
-        if self._vhost_created:
-            try:
-                await self.services.rabbitmqctl("delete_vhost", self.vhost)
-                self._vhost_created = False
-            except ChaosSetupError as exc:
-                problems.append(f"vhost {self.vhost} not deleted: {exc}")
-        return problems
+        return await self.scratch.destroy()
 
     async def queue_depths(self) -> dict[str, int]:
         """Messages per queue (ready + unacknowledged), as the broker reports them."""
