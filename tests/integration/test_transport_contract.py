@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -40,6 +39,7 @@ from tests.integration.transport_fixtures import (
     body_of,
     close_iterator,
     message,
+    rabbitmqctl,
     unreachable,
     wait_until,
 )
@@ -369,18 +369,6 @@ def _vhost(backend: Backend) -> str:
     return backend.url.rsplit("/", 1)[1]
 
 
-async def _rabbitmqctl(*args: str) -> str:
-    done = await asyncio.to_thread(
-        subprocess.run,
-        ["rabbitmqctl", "-q", *args],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return done.stdout
-
-
 async def _delete_queue(backend: Backend, name: str) -> None:
     connection = await aio_pika.connect(backend.url)
     async with connection:
@@ -392,7 +380,7 @@ async def _delete_queue(backend: Backend, name: str) -> None:
 async def test_rabbit_topology_is_declared_as_specified_and_checked(rabbit: Backend) -> None:
     await rabbit.declare()
     listed = json.loads(
-        await _rabbitmqctl(
+        await rabbitmqctl(
             "list_queues",
             "-p",
             _vhost(rabbit),
@@ -414,7 +402,7 @@ async def test_rabbit_topology_is_declared_as_specified_and_checked(rabbit: Back
     assert args[retry_queue(3)] == retry_queue_arguments(3)
     assert args[retry_queue(3)]["x-message-ttl"] == 3000
     bindings = json.loads(
-        await _rabbitmqctl(
+        await rabbitmqctl(
             "list_bindings",
             "-p",
             _vhost(rabbit),
@@ -448,7 +436,7 @@ async def test_rabbit_publish_failures_say_whether_the_outcome_is_known(rabbit: 
 
     # basic.nack (a queue at its length limit with x-overflow=reject-publish).
     transport = await rabbit.connected()
-    await _rabbitmqctl(
+    await rabbitmqctl(
         "set_policy", "-p", _vhost(rabbit), "--apply-to", "queues", "tiny",
         "^jobrelay\\.work$", '{"max-length": 1}',
     )  # fmt: skip
@@ -482,7 +470,7 @@ async def test_rabbit_delivery_from_before_a_reconnect_is_not_settled_on_its_suc
     await transport.publish(message({"n": 1}))
     pump = rabbit.pump(transport)
     old = await pump.get()
-    await _rabbitmqctl("close_all_connections", "-p", _vhost(rabbit), "test")
+    await rabbitmqctl("close_all_connections", "-p", _vhost(rabbit), "test")
     again = await pump.get(timeout=30)  # the robust connection restored the consumer
     assert body_of(again) == {"n": 1} and again.redelivered and again.delivery_count == 1
     with caplog.at_level(logging.WARNING, "jobrelay.transport.rabbitmq"):

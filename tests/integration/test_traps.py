@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from jobrelay.transport.topology import EXCHANGE, WORK_QUEUE, WORK_ROUTING_KEY
 from jobrelay.worker import Worker
 
 from .pipeline import settings_for
-from .transport_fixtures import wait_until
+from .transport_fixtures import rabbitmqctl, wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.rabbitmq]
 
@@ -126,15 +125,8 @@ async def _work_queue_messages(amqp_url: str) -> int:
     """Ready plus unacked messages in the work queue, as the broker counts them."""
     vhost = amqp_url.rsplit("/", 1)[1]
     args = ("list_queues", "-p", vhost, "name", "messages", "--formatter", "json")
-    done = await asyncio.to_thread(
-        subprocess.run,
-        ["rabbitmqctl", "-q", *args],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return int({q["name"]: q["messages"] for q in json.loads(done.stdout)}[WORK_QUEUE])
+    out = await rabbitmqctl(*args)
+    return int({q["name"]: q["messages"] for q in json.loads(out)}[WORK_QUEUE])
 
 
 async def test_confirm_timeout_is_unknown_and_republished_never_dropped(

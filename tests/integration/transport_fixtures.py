@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -224,3 +225,16 @@ async def _drain(transport: Transport, record: Path) -> None:
 
 if __name__ == "__main__":
     asyncio.run(_subprocess_main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]))
+
+
+async def rabbitmqctl(*args: str) -> str:
+    """``rabbitmqctl -q ARGS`` off the event loop; its stdout (fails the test on an error)."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        ["rabbitmqctl", "-q", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done.stdout
