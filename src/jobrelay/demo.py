@@ -191,7 +191,7 @@ async def _settled(client: httpx.AsyncClient, job_id: str) -> bool:
     """The ack or reject is recorded just after the broker has it: wait, so timelines are whole."""
     events = (await client.get(f"/v1/jobs/{job_id}/events")).json()["events"]
     kinds = [e["kind"] for e in events if e["kind"] != "published"]
-    return bool(kinds) and kinds[-1] in ("ack_sent", "rejected")
+    return bool(kinds) and kinds[-1] in ("ack_sent", "rejected", "settle_lost")
 
 
 async def _report(client: httpx.AsyncClient, results: Any, jobs: list[dict[str, Any]]) -> None:

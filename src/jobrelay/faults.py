@@ -1,10 +1,17 @@
 """Named fault points for fault tests: ``JOBRELAY_FAULTS="point:action[:n][@k=v[&k=v]],…"``.
 
+``stall`` takes its duration too: ``point:stall:SECONDS[:n][@k=v…]``.
+
 Off by default. When any fault is armed, the process says so loudly at start-up, because a
 production process with faults armed is a misconfiguration worth noticing.
 
 Points and actions:
 - ``export.run:transient|invalid|crash[:n]`` — n means only on attempt n; without n, every attempt.
+- ``export.run:stall:SECONDS[:n]`` — keeps the operation busy for SECONDS (positive, may be
+  fractional: ``2.5``) before it goes on normally; n is the attempt, as above. The stall is an
+  ``await asyncio.sleep``, so it is cancellable, and the lease heartbeat keeps running during
+  it (it is a separate task): this is slow work, not a dead worker. Only ``Faults.ahit``
+  stalls; the synchronous ``Faults.hit`` ignores stall faults.
 - ``notify.after_send:crash[:n]`` — after the SMTP server accepted a notification, before the
   effects ledger says ``sent``; n is the notify job's attempt, as for ``export.run``.
 - ``worker.before_ack:crash[:n]``, ``relay.before_mark:crash[:n]``,
@@ -12,7 +19,8 @@ Points and actions:
   without n, every time.
 
 ``@k=v`` narrows a fault to jobs whose parameters match (``export.run:invalid@period=2019-12``),
-so the demo and the soak can poison chosen jobs while the rest flow.
+so the demo and the soak can poison chosen jobs while the rest flow. It works with ``stall``
+too: ``export.run:stall:20:1@period=2020-05`` slows only first attempts of that period's jobs.
 
 ``crash`` ends the process at once with ``os._exit``, like ``kill -9``: no finally blocks, no
 acks, no flushes. Tests of a single process can swap ``crash_handler`` to raise instead.
@@ -20,7 +28,9 @@ acks, no flushes. Tests of a single process can swap ``crash_handler`` to raise 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import os
 import sys
 from collections import Counter
@@ -33,7 +43,7 @@ from jobrelay.errors import ConfigError, PermanentError, TransientError
 log = logging.getLogger("jobrelay.faults")
 
 POINTS: dict[str, frozenset[str]] = {
-    "export.run": frozenset({"transient", "invalid", "crash"}),
+    "export.run": frozenset({"transient", "invalid", "crash", "stall"}),
     "worker.before_ack": frozenset({"crash"}),
     "relay.before_mark": frozenset({"crash"}),
     "api.before_response": frozenset({"crash"}),
@@ -52,6 +62,7 @@ class Fault:
     action: str
     n: int | None
     match: tuple[tuple[str, str], ...] = ()
+    seconds: float | None = None  # only for ``stall``: how long to keep the operation busy
 
     def applies_to(self, params: Mapping[str, object] | None) -> bool:
         if not self.match:
@@ -67,7 +78,7 @@ def parse(spec: str) -> tuple[Fault, ...]:
         item, _, selector = item.partition("@")
         match = _parse_selector(selector, item) if selector else ()
         pieces = item.split(":")
-        if len(pieces) not in (2, 3):
+        if len(pieces) < 2:
             raise ConfigError("JOBRELAY_FAULTS", f"expected point:action[:n], got {item!r}")
         point, action = pieces[0], pieces[1]
         if point not in POINTS:
@@ -78,13 +89,45 @@ def parse(spec: str) -> tuple[Fault, ...]:
             raise ConfigError(
                 "JOBRELAY_FAULTS", f"@selectors work only on {sorted(_SELECTABLE_POINTS)}: {item!r}"
             )
+        seconds: float | None = None
+        rest = pieces[2:]
+        if action == "stall":
+            if not rest:
+                raise ConfigError(
+                    "JOBRELAY_FAULTS",
+                    f"stall needs its duration, point:stall:SECONDS[:n], in {item!r}",
+                )
+            if len(rest) > 2:
+                raise ConfigError(
+                    "JOBRELAY_FAULTS",
+                    f"too many fields, expected point:stall:SECONDS[:n], in {item!r}",
+                )
+            seconds = _parse_seconds(rest[0], item)
+            rest = rest[1:]
+        elif len(rest) > 1:
+            raise ConfigError(
+                "JOBRELAY_FAULTS",
+                f"too many fields, expected point:action[:n] (only stall takes SECONDS): {item!r}",
+            )
         n: int | None = None
-        if len(pieces) == 3:
-            if not pieces[2].isdigit() or int(pieces[2]) < 1:
+        if rest:
+            if not rest[0].isdigit() or int(rest[0]) < 1:
                 raise ConfigError("JOBRELAY_FAULTS", f"n must be a positive integer in {item!r}")
-            n = int(pieces[2])
-        faults.append(Fault(point, action, n, match))
+            n = int(rest[0])
+        faults.append(Fault(point, action, n, match, seconds))
     return tuple(faults)
+
+
+def _parse_seconds(text: str, item: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(
+            "JOBRELAY_FAULTS", f"stall SECONDS must be a positive number, got {text!r} in {item!r}"
+        )
+    return seconds
 
 
 def _parse_selector(selector: str, item: str) -> tuple[tuple[str, str], ...]:
@@ -127,29 +170,67 @@ class Faults:
         attempt: int | None = None,
         params: Mapping[str, object] | None = None,
     ) -> None:
-        """Call at a named point; does nothing unless a fault is armed there."""
-        if not self.faults:
-            return
-        self._seen[point] += 1
-        count = attempt if point in _ATTEMPT_POINTS else self._seen[point]
-        for fault in self.faults:
-            if fault.point != point or (fault.n is not None and fault.n != count):
+        """Call at a named point; does nothing unless a fault is armed there.
+
+        Stall faults are ignored here: only a caller that can await (``ahit``) can stall.
+        """
+        for fault, count in self._firing(point, attempt, params):
+            if fault.action != "stall":
+                self._fire(fault, count)
+
+    async def ahit(
+        self,
+        point: str,
+        *,
+        attempt: int | None = None,
+        params: Mapping[str, object] | None = None,
+    ) -> None:
+        """``hit`` for async callers: also honours stall faults, with a cancellable sleep."""
+        for fault, count in self._firing(point, attempt, params):
+            if fault.action != "stall":
+                self._fire(fault, count)
                 continue
-            if not fault.applies_to(params):
-                continue
+            assert fault.seconds is not None  # parse() guarantees it for stall
             log.warning(
-                "fault %s:%s fired (n=%s)",
+                "fault %s:stall fired (n=%s): stalling for %s s",
                 point,
-                fault.action,
                 count,
+                fault.seconds,
                 extra={"event": "fault_fired", "point": point},
             )
-            if fault.action == "crash":
-                self.crash_handler(point)
-            if fault.action == "transient":
-                raise TransientError(f"injected transient failure at {point} (attempt {count})")
-            if fault.action == "invalid":
-                raise PermanentError(f"injected invalid payload at {point} (attempt {count})")
+            await asyncio.sleep(fault.seconds)
+
+    def _firing(
+        self, point: str, attempt: int | None, params: Mapping[str, object] | None
+    ) -> list[tuple[Fault, int | None]]:
+        """Count this hit of ``point`` and return the armed faults that apply to it, in order."""
+        if not self.faults:
+            return []
+        self._seen[point] += 1
+        count = attempt if point in _ATTEMPT_POINTS else self._seen[point]
+        return [
+            (fault, count)
+            for fault in self.faults
+            if fault.point == point
+            and (fault.n is None or fault.n == count)
+            and fault.applies_to(params)
+        ]
+
+    def _fire(self, fault: Fault, count: int | None) -> None:
+        point = fault.point
+        log.warning(
+            "fault %s:%s fired (n=%s)",
+            point,
+            fault.action,
+            count,
+            extra={"event": "fault_fired", "point": point},
+        )
+        if fault.action == "crash":
+            self.crash_handler(point)
+        if fault.action == "transient":
+            raise TransientError(f"injected transient failure at {point} (attempt {count})")
+        if fault.action == "invalid":
+            raise PermanentError(f"injected invalid payload at {point} (attempt {count})")
 
 
 NO_FAULTS = Faults()

@@ -10,16 +10,25 @@ on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for five things, e
 - ``retry_overdue``: ``retry_wait`` past its due time with no message of it in the outbox.
   Repair: re-send the retry as a work message, once per wait; still overdue after that, the
   pass only reports it (are workers consuming?).
-- ``queued_unclaimed``: ``queued``, its message confirmed by the broker long ago, never
-  claimed, and the work queue has no backlog left that could still hold it: the broker no
-  longer has the message (its delivery limit dead-lettered it after repeated returns from
-  killed workers, or someone purged the queue) or a busy worker sits on it. Repair: re-send
-  the work message, once; a surplus copy is acked as a duplicate. Still queued after that,
-  the pass only reports it.
+- ``queued_unclaimed``: ``queued`` and unchanged for the grace period (so never claimed in
+  this wait), no message of it waiting in the outbox, and its newest message confirmed by the
+  broker more than the grace period ago. Judged by the job's age and that confirm time alone,
+  never by the depth of the work queue, so a lost message is found on a busy system too: the
+  broker no longer has it (its delivery limit dead-lettered it after repeated returns from
+  killed workers, or someone purged the queue), or a busy worker sits on it, or, on a queue
+  whose backlog takes longer than the grace period to drain, it is still waiting its turn.
+  Repair: re-send the work message, once per wait. A surplus copy costs one extra message,
+  never a second run: the worker acks it as a duplicate (or defers it while the job runs).
+  Still queued after that, the pass only reports it.
 - ``outbox_stale``: an outbox row no broker has confirmed. Reported: the relay owns
   publishing, and the row says why it fails.
 - ``quarantine_mismatch``: a message in the quarantine queue whose job is not
   ``quarantined``. Reported.
+
+One clock: a pass reads the database's clock once (``Store.db_now``: ``now()`` on
+PostgreSQL, the store's clock on SQLite) and uses that instant for every judgement and every
+write it makes, never the clock of the host it runs on, so a relay host whose clock is off
+neither takes a live lease nor leaves an expired one.
 
 Every repair is a guarded transition with its ``reconciled_*`` event (``actor`` = this
 reconciler) and its outbox row in one transaction, so a job that moved on meanwhile — above
@@ -44,7 +53,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobrelay.domain.states import JobState
-from jobrelay.errors import TransportError
 from jobrelay.runtime import Runtime
 from jobrelay.storage.admin import AdminQueries, WaitingJob
 
@@ -124,7 +132,8 @@ class Reconciler:
 
     async def run_once(self, *, dry_run: bool = False, scan_quarantine: bool = True) -> Report:
         report = Report(dry_run=dry_run)
-        now = self.rt.clock()
+        # The database's clock, read once: every judgement and every write of this pass.
+        now = await self.rt.store.db_now()
         before = now - timedelta(seconds=self.rt.settings.reconcile_grace_seconds)
         await self._expired_leases(report, before, now)
         await self._overdue_retries(report, before, now)
@@ -202,22 +211,14 @@ class Reconciler:
             )
 
     async def _unclaimed_queued(self, report: Report, before: datetime, now: datetime) -> None:
-        found = await self.queries.unclaimed_queued(before, self.batch)
-        if not found:
-            return
-        try:
-            backlog = await self.rt.transport.work_ready()
-        except TransportError:
-            return  # cannot tell a lost message from a backlog now; the next pass will
-        if backlog:
-            return  # the messages may simply be waiting their turn: nothing to say yet
-        for waiting in found:
+        for waiting in await self.queries.unclaimed_queued(before, self.batch):
             await self._resend_once(
                 report,
                 QUEUED_UNCLAIMED,
                 waiting,
-                f"queued {_age(waiting.job.updated_at, now)}, published and never claimed",
-                ", and the work queue is empty: the message was lost or dead-lettered",
+                f"queued {_age(waiting.job.updated_at, now)}, its message confirmed "
+                f"{_age(waiting.confirmed_at, now)} ago and never claimed",
+                ": the broker lost or dead-lettered it, or a worker holds it",
                 self.queries.requeue_unclaimed,
                 before,
                 now,
@@ -287,7 +288,8 @@ class Reconciler:
             else:
                 advice = (
                     "if that was its only message, the reconciler re-sends it "
-                    f"({QUEUED_UNCLAIMED}) once the work queue has no backlog"
+                    f"({QUEUED_UNCLAIMED} or {RETRY_OVERDUE}) once it has waited "
+                    "for the grace period"
                 )
             report.findings.append(
                 Finding(QUARANTINE_MISMATCH, job_id, f"job is {state.value} but {copies}; {advice}")

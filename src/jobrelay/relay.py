@@ -59,9 +59,7 @@ class Relay:
     async def relay_once(self) -> int:
         """One round: claim, publish, confirm, mark. Returns how many rows were claimed."""
         store = self.rt.store
-        rows = await store.claim_outbox(
-            self.relay_id, self.rt.clock(), self.rt.settings.relay_batch, self.claim_for
-        )
+        rows = await store.claim_outbox(self.relay_id, self.rt.settings.relay_batch, self.claim_for)
         if not rows:
             return 0
         outcomes = await asyncio.gather(
@@ -75,7 +73,7 @@ class Relay:
         for row, error in zip(rows, outcomes, strict=True):
             if error is not None:
                 self.failed += 1
-                await store.release_outbox(row, error, self.rt.clock() + self._backoff(row))
+                await store.release_outbox(row, error, self._backoff(row))
         return len(rows)
 
     async def _publish(self, row: OutboxRow) -> str | None:
@@ -127,6 +125,7 @@ class Relay:
         self.rt.store.outbox_listeners.append(wake)
         poll = self.rt.settings.relay_poll_seconds
         log.info("relay started", extra={"event": "relay_started", "relay": self.relay_id})
+        failures = 0  # store errors in a row, for the back-off
         async with OutboxListener(self.rt.engine, wake):
             try:
                 while not stop.is_set():
@@ -134,14 +133,20 @@ class Relay:
                     try:
                         claimed = await self.relay_once()
                     except StoreError as exc:
+                        # The database is down: back off (up to 8 s) instead of failing every
+                        # poll; an in-process wake-up still ends the wait early.
+                        failures += 1
                         log.warning(
                             "relay round failed: %s", exc, extra={"event": "relay_round_failed"}
                         )
-                        claimed = 0
+                        await _wait_any(stop, wake, seconds=min(poll * 2**failures, 8.0))
+                        continue
                     except Exception:
                         # Unknown failure: keep relaying; every row is still in the outbox.
                         log.exception("relay round failed", extra={"event": "relay_round_failed"})
                         claimed = 0
+                    else:
+                        failures = 0
                     if claimed >= self.rt.settings.relay_batch:
                         continue  # more waiting: go again at once
                     await _wait_any(stop, wake, seconds=poll)

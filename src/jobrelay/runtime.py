@@ -60,7 +60,14 @@ def build_transport(settings: Settings, engine: AsyncEngine, clock: Clock = utc_
         )
     from jobrelay.transport.rabbitmq import RabbitTransport
 
-    return RabbitTransport(settings.broker_url, topology, confirm_timeout=settings.confirm_timeout)
+    # A worker draining after SIGTERM acks on the channel its deliveries came on: keep that
+    # channel settleable for as long as the drain may last.
+    return RabbitTransport(
+        settings.broker_url,
+        topology,
+        confirm_timeout=settings.confirm_timeout,
+        settle_grace_seconds=settings.drain_seconds,
+    )
 
 
 def build_results(settings: Settings) -> ResultStore:
@@ -93,10 +100,16 @@ async def open_runtime(
     settings: Settings,
     *,
     connect_transport: bool = True,
-    clock: Clock = utc_now,
+    clock: Clock | None = None,
     faults: Faults | None = None,
 ) -> AsyncIterator[Runtime]:
-    """Open the database and broker, failing fast with the variable to fix."""
+    """Open the database and broker, failing fast with the variable to fix.
+
+    ``clock`` (tests) drives both this process and the store. Without it the store judges
+    leases and due times by the database's clock on PostgreSQL, never by this host's.
+    """
+    store_clock = clock
+    clock = clock or utc_now
     engine = create_engine(settings.database_url)
     transport: Transport | None = None
     results: ResultStore | None = None
@@ -119,7 +132,7 @@ async def open_runtime(
         yield Runtime(
             settings=settings,
             engine=engine,
-            store=Store(engine),
+            store=Store(engine, clock=store_clock),
             transport=transport,
             results=results,
             faults=faults if faults is not None else Faults(settings.faults),

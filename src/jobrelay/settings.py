@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     relay_claim_seconds: float = Field(default=30.0, gt=0)
     # Local transport: how long a delivery stays invisible to other consumers without a renewal.
     visibility_seconds: float = Field(default=30.0, gt=0)
+    # How long SIGTERM lets in-flight deliveries finish before the process stops without
+    # settling the rest (they are delivered again). On RabbitMQ a stopped consumer's channel
+    # stays open this long too, so a delivery finished while draining can still be acked.
+    drain_seconds: float = Field(default=60.0, gt=0)
     # The relay's reconciler: how often it runs (0: never), and how far past its due time a
     # lease, a retry or an unpublished outbox row must be before it is repaired or reported.
     reconcile_seconds: float = Field(default=30.0, ge=0)

@@ -6,6 +6,17 @@ quarantine. The outcome (``succeeded`` + result key, ``retry_wait`` + an outbox 
 delay route, or ``quarantined``) is committed before the ack or reject, so a crash between
 the two leaves a redelivery that finds the job finished and is acked without redoing it.
 
+Each claim is a token (the attempt number it produced). Every write of the run after it —
+lease renewal, progress, the outcome, follow-up jobs — is fenced on that token, and the
+result object is published under the same fence, so a run whose lease was taken over (a
+frozen process, a second copy of the job in this very process) loses every write, records
+``lease_lost`` and is acked. A lease that is lost, or can no longer be renewed before it
+ends, cancels the operation.
+
+While the database is unreachable the worker holds what it has and takes nothing new; a
+database outage is not the message's fault, so nothing is released towards its delivery
+limit. It resumes by itself when the database answers again.
+
 The worker publishes nothing itself: retries and deferrals are outbox rows the relay sends.
 """
 
@@ -19,7 +30,7 @@ import os
 import socket
 import time
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from jobrelay import logs
@@ -38,8 +49,9 @@ from jobrelay.domain.policy import (
 from jobrelay.domain.states import JobState
 from jobrelay.errors import OperationError, PermanentError, StoreError
 from jobrelay.operations.base import OperationContext, Registry, default_registry
+from jobrelay.results.staging import StagingResults
 from jobrelay.runtime import Runtime
-from jobrelay.storage.store import JobRecord, NewJob
+from jobrelay.storage.store import Claim, Fenced, JobRecord, NewJob
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
@@ -47,7 +59,9 @@ log = logging.getLogger("jobrelay.worker")
 # A claim can lose a race (another worker, a retry not yet due); re-read and decide again a
 # few times, then defer rather than drop.
 _MAX_DECISION_ROUNDS = 3
-_STORE_BACKOFF_MAX = 8.0  # seconds a delivery is held before release while the database is down
+_PROBE_BACKOFF_MAX = 8.0  # seconds between database probes while it is unreachable
+# A deferred copy of a job whose type or version no worker here knows carries its count.
+DEFERS_HEADER = "x-jobrelay-defers"
 
 
 def _log_abandoned(task: asyncio.Task[None]) -> None:
@@ -69,7 +83,10 @@ class Worker:
         self.worker_id = worker_id or new_worker_id()
         self.lease = timedelta(seconds=rt.settings.lease_seconds)
         self.handled = 0
-        self._store_failures = 0  # in a row, for the back-off before a release
+        # Set while the database answers; cleared by an outage, which pauses consuming.
+        self._database_up = asyncio.Event()
+        self._database_up.set()
+        self._probe: asyncio.Task[None] | None = None
 
     # --- the consume loop -------------------------------------------------------------------
 
@@ -90,6 +107,14 @@ class Worker:
         try:
             while not stop.is_set():
                 await slots.acquire()
+                if not self._database_up.is_set():
+                    # Paused: what we hold stays held; take nothing new until it is back.
+                    waiting = asyncio.ensure_future(self._database_up.wait())
+                    await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
+                    if stop.is_set():
+                        slots.release()
+                        break
                 receiving = asyncio.ensure_future(anext(iterator))
                 await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if not receiving.done():
@@ -112,42 +137,92 @@ class Worker:
                 receiving.cancel()
                 with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                     await receiving
+            # Stop the consumer first: what was prefetched but not started goes back to the
+            # broker now, and the deliveries in flight stay settleable while they drain.
+            with contextlib.suppress(Exception):
+                await deliveries.aclose()  # type: ignore[attr-defined]
             if in_flight:
                 if hard_stop:
                     for task in in_flight:
                         task.cancel()
                 else:
-                    log.info(
-                        "draining", extra={"event": "worker_draining", "inFlight": len(in_flight)}
-                    )
+                    await self._drain(in_flight)
                 await asyncio.gather(*in_flight, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await deliveries.aclose()  # type: ignore[attr-defined]
+            if self._probe is not None:
+                self._probe.cancel()
             log.info("worker stopped", extra={"event": "worker_stopped", "handled": self.handled})
+
+    async def _drain(self, in_flight: set[asyncio.Task[None]]) -> None:
+        """Let in-flight work finish for up to ``drain_seconds``, then stop it unsettled.
+
+        What is left is neither acked nor rejected: the broker hands it out again when this
+        consumer's channel closes, and its job's lease lets the next claim take over.
+        """
+        deadline = self.rt.settings.drain_seconds
+        log.info(
+            "draining",
+            extra={"event": "worker_draining", "inFlight": len(in_flight), "seconds": deadline},
+        )
+        _, pending = await asyncio.wait(set(in_flight), timeout=deadline)
+        if pending:
+            log.warning(
+                "drain deadline passed: %d deliveries left unsettled for redelivery",
+                len(pending),
+                extra={"event": "drain_deadline", "unsettled": len(pending)},
+            )
+            for task in pending:
+                task.cancel()
 
     async def _handle_safely(self, delivery: Delivery) -> None:
         try:
-            await self.handle(delivery)
-            self._store_failures = 0
+            while True:
+                try:
+                    await self.handle(delivery)
+                    return
+                except StoreError as exc:
+                    # Not this message's fault: hold it (no release, so its delivery limit is
+                    # untouched), pause consuming, and handle it again once the database
+                    # answers. Every step of handle() is guarded, so starting over is safe.
+                    log.warning(
+                        "database unreachable, holding the delivery: %s",
+                        exc,
+                        extra={"event": "delivery_held"},
+                    )
+                    await self._wait_for_database()
         except Exception as exc:
-            # Give it back: it is redelivered (to us or another worker) and the job row is
-            # unchanged or guarded, so nothing is lost and nothing is done twice. Releases
-            # count towards the delivery limit, so a message that always fails is quarantined
-            # by the broker instead of looping.
+            # A bug, or the broker failed: give it back. It is redelivered (to us or another
+            # worker) and the job row is unchanged or guarded, so nothing is lost and nothing
+            # is done twice. Releases count towards the delivery limit, so a message that
+            # always fails is quarantined by the broker instead of looping.
             log.exception("delivery released after an error", extra={"event": "delivery_error"})
-            if isinstance(exc, StoreError):
-                # The database is down: not this message's fault. Released at once it would
-                # bounce between workers and use up its delivery limit within a second, so
-                # hold it for a growing back-off (while it holds a prefetch slot, no more
-                # arrive) and release it after.
-                self._store_failures += 1
-                await asyncio.sleep(min(0.25 * 2**self._store_failures, _STORE_BACKOFF_MAX))
             try:
                 await delivery.release()
-            except Exception as exc:  # the channel is gone: the broker requeues it anyway
-                log.warning("release failed: %s", exc, extra={"event": "release_failed"})
+            except Exception as exc2:  # the channel is gone: the broker requeues it anyway
+                log.warning(
+                    "release failed: %s (after %s)", exc2, exc, extra={"event": "release_failed"}
+                )
         finally:
             self.handled += 1
+
+    async def _wait_for_database(self) -> None:
+        """Block until the database answers; one probe per worker, however many wait."""
+        self._database_up.clear()
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_database())
+        await asyncio.shield(self._probe)
+
+    async def _probe_database(self) -> None:
+        log.warning("database unreachable: consuming paused", extra={"event": "consumer_paused"})
+        delay = 0.25
+        while True:
+            try:
+                await self.rt.store.ping()
+                break
+            except StoreError:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _PROBE_BACKOFF_MAX)
+        self._database_up.set()
+        log.info("database reachable again: consuming resumed", extra={"event": "consumer_resumed"})
 
     # --- one delivery -----------------------------------------------------------------------
 
@@ -164,7 +239,10 @@ class Worker:
         try:
             message = decode(delivery.body, self.registry.types)
         except MessageDecodeError as exc:
-            await self._invalid(delivery, exc.reason, exc.job_id, meta)
+            if exc.unknown and exc.job_id is not None:
+                await self._unknown(delivery, exc.reason, exc.job_id, meta)
+            else:
+                await self._invalid(delivery, exc.reason, exc.job_id, meta)
             return
         logs.bind(jobId=message.job_id)
         for _ in range(_MAX_DECISION_ROUNDS):
@@ -177,10 +255,16 @@ class Worker:
                     delivery, f"type {message.type} != job type {job.type}", job.id, meta
                 )
                 return
-            decision = decide(observe_delivery(job.view(), self.rt.clock()))
+            decision = decide(observe_delivery(job.view(), self._seen_at(job)))
             if await self._act(delivery, message, job, decision, meta):
                 return
-        await self._defer(delivery, message, "claim kept losing races", meta)
+        await self._defer(
+            delivery, message.job_id, message.encode(), "claim kept losing races", None
+        )
+
+    def _seen_at(self, job: JobRecord) -> datetime:
+        """The store's clock when the row was read: leases and due times are judged by it."""
+        return job.observed_at or self.rt.clock()
 
     async def _act(
         self,
@@ -202,12 +286,15 @@ class Worker:
                 await self._settle(delivery, job.id, Action.ACK, job.attempt)
                 return True
             case Action.DEFER:
-                await self._defer(delivery, message, decision.reason or "deferred", meta, job)
+                reason = decision.reason or "deferred"
+                await self._defer(delivery, job.id, message.encode(), reason, job)
                 return True
             case Action.REJECT:
                 if decision.new_state is not None:
+                    # Guarded on exactly what the policy saw (state, attempt, lease): a lease
+                    # renewed meanwhile, or a new claim, makes this lose and we look again.
                     quarantined = await self.rt.store.quarantine(
-                        job.id, decision.reason or "", now, **meta
+                        job.id, decision.reason or "", now, seen=job.view(), **meta
                     )
                     if not quarantined:
                         return False
@@ -219,66 +306,90 @@ class Worker:
                 await self._settle(delivery, job.id, Action.REJECT, job.attempt)
                 return True
             case Action.RUN:
-                attempt = await self.rt.store.claim_job(
-                    job.id, self.worker_id, now, self.lease, **meta
+                claim = await self.rt.store.claim_job(
+                    job.id, self.worker_id, now, self.lease, seen=job.view(), **meta
                 )
-                if attempt is None:
+                if claim is None:
                     return False
                 self.rt.metrics.transition(job.state.value, JobState.RUNNING.value)
-                logs.bind(attempt=attempt)
-                await self._run(delivery, job, attempt)
+                logs.bind(attempt=claim.attempt)
+                await self._run(delivery, job, claim)
                 return True
         raise AssertionError(decision)  # pragma: no cover
 
-    async def _run(self, delivery: Delivery, job: JobRecord, attempt: int) -> None:
+    async def _run(self, delivery: Delivery, job: JobRecord, claim: Claim) -> None:
+        granted = time.monotonic() - self._claim_latency_allowance()
         log.info(
             "job claimed",
             extra={
                 "event": "claimed",
                 "jobId": job.id,
-                "attempt": attempt,
+                "attempt": claim.attempt,
                 "worker": self.worker_id,
             },
         )
         operation = self.registry.get(job.type)
         assert operation is not None  # decode() only accepts registered types
+        results = StagingResults(self.rt.results)
+        lease_lost = asyncio.Event()
+
+        async def progress(done: int, total: int) -> None:
+            if not await self.rt.store.report_progress(claim, done, total, self.rt.clock()):
+                # Another claim holds the job: stop here, as the heartbeat would.
+                lease_lost.set()
+                raise asyncio.CancelledError
+
         context = OperationContext(
             job=job,
-            attempt=attempt,
+            attempt=claim.attempt,
             store=self.rt.store,
-            results=self.rt.results,
+            results=results,
             faults=self.rt.faults,
-            report_progress=lambda done, total: self.rt.store.report_progress(
-                job.id, self.worker_id, done, total, self.rt.clock()
-            ),
+            report_progress=progress,
             clock=self.rt.clock,
+            lease_lost=lease_lost,
         )
         observation: Observation
+        result: Any = None
         started = time.monotonic()
-        heartbeat = asyncio.create_task(self._heartbeat(job.id))
+        work = asyncio.create_task(operation.run(context))
+        heartbeat = asyncio.create_task(self._heartbeat(claim, granted, work, lease_lost))
         try:
-            result = await operation.run(context)
+            result = await work
             observation = ResultSaved(result.result_key)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if (current is not None and current.cancelling()) or not lease_lost.is_set():
+                await results.discard()
+                raise  # we are being stopped: leave the delivery unsettled
+            observation = self._transient(job, claim.attempt, "lease lost: the run was stopped")
         except PermanentError as exc:
             observation = PermanentFailure(str(exc))
         except (OperationError, StoreError) as exc:
-            observation = self._transient(job, attempt, str(exc))
+            observation = self._transient(job, claim.attempt, str(exc))
         except Exception as exc:  # an operation bug: retried, then quarantined, never a hot loop
             log.exception("operation raised", extra={"event": "operation_error", "jobId": job.id})
-            observation = self._transient(job, attempt, f"unexpected {type(exc).__name__}: {exc}")
+            observation = self._transient(
+                job, claim.attempt, f"unexpected {type(exc).__name__}: {exc}"
+            )
         finally:
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
-        await self._commit_outcome(
-            delivery,
-            job,
-            attempt,
-            observation,
-            result_meta=(result.meta if isinstance(observation, ResultSaved) else {}),
-            started=started,
-            follow_ups=(result.follow_ups if isinstance(observation, ResultSaved) else ()),
-        )
+        if not isinstance(observation, ResultSaved):
+            await results.discard()
+        try:
+            await self._commit_outcome(
+                delivery, job, claim, observation, result, results, started=started
+            )
+        except BaseException:
+            await results.discard()
+            raise
+
+    def _claim_latency_allowance(self) -> float:
+        # The store set the lease end when it ran the claim, a moment before we saw the
+        # answer: count our lease from a little earlier than now, never later.
+        return min(1.0, self.lease.total_seconds() / 10)
 
     def _transient(self, job: JobRecord, attempt: int, error: str) -> TransientFailure:
         return TransientFailure(error, attempt, job.max_attempts, self.rt.settings.retry_delays)
@@ -287,52 +398,125 @@ class Worker:
         self,
         delivery: Delivery,
         job: JobRecord,
-        attempt: int,
+        claim: Claim,
         observation: Observation,
-        result_meta: dict[str, Any],
+        result: Any,
+        results: StagingResults,
         started: float | None = None,
-        follow_ups: tuple[NewJob, ...] = (),
     ) -> None:
-        decision = decide(observation)
-        now = self.rt.clock()
-        store = self.rt.store
-        if isinstance(observation, ResultSaved):
-            won = await store.complete(
-                job.id,
-                self.worker_id,
-                observation.result_key,
-                {**result_meta, "attempt": attempt},
-                now,
-                follow_ups=follow_ups,
+        """Write the outcome, fenced on the claim, retrying through a database outage."""
+        in_doubt = False  # a try failed mid-way: its commit may have landed unseen
+        while True:
+            decision = decide(observation)
+            try:
+                fenced = await self._write_outcome(
+                    job, claim, observation, decision, result, results
+                )
+                if not fenced.won and in_doubt:
+                    fenced = await self._own_earlier_commit(claim, decision, fenced)
+                break
+            except StoreError as exc:
+                in_doubt = True
+                log.warning(
+                    "outcome not written, the database is unreachable: %s",
+                    exc,
+                    extra={"event": "outcome_held", "jobId": job.id},
+                )
+                await self._wait_for_database()
+            except OperationError as exc:  # the staged result could not be published
+                await results.discard()
+                observation = self._transient(job, claim.attempt, str(exc))
+        won = fenced.won
+        if won:
+            log.info(
+                decision.event,
+                extra={
+                    "event": decision.event,
+                    "jobId": job.id,
+                    "attempt": claim.attempt,
+                    "reason": decision.reason,
+                },
             )
-        elif decision.action is Action.ACK:
-            assert decision.retry_delay is not None
-            won = await store.schedule_retry(
-                job.id, self.worker_id, job.type, decision.reason or "", decision.retry_delay, now
-            )
-        else:
-            won = await store.quarantine(
-                job.id, decision.reason or "", now, worker_id=self.worker_id, attempt=attempt
-            )
-        log.info(
-            decision.event,
-            extra={
-                "event": decision.event,
-                "jobId": job.id,
-                "attempt": attempt,
-                "reason": decision.reason,
-            },
-        )
         self._measure(job, decision, won, started)
         if not won:
-            # Our lease was taken over (we were presumed dead). The new owner has its own
-            # delivery; ours is redundant. The result, if any, went to the same stable key.
-            await store.record_event(
-                job.id, "lease_lost", now, worker=self.worker_id, attempt=attempt
-            )
-            await self._settle(delivery, job.id, Action.ACK, attempt)
+            await results.discard()
+            await self._lease_lost(delivery, claim, fenced)
             return
-        await self._settle(delivery, job.id, decision.action, attempt)
+        await self._settle(delivery, job.id, decision.action, claim.attempt)
+
+    async def _write_outcome(
+        self,
+        job: JobRecord,
+        claim: Claim,
+        observation: Observation,
+        decision: Decision,
+        result: Any,
+        results: StagingResults,
+    ) -> Fenced:
+        store = self.rt.store
+        now = self.rt.clock()
+        if isinstance(observation, ResultSaved):
+            return await store.complete(
+                claim,
+                observation.result_key,
+                {**result.meta, "attempt": claim.attempt},
+                now,
+                follow_ups=tuple[NewJob, ...](result.follow_ups),
+                publish=results.publish,
+            )
+        if decision.action is Action.ACK:
+            assert decision.retry_delay is not None
+            return await store.schedule_retry(
+                claim, job.type, decision.reason or "", decision.retry_delay, now
+            )
+        won = await store.quarantine(
+            job.id, decision.reason or "", now, claim=claim, attempt=claim.attempt
+        )
+        return Fenced(True) if won else await self._current(job.id)
+
+    async def _own_earlier_commit(self, claim: Claim, decision: Decision, lost: Fenced) -> Fenced:
+        """A retried outcome lost its fence: did an earlier try of OURS commit it?
+
+        Only this claim's own event counts (same attempt and worker): another delivery may
+        have moved the job to the same state at the same attempt (attempts exhausted).
+        """
+        if lost.current_attempt != claim.attempt or lost.current_state is not decision.new_state:
+            return lost
+        if await self.rt.store.committed_by(claim, decision.event):
+            return Fenced(True)
+        return lost
+
+    async def _current(self, job_id: str) -> Fenced:
+        job = await self.rt.store.get_job(job_id)
+        if job is None:
+            return Fenced(False)
+        return Fenced(False, job.attempt, job.state)
+
+    async def _lease_lost(self, delivery: Delivery, claim: Claim, fenced: Fenced) -> None:
+        """Our claim was superseded: record both tokens, change nothing else, ack.
+
+        The claim that holds the job now has its own delivery; ours is redundant.
+        """
+        log.warning(
+            "lease lost",
+            extra={
+                "event": "lease_lost",
+                "jobId": claim.job_id,
+                "attempt": claim.attempt,
+                "currentAttempt": fenced.current_attempt,
+            },
+        )
+        with contextlib.suppress(StoreError):
+            await self.rt.store.record_event(
+                claim.job_id,
+                "lease_lost",
+                self.rt.clock(),
+                worker=self.worker_id,
+                attempt=claim.attempt,
+                currentAttempt=fenced.current_attempt,
+                currentState=fenced.current_state.value if fenced.current_state else None,
+            )
+        await self._settle(delivery, claim.job_id, Action.ACK, claim.attempt)
 
     def _measure(
         self, job: JobRecord, decision: Decision, won: bool, started: float | None
@@ -353,60 +537,127 @@ class Worker:
             if decision.new_state is JobState.RETRY_WAIT:
                 metrics.retries.inc()
 
-    async def _heartbeat(self, job_id: str) -> None:
-        interval = self.lease.total_seconds() / 3
+    async def _heartbeat(
+        self, claim: Claim, granted: float, work: asyncio.Task[Any], lost: asyncio.Event
+    ) -> None:
+        """Renew the lease every third of it; stop the work when the lease is gone.
+
+        Gone means a renewal found another claim holding the job, or no renewal succeeded
+        before the lease (counted from just before the claim, on this process's monotonic
+        clock) would end. Either way the run stops: it can no longer win its fenced writes.
+        """
+        lease = self.lease.total_seconds()
+        margin = min(1.0, lease / 10)
+        expires = granted + lease
+        due = granted + lease / 3
         while True:
-            await asyncio.sleep(interval)
-            now = self.rt.clock()
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            sent = time.monotonic()
+            reason: str | None = None
             try:
-                held = await self.rt.store.renew_lease(
-                    job_id, self.worker_id, now + self.lease, now
-                )
-            except StoreError as exc:
-                log.warning(
-                    "lease renewal failed: %s",
-                    exc,
-                    extra={"event": "lease_renew_failed", "jobId": job_id},
-                )
-                continue
-            if not held:
-                log.warning("lease lost", extra={"event": "lease_lost", "jobId": job_id})
-                return
+                async with asyncio.timeout(max(expires - margin - sent, margin)):
+                    held = await self.rt.store.renew_lease(claim, self.lease, self.rt.clock())
+                if held:
+                    expires, due = sent + lease, sent + lease / 3
+                    continue
+                reason = "another claim holds the job"
+            except (StoreError, TimeoutError) as exc:
+                if time.monotonic() < expires - margin:
+                    log.warning(
+                        "lease renewal failed: %s",
+                        exc or "timed out",
+                        extra={"event": "lease_renew_failed", "jobId": claim.job_id},
+                    )
+                    due = time.monotonic() + min(lease / 6, 1.0)
+                    continue
+                reason = f"lease could not be renewed before it ended ({exc or 'timed out'})"
+            log.warning(
+                "lease lost, stopping the run: %s",
+                reason,
+                extra={"event": "lease_lost", "jobId": claim.job_id, "attempt": claim.attempt},
+            )
+            lost.set()
+            work.cancel()
+            return
 
     # --- settling ---------------------------------------------------------------------------
 
     async def _settle(self, delivery: Delivery, job_id: str, action: Action, attempt: int) -> None:
-        """Ack or reject AFTER the outcome is committed, then record that we did."""
+        """Ack or reject AFTER the outcome is committed, then record whether the broker took it.
+
+        ``settle_lost``: the channel the delivery came on had closed, so the broker requeues
+        the message and its redelivery is handled as a duplicate of the committed outcome.
+        """
         self.rt.faults.hit("worker.before_ack")
         if action is Action.REJECT:
-            await delivery.reject()
+            taken = await delivery.reject()
             kind = "rejected"
         else:
-            await delivery.ack()
+            taken = await delivery.ack()
             kind = "ack_sent"
+        detail: dict[str, Any] = {"attempt": attempt}
+        if not taken:
+            detail["action"] = kind
+            kind = "settle_lost"
         log.info(kind, extra={"event": kind, "jobId": job_id, "attempt": attempt})
         with contextlib.suppress(StoreError):
-            await self.rt.store.record_event(job_id, kind, self.rt.clock(), attempt=attempt)
+            await self.rt.store.record_event(job_id, kind, self.rt.clock(), **detail)
 
     async def _defer(
         self,
         delivery: Delivery,
-        message: JobMessage,
+        job_id: str,
+        body: bytes,
         reason: str,
-        meta: dict[str, Any],
-        job: JobRecord | None = None,
+        job: JobRecord | None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         delay = self._defer_delay(job)
-        await self.rt.store.defer(message.job_id, message.type, delay, reason, self.rt.clock())
-        await self._settle(delivery, message.job_id, Action.ACK, job.attempt if job else 0)
+        await self.rt.store.defer(job_id, body, delay, reason, self.rt.clock(), headers=headers)
+        await self._settle(delivery, job_id, Action.ACK, job.attempt if job else 0)
 
     def _defer_delay(self, job: JobRecord | None) -> int:
         """The shortest retry tier that outlasts the other worker's lease, else the longest."""
         tiers = self.rt.topology.tiers
         if job is None or job.lease_expires_at is None:
             return tiers[0]
-        remaining = math.ceil((job.lease_expires_at - self.rt.clock()).total_seconds())
+        remaining = math.ceil((job.lease_expires_at - self._seen_at(job)).total_seconds())
         return next((t for t in tiers if t >= remaining), tiers[-1])
+
+    async def _unknown(
+        self, delivery: Delivery, reason: str, job_id: str, meta: dict[str, Any]
+    ) -> None:
+        """A type or version this worker does not know, for an existing job: defer it.
+
+        During a rolling deploy only the newer workers know it; quarantining here would
+        punish the job for our age. Each deferral carries its count; past the delivery limit
+        the job is quarantined saying no worker knew it.
+        """
+        job = await self.rt.store.get_job(job_id)
+        if job is None:
+            await self._invalid(delivery, f"{reason} (and no such job)", None, meta)
+            return
+        if job.state.is_terminal:
+            decision = decide(observe_delivery(job.view(), self._seen_at(job)))
+            message = JobMessage(job.id, job.type)
+            await self._act(delivery, message, job, decision, meta)
+            return
+        defers = str(delivery.headers.get(DEFERS_HEADER, "0"))
+        count = int(defers) if defers.isdigit() else 0
+        limit = self.rt.settings.delivery_limit
+        if count >= limit:
+            await self._invalid(
+                delivery, f"{reason}: no worker knew it after {count} deferrals", job_id, meta
+            )
+            return
+        await self._defer(
+            delivery,
+            job_id,
+            delivery.body,
+            f"{reason} (not known to this worker; deferral {count + 1}/{limit})",
+            None,
+            headers={DEFERS_HEADER: str(count + 1)},
+        )
 
     async def _invalid(
         self, delivery: Delivery, reason: str, job_id: str | None, meta: dict[str, Any]
@@ -416,7 +667,10 @@ class Worker:
         now = self.rt.clock()
         if job is not None:
             if decision.new_state is not None:
-                if await self.rt.store.quarantine(job.id, decision.reason or reason, now, **meta):
+                # Guarded on the job as read: a good copy that claimed it since wins.
+                if await self.rt.store.quarantine(
+                    job.id, decision.reason or reason, now, seen=job.view(), **meta
+                ):
                     self.rt.metrics.quarantined(job.state.value, decision.reason or reason)
             else:
                 await self.rt.store.record_event(job.id, decision.event, now, reason=reason, **meta)

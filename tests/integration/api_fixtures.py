@@ -103,7 +103,7 @@ def build_runtime(
     return Runtime(
         settings=settings,
         engine=engine,
-        store=Store(engine),
+        store=Store(engine, clock=clock),
         transport=broker,
         results=FileResults(settings.results_url),
         faults=faults or Faults(),
@@ -129,6 +129,7 @@ async def finish_job(runtime: Runtime, job_id: str, csv: bytes) -> str:
     async with session as out:
         await out.write(csv)
     now = runtime.clock()
-    assert await runtime.store.claim_job(job_id, "worker-test", now, LEASE)
-    assert await runtime.store.complete(job_id, "worker-test", key, {"rows": 2}, now)
+    claim = await runtime.store.claim_job(job_id, "worker-test", now, LEASE)
+    assert claim is not None
+    assert (await runtime.store.complete(claim, key, {"rows": 2}, now)).won
     return key

@@ -75,13 +75,15 @@ async def job_in_state(
 
         assert (await AdminQueries(store).cancel(job_id, actor="t", reason="t", now=now)).done
         return job_id
-    assert await store.claim_job(job_id, WORKER, now, LEASE) == 1
+    claim = await store.claim_job(job_id, WORKER, now, LEASE)
+    assert claim is not None and claim.attempt == 1
     if state is JobState.SUCCEEDED:
-        assert await store.complete(job_id, WORKER, f"exports/acme/{job_id}.csv", {"rows": 1}, now)
+        key = f"exports/acme/{job_id}.csv"
+        assert (await store.complete(claim, key, {"rows": 1}, now)).won
     elif state is JobState.RETRY_WAIT:
-        assert await store.schedule_retry(job_id, WORKER, "report.export", "boom", 5, now)
+        assert (await store.schedule_retry(claim, "report.export", "boom", 5, now)).won
     elif state is JobState.QUARANTINED:
-        assert await store.quarantine(job_id, "invalid period 2020-13", now, worker_id=WORKER)
+        assert await store.quarantine(job_id, "invalid period 2020-13", now, claim=claim)
     return job_id
 
 

@@ -36,6 +36,7 @@ FAST = {
     "relay_claim_seconds": "3",
     "confirm_timeout": "5",
     "prefetch": "4",
+    "drain_seconds": "3",
 }
 
 

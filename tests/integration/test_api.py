@@ -242,7 +242,7 @@ async def test_valid_traceparent_reaches_the_outbox_and_an_invalid_one_is_droppe
     await accept(client, acme, traceparent=good)
     await accept(client, acme, **{"traceparent": "00-zz-bad", "Idempotency-Key": "k2"})
 
-    rows = await runtime.store.claim_outbox("relay-test", T0, 10, LEASE)
+    rows = await runtime.store.claim_outbox("relay-test", 10, LEASE)
 
     assert [r.headers for r in rows] == [{"traceparent": good}, {}]
 
@@ -307,15 +307,16 @@ async def test_job_shows_publication_progress_and_retry(
 ) -> None:
     job_id = await accept(client, acme)
     store = runtime.store
-    await store.mark_published("r", await store.claim_outbox("r", T0, 10, LEASE), T0)
-    assert await store.claim_job(job_id, "w", T0, LEASE)
-    await store.report_progress(job_id, "w", 5, 10, T0)
+    await store.mark_published("r", await store.claim_outbox("r", 10, LEASE), T0)
+    claim = await store.claim_job(job_id, "w", T0, LEASE)
+    assert claim is not None
+    assert await store.report_progress(claim, 5, 10, T0)
 
     running = (await client.get(f"/v1/jobs/{job_id}", headers=acme)).json()
     assert (running["state"], running["published"], running["attempt"]) == ("running", True, 1)
     assert running["progress"] == {"done": 5, "total": 10}
 
-    assert await store.schedule_retry(job_id, "w", "report.export", "ledger timeout", 5, T0)
+    assert (await store.schedule_retry(claim, "report.export", "ledger timeout", 5, T0)).won
     waiting = (await client.get(f"/v1/jobs/{job_id}", headers=acme)).json()
     assert (waiting["state"], waiting["lastError"]) == ("retry_wait", "ledger timeout")
     assert datetime.fromisoformat(waiting["nextAttemptAt"]) == T0 + timedelta(seconds=5)
@@ -330,7 +331,7 @@ async def test_events_are_listed_in_order(
     assert isinstance(clock, Clock)
     job_id = await accept(client, acme)
     store = runtime.store
-    await store.mark_published("r", await store.claim_outbox("r", T0, 10, LEASE), clock.advance(1))
+    await store.mark_published("r", await store.claim_outbox("r", 10, LEASE), clock.advance(1))
     clock.advance(1)
     await finish_job(runtime, job_id, b"a,b\n")
 

@@ -20,22 +20,35 @@ The rules check their own step too: an operator action is done exactly when the 
 its edge, and otherwise refused without a write (a replay gives a fresh attempt budget and a
 work message); a delivery for a finished job is settled without work; a redelivery after a
 lease expired takes the job over; a reconciler pass re-queues exactly the leases expired past
-the grace, each with a work message, and moves nothing else.
+the grace, each with a work message, and moves nothing else. A queued job or a due retry is
+claimed by the delivery; a copy that arrives before its retry is due is acked without work.
+
+A delivery may run on a worker whose host clock is 30 s behind or ahead of the store's: the
+expectations do not change, because leases and due times are the store's to judge (a retry
+due by the store runs on a worker 30 s behind; a live lease is deferred on one 30 s ahead).
+
+``two_copies`` handles two copies of one message in ONE worker process (same ``Worker``, same
+worker id), the second while the first waits inside the operation (a ``Gate``), with the
+store's clock moved past the first's lease in between or not. Every claim ends in exactly
+one outcome or in ``lease_lost``; the outcome recorded (and the result's attempt) is the
+latest claim's; a superseded claim records ``lease_lost`` naming the holder and is acked;
+each delivery is settled exactly once.
 
 ``test_fixed_run`` plays a few fixed runs of the same machine (replay, cancel from each state,
-lease take-over, reconciler repair), so that every run of the suite reaches those cases even
-when the random search misses one.
+lease take-over, reconciler repair, two copies in one process, skewed worker clocks), so that
+every run of the suite reaches those cases even when the random search misses one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -54,8 +67,16 @@ from hypothesis.stateful import (
 from sqlalchemy import select
 
 from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState, can_transition
 from jobrelay.faults import Faults
+from jobrelay.operations.base import (
+    Operation,
+    OperationContext,
+    OperationResult,
+    Registry,
+    default_registry,
+)
 from jobrelay.operator import Operator
 from jobrelay.reconcile import LEASE_EXPIRED, Reconciler
 from jobrelay.results.files import FileResults
@@ -64,7 +85,7 @@ from jobrelay.seed import seed
 from jobrelay.settings import Settings
 from jobrelay.storage.admin import RECONCILED_LEASE, RECONCILED_QUEUED, RECONCILED_RETRY
 from jobrelay.storage.engine import create_engine, upgrade
-from jobrelay.storage.store import WORK_DESTINATION, JobRecord, NewJob, Store
+from jobrelay.storage.store import WORK_DESTINATION, EventRecord, JobRecord, NewJob, Store
 from jobrelay.storage.tables import job_events, outbox
 from jobrelay.transport.topology import retry_seconds
 from jobrelay.worker import Worker
@@ -78,6 +99,11 @@ FAULTS = (
     "export.run:transient",  # -> retry_wait, or quarantined on the last attempt
     "export.run:invalid",  # a permanent error: -> quarantined, so replay has work to do
 )
+# Faults for two copies run side by side in one process: every outcome a run can write (a
+# crash would end both copies at once, which ``deliver`` already covers).
+COPY_FAULTS = (None, "export.run:transient", "export.run:invalid")
+# How far a worker host's clock may be off; the store's clock is the one that judges.
+SKEWS = (0, -30, 30)
 # Final for everyone, operators included (quarantined is final only for the pipeline).
 FINAL = frozenset({JobState.SUCCEEDED, JobState.CANCELLED})
 # Events that mean the pipeline, an operator or the reconciler did something with the job.
@@ -129,16 +155,73 @@ class Delivery:
         self.headers: dict[str, object] = {}
         self.redelivered = redelivered
         self.delivery_count = count
-        self.outcome: str | None = None
+        self.settles: list[str] = []  # every ack, reject or release, in order
 
-    async def ack(self) -> None:
-        self.outcome = "ack"
+    @property
+    def outcome(self) -> str | None:
+        return self.settles[-1] if self.settles else None
 
-    async def reject(self) -> None:
-        self.outcome = "reject"
+    async def ack(self) -> bool:
+        self.settles.append("ack")
+        return True
+
+    async def reject(self) -> bool:
+        self.settles.append("reject")
+        return True
 
     async def release(self) -> None:
-        self.outcome = "release"
+        self.settles.append("release")
+
+
+class Gate:
+    """Wraps an operation so each run waits at its start until the rule opens it.
+
+    The run has been claimed by then (its lease taken, its attempt spent), so a rule can let
+    another copy of the job be handled while this one is inside the operation, and decide
+    which of the two writes its outcome first.
+    """
+
+    def __init__(self, inner: Operation) -> None:
+        self.inner = inner
+        self.type = inner.type
+        self.runs: list[asyncio.Event] = []  # one opener per run that reached the gate
+        self._arrived = asyncio.Event()
+
+    def registry(self, settings: Settings) -> Registry:
+        """The shipped operations, with this one in its place."""
+        shipped = default_registry(settings)
+        operations: list[Operation] = []
+        for job_type in sorted(shipped.types):
+            operation = self if job_type == self.type else shipped.get(job_type)
+            assert operation is not None
+            operations.append(operation)
+        return Registry(operations)
+
+    def validate(self, params: Mapping[str, Any]) -> None:
+        self.inner.validate(params)
+
+    async def run(self, ctx: OperationContext) -> OperationResult:
+        opener = asyncio.Event()
+        self.runs.append(opener)
+        self._arrived.set()
+        await opener.wait()
+        return await self.inner.run(ctx)
+
+    async def parked(self, task: asyncio.Task[None]) -> asyncio.Event | None:
+        """Call right after starting ``task``: wait until it parks a run here (return that
+        run's opener) or ends without one (None)."""
+        start = len(self.runs)
+        while True:
+            self._arrived.clear()
+            if len(self.runs) > start:
+                return self.runs[start]
+            if task.done():
+                return None
+            arrived = asyncio.ensure_future(self._arrived.wait())
+            await asyncio.wait({task, arrived}, return_when=asyncio.FIRST_COMPLETED)
+            arrived.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await arrived
 
 
 class WorkQueue:
@@ -185,7 +268,7 @@ class PipelineModel(RuleBasedStateMachine):
             reconcile_grace_seconds=GRACE_SECONDS,
         )
         self.engine = create_engine(self.settings.database_url)
-        self.store = Store(self.engine)
+        self.store = Store(self.engine, clock=self.clock)
         self.rt = Runtime(
             settings=self.settings,
             engine=self.engine,
@@ -212,11 +295,22 @@ class PipelineModel(RuleBasedStateMachine):
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
 
-    def case(self, label: str) -> None:
-        """Label a case worth reaching (``--hypothesis-show-statistics`` counts them)."""
-        self.covered.add(label)
-        if currently_in_test_context():
-            event(label)
+    def case(self, label: str, skew: int = 0) -> None:
+        """Label a case worth reaching (``--hypothesis-show-statistics`` counts them); with a
+        ``skew``, the case is also labelled with how far the worker's clock was off."""
+        labels = [label] + ([f"{label}, worker clock {skew:+d} s"] if skew else [])
+        for one in labels:
+            self.covered.add(one)
+            if currently_in_test_context():
+                event(one)
+
+    def worker_runtime(self, skew: int) -> Runtime:
+        """The runtime a worker runs with: its host's clock is ``skew`` seconds off the model
+        clock, which stays the store's (and the reconciler's and operator's) clock."""
+        if not skew:
+            return self.rt
+        offset = timedelta(seconds=skew)
+        return dataclasses.replace(self.rt, clock=lambda: self.clock() + offset)
 
     def teardown(self) -> None:
         if hasattr(self, "loop"):
@@ -257,7 +351,7 @@ class PipelineModel(RuleBasedStateMachine):
     @rule()
     def relay(self) -> None:
         now = self.clock()
-        rows = self.run(self.store.claim_outbox("relay", now, 50, timedelta(seconds=30)))
+        rows = self.run(self.store.claim_outbox("relay", 50, timedelta(seconds=30)))
         for row in rows:
             delay = retry_seconds(row.destination) or 0
             self.in_flight.append(Message(row.body, now + timedelta(seconds=delay)))
@@ -282,12 +376,16 @@ class PipelineModel(RuleBasedStateMachine):
         pick=st.integers(min_value=0, max_value=50),
         fault=st.sampled_from(FAULTS),
         duplicate=st.booleans(),
+        skew=st.sampled_from(SKEWS),
     )
-    def deliver(self, pick: int, fault: str | None, duplicate: bool) -> None:
+    def deliver(self, pick: int, fault: str | None, duplicate: bool, skew: int = 0) -> None:
+        """One delivery to a fresh worker, whose host clock is ``skew`` seconds off."""
         ready = self._deliverable()
-        self._deliver(ready[pick % len(ready)], fault, duplicate)
+        self._deliver(ready[pick % len(ready)], fault, duplicate, skew)
 
-    def _deliver(self, message: Message, fault: str | None, duplicate: bool) -> None:
+    def _deliver(self, message: Message, fault: str | None, duplicate: bool, skew: int = 0) -> None:
+        # The model clock is the store's: every expectation below judges time by it, whatever
+        # the worker's host clock says.
         now = self.clock()
         before = self.job(message.job_id)
         seen_events = len(self.kinds(before.id))
@@ -299,7 +397,8 @@ class PipelineModel(RuleBasedStateMachine):
         )
         # A Crash is the process dying unsettled: the broker delivers the message again.
         with contextlib.suppress(Crash):
-            self.run(Worker(self.rt, worker_id=worker_id).handle(delivery))
+            self.run(Worker(self.worker_runtime(skew), worker_id=worker_id).handle(delivery))
+        assert len(delivery.settles) <= 1, delivery.settles
         if delivery.outcome in ("ack", "reject"):
             if not duplicate:
                 self.in_flight.remove(message)
@@ -323,20 +422,181 @@ class PipelineModel(RuleBasedStateMachine):
             assert [e.kind for e in new] == recorded, f"{before.state}: {new}"
             assert delivery.outcome == expected, (before.state, delivery.outcome)
             self.case(f"deliver: {before.state} job settled without work")
-        elif before.state is JobState.RUNNING:
+            return
+        claims = [e for e in new if e.kind == "claimed"]
+        if before.state is JobState.RUNNING:
             assert before.lease_expires_at is not None
-            claims = [e for e in new if e.kind == "claimed"]
             if before.lease_expires_at > now:
-                # A crashed worker's lease still runs: re-check later, never run twice.
-                assert not claims and "deferred" in {e.kind for e in new}, new
+                # A crashed worker's lease still runs: re-check later, never run twice. The
+                # deferral says whose lease it is (not a claim that kept losing races).
+                deferred = [e for e in new if e.kind == "deferred"]
+                assert not claims and deferred, new
+                assert deferred[0].detail.get("reason") == f"lease held by {before.lease_owner}"
+                self.case("deliver: live lease deferred", skew)
             elif before.attempt < before.max_attempts:
                 # The lease expired: this redelivery takes the job over with a new attempt.
-                assert [c.detail.get("worker") for c in claims] == [worker_id], new
-                assert claims[0].detail.get("attempt") == before.attempt + 1
-                self.case("deliver: expired lease taken over by a redelivery")
+                self._claimed_by(worker_id, before, claims, new)
+                self.case("deliver: expired lease taken over by a redelivery", skew)
             else:
                 assert not claims and "quarantined" in {e.kind for e in new}, new
-                self.case("deliver: expired lease with no attempt left quarantined")
+                self.case("deliver: expired lease with no attempt left quarantined", skew)
+        elif (
+            before.state is JobState.RETRY_WAIT
+            and before.next_attempt_at is not None
+            and before.next_attempt_at - RETRY_SLACK > now
+        ):
+            # A copy that arrives before the retry is due: redundant, the retry has its own.
+            recorded = ["duplicate_acked", "ack_sent"]
+            if crashed_before_settling:
+                recorded = recorded[:1]
+            assert [e.kind for e in new] == recorded, new
+            assert delivery.outcome == (None if crashed_before_settling else "ack")
+            self.case("deliver: early retry copy acked", skew)
+        elif before.attempt < before.max_attempts:
+            # Queued, or a retry that is due: this delivery runs it.
+            self._claimed_by(worker_id, before, claims, new)
+            self.case(f"deliver: {before.state} job claimed", skew)
+        else:
+            # A retry the reconciler re-queued after the last attempt's lease ran out.
+            assert not claims and "quarantined" in {e.kind for e in new}, new
+            self.case(f"deliver: {before.state} job with no attempt left quarantined", skew)
+
+    def _claimed_by(
+        self, worker_id: str, before: JobRecord, claims: list[EventRecord], new: object
+    ) -> None:
+        assert [c.detail.get("worker") for c in claims] == [worker_id], new
+        assert claims[0].detail.get("attempt") == before.attempt + 1, new
+
+    @precondition(lambda self: bool(self._deliverable()))
+    @rule(
+        pick=st.integers(min_value=0, max_value=50),
+        fault=st.sampled_from(COPY_FAULTS),
+        takeover=st.booleans(),
+        stale_first=st.booleans(),
+    )
+    def two_copies(self, pick: int, fault: str | None, takeover: bool, stale_first: bool) -> None:
+        """Two copies of one message in ONE worker process (one ``Worker``, one worker id):
+        the second is handled while the first is inside the operation.
+
+        With ``takeover`` the store's clock passes the first copy's lease before the second
+        is handled, so the second claims the job again (or, with no attempt left, quarantines
+        it). ``stale_first`` lets the superseded copy write its outcome first. The fence is
+        the attempt: the later claim's outcome is the one recorded, every superseded claim
+        records ``lease_lost`` and is acked, and each delivery is settled exactly once.
+        """
+        ready = self._deliverable()
+        message = ready[pick % len(ready)]
+        before = self.job(message.job_id)
+        seen_events = len(self.kinds(before.id))
+        self.worker_n += 1
+        worker_id = f"w{self.worker_n}"
+        self.rt.faults = Faults(fault) if fault else Faults()
+        export = default_registry(self.settings).get("report.export")
+        assert export is not None
+        gate = Gate(export)
+        worker = Worker(self.rt, registry=gate.registry(self.settings), worker_id=worker_id)
+        count = message.unsettled
+        first = Delivery(message.body, redelivered=count > 0, count=count)
+        second = Delivery(message.body, redelivered=True, count=count)
+        first_ran, second_ran = self.run(
+            self._two_copies(worker, gate, first, second, takeover, stale_first)
+        )
+        self.in_flight.remove(message)  # both copies were settled (checked below)
+
+        after = self.job(before.id)
+        new = self.run(self.store.events(before.id))[seen_events:]
+        assert first.settles in (["ack"], ["reject"]), first.settles
+        assert second.settles in (["ack"], ["reject"]), second.settles
+        claims = [e.detail["attempt"] for e in new if e.kind == "claimed"]
+        assert {e.detail["worker"] for e in new if e.kind == "claimed"} <= {worker_id}, new
+        assert claims == sorted(claims), new
+        # The outcome a run writes carries its claim's attempt (a delivery-time quarantine,
+        # of a job with no attempt left, carries none).
+        outcomes = [
+            (e.kind, e.detail["attempt"])
+            for e in new
+            if e.kind in ("result_saved", "retry_scheduled", "quarantined")
+            and "attempt" in e.detail
+        ]
+        lost = [
+            (e.detail["attempt"], e.detail["currentAttempt"]) for e in new if e.kind == "lease_lost"
+        ]
+        # Every claim ends in exactly one thing: its outcome, or lease_lost; at most one wins.
+        assert sorted([a for _, a in outcomes] + [a for a, _ in lost]) == claims, new
+        assert len(outcomes) <= 1 and [e.kind for e in new].count("result_saved") <= 1, new
+        if outcomes:
+            # The winner is the latest claim, and what the job shows is the winner's.
+            kind, attempt = outcomes[0]
+            assert attempt == claims[-1] == after.attempt, new
+            if kind == "result_saved":
+                assert after.state is JobState.SUCCEEDED, after.state
+                assert after.result_meta is not None and after.result_meta["attempt"] == attempt
+        for _, current in lost:
+            assert current == after.attempt, new  # the loser names the claim that holds it
+        if not first_ran:
+            # The first copy did no work (a finished job, a retry not due, another worker's
+            # live lease): nothing overlapped, nobody lost a lease.
+            assert not lost, new
+            return
+        assert claims[0] == before.attempt + 1, new
+        if second_ran:
+            # Both claimed, the second over the first's expired lease: the second wins
+            # whichever writes first, the first records lease_lost and is acked.
+            assert takeover and claims == [claims[0], claims[0] + 1], new
+            assert [a for _, a in outcomes] == [claims[1]], new
+            assert lost == [(claims[0], claims[1])], new
+            assert first.settles == ["ack"], first.settles
+            order = "the stale copy wrote first" if stale_first else "the winner wrote first"
+            self.case(f"two copies: the later claim won, the stale copy lost its lease ({order})")
+        elif takeover:
+            # The first's lease ran out on the last attempt: the second quarantines the job
+            # (worker lost), and the first, when it finishes, has lost it.
+            assert claims[0] >= before.max_attempts, new
+            assert after.state is JobState.QUARANTINED and second.settles == ["reject"], new
+            assert not outcomes and lost == [(claims[0], claims[0])], new
+            assert first.settles == ["ack"], first.settles
+            self.case("two copies: a take-over with no attempt left quarantined, first lost")
+        else:
+            # The first's lease is live: the second copy is deferred, and the first runs on.
+            deferred = [e for e in new if e.kind == "deferred"]
+            assert claims == [claims[0]] and not lost and deferred, new
+            assert deferred[0].detail.get("reason") == f"lease held by {worker_id}", new
+            assert second.settles == ["ack"], second.settles
+            assert [a for _, a in outcomes] == claims, new
+            self.case("two copies: the second deferred by the first's live lease")
+
+    async def _two_copies(
+        self,
+        worker: Worker,
+        gate: Gate,
+        first: Delivery,
+        second: Delivery,
+        takeover: bool,
+        stale_first: bool,
+    ) -> tuple[bool, bool]:
+        """Handle ``first`` until it is inside the operation (or done), maybe let its lease
+        run out, handle ``second`` the same way, then let them finish in the chosen order.
+        Returns which of the two ran the operation."""
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            tasks.append(asyncio.create_task(worker.handle(first)))
+            first_run = await gate.parked(tasks[0])
+            if takeover:
+                self.clock.now += timedelta(seconds=self.settings.lease_seconds + 1)
+            tasks.append(asyncio.create_task(worker.handle(second)))
+            second_run = await gate.parked(tasks[1])
+            order = [(tasks[0], first_run), (tasks[1], second_run)]
+            if not stale_first:
+                order.reverse()
+            for task, run in order:
+                if run is not None:
+                    run.set()
+                await task
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return first_run is not None, second_run is not None
 
     @precondition(lambda self: any(m.unsettled for m in self.in_flight))
     @rule(pick=st.integers(min_value=0, max_value=50))
@@ -689,6 +949,76 @@ def drain_finishes_every_job_after_a_dead_letter(s: Steps) -> None:
     s.expect({"reconcile: expired lease re-queued"}, succeeded=2)
 
 
+def two_copies_in_one_worker_the_later_claim_wins(s: Steps) -> None:
+    for account in ACCOUNTS:
+        s.submit(account=account, period="2020-01", duplicate=False)
+    s.relay()
+    # acme: copy 1 is inside the export when its lease runs out; copy 2 (same worker id)
+    # takes the job over. Copy 1 writes first, and loses on the attempt.
+    s.two_copies(pick=0, fault=None, takeover=True, stale_first=True)
+    # globex: the same, and the winner writes first (a retry: attempt 2 of 3).
+    s.two_copies(pick=0, fault="export.run:transient", takeover=True, stale_first=False)
+    # initech: copy 1's lease is live, so copy 2 is deferred and copy 1 finishes the job.
+    s.two_copies(pick=0, fault=None, takeover=False, stale_first=True)
+    s.expect(
+        {
+            "two copies: the later claim won, the stale copy lost its lease"
+            " (the stale copy wrote first)",
+            "two copies: the later claim won, the stale copy lost its lease"
+            " (the winner wrote first)",
+            "two copies: the second deferred by the first's live lease",
+        },
+        succeeded=2,
+        retry_wait=1,
+    )
+
+
+def two_copies_take_over_the_last_attempt(s: Steps) -> None:
+    s.submit(account="acme", period="2020-01", duplicate=False)
+    s.relay()
+    s.deliver(pick=0, fault="export.run:crash", duplicate=False)  # attempt 1 dies
+    s.advance(seconds=31)
+    s.deliver(pick=0, fault="export.run:crash", duplicate=False)  # attempt 2 takes over, dies
+    s.advance(seconds=31)
+    # Copy 1 claims attempt 3 of 3; its lease runs out and copy 2 finds no attempt left.
+    s.two_copies(pick=0, fault=None, takeover=True, stale_first=True)
+    s.expect(
+        {"two copies: a take-over with no attempt left quarantined, first lost"},
+        quarantined=1,
+    )
+
+
+def skewed_worker_clocks_do_not_judge_leases_or_due_times(s: Steps) -> None:
+    for account in ACCOUNTS:
+        s.submit(account=account, period="2020-01", duplicate=False)
+    s.relay()  # in flight: acme, globex, initech
+    s.deliver(pick=0, fault="export.run:transient", duplicate=False, skew=30)  # acme: retry
+    # initech: a copy fails (retry due in 5 s); the original arrives before that, on a worker
+    # whose clock is 30 s ahead: still early by the store's clock, so acked without work.
+    s.deliver(pick=1, fault="export.run:transient", duplicate=True)
+    s.deliver(pick=1, fault=None, duplicate=False, skew=30)
+    # globex: its worker dies; a worker 30 s ahead still finds the lease live.
+    s.deliver(pick=0, fault="export.run:crash", duplicate=False)
+    s.deliver(pick=0, fault=None, duplicate=False, skew=30)
+    s.relay()  # acme's and initech's retries, globex's re-check: all due in 5 s
+    s.advance(seconds=5)
+    # Due by the store's clock, 25 s early by the worker's: the retries run.
+    s.deliver(pick=0, fault=None, duplicate=False, skew=-30)
+    s.deliver(pick=0, fault=None, duplicate=False, skew=-30)
+    s.advance(seconds=31)
+    # The dead worker's lease has run out by the store's clock, not yet by the worker's.
+    s.deliver(pick=0, fault=None, duplicate=False, skew=-30)
+    s.expect(
+        {
+            "deliver: early retry copy acked, worker clock +30 s",
+            "deliver: live lease deferred, worker clock +30 s",
+            "deliver: retry_wait job claimed, worker clock -30 s",
+            "deliver: expired lease taken over by a redelivery, worker clock -30 s",
+        },
+        succeeded=3,
+    )
+
+
 @pytest.mark.parametrize(
     "run",
     [
@@ -697,6 +1027,9 @@ def drain_finishes_every_job_after_a_dead_letter(s: Steps) -> None:
         cancel_from_each_state_then_deliveries_are_acked,
         the_reconciler_repairs_a_lease_whose_message_was_dead_lettered,
         drain_finishes_every_job_after_a_dead_letter,
+        two_copies_in_one_worker_the_later_claim_wins,
+        two_copies_take_over_the_last_attempt,
+        skewed_worker_clocks_do_not_judge_leases_or_due_times,
     ],
     ids=lambda run: run.__name__,
 )

@@ -1,7 +1,10 @@
 """The reconciler: what it finds, what it repairs, and what it must never touch.
 
-Store-level tests move a test clock instead of waiting (SQLite and PostgreSQL). The pipeline
-tests run the shipped relay and worker after a repair, on SQLite + local transport and on
+Store-level tests move a test clock instead of waiting (SQLite and PostgreSQL); the clock
+drives the store too, which is the clock the reconciler judges by. The one-clock tests run on
+PostgreSQL with the store on the database's own clock and this process's clock skewed, to
+show that the reconciler judges by the database and never by its host. The pipeline tests
+run the shipped relay and worker after a repair, on SQLite + local transport and on
 PostgreSQL + RabbitMQ, to show that a repaired job really finishes.
 """
 
@@ -9,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import uuid
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
@@ -30,9 +35,10 @@ from jobrelay.reconcile import (
 )
 from jobrelay.runtime import Runtime, utc_now
 from jobrelay.storage.admin import AdminQueries
-from jobrelay.storage.tables import outbox
+from jobrelay.storage.store import Claim, Store
+from jobrelay.storage.tables import jobs, outbox
 from jobrelay.transport.base import OutgoingMessage
-from tests.integration.api_fixtures import T0, Clock, ProbeTransport, build_runtime
+from tests.integration.api_fixtures import T0, Clock, build_runtime
 
 from .ops_fixtures import (
     LEASE,
@@ -58,6 +64,16 @@ async def mark_all_published(rt: Runtime) -> None:
     """As if the relay sent every message, and the broker then lost it."""
     async with rt.engine.begin() as conn:
         await conn.execute(outbox.update().values(published_at=T0, claimed_until=None))
+
+
+async def confirm_waiting(rt: Runtime) -> None:
+    """As if a relay published every waiting row now (by the test clock)."""
+    async with rt.engine.begin() as conn:
+        await conn.execute(
+            outbox.update()
+            .where(outbox.c.published_at.is_(None))
+            .values(published_at=rt.clock(), claimed_until=None)
+        )
 
 
 async def outbox_count(rt: Runtime, job_id: str) -> int:
@@ -170,20 +186,67 @@ async def test_queued_job_whose_message_is_gone_is_resent_once_then_only_reporte
     assert await outbox_count(runtime, job_id) == 2
 
 
-async def test_queued_jobs_behind_a_backlog_are_left_to_wait(runtime: Runtime) -> None:
+async def test_a_lost_message_is_resent_once_while_the_work_queue_is_busy(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Judged by the job's age and its message's confirm time, never by an empty work queue:
+    on a busy system a job whose message the broker lost must not stay queued for ever."""
+    rt = build_runtime(database_url, tmp_path, local_transport=True, clock=Clock())
+    try:
+        await rt.transport.connect()
+        job_id = await job_in_state(rt.store, S.QUEUED, T0)
+        await mark_all_published(rt)  # confirmed at T0, then lost by the broker
+        for _ in range(3):  # other jobs' work, still waiting for a consumer all along
+            other = str(uuid.uuid4())
+            await rt.transport.publish(
+                OutgoingMessage(
+                    "work",
+                    JobMessage(other, "report.export").encode(),
+                    headers={"x-jobrelay-job-id": other},
+                )
+            )
+        clock(rt).advance(GRACE - 1)
+        assert (await Reconciler(rt).run_once(scan_quarantine=False)).findings == []
+
+        clock(rt).advance(2)
+        assert await rt.transport.work_ready() == 3  # the work queue is not empty
+        first = await Reconciler(rt).run_once(scan_quarantine=False)
+
+        [finding] = first.findings
+        assert (finding.kind, finding.job_id, finding.repaired) == (QUEUED_UNCLAIMED, job_id, True)
+        assert "confirmed 61 s ago" in finding.detail and "re-sent" in finding.detail
+        assert await outbox_count(rt, job_id) == 2
+        assert (await kinds(rt, job_id))[-1] == "reconciled_queued_unclaimed"
+
+        # Once per wait: the queue stays busy, the job stays queued, no second copy.
+        await confirm_waiting(rt)
+        clock(rt).advance(GRACE + 1)
+        [still] = (await Reconciler(rt).run_once(scan_quarantine=False)).findings
+        assert (still.kind, still.repaired) == (QUEUED_UNCLAIMED, False)
+        assert "are workers consuming?" in still.detail
+        assert await outbox_count(rt, job_id) == 2
+        assert await rt.transport.work_ready() == 3  # the reconciler never touches the queue
+    finally:
+        await rt.transport.close()
+        await rt.engine.dispose()
+
+
+async def test_a_queued_job_whose_message_was_confirmed_lately_is_left_to_wait(
+    runtime: Runtime,
+) -> None:
+    """However old the job, the grace period runs from its message's confirm (here a relay
+    was down for a day), and a dry run finds the job once that has passed."""
     job_id = await job_in_state(runtime.store, S.QUEUED, T0)
-    await mark_all_published(runtime)
-    clock(runtime).advance(3600)
-    transport = runtime.transport
-    assert isinstance(transport, ProbeTransport)
-    transport.ready = 5  # messages not yet handed to any worker: ours may be among them
-
+    clock(runtime).advance(86400)
+    await confirm_waiting(runtime)
+    clock(runtime).advance(GRACE - 1)
     assert (await Reconciler(runtime).run_once(scan_quarantine=False)).findings == []
-    assert await outbox_count(runtime, job_id) == 1
 
-    transport.ready = 0
+    clock(runtime).advance(2)
     [finding] = (await Reconciler(runtime).run_once(dry_run=True, scan_quarantine=False)).findings
-    assert finding.kind == QUEUED_UNCLAIMED and "would re-send" in finding.detail
+    assert (finding.kind, finding.job_id) == (QUEUED_UNCLAIMED, job_id)
+    assert "queued 1441 min" in finding.detail and "confirmed 61 s ago" in finding.detail
+    assert "would re-send" in finding.detail
     assert await outbox_count(runtime, job_id) == 1
 
 
@@ -227,7 +290,8 @@ async def test_a_repair_that_loses_its_race_never_overwrites_the_job(runtime: Ru
     assert [o.job.id for o in await queries.overdue_retries(before, 10)] == [waiting]
 
     # Between the find and the repair, the slow worker finishes and an operator cancels.
-    assert await runtime.store.complete(running, WORKER, "exports/x.csv", {"rows": 1}, now)
+    claim = Claim(running, 1, WORKER)
+    assert (await runtime.store.complete(claim, "exports/x.csv", {"rows": 1}, now)).won
     assert (await queries.cancel(waiting, actor="op", reason="r", now=now)).done
     history = {j: await kinds(runtime, j) for j in (running, waiting)}
 
@@ -241,12 +305,10 @@ async def test_a_repair_that_loses_its_race_never_overwrites_the_job(runtime: Ru
 
 
 async def test_finished_jobs_are_never_findings(runtime: Runtime) -> None:
-    for n, state in enumerate((S.SUCCEEDED, S.QUARANTINED, S.CANCELLED, S.QUEUED)):
+    for n, state in enumerate((S.SUCCEEDED, S.QUARANTINED, S.CANCELLED)):
         await job_in_state(runtime.store, state, T0, f"2020-0{n + 1}")
     await mark_all_published(runtime)
     clock(runtime).advance(86400)
-    assert isinstance(runtime.transport, ProbeTransport)
-    runtime.transport.ready = 1  # the queued one waits behind a backlog: waiting is normal
 
     report = await Reconciler(runtime).run_once(scan_quarantine=False)
 
@@ -261,10 +323,93 @@ async def test_a_renewed_lease_is_not_taken(runtime: Runtime) -> None:
     before = now - timedelta(seconds=GRACE)
     [job] = await queries.expired_leases(before, 10)
     # The worker was only slow: its heartbeat renews the lease before the repair lands.
-    assert await runtime.store.renew_lease(job_id, WORKER, now + LEASE, now)
+    assert await runtime.store.renew_lease(Claim(job_id, 1, WORKER), LEASE, now)
 
     assert not await queries.requeue_expired_lease(job_id, job.lease_owner, before, now, "rec")
     assert (await runtime.store.get_job(job_id)).state is S.RUNNING
+
+
+# --- one clock: the database's -------------------------------------------------------------
+
+
+def on_the_database_clock(pg_url: str, tmp_path: Path, skew: float, **settings: Any) -> Runtime:
+    """A runtime whose store judges by PostgreSQL's ``now()`` while this host's clock is
+    ``skew`` seconds off it (the same machine, so the two agree but for the skew)."""
+    rt = build_runtime(pg_url, tmp_path)
+    return dataclasses.replace(
+        rt,
+        store=Store(rt.engine),
+        clock=lambda: utc_now() + timedelta(seconds=skew),
+        settings=rt.settings.model_copy(update=settings),
+    )
+
+
+async def running_with_lease(rt: Runtime, lease_from_db_now: float) -> str:
+    """A running job whose lease ends ``lease_from_db_now`` seconds from the database's now."""
+    job_id = await job_in_state(rt.store, S.RUNNING, await rt.store.db_now())
+    async with rt.engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE jobs SET lease_expires_at = now() + make_interval(secs => :s) "
+                "WHERE id = :id"
+            ),
+            {"s": lease_from_db_now, "id": job_id},
+        )
+        await conn.execute(text("UPDATE outbox SET published_at = now(), claimed_until = NULL"))
+    return job_id
+
+
+def near(a: datetime | None, b: datetime, seconds: float = 5) -> bool:
+    return a is not None and abs((a - b).total_seconds()) < seconds
+
+
+async def test_a_host_clock_ahead_of_the_database_takes_no_live_lease(
+    pg_url: str, tmp_path: Path
+) -> None:
+    # No grace at all: by this host's clock (30 s ahead) the lease ended 10 s ago.
+    rt = on_the_database_clock(pg_url, tmp_path, +30, reconcile_grace_seconds=0)
+    try:
+        job_id = await running_with_lease(rt, +20)
+        job = await rt.store.get_job(job_id)
+        assert job.lease_expires_at is not None and job.lease_expires_at < rt.clock()
+
+        report = await Reconciler(rt).run_once(scan_quarantine=False)
+
+        assert report.findings == []
+        job = await rt.store.get_job(job_id)
+        assert job.state is S.RUNNING and job.lease_owner == WORKER
+        assert (await kinds(rt, job_id))[-1] == "claimed"
+    finally:
+        await rt.engine.dispose()
+
+
+async def test_a_host_clock_behind_the_database_still_repairs_an_expired_lease(
+    pg_url: str, tmp_path: Path
+) -> None:
+    # By the database the lease ended 65 s ago, past the 60 s grace; by this host's clock
+    # (30 s behind) only 35 s ago.
+    rt = on_the_database_clock(pg_url, tmp_path, -30)
+    assert rt.settings.reconcile_grace_seconds == GRACE
+    try:
+        job_id = await running_with_lease(rt, -65)
+        job = await rt.store.get_job(job_id)
+        assert job.lease_expires_at is not None
+        assert job.lease_expires_at > rt.clock() - timedelta(seconds=GRACE)
+
+        report = await Reconciler(rt).run_once(scan_quarantine=False)
+
+        [finding] = report.findings
+        assert (finding.kind, finding.job_id, finding.repaired) == (LEASE_EXPIRED, job_id, True)
+        assert "lease expired 6" in finding.detail and "re-queued" in finding.detail
+        # Everything the pass wrote is on the database's clock too, not this host's.
+        db_now = await rt.store.db_now()
+        job = await rt.store.get_job(job_id)
+        assert job.state is S.RETRY_WAIT and near(job.next_attempt_at, db_now)
+        assert near(job.updated_at, db_now)
+        event = (await rt.store.events(job_id))[-1]
+        assert event.kind == "reconciled_lease_expired" and near(event.at, db_now)
+    finally:
+        await rt.engine.dispose()
 
 
 # --- through the pipeline ---------------------------------------------------------------------
@@ -275,6 +420,12 @@ async def claim_in_the_past(p: Any, job_id: str, minutes: int = 10) -> None:
     past = utc_now() - timedelta(minutes=minutes)
     assert await p.store.claim_job(job_id, "dead-host:1:000000", past, LEASE)
     async with p.rt.engine.begin() as conn:
+        # The store took the lease from its own clock: move it back to when the claim was.
+        await conn.execute(
+            jobs.update()
+            .where(jobs.c.id == job_id)
+            .values(lease_expires_at=past + LEASE, updated_at=past)
+        )
         await conn.execute(outbox.update().values(published_at=past))
 
 

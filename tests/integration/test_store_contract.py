@@ -11,17 +11,47 @@ from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import IdempotencyConflict
 from jobrelay.storage.engine import create_engine
-from jobrelay.storage.store import NewJob, Store
+from jobrelay.storage.store import NewJob, OutboxRow, Store
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
 
 
+class Clock:
+    """The store's clock, moved by the test: what leases and due times are judged by."""
+
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+CLOCK = Clock()
+
+
+def at(moment: datetime) -> datetime:
+    """Move the store's clock to ``moment`` and pass it on as the recorded time too."""
+    CLOCK.now = moment
+    return moment
+
+
 @pytest.fixture
 async def store(database_url: str) -> AsyncIterator[Store]:
     engine = create_engine(database_url)
-    yield Store(engine)
+    at(T0)
+    yield Store(engine, clock=CLOCK)
     await engine.dispose()
+
+
+async def claim_at(store: Store, relay: str, moment: datetime) -> list[OutboxRow]:
+    at(moment)
+    return await store.claim_outbox(relay, 10, LEASE)
+
+
+async def attempt_of(store: Store, job_id: str, worker: str, now: datetime) -> int | None:
+    claim = await store.claim_job(job_id, worker, at(now), LEASE)
+    return claim.attempt if claim is not None else None
 
 
 def new_job(params: dict[str, str] | None = None, key: str | None = None) -> NewJob:
@@ -64,17 +94,17 @@ async def test_same_key_other_body_conflicts_and_changes_nothing(store: Store) -
 
 async def test_outbox_claim_is_exclusive_until_it_expires(store: Store) -> None:
     await store.submit(new_job(), T0)
-    rows = await store.claim_outbox("r1", T0, 10, LEASE)
+    rows = await claim_at(store, "r1", T0)
     assert len(rows) == 1
-    assert await store.claim_outbox("r2", T0 + timedelta(seconds=1), 10, LEASE) == []
-    again = await store.claim_outbox("r2", T0 + LEASE + timedelta(seconds=1), 10, LEASE)
+    assert await claim_at(store, "r2", T0 + timedelta(seconds=1)) == []
+    again = await claim_at(store, "r2", T0 + LEASE + timedelta(seconds=1))
     assert [r.id for r in again] == [rows[0].id]
     assert again[0].publish_attempts == 2
 
 
 async def test_mark_published_sets_fact_and_event(store: Store) -> None:
     job_id, _ = await store.submit(new_job(), T0)
-    rows = await store.claim_outbox("r1", T0, 10, LEASE)
+    rows = await claim_at(store, "r1", T0)
     assert await store.mark_published("r1", rows, T0 + timedelta(seconds=1)) == 1
     job = await store.get_job(job_id)
     assert job is not None and job.published and job.unpublished_since is None
@@ -85,30 +115,33 @@ async def test_mark_published_sets_fact_and_event(store: Store) -> None:
 
 async def test_release_keeps_row_waiting_with_error(store: Store) -> None:
     job_id, _ = await store.submit(new_job(), T0)
-    rows = await store.claim_outbox("r1", T0, 10, LEASE)
-    await store.release_outbox(rows[0], "unroutable", T0 + timedelta(seconds=2))
+    rows = await claim_at(store, "r1", T0)
+    await store.release_outbox(rows[0], "unroutable", timedelta(seconds=2))
     job = await store.get_job(job_id)
     assert job is not None and not job.published and job.last_publish_error == "unroutable"
-    assert await store.claim_outbox("r2", T0 + timedelta(seconds=1), 10, LEASE) == []
-    assert len(await store.claim_outbox("r2", T0 + timedelta(seconds=3), 10, LEASE)) == 1
+    assert await claim_at(store, "r2", T0 + timedelta(seconds=1)) == []
+    assert len(await claim_at(store, "r2", T0 + timedelta(seconds=3))) == 1
 
 
 async def test_claim_increments_attempt_and_guards_live_lease(store: Store) -> None:
     job_id, _ = await store.submit(new_job(), T0)
-    assert await store.claim_job(job_id, "w1", T0, LEASE) == 1
-    assert await store.claim_job(job_id, "w2", T0 + timedelta(seconds=1), LEASE) is None
-    assert await store.claim_job(job_id, "w2", T0 + LEASE, LEASE) == 2  # lease expired: taken over
+    first = await store.claim_job(job_id, "w1", at(T0), LEASE)
+    assert first is not None and first.attempt == 1
+    assert await attempt_of(store, job_id, "w2", T0 + timedelta(seconds=1)) is None
+    assert await attempt_of(store, job_id, "w2", T0 + LEASE) == 2  # lease expired: taken over
     job = await store.get_job(job_id)
     assert job is not None and job.attempt == 2 and job.lease_owner == "w2"
-    # The first worker lost its lease: its result is refused.
-    assert not await store.complete(job_id, "w1", "k", {"rows": 1}, T0 + LEASE)
+    # The first worker lost its lease: its result is refused, and it learns who holds it.
+    lost = await store.complete(first, "k", {"rows": 1}, T0 + LEASE)
+    assert (lost.won, lost.current_attempt, lost.current_state) == (False, 2, JobState.RUNNING)
 
 
 async def test_complete_then_nothing_moves_it(store: Store) -> None:
     job_id, _ = await store.submit(new_job(), T0)
-    await store.claim_job(job_id, "w1", T0, LEASE)
-    assert await store.complete(job_id, "w1", "exports/acme/x.csv", {"rows": 3}, T0)
-    assert await store.claim_job(job_id, "w2", T0 + LEASE * 2, LEASE) is None
+    claim = await store.claim_job(job_id, "w1", at(T0), LEASE)
+    assert claim is not None
+    assert (await store.complete(claim, "exports/acme/x.csv", {"rows": 3}, T0)).won
+    assert await attempt_of(store, job_id, "w2", T0 + LEASE * 2) is None
     assert not await store.quarantine(job_id, "bad", T0)
     job = await store.get_job(job_id)
     assert job is not None and job.state is JobState.SUCCEEDED
@@ -118,22 +151,23 @@ async def test_complete_then_nothing_moves_it(store: Store) -> None:
 
 async def test_retry_writes_outbox_row_and_waits_until_due(store: Store) -> None:
     job_id, _ = await store.submit(new_job(), T0)
-    await store.claim_job(job_id, "w1", T0, LEASE)
-    assert await store.schedule_retry(job_id, "w1", "report.export", "boom", 5, T0)
+    claim = await store.claim_job(job_id, "w1", at(T0), LEASE)
+    assert claim is not None
+    assert (await store.schedule_retry(claim, "report.export", "boom", 5, T0)).won
     job = await store.get_job(job_id)
     assert job is not None and job.state is JobState.RETRY_WAIT and job.last_error == "boom"
     assert job.next_attempt_at == T0 + timedelta(seconds=5)
-    rows = await store.claim_outbox("r", T0, 10, LEASE)
+    rows = await claim_at(store, "r", T0)
     assert sorted(r.destination for r in rows) == ["retry.5s", "work"]
-    assert await store.claim_job(job_id, "w2", T0 + timedelta(seconds=2), LEASE) is None
-    assert await store.claim_job(job_id, "w2", T0 + timedelta(seconds=5), LEASE) == 2
+    assert await attempt_of(store, job_id, "w2", T0 + timedelta(seconds=2)) is None
+    assert await attempt_of(store, job_id, "w2", T0 + timedelta(seconds=5)) == 2
 
 
 async def test_attempt_budget_is_enforced_in_sql(store: Store) -> None:
     job_id, _ = await store.submit(new_job(), T0)
     for i in range(3):
-        assert await store.claim_job(job_id, f"w{i}", T0 + LEASE * i, LEASE) == i + 1
-    assert await store.claim_job(job_id, "w9", T0 + LEASE * 10, LEASE) is None
+        assert await attempt_of(store, job_id, f"w{i}", T0 + LEASE * i) == i + 1
+    assert await attempt_of(store, job_id, "w9", T0 + LEASE * 10) is None
 
 
 async def test_quarantine_keeps_reason(store: Store) -> None:

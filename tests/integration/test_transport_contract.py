@@ -89,7 +89,8 @@ async def test_ack_settles_for_good_and_unknown_destinations_deliver_nothing(
     assert body_of(delivery) == {"n": 1}  # and nothing of the unroutable ones
     assert {"traceparent": "00-abc-01", "jobId": "j-1"}.items() <= delivery.headers.items()
     assert (delivery.redelivered, delivery.delivery_count) == (False, 0)
-    await delivery.ack()
+    assert await delivery.ack() is True  # handed to the broker on the delivery's channel
+    assert await delivery.reject() is False  # already settled: nothing sent, not quarantined
     await pump.expect_none(0.3)
     await pump.stop()
     await transport.close()  # an unsettled message would come back now
@@ -102,8 +103,10 @@ async def test_reject_quarantines_and_never_redelivers(backend: Backend) -> None
     transport = await backend.connected()
     await transport.publish(message({"n": 1}))
     pump = backend.pump(transport)
-    await (await pump.get()).reject()
+    rejected = await pump.get()
+    assert await rejected.reject() is True
     await depth_is(transport, 1)
+    assert await rejected.ack() is False  # already settled
     await pump.expect_none(0.3)
     await pump.stop()
     await transport.close()
@@ -123,7 +126,7 @@ async def test_release_gives_the_message_back_at_once_and_counts_it(backend: Bac
     again = await pump.get(timeout=5)
     assert body_of(again) == {"n": 1}
     assert again.redelivered and again.delivery_count >= 1
-    await again.ack()
+    assert await again.ack() is True
     await pump.expect_none(0.3)
     await pump.stop()
     assert await transport.quarantine_depth() == 0
@@ -145,12 +148,42 @@ async def test_unsettled_delivery_returns_when_its_consumer_stops(backend: Backe
         delivery = await successor.get()
         assert body_of(delivery) == {"n": n}, how
         assert delivery.redelivered and delivery.delivery_count >= 1, how
-        await taken.ack()  # too late: a logged no-op that must not touch the new delivery
-        await delivery.ack()
+        # Too late: a logged no-op that must not touch the new delivery, and says so.
+        late = taken.ack() if n == 0 else taken.reject()
+        assert await late is False, how
+        assert await delivery.ack() is True, how
         await successor.stop()
         await pump.stop()
         await consumer.close()
     await backend.pump(publisher).expect_none(0.3)
+    assert await publisher.quarantine_depth() == 0  # the late reject quarantined nothing
+
+
+async def test_a_settle_after_the_channel_or_claim_is_gone_is_false_and_comes_back(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The transport closes under two handed-out deliveries (RabbitMQ: the connection and the
+    # consuming channel close, and the broker requeues; local: the claims are given back).
+    # Settling them afterwards must say it did not count, and they come back unsettled.
+    publisher = await backend.connected()
+    for n in range(2):
+        await publisher.publish(message({"n": n}))
+    consumer = await backend.connected(visibility_seconds=30, settle_grace_seconds=30)
+    pump = backend.pump(consumer)
+    first, second = await pump.get(), await pump.get()
+    await consumer.close()
+    with caplog.at_level(logging.WARNING, "jobrelay.transport"):
+        assert await first.ack() is False
+        assert await second.reject() is False
+    ignored = [r for r in caplog.records if getattr(r, "event", None) == "settle_ignored"]
+    assert len(ignored) == 2, [r.getMessage() for r in caplog.records]
+    successor = backend.pump(await backend.connected())
+    again = [await successor.get(), await successor.get()]
+    assert sorted(body_of(d)["n"] for d in again) == [0, 1]
+    assert all(d.redelivered and d.delivery_count == 1 for d in again)
+    assert [await d.ack() for d in again] == [True, True]
+    await successor.expect_none(0.3)
+    assert await publisher.quarantine_depth() == 0  # the reject that did not count
 
 
 async def test_closing_the_iterator_keeps_handed_out_deliveries_settleable(
@@ -168,7 +201,7 @@ async def test_closing_the_iterator_keeps_handed_out_deliveries_settleable(
     other = backend.pump(await backend.connected(visibility_seconds=30, settle_grace_seconds=30))
     rest = {body_of(await other.get(timeout=5))["n"] for _ in range(2)}
     assert rest == {0, 1, 2} - {body_of(first)["n"]}
-    await first.ack()
+    assert await first.ack() is True  # the iterator is closed, but its channel or claim lives
     await transport.close()  # had the ack not counted, the message would come back now
     await other.expect_none(0.3)
 
@@ -316,8 +349,9 @@ async def test_local_settle_after_a_lost_claim_is_a_no_op(local: Backend) -> Non
     later = lambda: datetime.now(UTC) + timedelta(hours=1)  # noqa: E731
     fresh = await local.pump(await local.connected(visibility_seconds=30, clock=later)).get()
     assert fresh.redelivered and fresh.delivery_count == 1
-    await stale.ack()  # lost the row: must not delete the new holder's message
-    await fresh.reject()
+    assert await stale.ack() is False  # lost the row: must not delete the new holder's message
+    assert await stale.reject() is False  # already settled (and lost anyway)
+    assert await fresh.reject() is True
     assert await slow.quarantine_depth() == 1
 
 
@@ -474,7 +508,8 @@ async def test_rabbit_delivery_from_before_a_reconnect_is_not_settled_on_its_suc
     again = await pump.get(timeout=30)  # the robust connection restored the consumer
     assert body_of(again) == {"n": 1} and again.redelivered and again.delivery_count == 1
     with caplog.at_level(logging.WARNING, "jobrelay.transport.rabbitmq"):
-        await old.ack()  # its delivery tag is 1 on the new channel too: must not be sent
+        # Its delivery tag is 1 on the new channel too: must not be sent, and says so.
+        assert await old.ack() is False
     ours = [r for r in caplog.records if r.name == "jobrelay.transport.rabbitmq"]
     assert any("ack ignored" in r.getMessage() for r in ours)
     await pump.stop()

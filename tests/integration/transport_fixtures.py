@@ -67,9 +67,12 @@ class Backend:
     ) -> Transport:
         made: Transport
         if self._engine is None:
-            rabbit = RabbitTransport(self.url, topology, confirm_timeout=confirm_timeout)
-            rabbit.settle_grace_seconds = settle_grace_seconds
-            made = rabbit
+            made = RabbitTransport(
+                self.url,
+                topology,
+                confirm_timeout=confirm_timeout,
+                settle_grace_seconds=settle_grace_seconds,
+            )
         else:
             made = LocalTransport(
                 self._engine,

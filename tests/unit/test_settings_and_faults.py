@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from jobrelay.errors import ConfigError, PermanentError, TransientError
 from jobrelay.faults import Faults, parse
 from jobrelay.operations.report_export import defang
+from jobrelay.runtime import build_transport
 from jobrelay.settings import load_settings
+from jobrelay.transport.rabbitmq import RabbitTransport
 
 
 def test_defaults_are_the_embedded_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,6 +41,7 @@ def test_env_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
         ("retry_delays", "5,x", "JOBRELAY_RETRY_DELAYS"),
         ("retry_delays", "0", "JOBRELAY_RETRY_DELAYS"),
         ("max_attempts", "0", "JOBRELAY_MAX_ATTEMPTS"),
+        ("drain_seconds", "0", "JOBRELAY_DRAIN_SECONDS"),
     ],
 )
 def test_bad_settings_name_the_variable(field: str, value: str, variable: str) -> None:
@@ -43,6 +49,18 @@ def test_bad_settings_name_the_variable(field: str, value: str, variable: str) -
         load_settings(**{field: value})
     assert caught.value.variable == variable
     assert str(caught.value).startswith(variable + ": ")
+
+
+def test_a_rabbit_consumer_stays_settleable_for_the_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("JOBRELAY_DRAIN_SECONDS", raising=False)
+    assert load_settings().drain_seconds == 60
+    monkeypatch.setenv("JOBRELAY_DRAIN_SECONDS", "90")
+    settings = load_settings(broker_url="amqp://guest:guest@127.0.0.1:5672/")
+    assert settings.drain_seconds == 90
+    transport = build_transport(settings, engine=None)  # type: ignore[arg-type]  # unused
+    assert isinstance(transport, RabbitTransport) and transport.settle_grace_seconds == 90
+    with pytest.raises(ValueError, match="settle_grace_seconds"):
+        RabbitTransport(settings.broker_url, transport._topology, settle_grace_seconds=0)
 
 
 def test_fault_spec_parsing() -> None:
@@ -105,3 +123,122 @@ def test_fault_selector_narrows_to_matching_jobs() -> None:
         faults.hit("export.run", attempt=1, params={"accountId": "acme", "period": "2019-12"})
     with pytest.raises(ConfigError, match="key=value"):
         parse("export.run:invalid@period")
+
+
+def test_stall_spec_parsing() -> None:
+    assert [
+        (f.point, f.action, f.seconds, f.n, f.match)
+        for f in parse(
+            "export.run:stall:20, export.run:stall:2.5:3, export.run:stall:20:1@period=2020-05"
+        )
+    ] == [
+        ("export.run", "stall", 20.0, None, ()),
+        ("export.run", "stall", 2.5, 3, ()),
+        ("export.run", "stall", 20.0, 1, (("period", "2020-05"),)),
+    ]
+    assert parse("export.run:crash:2")[0].seconds is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "export.run:stall",  # no SECONDS
+        "export.run:stall@period=2020-05",  # no SECONDS, with a selector
+        "export.run:stall:soon",  # not a number
+        "export.run:stall:-1",  # negative
+        "export.run:stall:0",  # zero
+        "export.run:stall:0.0",
+        "export.run:stall:nan",
+        "export.run:stall:inf",
+        "export.run:stall:",  # empty SECONDS
+        "export.run:stall:5:0",  # n below 1
+        "export.run:stall:5:x",  # n not an integer
+        "export.run:stall:5:1:2",  # too many fields
+        "export.run:crash:1:2",  # only stall takes SECONDS
+        "export.run:transient:2.5:1",
+        "worker.before_ack:stall:5",  # only export.run supports stall
+        "notify.after_send:stall:5",
+    ],
+)
+def test_bad_stall_specs_are_config_errors(bad: str) -> None:
+    with pytest.raises(ConfigError, match="JOBRELAY_FAULTS") as caught:
+        parse(bad)
+    assert caught.value.variable == "JOBRELAY_FAULTS"
+
+
+async def test_ahit_stalls() -> None:
+    faults = Faults("export.run:stall:0.05")
+    started = time.monotonic()
+    await faults.ahit("export.run", attempt=1)
+    assert time.monotonic() - started >= 0.05
+
+
+def _fired(caplog: pytest.LogCaptureFixture) -> int:
+    """How many ``fault_fired`` warnings were logged (faults warn at WARNING, caplog's default)."""
+    return sum(getattr(r, "event", None) == "fault_fired" for r in caplog.records)
+
+
+async def test_ahit_stalls_only_on_attempt_n(caplog: pytest.LogCaptureFixture) -> None:
+    faults = Faults("export.run:stall:0.05:2")
+    await faults.ahit("export.run", attempt=1)
+    await faults.ahit("export.run", attempt=3)
+    assert _fired(caplog) == 0  # neither attempt stalled
+    started = time.monotonic()
+    await faults.ahit("export.run", attempt=2)
+    assert time.monotonic() - started >= 0.05
+    assert _fired(caplog) == 1
+
+
+async def test_ahit_stall_selector_matches_params(caplog: pytest.LogCaptureFixture) -> None:
+    faults = Faults("export.run:stall:0.05@period=2020-05")
+    await faults.ahit("export.run", attempt=1, params={"period": "2020-06"})
+    await faults.ahit("export.run", attempt=1)
+    assert _fired(caplog) == 0
+    started = time.monotonic()
+    await faults.ahit("export.run", attempt=1, params={"period": "2020-05"})
+    assert time.monotonic() - started >= 0.05
+    assert _fired(caplog) == 1
+
+
+async def test_ahit_logs_the_stall(caplog: pytest.LogCaptureFixture) -> None:
+    faults = Faults("export.run:stall:0.01")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jobrelay.faults"):
+        await faults.ahit("export.run", attempt=1)
+    assert [getattr(r, "event", None) for r in caplog.records] == ["fault_fired"]
+    assert "stall" in caplog.records[0].getMessage()
+
+
+async def test_cancelling_a_stall_ends_it_promptly() -> None:
+    faults = Faults("export.run:stall:60")
+    task = asyncio.create_task(faults.ahit("export.run", attempt=1))
+    await asyncio.sleep(0.01)  # let it start stalling
+    assert not task.done()
+    started = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert time.monotonic() - started < 5  # far below the 60 s stall
+
+
+async def test_ahit_does_what_hit_does() -> None:
+    faults = Faults("export.run:transient:1,export.run:stall:0.01:2,export.run:invalid:2")
+    with pytest.raises(TransientError):
+        await faults.ahit("export.run", attempt=1)
+    with pytest.raises(PermanentError):  # after stalling, in the order of the spec
+        await faults.ahit("export.run", attempt=2)
+    occurrences = Faults("worker.before_ack:crash:2", crash_handler=_raise)  # type: ignore[arg-type]
+    await occurrences.ahit("worker.before_ack")
+    with pytest.raises(Crashed):
+        await occurrences.ahit("worker.before_ack")
+
+
+def test_hit_ignores_stall(caplog: pytest.LogCaptureFixture) -> None:
+    faults = Faults("export.run:stall:60,export.run:stall:60:1@period=2020-05")
+    started = time.monotonic()
+    faults.hit("export.run", attempt=1, params={"period": "2020-05"})
+    assert time.monotonic() - started < 5  # far below the 60 s stall
+    assert _fired(caplog) == 0
+    with pytest.raises(TransientError):  # other actions at the point still fire
+        Faults("export.run:stall:60,export.run:transient").hit("export.run", attempt=1)
+    assert _fired(caplog) == 1  # the transient one only

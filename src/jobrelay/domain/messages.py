@@ -29,12 +29,17 @@ class JobMessage:
 
 
 class MessageDecodeError(ValueError):
-    """The body is not a valid jobrelay message. ``job_id`` is set when it could be read."""
+    """The body is not a valid jobrelay message. ``job_id`` is set when it could be read.
 
-    def __init__(self, reason: str, job_id: str | None = None) -> None:
+    ``unknown`` marks a well-formed message whose type or version this worker does not know:
+    during a rolling deploy a newer worker may know it, so it is deferred, not quarantined.
+    """
+
+    def __init__(self, reason: str, job_id: str | None = None, *, unknown: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.job_id = job_id
+        self.unknown = unknown
 
 
 def decode(body: bytes, known_types: frozenset[str]) -> JobMessage:
@@ -53,13 +58,17 @@ def decode(body: bytes, known_types: frozenset[str]) -> JobMessage:
     if readable_id is None:
         raise MessageDecodeError("jobId missing or not a UUID")
     job_type = data.get("type")
-    if not isinstance(job_type, str) or job_type not in known_types:
-        raise MessageDecodeError(f"unknown job type: {job_type!r}", readable_id)
+    if not isinstance(job_type, str) or not job_type:
+        raise MessageDecodeError(f"type missing or not a string: {job_type!r}", readable_id)
     version = data.get("version")
     if isinstance(version, bool) or not isinstance(version, int):
         raise MessageDecodeError(f"version missing or not an integer: {version!r}", readable_id)
+    if job_type not in known_types:
+        raise MessageDecodeError(f"unknown job type: {job_type!r}", readable_id, unknown=True)
     if version not in SUPPORTED_VERSIONS:
-        raise MessageDecodeError(f"unsupported message version: {version}", readable_id)
+        raise MessageDecodeError(
+            f"unsupported message version: {version}", readable_id, unknown=True
+        )
     return JobMessage(job_id=readable_id, type=job_type, version=version)
 
 

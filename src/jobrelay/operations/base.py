@@ -8,6 +8,7 @@ job id, so a second run replaces the first instead of adding a second result.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -37,6 +38,8 @@ class OperationContext:
     report_progress: ProgressFn
     # The runtime's clock, for times an operation writes (the effects ledger).
     clock: Callable[[], datetime] = _utc_now
+    # Set when this attempt's lease is gone; the worker also cancels the operation then.
+    lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass(frozen=True)

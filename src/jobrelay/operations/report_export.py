@@ -62,7 +62,7 @@ class ReportExport:
     async def run(self, ctx: OperationContext) -> OperationResult:
         job = ctx.job
         self.validate(job.params)
-        ctx.faults.hit("export.run", attempt=ctx.attempt, params=job.params)
+        await ctx.faults.ahit("export.run", attempt=ctx.attempt, params=job.params)
         account, period = job.params["accountId"], job.params["period"]
         if account != job.account_id:
             raise PermanentError("accountId in params does not match the job's account")

@@ -24,7 +24,11 @@ class ResultWriter(Protocol):
 
 
 class ResultStore(Protocol):
-    def writer(self, key: str) -> ResultSession: ...
+    def writer(self, key: str, *, staged: bool = False) -> ResultSession:
+        """A session writing ``key``. ``staged``: a clean exit only stages the bytes (durably,
+        invisibly); ``publish()`` makes them the object at ``key``, ``discard()`` drops them.
+        The worker stages every result and publishes it inside the fenced completion."""
+        ...
 
     async def exists(self, key: str) -> bool: ...
 
@@ -48,11 +52,20 @@ class ResultStore(Protocol):
 
 
 class ResultSession(Protocol):
-    """``async with store.writer(key) as w: await w.write(...)``; committed on clean exit."""
+    """``async with store.writer(key) as w: await w.write(...)``; committed on clean exit
+    (or, when staged, by ``publish()``)."""
 
     async def __aenter__(self) -> ResultWriter: ...
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None: ...
+
+    async def publish(self) -> None:
+        """Make a staged result the object at its key (a no-op once published)."""
+        ...
+
+    async def discard(self) -> None:
+        """Drop a staged result that must never become visible (best effort)."""
+        ...
 
     @property
     def result(self) -> StoredResult: ...

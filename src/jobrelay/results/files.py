@@ -2,7 +2,9 @@
 
 A result is written to a unique temporary name in the same directory, flushed and fsynced,
 then renamed over the final name. Rename within a directory is atomic on POSIX, so a reader
-never sees half a file, and a retry that writes the same key simply replaces it.
+never sees half a file, and a retry that writes the same key simply replaces it. A staged
+session (the worker's) stops before the rename; the worker renames inside the fenced
+completion, so only the attempt that holds the claim can ever replace the object.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ class FileResults:
             raise ValueError(f"result key escapes the results directory: {key!r}")
         return path
 
-    def writer(self, key: str) -> _FileSession:
-        return _FileSession(key, self.path_for(key))
+    def writer(self, key: str, *, staged: bool = False) -> _FileSession:
+        return _FileSession(key, self.path_for(key), staged=staged)
 
     async def exists(self, key: str) -> bool:
         return await asyncio.to_thread(self.path_for(key).is_file)
@@ -89,10 +91,13 @@ class _FileWriter:
 
 
 class _FileSession:
-    def __init__(self, key: str, path: Path) -> None:
+    def __init__(self, key: str, path: Path, *, staged: bool = False) -> None:
         self.key = key
         self.path = path
+        # Unique per session, so attempts of one job never write into each other's bytes.
         self.temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        self._staged = staged
+        self._pending = False  # staged bytes waiting for publish()
         self._writer: _FileWriter | None = None
         self._result: StoredResult | None = None
 
@@ -113,17 +118,38 @@ class _FileSession:
             if exc_type is None:
                 await writer.flush()
                 await asyncio.to_thread(_sync_and_close, handle)
-                await asyncio.to_thread(os.replace, self.temp, self.path)
-                await asyncio.to_thread(_fsync_dir, self.path.parent)
-                await asyncio.to_thread(self._remove_stale_temps)
                 self._result = StoredResult(self.key, writer.size, writer.digest.hexdigest())
+                self._pending = True
+                if not self._staged:
+                    await self.publish()
             else:
                 handle.close()
                 self.temp.unlink(missing_ok=True)
-        except OSError as err:
+        except BaseException as err:  # a cancel mid-flush too: never leave the temp file
             handle.close()
             self.temp.unlink(missing_ok=True)
+            if isinstance(err, OSError):
+                raise TransientError(f"cannot save result file: {err}") from err
+            raise
+
+    async def publish(self) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        try:
+            # In the event loop's own thread, not a worker thread: a cancelled caller (a
+            # completion rolled back) can then never see the rename land after it gave up.
+            os.replace(self.temp, self.path)
+            await asyncio.to_thread(_fsync_dir, self.path.parent)
+        except OSError as err:
+            self.temp.unlink(missing_ok=True)
             raise TransientError(f"cannot save result file: {err}") from err
+        await asyncio.to_thread(self._remove_stale_temps)
+
+    async def discard(self) -> None:
+        if self._pending:
+            self._pending = False
+            await asyncio.to_thread(self.temp.unlink, True)
 
     def _remove_stale_temps(self) -> None:
         """Temp files of earlier attempts that died mid-write; never visible as results.

@@ -2,7 +2,8 @@
 
 The key comes from the job id, so every attempt of a job writes the same object. A result is
 made visible atomically: bytes go out as parts of a multipart upload that is *completed*
-only when the writer exits cleanly, and aborted on any error, so a reader sees the whole
+only when the writer exits cleanly (a staged session: when the worker publishes it inside
+the fenced completion of its attempt), and aborted on any error, so a reader sees the whole
 object or none. A result smaller than one part is a single ``PutObject``, which S3 also
 shows whole or not at all. Memory stays flat whatever the size: one part is buffered at a
 time (``PART_SIZE``), never the whole export.
@@ -118,8 +119,8 @@ class S3Results:
             raise ValueError(f"result key must be relative: {key!r}")
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def writer(self, key: str) -> S3Session:
-        return S3Session(self, key)
+    def writer(self, key: str, *, staged: bool = False) -> S3Session:
+        return S3Session(self, key, staged=staged)
 
     async def exists(self, key: str) -> bool:
         s3 = await self.client()
@@ -166,8 +167,10 @@ class S3Results:
 class S3Session:
     """One result being written: buffered into parts, visible only after a clean exit."""
 
-    def __init__(self, store: S3Results, key: str) -> None:
+    def __init__(self, store: S3Results, key: str, *, staged: bool = False) -> None:
         self.store = store
+        self._staged = staged
+        self._pending = False  # parts uploaded (or one small body buffered), not yet visible
         self.key = key
         self.object_key = store.object_key(key)
         self.content_type = _content_type(key)
@@ -220,11 +223,30 @@ class S3Session:
             await self._abort()
             return
         try:
-            await self._commit()
+            if self._upload_id is not None and self._buffer.tell():
+                await self._upload_part(self._take_buffer())
         except BaseException:
             await self._abort()
             raise
         self._result = StoredResult(self.key, self._size, self._digest.hexdigest())
+        self._pending = True
+        if not self._staged:
+            await self.publish()
+
+    async def publish(self) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        try:
+            await self._commit()
+        except Exception:
+            await self._abort()
+            raise
+
+    async def discard(self) -> None:
+        if self._pending:
+            self._pending = False
+            await self._abort()
 
     async def _commit(self) -> None:
         s3 = await self.store.client()
@@ -237,8 +259,6 @@ class S3Session:
                     ContentType=self.content_type,
                 )
             return
-        if self._buffer.tell():
-            await self._upload_part(self._take_buffer())
         async with s3_errors("CompleteMultipartUpload"):
             await s3.complete_multipart_upload(
                 Bucket=self.store.bucket,

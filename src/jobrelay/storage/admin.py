@@ -41,6 +41,7 @@ class ActionOutcome:
 class WaitingJob:
     job: JobRecord
     requeued_before: bool  # the reconciler already re-sent its message once in this wait
+    confirmed_at: datetime | None = None  # when the broker confirmed its newest message
 
 
 @dataclass(frozen=True)
@@ -271,14 +272,25 @@ class AdminQueries:
         return [WaitingJob(_job_record(r), bool(r.requeued_before)) for r in rows]
 
     async def unclaimed_queued(self, before: datetime, limit: int) -> list[WaitingJob]:
-        """Jobs ``queued`` since before ``before`` whose messages were all confirmed before it.
+        """Jobs ``queued`` and unchanged since before ``before`` (never claimed in this wait),
+        with no message waiting in the outbox and the newest one confirmed before ``before``.
 
-        Either a worker holds the message unclaimed (busy, prefetched) or the broker no longer
-        has it (dead-lettered by its delivery limit after repeated returns, or purged).
+        Either the broker no longer has the message (dead-lettered by its delivery limit after
+        repeated returns, or purged), or a worker holds it unclaimed (busy, prefetched), or it
+        still waits behind a backlog that took longer than that to drain. How deep the work
+        queue is does not decide: a lost message must be found on a busy system too.
         """
+        confirmed = (
+            select(func.max(outbox.c.published_at))
+            .where(outbox.c.job_id == jobs.c.id)
+            .scalar_subquery()
+        )
         query = (
             self.store._job_query()
-            .add_columns(_requeued_this_wait(RECONCILED_QUEUED).label("requeued_before"))
+            .add_columns(
+                _requeued_this_wait(RECONCILED_QUEUED).label("requeued_before"),
+                confirmed.label("confirmed_at"),
+            )
             .where(
                 jobs.c.state == JobState.QUEUED.value,
                 jobs.c.updated_at < before,
@@ -290,7 +302,10 @@ class AdminQueries:
         )
         async with self.store._read() as conn:
             rows = (await conn.execute(query)).all()
-        return [WaitingJob(_job_record(r), bool(r.requeued_before)) for r in rows]
+        return [
+            WaitingJob(_job_record(r), bool(r.requeued_before), _aware(r.confirmed_at))
+            for r in rows
+        ]
 
     async def stale_outbox(self, before: datetime, limit: int) -> list[StaleOutboxRow]:
         """Outbox rows written before ``before`` and still not confirmed by a broker."""

@@ -6,20 +6,39 @@ Rules every method keeps:
 - Each transition writes its ``job_events`` row in the same transaction.
 - A message to send is an ``outbox`` row written in the same transaction as the state it
   belongs to; nothing here talks to the broker.
-- Times come from the caller (an injected clock), never from the database's ``now()``, so
-  tests can move time and SQLite and PostgreSQL agree.
+- Every write after a claim is fenced on the claim token: the job id, ``running`` and the
+  attempt number the claim produced (each claim increments it, so it names one claim). A
+  write that loses changes nothing and the caller records ``lease_lost``.
+- What is *judged* by time (is a lease live, is a retry due, when does a new lease end) uses
+  ONE clock, the store's: on PostgreSQL the database's own ``now()`` in SQL, on SQLite this
+  process's clock (one process owns the file). No worker host's clock decides. Times that
+  are only *recorded* (an event's ``at``) still come from the caller. Tests inject a clock
+  into the store to move time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Row, and_, delete, func, insert, or_, select, text, update
+from sqlalchemy import (
+    ColumnElement,
+    Row,
+    and_,
+    delete,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    text,
+    type_coerce,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -59,6 +78,31 @@ class NewJob:
     headers: Mapping[str, str] | None = None  # message headers (trace context)
 
 
+Clock = Callable[[], datetime]
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim of a job: the token every later write of that run is fenced on."""
+
+    job_id: str
+    attempt: int
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """What a fenced write found: ``won``, or the attempt that holds the job now."""
+
+    won: bool
+    current_attempt: int | None = None
+    current_state: JobState | None = None
+
+
 @dataclass(frozen=True)
 class JobRecord:
     id: str
@@ -83,6 +127,8 @@ class JobRecord:
     published: bool
     unpublished_since: datetime | None  # oldest outbox row of this job still waiting
     last_publish_error: str | None
+    # The store's clock when this row was read: what the policy judges leases and due times by.
+    observed_at: datetime | None = None
 
     def view(self) -> JobView:
         return JobView(
@@ -120,9 +166,11 @@ class TokenRecord:
 
 
 class Store:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, *, clock: Clock | None = None) -> None:
         self.engine = engine
         self.is_postgres = engine.dialect.name == "postgresql"
+        # None: the database's clock on PostgreSQL, this process's on SQLite. Tests inject one.
+        self._clock = clock
         # In-process wake-ups for a relay in this same process (``jobrelay up``), set after
         # a commit that wrote outbox rows. PostgreSQL relays elsewhere get NOTIFY instead.
         self.outbox_listeners: list[asyncio.Event] = []
@@ -132,6 +180,31 @@ class Store:
     def _wake_relays(self) -> None:
         for listener in self.outbox_listeners:
             listener.set()
+
+    # --- the one clock -----------------------------------------------------------------------
+
+    def now_sql(self, plus: timedelta = timedelta(0)) -> ColumnElement[datetime]:
+        """The store's clock (+ ``plus``) as a SQL expression, for guards and lease ends.
+
+        On PostgreSQL it is ``now()`` evaluated by the server; elsewhere the value is computed
+        here (SQLite has no interval arithmetic on the text it stores times as).
+        """
+        if self._clock is None and self.is_postgres:
+            expr = func.now() if not plus else func.now() + plus
+            return type_coerce(expr, UTCDateTime())
+        return literal(self.local_now() + plus, UTCDateTime())
+
+    def local_now(self) -> datetime:
+        return self._clock() if self._clock is not None else _utc_now()
+
+    async def db_now(self) -> datetime:
+        """The store's clock as a value (one round trip on PostgreSQL, none on SQLite)."""
+        if self._clock is None and self.is_postgres:
+            async with self._read() as conn:
+                value = await conn.scalar(select(self.now_sql()))
+            assert isinstance(value, datetime)
+            return value
+        return self.local_now()
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -156,10 +229,12 @@ class Store:
         self,
         conn: AsyncConnection,
         job_id: str,
-        message: JobMessage,
+        message: JobMessage | bytes,
         destination: str,
         now: datetime,
         headers: Mapping[str, str] | None = None,
+        *,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> None:
         if headers is None:
             # Retries, deferrals and repairs carry on the trace of the job's first message.
@@ -175,8 +250,8 @@ class Store:
             insert(outbox).values(
                 job_id=job_id,
                 destination=destination,
-                body=message.encode().decode(),
-                headers=dict(headers or {}),
+                body=(message if isinstance(message, bytes) else message.encode()).decode(),
+                headers={**(headers or {}), **(extra_headers or {})},
                 created_at=now,
             )
         )
@@ -280,6 +355,7 @@ class Store:
             waiting.label("unpublished_since"),
             any_published.label("published_count"),
             last_error.label("last_publish_error"),
+            self.now_sql().label("observed_at"),
         )
 
     async def get_job(self, job_id: str) -> JobRecord | None:
@@ -327,9 +403,12 @@ class Store:
     # --- relay ------------------------------------------------------------------------------
 
     async def claim_outbox(
-        self, relay_id: str, now: datetime, limit: int, claim_for: timedelta
+        self, relay_id: str, limit: int, claim_for: timedelta
     ) -> list[OutboxRow]:
         """Take up to ``limit`` waiting rows for ``claim_for``, in a short transaction.
+
+        The claim is a lease too, judged and set by the store's clock, so a relay whose host
+        clock runs ahead cannot take rows another relay still owns.
 
         ``SKIP LOCKED`` lets several relays claim side by side; the claim itself is a column,
         so the relay can publish with no transaction open. Order is by id only as a fairness
@@ -342,7 +421,10 @@ class Store:
                     select(outbox)
                     .where(
                         outbox.c.published_at.is_(None),
-                        or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
+                        or_(
+                            outbox.c.claimed_until.is_(None),
+                            outbox.c.claimed_until < self.now_sql(),
+                        ),
                     )
                     .order_by(outbox.c.id)
                     .limit(limit)
@@ -357,7 +439,7 @@ class Store:
                 .where(outbox.c.id.in_(ids))
                 .values(
                     claimed_by=relay_id,
-                    claimed_until=now + claim_for,
+                    claimed_until=self.now_sql(claim_for),
                     publish_attempts=outbox.c.publish_attempts + 1,
                 )
             )
@@ -384,7 +466,7 @@ class Store:
                     outbox.c.id.in_([r.id for r in rows]),
                     outbox.c.published_at.is_(None),
                 )
-                .values(published_at=now, claimed_until=None, last_error=None)
+                .values(published_at=self.now_sql(), claimed_until=None, last_error=None)
                 .returning(outbox.c.id, outbox.c.job_id, outbox.c.destination)
             )
             marked = done.all()
@@ -407,36 +489,74 @@ class Store:
                 )
         return len(marked)
 
-    async def release_outbox(self, row: OutboxRow, error: str, retry_at: datetime) -> None:
+    async def release_outbox(self, row: OutboxRow, error: str, backoff: timedelta) -> None:
         """A publish failed (nack, return, timeout): keep the row waiting, record why.
 
-        The row stays claimed until ``retry_at`` so an unroutable row backs off instead of
-        being retried in a hot loop.
+        The row stays claimed for ``backoff`` (by the store's clock) so an unroutable row backs
+        off instead of being retried in a hot loop.
         """
         async with self._write() as conn:
             await conn.execute(
                 update(outbox)
                 .where(outbox.c.id == row.id, outbox.c.published_at.is_(None))
-                .values(claimed_until=retry_at, claimed_by=None, last_error=error[:2000])
+                .values(
+                    claimed_until=self.now_sql(backoff), claimed_by=None, last_error=error[:2000]
+                )
             )
 
     # --- worker -----------------------------------------------------------------------------
 
-    async def claim_job(
-        self, job_id: str, worker_id: str, now: datetime, lease: timedelta, **detail: Any
-    ) -> int | None:
-        """attempt += 1 and take the lease, before any work; returns the attempt, or None.
+    def _fenced(self, claim: Claim) -> list[Any]:
+        """The claim token: a write of this run lands only while this claim holds the job."""
+        return [
+            jobs.c.state == JobState.RUNNING.value,
+            jobs.c.attempt == claim.attempt,
+            jobs.c.lease_owner == claim.worker_id,
+        ]
 
-        Guarded on every condition the policy checked, so a racing worker or a retry that is
+    def _as_seen(self, seen: JobView) -> list[Any]:
+        """A guard equal to what the policy saw: the state, the attempt and the lease."""
+        lease = seen.lease_expires_at
+        return [
+            jobs.c.state == seen.state.value,
+            jobs.c.attempt == seen.attempt,
+            jobs.c.lease_expires_at.is_(None)
+            if lease is None
+            else jobs.c.lease_expires_at == lease,
+        ]
+
+    async def _current(self, conn: AsyncConnection, job_id: str) -> Fenced:
+        row = (
+            await conn.execute(select(jobs.c.state, jobs.c.attempt).where(jobs.c.id == job_id))
+        ).first()
+        if row is None:
+            return Fenced(False)
+        return Fenced(False, int(row.attempt), JobState(row.state))
+
+    async def claim_job(
+        self,
+        job_id: str,
+        worker_id: str,
+        now: datetime,
+        lease: timedelta,
+        *,
+        seen: JobView | None = None,
+        **detail: Any,
+    ) -> Claim | None:
+        """attempt += 1 and take the lease, before any work; returns the claim, or None.
+
+        Guarded on every condition the policy checked, judged by the store's clock, and (with
+        ``seen``) on the state and attempt the policy read, so a racing copy or a retry that is
         not yet due loses here instead of running twice.
         """
+        clock = self.now_sql()
+        guards = list(self._as_seen(seen)[:2]) if seen is not None else []
         async with self._write() as conn:
-            won = await self._transition(
-                conn,
-                job_id,
-                JobState.RUNNING,
-                now,
-                where=[
+            result = await conn.execute(
+                update(jobs)
+                .where(
+                    jobs.c.id == job_id,
+                    jobs.c.state.in_(sorted(s.value for s in sources_for(JobState.RUNNING))),
                     jobs.c.attempt < jobs.c.max_attempts,
                     or_(
                         jobs.c.state == JobState.QUEUED.value,
@@ -444,74 +564,74 @@ class Store:
                             jobs.c.state == JobState.RETRY_WAIT.value,
                             or_(
                                 jobs.c.next_attempt_at.is_(None),
-                                jobs.c.next_attempt_at <= now + RETRY_SLACK,
+                                jobs.c.next_attempt_at <= self.now_sql(RETRY_SLACK),
                             ),
                         ),
                         and_(
                             jobs.c.state == JobState.RUNNING.value,
-                            or_(jobs.c.lease_expires_at.is_(None), jobs.c.lease_expires_at <= now),
+                            or_(
+                                jobs.c.lease_expires_at.is_(None),
+                                jobs.c.lease_expires_at <= clock,
+                            ),
                         ),
                     ),
-                ],
-                attempt=jobs.c.attempt + 1,
-                lease_owner=worker_id,
-                lease_expires_at=now + lease,
-                next_attempt_at=None,
-                progress_done=None,
-                progress_total=None,
+                    *guards,
+                )
+                .values(
+                    state=JobState.RUNNING.value,
+                    updated_at=now,
+                    attempt=jobs.c.attempt + 1,
+                    lease_owner=worker_id,
+                    lease_expires_at=self.now_sql(lease),
+                    next_attempt_at=None,
+                    progress_done=None,
+                    progress_total=None,
+                )
+                .returning(jobs.c.attempt)
             )
-            if not won:
+            attempt = result.scalar_one_or_none()
+            if attempt is None:
                 return None
-            attempt = int(
-                (await conn.execute(select(jobs.c.attempt).where(jobs.c.id == job_id))).scalar_one()
-            )
             await self._event(
-                conn, job_id, "claimed", now, worker=worker_id, attempt=attempt, **detail
+                conn, job_id, "claimed", now, worker=worker_id, attempt=int(attempt), **detail
             )
-        return attempt
+        return Claim(job_id, int(attempt), worker_id)
 
-    def _held_by(self, worker_id: str) -> list[Any]:
-        return [jobs.c.lease_owner == worker_id]
-
-    async def renew_lease(
-        self, job_id: str, worker_id: str, until: datetime, now: datetime
-    ) -> bool:
+    async def renew_lease(self, claim: Claim, lease: timedelta, now: datetime) -> bool:
+        """Extend the lease to the store's clock + ``lease``, only while the claim holds."""
         async with self._write() as conn:
             result = await conn.execute(
                 update(jobs)
-                .where(
-                    jobs.c.id == job_id,
-                    jobs.c.state == JobState.RUNNING.value,
-                    *self._held_by(worker_id),
-                )
-                .values(lease_expires_at=until, updated_at=now)
+                .where(jobs.c.id == claim.job_id, *self._fenced(claim))
+                .values(lease_expires_at=self.now_sql(lease), updated_at=now)
             )
         return bool(result.rowcount == 1)
 
-    async def report_progress(
-        self, job_id: str, worker_id: str, done: int, total: int, now: datetime
-    ) -> None:
+    async def report_progress(self, claim: Claim, done: int, total: int, now: datetime) -> bool:
         async with self._write() as conn:
-            await conn.execute(
+            result = await conn.execute(
                 update(jobs)
-                .where(
-                    jobs.c.id == job_id,
-                    jobs.c.state == JobState.RUNNING.value,
-                    *self._held_by(worker_id),
-                )
+                .where(jobs.c.id == claim.job_id, *self._fenced(claim))
                 .values(progress_done=done, progress_total=total, updated_at=now)
             )
+        return bool(result.rowcount == 1)
 
     async def complete(
         self,
-        job_id: str,
-        worker_id: str,
+        claim: Claim,
         result_key: str,
         result_meta: dict[str, Any],
         now: datetime,
         follow_ups: Sequence[NewJob] = (),
-    ) -> bool:
+        publish: Callable[[], Awaitable[None]] | None = None,
+    ) -> Fenced:
         """running -> succeeded with its result key, BEFORE the delivery is acked.
+
+        Fenced on the claim. ``publish`` makes the staged result visible under its key while
+        the guarded UPDATE holds the job's row lock (PostgreSQL) or the write lock (SQLite),
+        and before the commit: a stale attempt can never pass the guard, so it can never
+        replace the object the winning attempt committed. A publish that fails rolls the
+        whole completion back.
 
         ``follow_ups`` (a notification of this success) are created in the SAME transaction,
         each with its outbox row and ``accepted`` event: no success without its follow-up,
@@ -520,10 +640,10 @@ class Store:
         async with self._write() as conn:
             won = await self._transition(
                 conn,
-                job_id,
+                claim.job_id,
                 JobState.SUCCEEDED,
                 now,
-                where=self._held_by(worker_id),
+                where=self._fenced(claim),
                 result_key=result_key,
                 result_meta=result_meta,
                 lease_owner=None,
@@ -532,21 +652,24 @@ class Store:
                 progress_done=result_meta.get("rows"),
                 progress_total=result_meta.get("rows"),
             )
-            if won:
-                await self._event(
-                    conn,
-                    job_id,
-                    "result_saved",
-                    now,
-                    resultKey=result_key,
-                    worker=worker_id,
-                    **result_meta,
-                )
-                for follow_up in follow_ups:
-                    await self._add_follow_up(conn, job_id, follow_up, now)
-        if won and follow_ups:
+            if not won:
+                return await self._current(conn, claim.job_id)
+            if publish is not None:
+                await publish()
+            await self._event(
+                conn,
+                claim.job_id,
+                "result_saved",
+                now,
+                resultKey=result_key,
+                worker=claim.worker_id,
+                **result_meta,
+            )
+            for follow_up in follow_ups:
+                await self._add_follow_up(conn, claim.job_id, follow_up, now)
+        if follow_ups:
             self._wake_relays()
-        return won
+        return Fenced(True)
 
     async def _add_follow_up(
         self, conn: AsyncConnection, parent_id: str, job: NewJob, now: datetime
@@ -561,44 +684,49 @@ class Store:
         )
 
     async def schedule_retry(
-        self,
-        job_id: str,
-        worker_id: str,
-        job_type: str,
-        error: str,
-        delay: int,
-        now: datetime,
-    ) -> bool:
-        """running -> retry_wait, and the retry message into the outbox, in one transaction."""
-        due = now + timedelta(seconds=delay)
+        self, claim: Claim, job_type: str, error: str, delay: int, now: datetime
+    ) -> Fenced:
+        """running -> retry_wait, and the retry message into the outbox, in one transaction.
+
+        Fenced on the claim; the due time is the store's clock + ``delay``.
+        """
         async with self._write() as conn:
-            won = await self._transition(
-                conn,
-                job_id,
-                JobState.RETRY_WAIT,
-                now,
-                where=self._held_by(worker_id),
-                last_error=error[:4000],
-                next_attempt_at=due,
-                lease_owner=None,
-                lease_expires_at=None,
+            result = await conn.execute(
+                update(jobs)
+                .where(jobs.c.id == claim.job_id, *self._fenced(claim))
+                .values(
+                    state=JobState.RETRY_WAIT.value,
+                    updated_at=now,
+                    last_error=error[:4000],
+                    next_attempt_at=self.now_sql(timedelta(seconds=delay)),
+                    lease_owner=None,
+                    lease_expires_at=None,
+                )
+                .returning(jobs.c.next_attempt_at)
             )
-            if won:
-                await self._enqueue(
-                    conn, job_id, JobMessage(job_id, job_type), retry_destination(delay), now
-                )
-                await self._event(
-                    conn,
-                    job_id,
-                    "retry_scheduled",
-                    now,
-                    error=error,
-                    delaySeconds=delay,
-                    nextAttemptAt=due,
-                )
-        if won:
-            self._wake_relays()
-        return won
+            due = result.scalar_one_or_none()
+            if due is None:
+                return await self._current(conn, claim.job_id)
+            await self._enqueue(
+                conn,
+                claim.job_id,
+                JobMessage(claim.job_id, job_type),
+                retry_destination(delay),
+                now,
+            )
+            await self._event(
+                conn,
+                claim.job_id,
+                "retry_scheduled",
+                now,
+                error=error,
+                delaySeconds=delay,
+                nextAttemptAt=due,
+                attempt=claim.attempt,
+                worker=claim.worker_id,
+            )
+        self._wake_relays()
+        return Fenced(True)
 
     async def quarantine(
         self,
@@ -606,17 +734,30 @@ class Store:
         reason: str,
         now: datetime,
         *,
-        worker_id: str | None = None,
+        claim: Claim | None = None,
+        seen: JobView | None = None,
         **detail: Any,
     ) -> bool:
-        """-> quarantined with the reason kept. With ``worker_id`` only while it holds the lease."""
+        """-> quarantined with the reason kept.
+
+        With ``claim`` (the worker's own run failed for good) only while that claim holds;
+        with ``seen`` (a delivery-time decision) only if the job is still exactly as the
+        policy saw it: same state, same attempt, same lease. A bad copy read while the job
+        was ``queued`` therefore never quarantines a job a good copy has claimed since.
+        """
+        where: list[Any] = []
+        if claim is not None:
+            where += self._fenced(claim)
+            detail = {**detail, "attempt": claim.attempt, "worker": claim.worker_id}
+        if seen is not None:
+            where += self._as_seen(seen)
         async with self._write() as conn:
             won = await self._transition(
                 conn,
                 job_id,
                 JobState.QUARANTINED,
                 now,
-                where=self._held_by(worker_id) if worker_id else (),
+                where=where,
                 quarantine_reason=reason[:4000],
                 last_error=reason[:4000],
                 lease_owner=None,
@@ -628,15 +769,44 @@ class Store:
         return won
 
     async def defer(
-        self, job_id: str, job_type: str, delay: int, reason: str, now: datetime
+        self,
+        job_id: str,
+        message: JobMessage | bytes,
+        delay: int,
+        reason: str,
+        now: datetime,
+        *,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
-        """Re-check a job later through the delay route: an outbox row, no state change."""
+        """Re-check a job later through the delay route: an outbox row, no state change.
+
+        ``message`` may be the raw body of a delivery this worker cannot read (a type or
+        version only newer workers know): it is passed on unchanged, with ``headers`` added.
+        """
         async with self._write() as conn:
             await self._enqueue(
-                conn, job_id, JobMessage(job_id, job_type), retry_destination(delay), now
+                conn, job_id, message, retry_destination(delay), now, extra_headers=headers
             )
             await self._event(conn, job_id, "deferred", now, reason=reason, delaySeconds=delay)
         self._wake_relays()
+
+    async def committed_by(self, claim: Claim, kind: str) -> bool:
+        """Whether the job's timeline has a ``kind`` event written by this very claim.
+
+        For a worker whose outcome commit may have landed while its answer was lost (the
+        database went away mid-commit): only its own event proves the outcome is its own.
+        """
+        async with self._read() as conn:
+            rows = await conn.scalars(
+                select(job_events.c.detail).where(
+                    job_events.c.job_id == claim.job_id, job_events.c.kind == kind
+                )
+            )
+            details = list(rows)
+        return any(
+            (d or {}).get("attempt") == claim.attempt and (d or {}).get("worker") == claim.worker_id
+            for d in details
+        )
 
     async def record_event(self, job_id: str, kind: str, now: datetime, **detail: Any) -> None:
         """An event with no state change (ack_sent, duplicate_acked); ignored for unknown jobs."""
@@ -749,6 +919,7 @@ def _job_record(row: Row[Any]) -> JobRecord:
         published=m["unpublished_since"] is None and (m["published_count"] or 0) > 0,
         unpublished_since=_aware(m["unpublished_since"]),
         last_publish_error=m["last_publish_error"],
+        observed_at=_aware(m.get("observed_at")),
     )
 
 
@@ -767,7 +938,9 @@ def _jsonable(detail: Mapping[str, Any]) -> dict[str, Any]:
 __all__ = [
     "NOTIFY_CHANNEL",
     "WORK_DESTINATION",
+    "Claim",
     "EventRecord",
+    "Fenced",
     "JobRecord",
     "NewJob",
     "OutboxRow",

@@ -9,6 +9,10 @@ contract by one test suite (tests/integration/test_transport_contract.py):
 - ``consume`` yields deliveries to one consumer at a time, at most ``prefetch`` unsettled.
 - A delivery not settled when its consumer dies is delivered again, ``redelivered=True``.
 - ``reject`` settles without requeue and sends the message to the quarantine queue.
+- ``ack`` and ``reject`` return whether the settle was handed to the broker on the channel
+  (or claim) the delivery came on. ``False``, never an exception, when that channel or claim
+  was gone: the message is, or will be, delivered again. On RabbitMQ ``True`` only means the
+  frame was written on the open channel (``basic.ack`` has no reply).
 - ``release`` gives it back for redelivery now; it counts towards the delivery limit.
 - Destinations ``retry.<n>s`` come back to the work queue after n seconds.
 """
@@ -43,10 +47,38 @@ class Delivery(Protocol):
         """How many times the broker has handed this message out before (0 the first time)."""
         ...
 
-    async def ack(self) -> None: ...
+    async def ack(self) -> bool:
+        """Settle for good: the message is done and is not delivered again.
 
-    async def reject(self) -> None:
-        """Settle without requeue: the message goes to the quarantine queue."""
+        True when the ack was handed to the broker on the channel (RabbitMQ) or under the
+        claim (local transport) this delivery came on. False, without raising, when it could
+        not be: the channel had closed, so the broker has requeued the message or will
+        (RabbitMQ); the claim on the row was lost, because its visibility timeout passed and
+        another consumer claimed the row, or the row was given back (local). Either way the
+        message is, or will be, delivered again. False also for a second settle of a delivery
+        already settled: nothing is sent, and the first settle's outcome stands.
+
+        What True proves differs. Local: the row was deleted in a committed transaction,
+        under this delivery's claim (a claim past its visibility timeout still counts while
+        no other consumer has taken the row). RabbitMQ: AMQP has no reply to ``basic.ack``,
+        so True only means the frame was written to the connection on the still-open channel
+        of this delivery. Should the connection drop before the broker processes it, the
+        broker requeues the message and delivers it again: at-least-once.
+
+        The local transport raises ``TransportError`` when the database write itself fails;
+        the row then comes back after the visibility timeout.
+        """
+        ...
+
+    async def reject(self) -> bool:
+        """Settle without requeue: the message goes to the quarantine queue.
+
+        Returns as ``ack`` does: True when the reject was handed to the broker on this
+        delivery's channel or claim (local: the row moved to the quarantine queue in a
+        committed transaction; RabbitMQ: the ``basic.reject`` frame, which has no broker reply
+        either, was written on the still-open channel), False when it could not be and the
+        message is, or will be, delivered again instead of quarantined.
+        """
         ...
 
     async def release(self) -> None:
@@ -55,6 +87,8 @@ class Delivery(Protocol):
         For a delivery the worker could not handle at all (the database was down, a bug):
         holding it unsettled would pin a prefetch slot until the consumer dies. Each release
         counts towards the delivery limit, so a message that always fails ends in quarantine.
+        Returns nothing: when the channel or claim is already gone, the message comes back
+        anyway.
         """
         ...
 

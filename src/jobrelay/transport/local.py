@@ -4,7 +4,8 @@ A message is a row (SQL in ``storage.local_queue``). What stands in for each bro
 
 - publisher confirm: the commit of the inserted row;
 - delayed retry tier ``retry.<n>s``: a work row that becomes available n seconds later;
-- prefetch and manual ack: at most ``prefetch`` rows claimed per consumer, deleted on ack;
+- prefetch and manual ack: at most ``prefetch`` rows claimed per consumer, deleted on ack
+  (``ack``/``reject`` return False when the claim was lost and the row was left alone);
 - requeue when a consumer dies: a claim is only good until ``invisible_until``; a background
   task renews it while the delivery is unsettled, so a live consumer keeps its long jobs and
   a dead one's rows come back after ``visibility_seconds`` with ``redelivered=True``;
@@ -118,11 +119,11 @@ class _LocalDelivery:
     def delivery_count(self) -> int:
         return self._claim.delivery_count
 
-    async def ack(self) -> None:
-        await self._settle(reject=False)
+    async def ack(self) -> bool:
+        return await self._settle(reject=False)
 
-    async def reject(self) -> None:
-        await self._settle(reject=True)
+    async def reject(self) -> bool:
+        return await self._settle(reject=True)
 
     async def release(self) -> None:
         if self._settled:
@@ -131,12 +132,12 @@ class _LocalDelivery:
         self._settled = True
         await self._transport._release(self._claim)
 
-    async def _settle(self, *, reject: bool) -> None:
+    async def _settle(self, *, reject: bool) -> bool:
         if self._settled:
             log.warning("delivery already settled", extra={"event": "settle_ignored"})
-        else:
-            self._settled = True
-            await self._transport._settle(self._claim, reject=reject)
+            return False
+        self._settled = True
+        return await self._transport._settle(self._claim, reject=reject)
 
 
 class LocalTransport:
@@ -325,7 +326,14 @@ class LocalTransport:
 
     # --- settling and claims --------------------------------------------------------------
 
-    async def _settle(self, claim: q.Claimed, *, reject: bool) -> None:
+    async def _settle(self, claim: q.Claimed, *, reject: bool) -> bool:
+        """True when the row was deleted (or quarantined) under our claim and committed.
+
+        False when the claim was lost (the row was claimed again since, under a new fence,
+        or given back): nothing was changed, and the row is another delivery's now. A claim
+        past its visibility timeout that nobody took over still settles. A failed write
+        raises ``TransportError``.
+        """
         hold = self._holds.get(claim.id)
         if hold is not None and hold.fence == claim.fence:
             hold.settling = True
@@ -337,6 +345,7 @@ class LocalTransport:
                 claim.id,
                 extra={"event": "settle_ignored", "messageId": claim.id},
             )
+        return held
 
     async def _write_settle(self, claim: q.Claimed, *, reject: bool) -> bool:
         try:

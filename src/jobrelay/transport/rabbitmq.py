@@ -14,12 +14,13 @@ What each choice protects against:
 - The connection is robust (it reconnects and restores consumers), so a delivery received
   on a channel that has since closed must not be acked on its successor: its delivery tag
   means nothing there and the broker has already requeued the message. Such an ack or
-  reject is a logged no-op.
+  reject is a logged no-op that returns False. True means only that the frame was written
+  on the delivery's own, still open, channel: AMQP does not answer ``basic.ack``.
 - Each ``consume()`` has its own channel. Closing the iterator cancels the consumer and
   returns what was prefetched but not handed out. Deliveries already handed out stay
   settleable, so a draining worker can still ack them; the channel closes after the last
-  one, or ``settle_grace_seconds`` later, or at ``close()``, and the broker requeues
-  whatever is still unsettled then.
+  one, or ``settle_grace_seconds`` later (``JOBRELAY_DRAIN_SECONDS`` in a process), or at
+  ``close()``, and the broker requeues whatever is still unsettled then.
 
 No aio-pika or aiormq type or exception leaves this module; they become ``jobrelay.errors``.
 """
@@ -201,19 +202,20 @@ class _RabbitDelivery:
         count = self._headers.get("x-delivery-count", 0)
         return count if isinstance(count, int) else 0
 
-    async def ack(self) -> None:
-        await self._settle("ack")
+    async def ack(self) -> bool:
+        return await self._settle("ack")
 
-    async def reject(self) -> None:
-        await self._settle("reject")
+    async def reject(self) -> bool:
+        return await self._settle("reject")
 
     async def release(self) -> None:
         await self._settle("release")
 
-    async def _settle(self, action: str) -> None:
+    async def _settle(self, action: str) -> bool:
+        """True once the frame is written on this delivery's open channel (no broker reply)."""
         if self._settled:
             log.warning("delivery already settled", extra={"event": "settle_ignored"})
-            return
+            return False
         self._settled = True
         try:
             if _stale(self._message):
@@ -232,17 +234,28 @@ class _RabbitDelivery:
                 _short(exc),
                 extra={"event": "settle_ignored", "action": action},
             )
+            return False
         finally:
             self._consumer.settled()
+        return True
 
 
 class RabbitTransport:
-    # After its iterator closes, how long a consumer's unsettled deliveries stay settleable
-    # before its channel closes and the broker requeues them (the local transport's
-    # counterpart is its visibility timeout).
-    settle_grace_seconds: float = 5.0
-
-    def __init__(self, url: str, topology: Topology, *, confirm_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        topology: Topology,
+        *,
+        confirm_timeout: float = 10.0,
+        settle_grace_seconds: float = 5.0,
+    ) -> None:
+        if settle_grace_seconds <= 0:
+            raise ValueError("settle_grace_seconds must be positive")
+        # After its iterator closes, how long a consumer's handed-out deliveries stay
+        # settleable before its channel closes and the broker requeues them (the local
+        # transport's counterpart is its visibility timeout). A process passes its drain
+        # time, so a worker still finishing jobs after SIGTERM can ack them on this channel.
+        self.settle_grace_seconds = settle_grace_seconds
         self._url = url
         self._topology = topology
         self._timeout = confirm_timeout
