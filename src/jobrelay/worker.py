@@ -28,30 +28,25 @@ import logging
 import math
 import os
 import socket
-import time
 import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
 from jobrelay import logs
+from jobrelay.attempt import AttemptRun
 from jobrelay.domain.messages import JobMessage, MessageDecodeError, decode
 from jobrelay.domain.policy import (
     Action,
     Decision,
     InvalidPayload,
-    Observation,
-    PermanentFailure,
-    ResultSaved,
-    TransientFailure,
     decide,
     observe_delivery,
 )
 from jobrelay.domain.states import JobState
-from jobrelay.errors import OperationError, PermanentError, StoreError
-from jobrelay.operations.base import OperationContext, Registry, default_registry
-from jobrelay.results.staging import StagingResults
+from jobrelay.errors import StoreError
+from jobrelay.operations.base import Registry, default_registry
 from jobrelay.runtime import Runtime
-from jobrelay.storage.store import Claim, Fenced, JobRecord, NewJob
+from jobrelay.storage.store import JobRecord
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
@@ -313,272 +308,17 @@ class Worker:
                     return False
                 self.rt.metrics.transition(job.state.value, JobState.RUNNING.value)
                 logs.bind(attempt=claim.attempt)
-                await self._run(delivery, job, claim)
+                run = AttemptRun(
+                    self.rt,
+                    self.registry,
+                    self.worker_id,
+                    self.lease,
+                    settle=self._settle,
+                    wait_for_database=self._wait_for_database,
+                )
+                await run.run(delivery, job, claim)
                 return True
         raise AssertionError(decision)  # pragma: no cover
-
-    async def _run(self, delivery: Delivery, job: JobRecord, claim: Claim) -> None:
-        granted = time.monotonic() - self._claim_latency_allowance()
-        log.info(
-            "job claimed",
-            extra={
-                "event": "claimed",
-                "jobId": job.id,
-                "attempt": claim.attempt,
-                "worker": self.worker_id,
-            },
-        )
-        operation = self.registry.get(job.type)
-        assert operation is not None  # decode() only accepts registered types
-        results = StagingResults(self.rt.results)
-        lease_lost = asyncio.Event()
-
-        async def progress(done: int, total: int) -> None:
-            if not await self.rt.store.report_progress(claim, done, total, self.rt.clock()):
-                # Another claim holds the job: stop here, as the heartbeat would.
-                lease_lost.set()
-                raise asyncio.CancelledError
-
-        context = OperationContext(
-            job=job,
-            attempt=claim.attempt,
-            store=self.rt.store,
-            results=results,
-            faults=self.rt.faults,
-            report_progress=progress,
-            clock=self.rt.clock,
-            lease_lost=lease_lost,
-        )
-        observation: Observation
-        result: Any = None
-        started = time.monotonic()
-        work = asyncio.create_task(operation.run(context))
-        heartbeat = asyncio.create_task(self._heartbeat(claim, granted, work, lease_lost))
-        try:
-            result = await work
-            observation = ResultSaved(result.result_key)
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if (current is not None and current.cancelling()) or not lease_lost.is_set():
-                await results.discard()
-                raise  # we are being stopped: leave the delivery unsettled
-            observation = self._transient(job, claim.attempt, "lease lost: the run was stopped")
-        except PermanentError as exc:
-            observation = PermanentFailure(str(exc))
-        except (OperationError, StoreError) as exc:
-            observation = self._transient(job, claim.attempt, str(exc))
-        except Exception as exc:  # an operation bug: retried, then quarantined, never a hot loop
-            log.exception("operation raised", extra={"event": "operation_error", "jobId": job.id})
-            observation = self._transient(
-                job, claim.attempt, f"unexpected {type(exc).__name__}: {exc}"
-            )
-        finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
-        if not isinstance(observation, ResultSaved):
-            await results.discard()
-        try:
-            await self._commit_outcome(
-                delivery, job, claim, observation, result, results, started=started
-            )
-        except BaseException:
-            await results.discard()
-            raise
-
-    def _claim_latency_allowance(self) -> float:
-        # The store set the lease end when it ran the claim, a moment before we saw the
-        # answer: count our lease from a little earlier than now, never later.
-        return min(1.0, self.lease.total_seconds() / 10)
-
-    def _transient(self, job: JobRecord, attempt: int, error: str) -> TransientFailure:
-        return TransientFailure(error, attempt, job.max_attempts, self.rt.settings.retry_delays)
-
-    async def _commit_outcome(
-        self,
-        delivery: Delivery,
-        job: JobRecord,
-        claim: Claim,
-        observation: Observation,
-        result: Any,
-        results: StagingResults,
-        started: float | None = None,
-    ) -> None:
-        """Write the outcome, fenced on the claim, retrying through a database outage."""
-        in_doubt = False  # a try failed mid-way: its commit may have landed unseen
-        while True:
-            decision = decide(observation)
-            try:
-                fenced = await self._write_outcome(
-                    job, claim, observation, decision, result, results
-                )
-                if not fenced.won and in_doubt:
-                    fenced = await self._own_earlier_commit(claim, decision, fenced)
-                break
-            except StoreError as exc:
-                in_doubt = True
-                log.warning(
-                    "outcome not written, the database is unreachable: %s",
-                    exc,
-                    extra={"event": "outcome_held", "jobId": job.id},
-                )
-                await self._wait_for_database()
-            except OperationError as exc:  # the staged result could not be published
-                await results.discard()
-                observation = self._transient(job, claim.attempt, str(exc))
-        won = fenced.won
-        if won:
-            log.info(
-                decision.event,
-                extra={
-                    "event": decision.event,
-                    "jobId": job.id,
-                    "attempt": claim.attempt,
-                    "reason": decision.reason,
-                },
-            )
-        self._measure(job, decision, won, started)
-        if not won:
-            await results.discard()
-            await self._lease_lost(delivery, claim, fenced)
-            return
-        await self._settle(delivery, job.id, decision.action, claim.attempt)
-
-    async def _write_outcome(
-        self,
-        job: JobRecord,
-        claim: Claim,
-        observation: Observation,
-        decision: Decision,
-        result: Any,
-        results: StagingResults,
-    ) -> Fenced:
-        store = self.rt.store
-        now = self.rt.clock()
-        if isinstance(observation, ResultSaved):
-            return await store.complete(
-                claim,
-                observation.result_key,
-                {**result.meta, "attempt": claim.attempt},
-                now,
-                follow_ups=tuple[NewJob, ...](result.follow_ups),
-                publish=results.publish,
-            )
-        if decision.action is Action.ACK:
-            assert decision.retry_delay is not None
-            return await store.schedule_retry(
-                claim, job.type, decision.reason or "", decision.retry_delay, now
-            )
-        won = await store.quarantine(
-            job.id, decision.reason or "", now, claim=claim, attempt=claim.attempt
-        )
-        return Fenced(True) if won else await self._current(job.id)
-
-    async def _own_earlier_commit(self, claim: Claim, decision: Decision, lost: Fenced) -> Fenced:
-        """A retried outcome lost its fence: did an earlier try of OURS commit it?
-
-        Only this claim's own event counts (same attempt and worker): another delivery may
-        have moved the job to the same state at the same attempt (attempts exhausted).
-        """
-        if lost.current_attempt != claim.attempt or lost.current_state is not decision.new_state:
-            return lost
-        if await self.rt.store.committed_by(claim, decision.event):
-            return Fenced(True)
-        return lost
-
-    async def _current(self, job_id: str) -> Fenced:
-        job = await self.rt.store.get_job(job_id)
-        if job is None:
-            return Fenced(False)
-        return Fenced(False, job.attempt, job.state)
-
-    async def _lease_lost(self, delivery: Delivery, claim: Claim, fenced: Fenced) -> None:
-        """Our claim was superseded: record both tokens, change nothing else, ack.
-
-        The claim that holds the job now has its own delivery; ours is redundant.
-        """
-        log.warning(
-            "lease lost",
-            extra={
-                "event": "lease_lost",
-                "jobId": claim.job_id,
-                "attempt": claim.attempt,
-                "currentAttempt": fenced.current_attempt,
-            },
-        )
-        with contextlib.suppress(StoreError):
-            await self.rt.store.record_event(
-                claim.job_id,
-                "lease_lost",
-                self.rt.clock(),
-                worker=self.worker_id,
-                attempt=claim.attempt,
-                currentAttempt=fenced.current_attempt,
-                currentState=fenced.current_state.value if fenced.current_state else None,
-            )
-        await self._settle(delivery, claim.job_id, Action.ACK, claim.attempt)
-
-    def _measure(
-        self, job: JobRecord, decision: Decision, won: bool, started: float | None
-    ) -> None:
-        metrics = self.rt.metrics
-        target = decision.new_state.value if decision.new_state is not None else "unchanged"
-        if started is not None:
-            outcome = target if won else "lease_lost"
-            metrics.job_duration.labels(type=job.type, outcome=outcome).observe(
-                time.monotonic() - started
-            )
-        if not won:
-            return
-        if decision.new_state is JobState.QUARANTINED:
-            metrics.quarantined(JobState.RUNNING.value, decision.reason or "")
-        else:
-            metrics.transition(JobState.RUNNING.value, target)
-            if decision.new_state is JobState.RETRY_WAIT:
-                metrics.retries.inc()
-
-    async def _heartbeat(
-        self, claim: Claim, granted: float, work: asyncio.Task[Any], lost: asyncio.Event
-    ) -> None:
-        """Renew the lease every third of it; stop the work when the lease is gone.
-
-        Gone means a renewal found another claim holding the job, or no renewal succeeded
-        before the lease (counted from just before the claim, on this process's monotonic
-        clock) would end. Either way the run stops: it can no longer win its fenced writes.
-        """
-        lease = self.lease.total_seconds()
-        margin = min(1.0, lease / 10)
-        expires = granted + lease
-        due = granted + lease / 3
-        while True:
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            sent = time.monotonic()
-            reason: str | None = None
-            try:
-                async with asyncio.timeout(max(expires - margin - sent, margin)):
-                    held = await self.rt.store.renew_lease(claim, self.lease, self.rt.clock())
-                if held:
-                    expires, due = sent + lease, sent + lease / 3
-                    continue
-                reason = "another claim holds the job"
-            except (StoreError, TimeoutError) as exc:
-                if time.monotonic() < expires - margin:
-                    log.warning(
-                        "lease renewal failed: %s",
-                        exc or "timed out",
-                        extra={"event": "lease_renew_failed", "jobId": claim.job_id},
-                    )
-                    due = time.monotonic() + min(lease / 6, 1.0)
-                    continue
-                reason = f"lease could not be renewed before it ended ({exc or 'timed out'})"
-            log.warning(
-                "lease lost, stopping the run: %s",
-                reason,
-                extra={"event": "lease_lost", "jobId": claim.job_id, "attempt": claim.attempt},
-            )
-            lost.set()
-            work.cancel()
-            return
 
     # --- settling ---------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from sqlalchemy import exists, func, select, update
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
-from jobrelay.storage.store import WORK_DESTINATION, JobRecord, Store, _aware, _job_record
+from jobrelay.storage.store import WORK_DESTINATION, JobRecord, Store, aware_time, job_record
 from jobrelay.storage.tables import api_tokens, job_events, jobs, local_messages, outbox
 
 OPERATOR = "operator"
@@ -84,7 +84,7 @@ class AdminQueries:
         becomes ``attempt + budget``.
         """
         store = self.store
-        async with store._write() as conn:
+        async with store.writing() as conn:
             row = (
                 await conn.execute(
                     select(jobs.c.state, jobs.c.type, jobs.c.attempt, jobs.c.quarantine_reason)
@@ -95,7 +95,7 @@ class AdminQueries:
             if row is None:
                 return ActionOutcome(job_id, False, None)
             state = JobState(row.state)
-            won = await store._transition(
+            won = await store.transition(
                 conn,
                 job_id,
                 JobState.QUEUED,
@@ -111,10 +111,10 @@ class AdminQueries:
             )
             if not won:
                 return ActionOutcome(job_id, False, state)
-            await store._enqueue(
+            await store.add_message(
                 conn, job_id, JobMessage(job_id, row.type), WORK_DESTINATION, now, headers
             )
-            await store._event(
+            await store.add_event(
                 conn,
                 job_id,
                 "replayed",
@@ -125,20 +125,20 @@ class AdminQueries:
                 attempt=row.attempt,
                 maxAttempts=row.attempt + budget,
             )
-        store._wake_relays()
+        store.wake_relays()
         return ActionOutcome(job_id, True, JobState.QUEUED, state)
 
     async def cancel(self, job_id: str, *, actor: str, reason: str, now: datetime) -> ActionOutcome:
         """queued | retry_wait | quarantined -> cancelled; later deliveries are acked unworked."""
         store = self.store
-        async with store._write() as conn:
+        async with store.writing() as conn:
             current = await conn.scalar(
                 select(jobs.c.state).where(jobs.c.id == job_id).with_for_update()
             )
             if current is None:
                 return ActionOutcome(job_id, False, None)
             state = JobState(current)
-            won = await store._transition(
+            won = await store.transition(
                 conn,
                 job_id,
                 JobState.CANCELLED,
@@ -150,7 +150,7 @@ class AdminQueries:
             )
             if not won:
                 return ActionOutcome(job_id, False, state)
-            await store._event(
+            await store.add_event(
                 conn,
                 job_id,
                 "cancelled",
@@ -172,7 +172,7 @@ class AdminQueries:
     ) -> list[JobRecord]:
         """Newest first. ``reason`` matches part of the quarantine reason or the last error,
         ignoring case."""
-        query = self.store._job_query().order_by(jobs.c.created_at.desc(), jobs.c.id).limit(limit)
+        query = self.store.job_query().order_by(jobs.c.created_at.desc(), jobs.c.id).limit(limit)
         if state is not None:
             query = query.where(jobs.c.state == state.value)
         if job_type is not None:
@@ -186,15 +186,15 @@ class AdminQueries:
                     text, autoescape=True
                 )
             )
-        async with self.store._read() as conn:
+        async with self.store.reading() as conn:
             rows = (await conn.execute(query)).all()
-        return [_job_record(r) for r in rows]
+        return [job_record(r) for r in rows]
 
     async def trace_id(self, job_id: str) -> str | None:
         """The trace id of the job's first message (from the HTTP request's traceparent)."""
         from jobrelay.logs import trace_id
 
-        async with self.store._read() as conn:
+        async with self.store.reading() as conn:
             headers = await conn.scalar(
                 select(outbox.c.headers)
                 .where(outbox.c.job_id == job_id)
@@ -205,7 +205,7 @@ class AdminQueries:
 
     async def token_identity(self, token_hash: str) -> tuple[int, str | None] | None:
         """A token's row id and label, to name who did an operator action (never the token)."""
-        async with self.store._read() as conn:
+        async with self.store.reading() as conn:
             row = (
                 await conn.execute(
                     select(api_tokens.c.id, api_tokens.c.label).where(
@@ -218,7 +218,7 @@ class AdminQueries:
     async def states_of(self, job_ids: Iterable[str]) -> dict[str, JobState]:
         ids = sorted(set(job_ids))
         out: dict[str, JobState] = {}
-        async with self.store._read() as conn:
+        async with self.store.reading() as conn:
             for start in range(0, len(ids), 500):
                 rows = await conn.execute(
                     select(jobs.c.id, jobs.c.state).where(jobs.c.id.in_(ids[start : start + 500]))
@@ -230,7 +230,7 @@ class AdminQueries:
 
     async def outbox_stats(self) -> tuple[int, datetime | None]:
         """How many outbox rows wait, and when the oldest of them was written."""
-        async with self.store._read() as conn:
+        async with self.store.reading() as conn:
             row = (
                 await conn.execute(
                     select(func.count(), func.min(outbox.c.created_at)).where(
@@ -238,26 +238,26 @@ class AdminQueries:
                     )
                 )
             ).one()
-        return int(row[0] or 0), _aware(row[1])
+        return int(row[0] or 0), aware_time(row[1])
 
     # --- reconciler: find -----------------------------------------------------------------
 
     async def expired_leases(self, before: datetime, limit: int) -> list[JobRecord]:
         """Jobs ``running`` whose lease ran out before ``before`` (its worker is presumed dead)."""
         query = (
-            self.store._job_query()
+            self.store.job_query()
             .where(jobs.c.state == JobState.RUNNING.value, jobs.c.lease_expires_at < before)
             .order_by(jobs.c.lease_expires_at)
             .limit(limit)
         )
-        async with self.store._read() as conn:
+        async with self.store.reading() as conn:
             rows = (await conn.execute(query)).all()
-        return [_job_record(r) for r in rows]
+        return [job_record(r) for r in rows]
 
     async def overdue_retries(self, before: datetime, limit: int) -> list[WaitingJob]:
         """Jobs in ``retry_wait`` due before ``before`` with no message waiting in the outbox."""
         query = (
-            self.store._job_query()
+            self.store.job_query()
             .add_columns(_requeued_this_wait(RECONCILED_RETRY).label("requeued_before"))
             .where(
                 jobs.c.state == JobState.RETRY_WAIT.value,
@@ -267,9 +267,9 @@ class AdminQueries:
             .order_by(jobs.c.next_attempt_at)
             .limit(limit)
         )
-        async with self.store._read() as conn:
+        async with self.store.reading() as conn:
             rows = (await conn.execute(query)).all()
-        return [WaitingJob(_job_record(r), bool(r.requeued_before)) for r in rows]
+        return [WaitingJob(job_record(r), bool(r.requeued_before)) for r in rows]
 
     async def unclaimed_queued(self, before: datetime, limit: int) -> list[WaitingJob]:
         """Jobs ``queued`` and unchanged since before ``before`` (never claimed in this wait),
@@ -286,7 +286,7 @@ class AdminQueries:
             .scalar_subquery()
         )
         query = (
-            self.store._job_query()
+            self.store.job_query()
             .add_columns(
                 _requeued_this_wait(RECONCILED_QUEUED).label("requeued_before"),
                 confirmed.label("confirmed_at"),
@@ -300,10 +300,10 @@ class AdminQueries:
             .order_by(jobs.c.updated_at)
             .limit(limit)
         )
-        async with self.store._read() as conn:
+        async with self.store.reading() as conn:
             rows = (await conn.execute(query)).all()
         return [
-            WaitingJob(_job_record(r), bool(r.requeued_before), _aware(r.confirmed_at))
+            WaitingJob(job_record(r), bool(r.requeued_before), aware_time(r.confirmed_at))
             for r in rows
         ]
 
@@ -316,7 +316,7 @@ class AdminQueries:
             .order_by(outbox.c.id)
             .limit(limit)
         )
-        async with self.store._read() as conn:
+        async with self.store.reading() as conn:
             rows = (await conn.execute(query)).all()
         return [
             StaleOutboxRow(
@@ -340,7 +340,7 @@ class AdminQueries:
             .order_by(local_messages.c.id)
             .limit(limit)
         )
-        async with self.store._read() as conn:
+        async with self.store.reading() as conn:
             rows = (await conn.execute(query)).all()
         return [QueuedMessage(dict(r.headers or {}), str(r.body).encode()) for r in rows]
 
@@ -352,7 +352,7 @@ class AdminQueries:
         """running (lease expired before ``before``, same owner) -> retry_wait, due now, with a
         work message. The next delivery claims it, or quarantines it if no attempt is left."""
         store = self.store
-        async with store._write() as conn:
+        async with store.writing() as conn:
             row = (
                 await conn.execute(
                     select(jobs.c.type, jobs.c.attempt, jobs.c.lease_expires_at).where(
@@ -365,7 +365,7 @@ class AdminQueries:
             owner_guard = (
                 jobs.c.lease_owner.is_(None) if owner is None else jobs.c.lease_owner == owner
             )
-            won = await store._transition(
+            won = await store.transition(
                 conn,
                 job_id,
                 JobState.RETRY_WAIT,
@@ -378,8 +378,10 @@ class AdminQueries:
             )
             if not won:
                 return False
-            await store._enqueue(conn, job_id, JobMessage(job_id, row.type), WORK_DESTINATION, now)
-            await store._event(
+            await store.add_message(
+                conn, job_id, JobMessage(job_id, row.type), WORK_DESTINATION, now
+            )
+            await store.add_event(
                 conn,
                 job_id,
                 RECONCILED_LEASE,
@@ -389,7 +391,7 @@ class AdminQueries:
                 leaseExpiredAt=row.lease_expires_at,
                 attempt=row.attempt,
             )
-        store._wake_relays()
+        store.wake_relays()
         return True
 
     async def requeue_overdue_retry(
@@ -430,7 +432,7 @@ class AdminQueries:
         """A work message and a ``kind`` event for a job still in ``state`` and ``overdue``,
         with none waiting in the outbox and no ``kind`` repair since the job last changed."""
         store = self.store
-        async with store._write() as conn:
+        async with store.writing() as conn:
             row = (
                 await conn.execute(
                     select(jobs.c.type, jobs.c.attempt, jobs.c.next_attempt_at).where(
@@ -453,9 +455,11 @@ class AdminQueries:
             )
             if result.rowcount != 1:
                 return False
-            await store._enqueue(conn, job_id, JobMessage(job_id, row.type), WORK_DESTINATION, now)
-            await store._event(conn, job_id, kind, now, actor=actor, **detail(row))
-        store._wake_relays()
+            await store.add_message(
+                conn, job_id, JobMessage(job_id, row.type), WORK_DESTINATION, now
+            )
+            await store.add_event(conn, job_id, kind, now, actor=actor, **detail(row))
+        store.wake_relays()
         return True
 
 

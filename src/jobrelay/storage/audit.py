@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.domain.states import JobState
 from jobrelay.storage.engine import read_tx
-from jobrelay.storage.store import JobRecord, Store, _job_record
+from jobrelay.storage.store import JobRecord, Store, job_record
 from jobrelay.storage.tables import effects_ledger, job_events, jobs, outbox
 
 
@@ -42,8 +42,8 @@ async def non_terminal_and_unpublished(engine: AsyncEngine) -> tuple[int, int]:
 async def collect(store: Store) -> Facts:
     engine = store.engine
     async with read_tx(engine, "audit") as conn:
-        rows = (await conn.execute(store._job_query())).all()
-        found = {r.id: _job_record(r) for r in rows}
+        rows = (await conn.execute(store.job_query())).all()
+        found = {r.id: job_record(r) for r in rows}
         events: dict[str, Counter[str]] = {}
         counted = await conn.execute(
             select(job_events.c.job_id, job_events.c.kind, func.count()).group_by(

@@ -1,0 +1,220 @@
+"""What every store module shares: the engine, the ONE clock, transactions, and the SQL
+that more than one concept writes (an event, an outbox message, a guarded transition).
+
+The rules every store method keeps:
+- A state change is a guarded ``UPDATE … WHERE state IN (:legal sources)``; the caller learns
+  from the result whether it won. Nobody overwrites a state they did not read.
+- Each transition writes its ``job_events`` row in the same transaction.
+- A message to send is an ``outbox`` row written in the same transaction as the state it
+  belongs to; nothing here talks to the broker.
+- Every write after a claim is fenced on the claim token: the job id, ``running`` and the
+  attempt number the claim produced (each claim increments it, so it names one claim). A
+  write that loses changes nothing and the caller records ``lease_lost``.
+- What is *judged* by time (is a lease live, is a retry due, when does a new lease end) uses
+  ONE clock, the store's: on PostgreSQL the database's own ``now()`` in SQL, on SQLite this
+  process's clock (one process owns the file). No worker host's clock decides. Times that
+  are only *recorded* (an event's ``at``) still come from the caller. Tests inject a clock
+  into the store to move time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    func,
+    insert,
+    literal,
+    select,
+    text,
+    type_coerce,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobrelay.domain.messages import JobMessage
+from jobrelay.domain.states import JobState, sources_for
+from jobrelay.storage.effects import EffectsLedger
+from jobrelay.storage.engine import read_tx, write_tx
+from jobrelay.storage.records import (
+    NOTIFY_CHANNEL,
+    Clock,
+    NewJob,
+    jsonable,
+    utc_now,
+)
+from jobrelay.storage.tables import (
+    UTCDateTime,
+    job_events,
+    jobs,
+    outbox,
+)
+
+
+class StoreBase:
+    def __init__(self, engine: AsyncEngine, *, clock: Clock | None = None) -> None:
+        self.engine = engine
+        self.is_postgres = engine.dialect.name == "postgresql"
+        # None: the database's clock on PostgreSQL, this process's on SQLite. Tests inject one.
+        self._clock = clock
+        # In-process wake-ups for a relay in this same process (``jobrelay up``), set after
+        # a commit that wrote outbox rows. PostgreSQL relays elsewhere get NOTIFY instead.
+        self.outbox_listeners: list[asyncio.Event] = []
+        # External effects of jobs (e-mails sent): a small module of its own, same database.
+        self.effects = EffectsLedger(engine)
+
+    def wake_relays(self) -> None:
+        for listener in self.outbox_listeners:
+            listener.set()
+
+    def now_sql(self, plus: timedelta = timedelta(0)) -> ColumnElement[datetime]:
+        """The store's clock (+ ``plus``) as a SQL expression, for guards and lease ends.
+
+        On PostgreSQL it is ``now()`` evaluated by the server; elsewhere the value is computed
+        here (SQLite has no interval arithmetic on the text it stores times as).
+        """
+        if self._clock is None and self.is_postgres:
+            expr = func.now() if not plus else func.now() + plus
+            return type_coerce(expr, UTCDateTime())
+        return literal(self.local_now() + plus, UTCDateTime())
+
+    def local_now(self) -> datetime:
+        return self._clock() if self._clock is not None else utc_now()
+
+    async def db_now(self) -> datetime:
+        """The store's clock as a value (one round trip on PostgreSQL, none on SQLite)."""
+        if self._clock is None and self.is_postgres:
+            async with self.reading() as conn:
+                value = await conn.scalar(select(self.now_sql()))
+            assert isinstance(value, datetime)
+            return value
+        return self.local_now()
+
+    def writing(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        return write_tx(self.engine, "database")
+
+    def reading(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        return read_tx(self.engine, "database")
+
+    def upsert(self, table: Any) -> Any:
+        dialect = postgresql if self.is_postgres else sqlite
+        return dialect.insert(table)
+
+    async def add_event(
+        self, conn: AsyncConnection, job_id: str, kind: str, now: datetime, **detail: Any
+    ) -> None:
+        await conn.execute(
+            insert(job_events).values(job_id=job_id, at=now, kind=kind, detail=jsonable(detail))
+        )
+
+    async def add_message(
+        self,
+        conn: AsyncConnection,
+        job_id: str,
+        message: JobMessage | bytes,
+        destination: str,
+        now: datetime,
+        headers: Mapping[str, str] | None = None,
+        *,
+        extra_headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if headers is None:
+            # Retries, deferrals and repairs carry on the trace of the job's first message.
+            first = await conn.scalar(
+                select(outbox.c.headers)
+                .where(outbox.c.job_id == job_id)
+                .order_by(outbox.c.id)
+                .limit(1)
+            )
+            trace = (first or {}).get("traceparent")
+            headers = {"traceparent": trace} if isinstance(trace, str) else None
+        await conn.execute(
+            insert(outbox).values(
+                job_id=job_id,
+                destination=destination,
+                body=(message if isinstance(message, bytes) else message.encode()).decode(),
+                headers={**(headers or {}), **(extra_headers or {})},
+                created_at=now,
+            )
+        )
+        if self.is_postgres:
+            # Delivered at commit, to listening relays only: a hint, never the only path.
+            await conn.execute(text("SELECT pg_notify(:c, '')"), {"c": NOTIFY_CHANNEL})
+
+    async def transition(
+        self,
+        conn: AsyncConnection,
+        job_id: str,
+        target: JobState,
+        now: datetime,
+        *,
+        sources: Iterable[JobState] | None = None,
+        where: Sequence[Any] = (),
+        **values: Any,
+    ) -> bool:
+        allowed = sorted(s.value for s in (sources if sources is not None else sources_for(target)))
+        result = await conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.state.in_(allowed), *where)
+            .values(state=target.value, updated_at=now, **values)
+        )
+        return bool(result.rowcount == 1)
+
+    async def insert_job(self, conn: AsyncConnection, job: NewJob, now: datetime) -> bool:
+        """Insert a queued job unless its id exists; True when this call created it."""
+        inserted = await conn.execute(
+            self.upsert(jobs)
+            .values(
+                id=job.job_id,
+                type=job.type,
+                account_id=job.account_id,
+                params=job.params,
+                idempotency_key=job.idempotency_key,
+                request_hash=job.request_hash,
+                state=JobState.QUEUED.value,
+                attempt=0,
+                max_attempts=job.max_attempts,
+                created_at=now,
+                updated_at=now,
+            )
+            .on_conflict_do_nothing(index_elements=[jobs.c.id])
+        )
+        return bool(inserted.rowcount == 1)
+
+    def job_query(self) -> Any:
+        waiting = (
+            select(
+                func.min(outbox.c.created_at).label("unpublished_since"),
+            )
+            .where(outbox.c.job_id == jobs.c.id, outbox.c.published_at.is_(None))
+            .scalar_subquery()
+        )
+        any_published = (
+            select(func.count())
+            .where(outbox.c.job_id == jobs.c.id, outbox.c.published_at.is_not(None))
+            .scalar_subquery()
+        )
+        last_error = (
+            select(outbox.c.last_error)
+            .where(outbox.c.job_id == jobs.c.id, outbox.c.published_at.is_(None))
+            .order_by(outbox.c.id.desc())
+            .limit(1)
+            .scalar_subquery()
+        )
+        return select(
+            jobs,
+            waiting.label("unpublished_since"),
+            any_published.label("published_count"),
+            last_error.label("last_publish_error"),
+            self.now_sql().label("observed_at"),
+        )
+
+    async def ping(self) -> None:
+        async with self.reading() as conn:
+            await conn.execute(text("SELECT 1"))

@@ -1,0 +1,343 @@
+"""The worker's writes: a claim, and every write fenced on it.
+
+A claim increments ``attempt`` and takes a lease, judged by the store's clock; the attempt
+is the claim's token. Renewal, progress, completion (with the publication of its staged
+result and its follow-up jobs), retry and the worker's quarantine are each one guarded
+statement on that token; a delivery-time quarantine is guarded on what the policy saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    and_,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from jobrelay.domain.messages import JobMessage
+from jobrelay.domain.policy import RETRY_SLACK, JobView
+from jobrelay.domain.states import JobState, sources_for
+from jobrelay.storage.base import StoreBase
+from jobrelay.storage.records import (
+    WORK_DESTINATION,
+    Claim,
+    Fenced,
+    NewJob,
+    retry_destination,
+)
+from jobrelay.storage.tables import (
+    job_events,
+    jobs,
+)
+
+
+class ClaimsStore(StoreBase):
+    def fenced(self, claim: Claim) -> list[Any]:
+        """The claim token: a write of this run lands only while this claim holds the job."""
+        return [
+            jobs.c.state == JobState.RUNNING.value,
+            jobs.c.attempt == claim.attempt,
+            jobs.c.lease_owner == claim.worker_id,
+        ]
+
+    def as_seen(self, seen: JobView) -> list[Any]:
+        """A guard equal to what the policy saw: the state, the attempt and the lease."""
+        lease = seen.lease_expires_at
+        return [
+            jobs.c.state == seen.state.value,
+            jobs.c.attempt == seen.attempt,
+            jobs.c.lease_expires_at.is_(None)
+            if lease is None
+            else jobs.c.lease_expires_at == lease,
+        ]
+
+    async def current(self, conn: AsyncConnection, job_id: str) -> Fenced:
+        row = (
+            await conn.execute(select(jobs.c.state, jobs.c.attempt).where(jobs.c.id == job_id))
+        ).first()
+        if row is None:
+            return Fenced(False)
+        return Fenced(False, int(row.attempt), JobState(row.state))
+
+    async def claim_job(
+        self,
+        job_id: str,
+        worker_id: str,
+        now: datetime,
+        lease: timedelta,
+        *,
+        seen: JobView | None = None,
+        **detail: Any,
+    ) -> Claim | None:
+        """attempt += 1 and take the lease, before any work; returns the claim, or None.
+
+        Guarded on every condition the policy checked, judged by the store's clock, and (with
+        ``seen``) on the state and attempt the policy read, so a racing copy or a retry that is
+        not yet due loses here instead of running twice.
+        """
+        clock = self.now_sql()
+        guards = list(self.as_seen(seen)[:2]) if seen is not None else []
+        async with self.writing() as conn:
+            result = await conn.execute(
+                update(jobs)
+                .where(
+                    jobs.c.id == job_id,
+                    jobs.c.state.in_(sorted(s.value for s in sources_for(JobState.RUNNING))),
+                    jobs.c.attempt < jobs.c.max_attempts,
+                    or_(
+                        jobs.c.state == JobState.QUEUED.value,
+                        and_(
+                            jobs.c.state == JobState.RETRY_WAIT.value,
+                            or_(
+                                jobs.c.next_attempt_at.is_(None),
+                                jobs.c.next_attempt_at <= self.now_sql(RETRY_SLACK),
+                            ),
+                        ),
+                        and_(
+                            jobs.c.state == JobState.RUNNING.value,
+                            or_(
+                                jobs.c.lease_expires_at.is_(None),
+                                jobs.c.lease_expires_at <= clock,
+                            ),
+                        ),
+                    ),
+                    *guards,
+                )
+                .values(
+                    state=JobState.RUNNING.value,
+                    updated_at=now,
+                    attempt=jobs.c.attempt + 1,
+                    lease_owner=worker_id,
+                    lease_expires_at=self.now_sql(lease),
+                    next_attempt_at=None,
+                    progress_done=None,
+                    progress_total=None,
+                )
+                .returning(jobs.c.attempt)
+            )
+            attempt = result.scalar_one_or_none()
+            if attempt is None:
+                return None
+            await self.add_event(
+                conn, job_id, "claimed", now, worker=worker_id, attempt=int(attempt), **detail
+            )
+        return Claim(job_id, int(attempt), worker_id)
+
+    async def renew_lease(self, claim: Claim, lease: timedelta, now: datetime) -> bool:
+        """Extend the lease to the store's clock + ``lease``, only while the claim holds."""
+        async with self.writing() as conn:
+            result = await conn.execute(
+                update(jobs)
+                .where(jobs.c.id == claim.job_id, *self.fenced(claim))
+                .values(lease_expires_at=self.now_sql(lease), updated_at=now)
+            )
+        return bool(result.rowcount == 1)
+
+    async def report_progress(self, claim: Claim, done: int, total: int, now: datetime) -> bool:
+        async with self.writing() as conn:
+            result = await conn.execute(
+                update(jobs)
+                .where(jobs.c.id == claim.job_id, *self.fenced(claim))
+                .values(progress_done=done, progress_total=total, updated_at=now)
+            )
+        return bool(result.rowcount == 1)
+
+    async def complete(
+        self,
+        claim: Claim,
+        result_key: str,
+        result_meta: dict[str, Any],
+        now: datetime,
+        follow_ups: Sequence[NewJob] = (),
+        publish: Callable[[], Awaitable[None]] | None = None,
+    ) -> Fenced:
+        """running -> succeeded with its result key, BEFORE the delivery is acked.
+
+        Fenced on the claim. ``publish`` makes the staged result visible under its key while
+        the guarded UPDATE holds the job's row lock (PostgreSQL) or the write lock (SQLite),
+        and before the commit: a stale attempt can never pass the guard, so it can never
+        replace the object the winning attempt committed. A publish that fails rolls the
+        whole completion back.
+
+        ``follow_ups`` (a notification of this success) are created in the SAME transaction,
+        each with its outbox row and ``accepted`` event: no success without its follow-up,
+        and, their ids being derived from this job's, never a second one.
+        """
+        async with self.writing() as conn:
+            won = await self.transition(
+                conn,
+                claim.job_id,
+                JobState.SUCCEEDED,
+                now,
+                where=self.fenced(claim),
+                result_key=result_key,
+                result_meta=result_meta,
+                lease_owner=None,
+                lease_expires_at=None,
+                last_error=None,
+                progress_done=result_meta.get("rows"),
+                progress_total=result_meta.get("rows"),
+            )
+            if not won:
+                return await self.current(conn, claim.job_id)
+            if publish is not None:
+                await publish()
+            await self.add_event(
+                conn,
+                claim.job_id,
+                "result_saved",
+                now,
+                resultKey=result_key,
+                worker=claim.worker_id,
+                **result_meta,
+            )
+            for follow_up in follow_ups:
+                await self.add_follow_up(conn, claim.job_id, follow_up, now)
+        if follow_ups:
+            self.wake_relays()
+        return Fenced(True)
+
+    async def add_follow_up(
+        self, conn: AsyncConnection, parent_id: str, job: NewJob, now: datetime
+    ) -> None:
+        if not await self.insert_job(conn, job, now):
+            return  # created by an earlier success of the same parent
+        message = JobMessage(job_id=job.job_id, type=job.type)
+        await self.add_message(conn, job.job_id, message, WORK_DESTINATION, now, job.headers or {})
+        await self.add_event(
+            conn, job.job_id, "accepted", now, type=job.type, parentJobId=parent_id
+        )
+        await self.add_event(
+            conn, parent_id, "follow_up_accepted", now, jobId=job.job_id, type=job.type
+        )
+
+    async def schedule_retry(
+        self, claim: Claim, job_type: str, error: str, delay: int, now: datetime
+    ) -> Fenced:
+        """running -> retry_wait, and the retry message into the outbox, in one transaction.
+
+        Fenced on the claim; the due time is the store's clock + ``delay``.
+        """
+        async with self.writing() as conn:
+            result = await conn.execute(
+                update(jobs)
+                .where(jobs.c.id == claim.job_id, *self.fenced(claim))
+                .values(
+                    state=JobState.RETRY_WAIT.value,
+                    updated_at=now,
+                    last_error=error[:4000],
+                    next_attempt_at=self.now_sql(timedelta(seconds=delay)),
+                    lease_owner=None,
+                    lease_expires_at=None,
+                )
+                .returning(jobs.c.next_attempt_at)
+            )
+            due = result.scalar_one_or_none()
+            if due is None:
+                return await self.current(conn, claim.job_id)
+            await self.add_message(
+                conn,
+                claim.job_id,
+                JobMessage(claim.job_id, job_type),
+                retry_destination(delay),
+                now,
+            )
+            await self.add_event(
+                conn,
+                claim.job_id,
+                "retry_scheduled",
+                now,
+                error=error,
+                delaySeconds=delay,
+                nextAttemptAt=due,
+                attempt=claim.attempt,
+                worker=claim.worker_id,
+            )
+        self.wake_relays()
+        return Fenced(True)
+
+    async def quarantine(
+        self,
+        job_id: str,
+        reason: str,
+        now: datetime,
+        *,
+        claim: Claim | None = None,
+        seen: JobView | None = None,
+        **detail: Any,
+    ) -> bool:
+        """-> quarantined with the reason kept.
+
+        With ``claim`` (the worker's own run failed for good) only while that claim holds;
+        with ``seen`` (a delivery-time decision) only if the job is still exactly as the
+        policy saw it: same state, same attempt, same lease. A bad copy read while the job
+        was ``queued`` therefore never quarantines a job a good copy has claimed since.
+        """
+        where: list[Any] = []
+        if claim is not None:
+            where += self.fenced(claim)
+            detail = {**detail, "attempt": claim.attempt, "worker": claim.worker_id}
+        if seen is not None:
+            where += self.as_seen(seen)
+        async with self.writing() as conn:
+            won = await self.transition(
+                conn,
+                job_id,
+                JobState.QUARANTINED,
+                now,
+                where=where,
+                quarantine_reason=reason[:4000],
+                last_error=reason[:4000],
+                lease_owner=None,
+                lease_expires_at=None,
+                next_attempt_at=None,
+            )
+            if won:
+                await self.add_event(conn, job_id, "quarantined", now, reason=reason, **detail)
+        return won
+
+    async def defer(
+        self,
+        job_id: str,
+        message: JobMessage | bytes,
+        delay: int,
+        reason: str,
+        now: datetime,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """Re-check a job later through the delay route: an outbox row, no state change.
+
+        ``message`` may be the raw body of a delivery this worker cannot read (a type or
+        version only newer workers know): it is passed on unchanged, with ``headers`` added.
+        """
+        async with self.writing() as conn:
+            await self.add_message(
+                conn, job_id, message, retry_destination(delay), now, extra_headers=headers
+            )
+            await self.add_event(conn, job_id, "deferred", now, reason=reason, delaySeconds=delay)
+        self.wake_relays()
+
+    async def committed_by(self, claim: Claim, kind: str) -> bool:
+        """Whether the job's timeline has a ``kind`` event written by this very claim.
+
+        For a worker whose outcome commit may have landed while its answer was lost (the
+        database went away mid-commit): only its own event proves the outcome is its own.
+        """
+        async with self.reading() as conn:
+            rows = await conn.scalars(
+                select(job_events.c.detail).where(
+                    job_events.c.job_id == claim.job_id, job_events.c.kind == kind
+                )
+            )
+            details = list(rows)
+        return any(
+            (d or {}).get("attempt") == claim.attempt and (d or {}).get("worker") == claim.worker_id
+            for d in details
+        )

@@ -1,0 +1,164 @@
+"""What the store reads and writes, as plain records; and the one mapping from a jobs row.
+
+No I/O here: the store modules build these from rows, and the roles pass them around.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Row
+
+from jobrelay.domain.policy import JobView
+from jobrelay.domain.states import JobState
+from jobrelay.storage.tables import UTCDateTime
+
+NOTIFY_CHANNEL = "jobrelay_outbox"
+WORK_DESTINATION = "work"
+
+
+def retry_destination(seconds: int) -> str:
+    return f"retry.{seconds}s"
+
+
+@dataclass(frozen=True)
+class NewJob:
+    job_id: str
+    type: str
+    account_id: str
+    params: dict[str, Any]
+    request_hash: str
+    max_attempts: int
+    idempotency_key: str | None = None
+    headers: Mapping[str, str] | None = None  # message headers (trace context)
+
+
+Clock = Callable[[], datetime]
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim of a job: the token every later write of that run is fenced on."""
+
+    job_id: str
+    attempt: int
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """What a fenced write found: ``won``, or the attempt that holds the job now."""
+
+    won: bool
+    current_attempt: int | None = None
+    current_state: JobState | None = None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    type: str
+    account_id: str
+    params: dict[str, Any]
+    idempotency_key: str | None
+    state: JobState
+    attempt: int
+    max_attempts: int
+    result_key: str | None
+    result_meta: dict[str, Any] | None
+    last_error: str | None
+    quarantine_reason: str | None
+    next_attempt_at: datetime | None
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    progress_done: int | None
+    progress_total: int | None
+    created_at: datetime
+    updated_at: datetime
+    published: bool
+    unpublished_since: datetime | None  # oldest outbox row of this job still waiting
+    last_publish_error: str | None
+    # The store's clock when this row was read: what the policy judges leases and due times by.
+    observed_at: datetime | None = None
+
+    def view(self) -> JobView:
+        return JobView(
+            state=self.state,
+            attempt=self.attempt,
+            max_attempts=self.max_attempts,
+            lease_owner=self.lease_owner,
+            lease_expires_at=self.lease_expires_at,
+            next_attempt_at=self.next_attempt_at,
+            result_key=self.result_key,
+        )
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    at: datetime
+    kind: str
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    id: int
+    job_id: str
+    destination: str
+    body: bytes
+    headers: dict[str, Any]
+    publish_attempts: int
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    account_id: str | None
+    is_admin: bool
+
+
+def job_record(row: Row[Any]) -> JobRecord:
+    m = row._mapping
+    return JobRecord(
+        id=m["id"],
+        type=m["type"],
+        account_id=m["account_id"],
+        params=m["params"] or {},
+        idempotency_key=m["idempotency_key"],
+        state=JobState(m["state"]),
+        attempt=m["attempt"],
+        max_attempts=m["max_attempts"],
+        result_key=m["result_key"],
+        result_meta=m["result_meta"],
+        last_error=m["last_error"],
+        quarantine_reason=m["quarantine_reason"],
+        next_attempt_at=m["next_attempt_at"],
+        lease_owner=m["lease_owner"],
+        lease_expires_at=m["lease_expires_at"],
+        progress_done=m["progress_done"],
+        progress_total=m["progress_total"],
+        created_at=m["created_at"],
+        updated_at=m["updated_at"],
+        published=m["unpublished_since"] is None and (m["published_count"] or 0) > 0,
+        unpublished_since=aware_time(m["unpublished_since"]),
+        last_publish_error=m["last_publish_error"],
+        observed_at=aware_time(m.get("observed_at")),
+    )
+
+
+def aware_time(value: Any) -> datetime | None:
+    # Aggregates (min) bypass the column type on SQLite and come back as text.
+    return UTCDateTime().process_result_value(value, None)  # type: ignore[arg-type]
+
+
+def jsonable(detail: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in detail.items():
+        out[key] = value.isoformat() if isinstance(value, datetime) else value
+    return out
