@@ -1,12 +1,34 @@
 """jobrelay: background jobs that never silently disappear and never silently happen twice.
 
-The public surface is deliberately small: settings, the error tree and the job states.
-Everything else is reached through the ``jobrelay`` command or the HTTP API.
+The library's public names. Define job types on an ``App`` with ``@app.job`` and enqueue
+them inside your own transaction; ``jobrelay worker --app pkg.module:app`` runs them.
 """
 
+from jobrelay.app import App, JobDefinition
+from jobrelay.context import JobContext, Result
 from jobrelay.domain.states import JobState
-from jobrelay.errors import JobrelayError
+from jobrelay.errors import (
+    IdempotencyConflict,
+    InvalidParams,
+    JobrelayError,
+    Permanent,
+    Retry,
+)
 from jobrelay.settings import Settings
+from jobrelay.storage.records import JobRecord as Job
 
-__all__ = ["JobState", "JobrelayError", "Settings"]
+__all__ = [
+    "App",
+    "IdempotencyConflict",
+    "InvalidParams",
+    "Job",
+    "JobContext",
+    "JobDefinition",
+    "JobState",
+    "JobrelayError",
+    "Permanent",
+    "Result",
+    "Retry",
+    "Settings",
+]
 __version__ = "0.1.0"

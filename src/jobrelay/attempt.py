@@ -136,7 +136,9 @@ class AttemptRun:
         return min(1.0, self.lease.total_seconds() / 10)
 
     def _transient(self, job: JobRecord, attempt: int, error: str) -> TransientFailure:
-        return TransientFailure(error, attempt, job.max_attempts, self.rt.settings.retry_delays)
+        operation = self.registry.get(job.type)
+        delays = getattr(operation, "retry_delays", None) or self.rt.settings.retry_delays
+        return TransientFailure(error, attempt, job.max_attempts, delays)
 
     async def _commit_outcome(
         self,

@@ -6,11 +6,14 @@
     ├── TransportError         the broker failed or is unreachable
     │   └── PublishError       a message was not confirmed (nack, basic.return, timeout)
     ├── IdempotencyConflict    the same Idempotency-Key came with a different body
+    ├── InvalidParams          a job's parameters do not validate (names each bad field)
     ├── JobNotFound            no such job (or not visible to the caller)
     └── OperationError         raised by an operation while it runs
         ├── TransientError     worth retrying later (timeouts, unreachable services)
+        │   ├── Retry          raised by a job to ask for a retry, with its reason
         │   └── EffectOutcomeUnknown  an external effect may or may not have happened
         └── PermanentError     retrying cannot help (invalid parameters, unknown type)
+            └── Permanent      raised by a job to be quarantined at once, with its reason
 
 Adapters translate library exceptions into this tree at their boundary, so the relay,
 worker and API never need to know which database driver or AMQP client is underneath.
@@ -57,6 +60,20 @@ class IdempotencyConflict(JobrelayError):
     """The Idempotency-Key was used before with a different request body."""
 
 
+class InvalidParams(JobrelayError):
+    """A job's parameters do not validate; nothing was written.
+
+    ``errors`` lists each bad field as ``{"field": "a.b", "message": "..."}``, and the
+    message names them all, so a caller can show it as it is.
+    """
+
+    def __init__(self, job_type: str, errors: list[dict[str, str]]) -> None:
+        fields = "; ".join(f"{e['field'] or '(params)'}: {e['message']}" for e in errors)
+        super().__init__(f"invalid params for {job_type}: {fields}")
+        self.job_type = job_type
+        self.errors = errors
+
+
 class JobNotFound(JobrelayError):
     """No job with that id, or one the caller may not see."""
 
@@ -73,6 +90,12 @@ class TransientError(OperationError):
     code = "transient"
 
 
+class Retry(TransientError):
+    """Raise from a job to fail this attempt and retry it later (while attempts remain)."""
+
+    code = "retry"
+
+
 class EffectOutcomeUnknown(TransientError):
     """The connection broke while an external effect was being handed over (an SMTP session
     dropped mid-DATA, a read timeout): the other side may have accepted it. Retried like any
@@ -84,5 +107,11 @@ class EffectOutcomeUnknown(TransientError):
 
 class PermanentError(OperationError):
     """Retrying cannot succeed; the job is quarantined with this reason."""
+
+    code = "permanent"
+
+
+class Permanent(PermanentError):
+    """Raise from a job to quarantine it at once, keeping ``reason`` for the operator."""
 
     code = "permanent"

@@ -177,9 +177,10 @@ async def declare_broker(settings: Settings) -> str:
     if settings.uses_local_broker:
         return "local transport: its queue is a table, created by `jobrelay db upgrade`"
     from jobrelay.errors import ConfigError, TransportError
+    from jobrelay.loader import load_app
     from jobrelay.transport.rabbitmq import declare_topology
 
-    topology = topology_for(settings)
+    topology = topology_for(settings, load_app(settings.app))
     try:
         await declare_topology(settings.broker_url, topology)
     except TransportError as exc:

@@ -15,8 +15,10 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobrelay.app import App
 from jobrelay.errors import ConfigError, StoreError, TransportError
 from jobrelay.faults import Faults
+from jobrelay.loader import load_app
 from jobrelay.metrics import Metrics
 from jobrelay.results.base import ResultStore
 from jobrelay.results.files import FileResults
@@ -44,14 +46,20 @@ class Runtime:
     topology: Topology
     clock: Clock = field(default=utc_now)
     metrics: Metrics = field(default_factory=Metrics)
+    # The application whose jobs run here (``--app``); None in tests that wire a registry.
+    app: App | None = None
 
 
-def topology_for(settings: Settings) -> Topology:
-    return Topology(retry_delays=settings.retry_delays, delivery_limit=settings.delivery_limit)
+def topology_for(settings: Settings, app: App | None = None) -> Topology:
+    """The broker names in force; an app's own retry delays each get a tier too."""
+    delays = app.retry_tiers(settings) if app is not None else settings.retry_delays
+    return Topology(retry_delays=delays, delivery_limit=settings.delivery_limit)
 
 
-def build_transport(settings: Settings, engine: AsyncEngine, clock: Clock = utc_now) -> Transport:
-    topology = topology_for(settings)
+def build_transport(
+    settings: Settings, engine: AsyncEngine, clock: Clock = utc_now, app: App | None = None
+) -> Transport:
+    topology = topology_for(settings, app)
     if settings.uses_local_broker:
         from jobrelay.transport.local import LocalTransport
 
@@ -110,11 +118,12 @@ async def open_runtime(
     """
     store_clock = clock
     clock = clock or utc_now
+    app = load_app(settings.app)
     engine = create_engine(settings.database_url)
     transport: Transport | None = None
     results: ResultStore | None = None
     try:
-        transport = build_transport(settings, engine, clock)
+        transport = build_transport(settings, engine, clock, app)
         # A remote broker is checked first, so an unreachable one fails before the database
         # is touched; the local transport lives in the database and must come after it.
         if connect_transport and not settings.uses_local_broker:
@@ -136,8 +145,9 @@ async def open_runtime(
             transport=transport,
             results=results,
             faults=faults if faults is not None else Faults(settings.faults),
-            topology=topology_for(settings),
+            topology=topology_for(settings, app),
             clock=clock,
+            app=app,
         )
     finally:
         if results is not None:

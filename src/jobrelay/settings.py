@@ -24,6 +24,8 @@ _S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
 
+    # The application whose jobs this process runs (pkg.module:attribute); none: the shipped one.
+    app: str | None = None
     database_url: str = "sqlite:///./var/jobrelay.db"
     broker_url: str = "local"
     results_url: str = "file://./var/exports"

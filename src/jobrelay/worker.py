@@ -74,7 +74,9 @@ class Worker:
         self, rt: Runtime, *, registry: Registry | None = None, worker_id: str | None = None
     ) -> None:
         self.rt = rt
-        self.registry = registry or default_registry(rt.settings)
+        if registry is None:
+            registry = rt.app.registry(rt.settings) if rt.app else default_registry(rt.settings)
+        self.registry = registry
         self.worker_id = worker_id or new_worker_id()
         self.lease = timedelta(seconds=rt.settings.lease_seconds)
         self.handled = 0

@@ -50,7 +50,9 @@ class Principal:
     account_id: str | None
     is_admin: bool
 
-    def may_act_for(self, account_id: str) -> bool:
+    def may_act_for(self, account_id: str | None) -> bool:
+        """Admins act for any job; an account token only for its own account's (never for a
+        job enqueued on no account's behalf)."""
         return self.is_admin or (self.account_id is not None and self.account_id == account_id)
 
 

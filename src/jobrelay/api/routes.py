@@ -120,7 +120,7 @@ async def create_export(
     idempotency_key: IdempotencyKey = None,
     traceparent: TraceParent = None,
 ) -> Accepted:
-    body = _parse_export(await _read_body(request))
+    body = _parse_export(await read_body(request))
     if not principal.may_act_for(body.account_id):
         raise ProblemError(403, f"this token may not act for account {body.account_id!r}")
     params = body.params()
@@ -238,7 +238,7 @@ async def get_result(job_id: JobIdPath, principal: PrincipalDep, runtime: Runtim
     )
 
 
-async def _read_body(request: Request) -> bytes:
+async def read_body(request: Request) -> bytes:
     body = bytearray()
     async for chunk in request.stream():
         body += chunk

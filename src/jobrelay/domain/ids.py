@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
 import uuid
 from typing import Any
 
@@ -21,7 +23,7 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def request_hash(account_id: str, job_type: str, params: dict[str, Any]) -> str:
+def request_hash(account_id: str | None, job_type: str, params: dict[str, Any]) -> str:
     """Digest of the request body, kept with the job to detect a reused idempotency key."""
     material = canonical_json({"account": account_id, "type": job_type, "params": params})
     return hashlib.sha256(material.encode()).hexdigest()
@@ -39,6 +41,25 @@ def job_id_for(
     else:
         material = canonical_json({"account": account_id, "type": job_type, "params": params})
     return str(uuid.uuid5(_NAMESPACE, material))
+
+
+def keyed_job_id(job_type: str, account_id: str | None, key: str) -> str:
+    """The id of a library job enqueued with ``key``: one job per (type, account, key)."""
+    material = canonical_json({"type": job_type, "account": account_id, "key": key})
+    return str(uuid.uuid5(_NAMESPACE, material))
+
+
+def uuid7() -> str:
+    """A fresh time-ordered id (RFC 9562 UUIDv7): new rows land at the end of the index.
+
+    48 bits of Unix milliseconds, then the version, 74 random bits and the variant.
+    """
+    millis = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (millis & ((1 << 48) - 1)) << 80 | rand & ((1 << 80) - 1)
+    value = value & ~(0xF << 76) | (0x7 << 76)  # version 7
+    value = value & ~(0x3 << 62) | (0x2 << 62)  # variant 10
+    return str(uuid.UUID(int=value))
 
 
 def follow_up_job_id(parent_job_id: str, job_type: str) -> str:

@@ -47,7 +47,7 @@ class ReadyToRun:
 
 @dataclass(frozen=True)
 class ResultSaved:
-    result_key: str
+    result_key: str | None
 
 
 @dataclass(frozen=True)

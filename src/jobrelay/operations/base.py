@@ -44,7 +44,7 @@ class OperationContext:
 
 @dataclass(frozen=True)
 class OperationResult:
-    result_key: str
+    result_key: str | None
     meta: dict[str, Any] = field(default_factory=dict)
     # Jobs to create in the same transaction that records this success (a notification).
     follow_ups: tuple[NewJob, ...] = ()

@@ -151,7 +151,7 @@ class ClaimsStore(StoreBase):
     async def complete(
         self,
         claim: Claim,
-        result_key: str,
+        result_key: str | None,
         result_meta: dict[str, Any],
         now: datetime,
         follow_ups: Sequence[NewJob] = (),

@@ -9,12 +9,10 @@ from sqlalchemy import (
     select,
 )
 
-from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
-from jobrelay.errors import IdempotencyConflict
 from jobrelay.storage.base import StoreBase
+from jobrelay.storage.enqueue import new_job_steps, run_async
 from jobrelay.storage.records import (
-    WORK_DESTINATION,
     JobRecord,
     NewJob,
     job_record,
@@ -32,21 +30,12 @@ class JobsStore(StoreBase):
         and writes nothing; the same idempotency key with another body raises.
         """
         async with self.writing() as conn:
-            if not await self.insert_job(conn, job, now):
-                existing = (
-                    await conn.execute(select(jobs.c.request_hash).where(jobs.c.id == job.job_id))
-                ).scalar_one()
-                if existing != job.request_hash:
-                    raise IdempotencyConflict(
-                        "this Idempotency-Key was already used with a different request body"
-                    )
-                return job.job_id, False
-            message = JobMessage(job_id=job.job_id, type=job.type)
-            headers = job.headers or {}  # a new job: no earlier message to inherit from
-            await self.add_message(conn, job.job_id, message, WORK_DESTINATION, now, headers)
-            await self.add_event(conn, job.job_id, "accepted", now, type=job.type)
-        self.wake_relays()
-        return job.job_id, True
+            job_id, created = await run_async(
+                conn, new_job_steps(self.engine.dialect.name, job, now)
+            )
+        if created:
+            self.wake_relays()
+        return job_id, created
 
     async def get_job(self, job_id: str) -> JobRecord | None:
         async with self.reading() as conn:

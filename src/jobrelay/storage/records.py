@@ -28,12 +28,13 @@ def retry_destination(seconds: int) -> str:
 class NewJob:
     job_id: str
     type: str
-    account_id: str
+    account_id: str | None  # None: a job enqueued on no account's behalf
     params: dict[str, Any]
     request_hash: str
     max_attempts: int
     idempotency_key: str | None = None
     headers: Mapping[str, str] | None = None  # message headers (trace context)
+    destination: str | None = None  # the outbox destination of its first message (a queue)
 
 
 Clock = Callable[[], datetime]
@@ -65,7 +66,7 @@ class Fenced:
 class JobRecord:
     id: str
     type: str
-    account_id: str
+    account_id: str | None
     params: dict[str, Any]
     idempotency_key: str | None
     state: JobState

@@ -71,7 +71,7 @@ jobs = Table(
     metadata,
     Column("id", String(36), primary_key=True),
     Column("type", String(64), nullable=False),
-    Column("account_id", String(64), nullable=False),
+    Column("account_id", String(64)),  # None: enqueued on no account's behalf
     Column("params", JSON, nullable=False),
     Column("idempotency_key", String(255)),
     Column("request_hash", String(64), nullable=False),

@@ -1,0 +1,114 @@
+"""``POST /v1/jobs``: accept a job of any type the application exposes (``http=True``).
+
+The same contract as ``POST /v1/exports``: the job, its outbox row and its ``accepted`` event
+commit in one transaction before the 202; the account comes from the token (an admin token
+enqueues on no account's behalf); the same ``key`` with the same params returns the same id.
+A type that is unknown or not exposed is a 404, indistinguishable from each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ConfigDict, Field, ValidationError
+
+from jobrelay.api.auth import PrincipalDep
+from jobrelay.api.deps import RuntimeDep
+from jobrelay.api.problems import (
+    IDEMPOTENCY_CONFLICT,
+    FieldError,
+    ProblemError,
+    ValidationProblem,
+    problem_openapi,
+)
+from jobrelay.api.routes import MAX_BODY_BYTES, read_body
+from jobrelay.api.schemas import IDEMPOTENCY_KEY_PATTERN, Accepted, WireModel
+from jobrelay.errors import IdempotencyConflict, InvalidParams
+
+log = logging.getLogger("jobrelay.api")
+
+router = APIRouter()
+
+
+class JobRequest(WireModel):
+    model_config = ConfigDict(extra="forbid", validate_by_name=False)
+
+    type: str = Field(min_length=1, max_length=64, description="An exposed job type.")
+    params: dict[str, Any] = Field(default_factory=dict, description="The job's parameters.")
+    key: str | None = Field(
+        default=None,
+        pattern=IDEMPOTENCY_KEY_PATTERN,
+        description="Optional idempotency key: the same key and params give the same job.",
+    )
+
+
+@router.post(
+    "/v1/jobs",
+    status_code=202,
+    response_model=Accepted,
+    summary="Accept a job of an application type exposed over HTTP",
+    responses={
+        401: problem_openapi("No token, or not a valid one."),
+        404: problem_openapi("No such job type, or it is not exposed over HTTP."),
+        413: problem_openapi(f"The body is larger than {MAX_BODY_BYTES} bytes."),
+        422: problem_openapi(
+            "Invalid body or params, or a key reused with other params.", ValidationProblem
+        ),
+        503: problem_openapi("The database is unavailable; nothing was changed."),
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": JobRequest.model_json_schema()}},
+        }
+    },
+)
+async def create_job(
+    request: Request, response: Response, principal: PrincipalDep, runtime: RuntimeDep
+) -> Accepted:
+    body = _parse(await read_body(request))
+    definition = runtime.app.jobs.get(body.type) if runtime.app is not None else None
+    if definition is None or not definition.http:
+        raise ProblemError(404, f"no job type {body.type!r} is exposed over HTTP")
+    try:
+        async with runtime.engine.begin() as conn:
+            job_id = await definition.enqueue(
+                conn, body.params, key=body.key, account=principal.account_id
+            )
+    except InvalidParams as exc:
+        errors = [
+            FieldError(
+                field=f"params.{e['field']}" if e["field"] else "params", message=e["message"]
+            )
+            for e in exc.errors
+        ]
+        raise ProblemError(
+            422, str(exc), title="Invalid params", errors=[e.model_dump() for e in errors]
+        ) from None
+    except IdempotencyConflict as exc:
+        raise ProblemError(
+            422,
+            str(exc),
+            type_=IDEMPOTENCY_CONFLICT,
+            title="Key reused",
+            errors=[FieldError(field="key", message=str(exc)).model_dump()],
+        ) from None
+    runtime.store.wake_relays()
+    log.info("job accepted", extra={"event": "job_accepted", "jobId": job_id, "type": body.type})
+    status_url = f"/v1/jobs/{job_id}"
+    response.headers["Location"] = status_url
+    return Accepted(job_id=job_id, status_url=status_url)
+
+
+def _parse(raw: bytes) -> JobRequest:
+    try:
+        return JobRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = [
+            {**error, "loc": ("body", *error["loc"])}
+            for error in exc.errors(include_url=False, include_input=False)
+        ]
+        raise RequestValidationError(errors) from None

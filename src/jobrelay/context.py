@@ -1,0 +1,101 @@
+"""What a job function gets (``JobContext``) and may return (``Result``).
+
+The context is narrow on purpose: the job's identity and typed parameters, progress, a
+results writer whose objects the worker publishes only inside the job's fenced completion,
+the signal that the lease was lost, a logger bound to the job id, follow-up jobs committed
+with this job's success, and the database engine for the application's own tables. It does
+not hand out jobrelay's store: a job cannot ack early, publish behind the outbox's back or
+move its own state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from pydantic import BaseModel
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobrelay.results.base import ResultSession, ResultStore
+from jobrelay.storage.records import NewJob
+
+if TYPE_CHECKING:
+    from jobrelay.app import JobDefinition
+
+P = TypeVar("P", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Result:
+    """A job's outcome: the key of the object it stored (if any) and facts to keep with it."""
+
+    key: str | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+class _JobLog(logging.LoggerAdapter[logging.Logger]):
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        extra = dict(self.extra or {})
+        extra.update(kwargs.get("extra") or {})
+        kwargs["extra"] = extra
+        return msg, kwargs
+
+
+class JobContext(Generic[P]):
+    """One attempt of one job, as its function sees it."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        job_type: str,
+        attempt: int,
+        params: P,
+        account: str | None,
+        results: ResultStore,
+        engine: AsyncEngine,
+        lease_lost: asyncio.Event,
+        report_progress: Callable[[int, int], Awaitable[None]],
+        make_follow_up: Callable[[JobDefinition[Any], BaseModel | Mapping[str, Any]], NewJob],
+    ) -> None:
+        self.job_id = job_id
+        self.job_type = job_type
+        self.attempt = attempt
+        self.params = params
+        self.account = account
+        self.engine = engine  # the application's own tables live in the same database
+        self.lease_lost = lease_lost
+        self.log: logging.LoggerAdapter[logging.Logger] = _JobLog(
+            logging.getLogger(f"jobrelay.job.{job_type}"), {"jobId": job_id, "attempt": attempt}
+        )
+        self._results = results
+        self._report_progress = report_progress
+        self._make_follow_up = make_follow_up
+        self.follow_ups: list[NewJob] = []
+
+    async def progress(self, done: int, total: int) -> None:
+        """Record how far the job is; raises ``CancelledError`` once the lease is lost."""
+        await self._report_progress(done, total)
+
+    def result_key(self, filename: str) -> str:
+        """A stable key for an object of this job: the same for every attempt."""
+        return f"{self.job_type}/{self.job_id}/{filename}"
+
+    def writer(self, key: str) -> ResultSession:
+        """``async with ctx.writer(key) as w: await w.write(...)``: staged, and made visible
+        at ``key`` only when this attempt's success is committed."""
+        return self._results.writer(key, staged=True)
+
+    def follow_up(self, job: JobDefinition[Any], params: BaseModel | Mapping[str, Any]) -> str:
+        """A job created in the SAME transaction as this job's success, once: its id is
+        derived from this job's, so a second success of this job cannot make a second one."""
+        new = self._make_follow_up(job, params)
+        self.follow_ups.append(new)
+        return new.job_id
+
+    @property
+    def lease_is_lost(self) -> bool:
+        return self.lease_lost.is_set()

@@ -1,0 +1,323 @@
+"""The library API: ``App``, ``@app.job``, enqueue inside the application's own transaction.
+
+An application with its own business table (``images``) enqueues on its own engine, in its
+own transaction, on SQLite and PostgreSQL; the real worker then runs the job. Subprocess and
+HTTP end-to-end versions with ``--app`` are in tests/acceptance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import BaseModel, Field
+from sqlalchemy import (
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    func,
+    insert,
+    make_url,
+    select,
+)
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+import jobrelay
+from jobrelay.api import create_app
+from jobrelay.domain.states import JobState
+from jobrelay.errors import ConfigError
+from jobrelay.loader import load_app
+from jobrelay.runtime import Runtime
+from jobrelay.storage.engine import async_url, read_only
+from jobrelay.storage.tables import job_events, jobs, outbox
+from jobrelay.worker import Worker
+
+from .api_fixtures import bearer, build_runtime, make_token
+
+business = MetaData()
+images = Table(
+    "app_images",
+    business,
+    Column("id", Integer, primary_key=True),
+    Column("name", String(64), nullable=False),
+)
+
+
+class Resize(BaseModel):
+    image_id: int
+    width: int = Field(gt=0)
+
+
+class Note(BaseModel):
+    text: str
+
+
+app = jobrelay.App()
+ran: list[tuple[str, int, Resize]] = []
+
+
+@app.job("images.resize", params=Resize, max_attempts=2, retry_delays=(7,), http=True)
+async def resize(ctx: jobrelay.JobContext[Resize], params: Resize) -> jobrelay.Result | None:
+    ran.append((ctx.job_id, ctx.attempt, params))
+    if params.width == 13:
+        raise jobrelay.Retry("width 13 is unlucky today")
+    if params.width == 666:
+        raise jobrelay.Permanent("width 666 is refused for good")
+    key = ctx.result_key("thumb.txt")
+    async with ctx.writer(key) as out:
+        await out.write(f"{params.image_id}@{params.width}".encode())
+    await ctx.progress(1, 1)
+    if params.width == 200:
+        ctx.follow_up(note, Note(text=f"resized {params.image_id}"))
+    return jobrelay.Result(key=key, meta={"width": params.width})
+
+
+@app.job("images.note", params=Note)
+async def note(ctx: jobrelay.JobContext[Note], params: Note) -> None:
+    return None
+
+
+class Delivery:
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.headers: dict[str, object] = {}
+        self.redelivered = False
+        self.delivery_count = 0
+        self.outcomes: list[str] = []
+
+    async def ack(self) -> bool:
+        self.outcomes.append("ack")
+        return True
+
+    async def reject(self) -> bool:
+        self.outcomes.append("reject")
+        return True
+
+    async def release(self) -> None:
+        self.outcomes.append("release")
+
+
+@pytest.fixture
+async def rt(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
+    runtime = dataclasses.replace(build_runtime(database_url, tmp_path), app=app)
+    async with runtime.engine.begin() as conn:
+        await conn.run_sync(business.create_all)
+    ran.clear()
+    yield runtime
+    await runtime.engine.dispose()
+
+
+@pytest.fixture
+async def own_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    """The application's own engine and pool, on the same database as jobrelay."""
+    engine = create_async_engine(async_url(database_url))
+    yield engine
+    await engine.dispose()
+
+
+async def count(rt: Runtime, table: Table, **where: Any) -> int:
+    query = select(func.count()).select_from(table)
+    for column, value in where.items():
+        query = query.where(table.c[column] == value)
+    async with read_only(rt.engine) as conn:  # on SQLite: never waits for a writer
+        return int(await conn.scalar(query) or 0)
+
+
+async def run_job(rt: Runtime, job_id: str, job_type: str = "images.resize") -> Delivery:
+    body = json.dumps({"jobId": job_id, "type": job_type, "version": 1}).encode()
+    delivery = Delivery(body)
+    await Worker(rt).handle(delivery)
+    return delivery
+
+
+async def test_a_committed_enqueue_runs_with_typed_params(
+    rt: Runtime, own_engine: AsyncEngine
+) -> None:
+    async with own_engine.begin() as conn:
+        await conn.execute(insert(images).values(id=1, name="cat.png"))
+        job_id = await resize.enqueue(conn, Resize(image_id=1, width=100), account="acme")
+        # Written on the caller's connection only: nothing visible outside it yet.
+        assert await count(rt, jobs, id=job_id) == 0
+    assert await count(rt, jobs, id=job_id) == 1
+    assert await count(rt, outbox, job_id=job_id) == 1
+    assert await count(rt, job_events, job_id=job_id, kind="accepted") == 1
+
+    delivery = await run_job(rt, job_id)
+    job = await rt.store.get_job(job_id)
+    assert job is not None and job.state is JobState.SUCCEEDED and job.account_id == "acme"
+    assert delivery.outcomes == ["ack"]
+    assert ran == [(job_id, 1, Resize(image_id=1, width=100))]
+    assert job.result_key == f"images.resize/{job_id}/thumb.txt"
+    assert job.result_meta is not None and job.result_meta["width"] == 100
+    root = Path(rt.settings.results_url.removeprefix("file://"))
+    assert (root / job.result_key).read_bytes() == b"1@100"
+
+
+async def test_a_rolled_back_enqueue_leaves_nothing(rt: Runtime, own_engine: AsyncEngine) -> None:
+    with pytest.raises(RuntimeError, match="the application changed its mind"):
+        async with own_engine.begin() as conn:
+            await conn.execute(insert(images).values(id=2, name="dog.png"))
+            await resize.enqueue(conn, {"image_id": 2, "width": 50}, key="img-2")
+            raise RuntimeError("the application changed its mind")
+    assert await count(rt, jobs) == 0
+    assert await count(rt, outbox) == 0
+    assert await count(rt, job_events) == 0
+    assert await count(rt, images) == 0
+
+
+async def test_invalid_params_name_each_field_and_write_nothing(
+    rt: Runtime, own_engine: AsyncEngine
+) -> None:
+    async with own_engine.begin() as conn:
+        with pytest.raises(jobrelay.InvalidParams) as raised:
+            await resize.enqueue(conn, {"image_id": "x", "width": -1})
+    fields = {e["field"] for e in raised.value.errors}
+    assert fields == {"image_id", "width"}
+    assert "image_id" in str(raised.value) and "width" in str(raised.value)
+    assert isinstance(raised.value, jobrelay.JobrelayError)
+    assert await count(rt, jobs) == 0
+
+
+async def test_keys_make_one_job_and_refuse_other_params(
+    rt: Runtime, own_engine: AsyncEngine
+) -> None:
+    async with own_engine.begin() as conn:
+        first = await resize.enqueue(conn, {"image_id": 3, "width": 10}, key="img-3")
+    async with own_engine.begin() as conn:
+        again = await resize.enqueue(conn, Resize(image_id=3, width=10), key="img-3")
+    assert again == first
+    assert await count(rt, jobs) == 1 and await count(rt, outbox) == 1
+    async with own_engine.begin() as conn:
+        with pytest.raises(jobrelay.IdempotencyConflict):
+            await resize.enqueue(conn, {"image_id": 3, "width": 11}, key="img-3")
+    # Without a key every enqueue is a new job, with a time-ordered id (UUIDv7).
+    async with own_engine.begin() as conn:
+        a = await resize.enqueue(conn, {"image_id": 4, "width": 10})
+        b = await resize.enqueue(conn, {"image_id": 4, "width": 10})
+    assert a != b and {a[14], b[14]} == {"7"}
+    assert await count(rt, jobs) == 3
+
+
+async def test_sync_enqueue_on_a_synchronous_connection(rt: Runtime) -> None:
+    """sqlite3 on SQLite, psycopg 3 on PostgreSQL: what Django or Flask would hold."""
+    url = make_url(rt.settings.database_url)
+    if rt.store.is_postgres:
+        url = url.set(drivername="postgresql+psycopg")
+    sync_engine = create_engine(url)
+    try:
+        with sync_engine.begin() as conn:
+            conn.execute(insert(images).values(id=5, name="sync.png"))
+            job_id = resize.enqueue_sync(conn, {"image_id": 5, "width": 20}, key="img-5")
+    finally:
+        sync_engine.dispose()
+    assert await count(rt, jobs, id=job_id) == 1
+    assert await count(rt, images, id=5) == 1
+    assert (await run_job(rt, job_id)).outcomes == ["ack"]
+
+
+async def test_app_enqueue_and_get_job_use_a_transaction_of_their_own(rt: Runtime) -> None:
+    own = jobrelay.App(settings=rt.settings)
+    own._jobs = app._jobs  # the same job types, this test's settings
+    try:
+        job_id = await own.enqueue("images.resize", {"image_id": 6, "width": 30})
+        job = await own.get_job(job_id)
+        assert job is not None and job.state is JobState.QUEUED and job.account_id is None
+        with pytest.raises(ConfigError):
+            await own.enqueue("images.nope", {})
+    finally:
+        await own.aclose()
+
+
+async def test_retry_permanent_and_a_payload_that_no_longer_validates(
+    rt: Runtime, own_engine: AsyncEngine
+) -> None:
+    async with own_engine.begin() as conn:
+        unlucky = await resize.enqueue(conn, {"image_id": 7, "width": 13})
+        refused = await resize.enqueue(conn, {"image_id": 8, "width": 666})
+        stale = await resize.enqueue(conn, {"image_id": 9, "width": 10})
+        await conn.execute(jobs.update().where(jobs.c.id == stale).values(params={"w": 1}))
+
+    await run_job(rt, unlucky)
+    job = await rt.store.get_job(unlucky)
+    assert job is not None and job.state is JobState.RETRY_WAIT
+    assert job.last_error == "width 13 is unlucky today"
+    retry = [e.detail for e in await rt.store.events(unlucky) if e.kind == "retry_scheduled"]
+    assert retry[0]["delaySeconds"] == 7  # the job type's own delays
+
+    assert (await run_job(rt, refused)).outcomes == ["reject"]
+    job = await rt.store.get_job(refused)
+    assert job is not None and job.state is JobState.QUARANTINED
+    assert job.quarantine_reason == "width 666 is refused for good"
+
+    assert (await run_job(rt, stale)).outcomes == ["reject"]
+    job = await rt.store.get_job(stale)
+    assert job is not None and job.state is JobState.QUARANTINED
+    assert job.quarantine_reason is not None and "image_id" in job.quarantine_reason
+
+
+async def test_a_follow_up_commits_with_the_success(rt: Runtime, own_engine: AsyncEngine) -> None:
+    async with own_engine.begin() as conn:
+        job_id = await resize.enqueue(conn, {"image_id": 10, "width": 200}, account="acme")
+    await run_job(rt, job_id)
+    notes = [e.detail for e in await rt.store.events(job_id) if e.kind == "follow_up_accepted"]
+    assert len(notes) == 1 and notes[0]["type"] == "images.note"
+    follow = await rt.store.get_job(notes[0]["jobId"])
+    assert follow is not None and follow.params == {"text": "resized 10"}
+    assert follow.account_id == "acme" and follow.state is JobState.QUEUED
+
+
+async def test_post_v1_jobs_for_exposed_types_only(rt: Runtime) -> None:
+    api = create_app(rt.settings, runtime=rt)
+    acme = bearer(await make_token(rt, "acme"))
+    transport = httpx.ASGITransport(app=api)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+        body = {"type": "images.resize", "params": {"image_id": 11, "width": 40}, "key": "k-11"}
+        accepted = await client.post("/v1/jobs", json=body, headers=acme)
+        assert accepted.status_code == 202, accepted.text
+        job_id = accepted.json()["jobId"]
+        again = await client.post("/v1/jobs", json=body, headers=acme)
+        assert again.status_code == 202 and again.json()["jobId"] == job_id
+        state = await client.get(f"/v1/jobs/{job_id}", headers=acme)
+        assert state.status_code == 200 and state.json()["accountId"] == "acme"
+
+        hidden = await client.post(
+            "/v1/jobs", json={"type": "images.note", "params": {"text": "x"}}, headers=acme
+        )
+        assert hidden.status_code == 404
+        unknown = await client.post("/v1/jobs", json={"type": "nope", "params": {}}, headers=acme)
+        assert unknown.status_code == 404 and unknown.json() == {
+            **hidden.json(),
+            "detail": "no job type 'nope' is exposed over HTTP",
+        }
+        bad = await client.post(
+            "/v1/jobs",
+            json={"type": "images.resize", "params": {"image_id": 1, "width": 0}},
+            headers=acme,
+        )
+        assert bad.status_code == 422
+        assert [e["field"] for e in bad.json()["errors"]] == ["params.width"]
+        anonymous = await client.post("/v1/jobs", json=body)
+        assert anonymous.status_code == 401
+    assert await count(rt, jobs) == 1
+
+
+def test_a_bad_app_string_is_a_config_error_naming_the_variable() -> None:
+    for spec in (
+        "nodots",
+        "no.such.module:app",
+        "jobrelay.loader:nothing",
+        "jobrelay.loader:DEFAULT_APP",
+    ):
+        with pytest.raises(ConfigError) as raised:
+            load_app(spec)
+        assert raised.value.variable == "JOBRELAY_APP"
+    assert set(load_app(None).registry().types) == {"report.export", "notify.email"}
+    assert load_app("tests.integration.test_library:app") is app
