@@ -22,10 +22,10 @@ import asyncpg
 from sqlalchemy import text
 
 from jobrelay.domain.ids import job_id_for, request_hash
-from jobrelay.faults import Faults
+from jobrelay.exports.report_export import ReportExport
+from jobrelay.observe.faults import Faults
 from jobrelay.operations.base import OperationContext
-from jobrelay.operations.report_export import ReportExport
-from jobrelay.runtime import open_runtime
+from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import upgrade_async
 from jobrelay.storage.store import NewJob

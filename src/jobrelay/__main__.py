@@ -1,5 +1,5 @@
 """``python -m jobrelay``: the same as the ``jobrelay`` command."""
 
-from jobrelay.cli import main
+from jobrelay.cli.main import main
 
 main()

@@ -88,7 +88,7 @@ class Settings(BaseSettings):
     @field_validator("faults")
     @classmethod
     def _check_faults(cls, value: str) -> str:
-        from jobrelay.faults import parse
+        from jobrelay.observe.faults import parse
 
         try:
             parse(value)

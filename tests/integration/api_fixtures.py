@@ -16,9 +16,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from jobrelay.api.auth import hash_token, new_token
-from jobrelay.faults import Faults
+from jobrelay.observe.faults import Faults
 from jobrelay.results.files import FileResults
-from jobrelay.runtime import Runtime, topology_for
+from jobrelay.roles.runtime import Runtime, topology_for
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.store import Store

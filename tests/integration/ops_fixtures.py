@@ -19,7 +19,7 @@ import pytest
 
 from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.states import JobState
-from jobrelay.runtime import Runtime
+from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.store import NewJob, Store
 
 from .pipeline import pipeline, settings_for

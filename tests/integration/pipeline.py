@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from jobrelay.domain.ids import job_id_for, request_hash
-from jobrelay.faults import Faults
-from jobrelay.relay import Relay
-from jobrelay.runtime import Runtime, build_transport, open_runtime
-from jobrelay.seed import seed
+from jobrelay.exports.seed import seed
+from jobrelay.observe.faults import Faults
+from jobrelay.roles.relay import Relay
+from jobrelay.roles.runtime import Runtime, build_transport, open_runtime
+from jobrelay.roles.worker import Worker
 from jobrelay.settings import Settings
 from jobrelay.storage.store import JobRecord, NewJob
 from jobrelay.transport.base import Transport
-from jobrelay.worker import Worker
 
 FAST = {
     "retry_delays": "1",

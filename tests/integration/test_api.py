@@ -23,8 +23,8 @@ from jobrelay.api.deps import get_runtime
 from jobrelay.domain.ids import job_id_for
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransportError
-from jobrelay.faults import Faults
-from jobrelay.runtime import Runtime
+from jobrelay.observe.faults import Faults
+from jobrelay.roles.runtime import Runtime
 from jobrelay.settings import Settings
 from tests.integration.api_fixtures import (
     LEASE,

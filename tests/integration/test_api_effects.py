@@ -18,7 +18,7 @@ import pytest
 from jobrelay.api import create_app
 from jobrelay.domain.ids import follow_up_job_id, job_id_for, request_hash
 from jobrelay.results.s3 import S3Results
-from jobrelay.runtime import Runtime
+from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.store import NewJob
 from tests.integration.api_fixtures import bearer, build_runtime, finish_job, make_token
 

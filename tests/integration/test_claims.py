@@ -27,13 +27,13 @@ from sqlalchemy import insert, select, update
 from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreError
-from jobrelay.faults import Faults
-from jobrelay.runtime import Runtime
-from jobrelay.seed import seed
+from jobrelay.exports.seed import seed
+from jobrelay.observe.faults import Faults
+from jobrelay.roles.runtime import Runtime
+from jobrelay.roles.worker import DEFERS_HEADER, Worker
 from jobrelay.storage.store import NewJob, Store
 from jobrelay.storage.tables import jobs, ledger_entries, outbox
 from jobrelay.transport.base import Delivery
-from jobrelay.worker import DEFERS_HEADER, Worker
 
 from .api_fixtures import Clock, build_runtime
 

@@ -19,8 +19,8 @@ from jobrelay.domain.effects import EffectState
 from jobrelay.domain.ids import follow_up_job_id
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
+from jobrelay.effects.notify_email import NotifyEmail
 from jobrelay.operations.base import OperationContext
-from jobrelay.operations.notify_email import NotifyEmail
 from jobrelay.transport.base import OutgoingMessage
 
 from .effects_fixtures import (  # noqa: F401 (fixtures, registered by name)

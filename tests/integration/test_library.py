@@ -35,10 +35,10 @@ from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError
 from jobrelay.loader import load_app
-from jobrelay.runtime import Runtime
+from jobrelay.roles.runtime import Runtime
+from jobrelay.roles.worker import Worker
 from jobrelay.storage.engine import async_url, read_only
 from jobrelay.storage.tables import job_events, jobs, outbox
-from jobrelay.worker import Worker
 
 from .api_fixtures import bearer, build_runtime, make_token
 

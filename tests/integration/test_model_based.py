@@ -69,7 +69,8 @@ from sqlalchemy import select
 from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState, can_transition
-from jobrelay.faults import Faults
+from jobrelay.exports.seed import seed
+from jobrelay.observe.faults import Faults
 from jobrelay.operations.base import (
     Operation,
     OperationContext,
@@ -77,18 +78,17 @@ from jobrelay.operations.base import (
     Registry,
     default_registry,
 )
-from jobrelay.operator import Operator
-from jobrelay.reconcile import LEASE_EXPIRED, Reconciler
+from jobrelay.ops.operator import Operator
 from jobrelay.results.files import FileResults
-from jobrelay.runtime import Runtime, topology_for
-from jobrelay.seed import seed
+from jobrelay.roles.reconcile import LEASE_EXPIRED, Reconciler
+from jobrelay.roles.runtime import Runtime, topology_for
+from jobrelay.roles.worker import Worker
 from jobrelay.settings import Settings
 from jobrelay.storage.admin import RECONCILED_LEASE, RECONCILED_QUEUED, RECONCILED_RETRY
 from jobrelay.storage.engine import create_engine, upgrade
 from jobrelay.storage.store import WORK_DESTINATION, EventRecord, JobRecord, NewJob, Store
 from jobrelay.storage.tables import job_events, outbox
 from jobrelay.transport.topology import retry_seconds
-from jobrelay.worker import Worker
 
 ACCOUNTS = ("acme", "globex", "initech")  # seeded, like every month of 2020
 PERIODS = ("2020-01", "2020-02")

@@ -17,8 +17,8 @@ from sqlalchemy import select
 
 from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
-from jobrelay.operator import Operator
-from jobrelay.runtime import Runtime
+from jobrelay.ops.operator import Operator
+from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.tables import outbox
 from tests.integration.api_fixtures import MAX_ATTEMPTS, T0, bearer, build_runtime, make_token
 

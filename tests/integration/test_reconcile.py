@@ -24,7 +24,7 @@ from sqlalchemy import func, select, text
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
-from jobrelay.reconcile import (
+from jobrelay.roles.reconcile import (
     LEASE_EXPIRED,
     OUTBOX_STALE,
     QUARANTINE_MISMATCH,
@@ -33,7 +33,7 @@ from jobrelay.reconcile import (
     Leadership,
     Reconciler,
 )
-from jobrelay.runtime import Runtime, utc_now
+from jobrelay.roles.runtime import Runtime, utc_now
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.store import Claim, Store
 from jobrelay.storage.tables import jobs, outbox

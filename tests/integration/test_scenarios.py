@@ -17,7 +17,7 @@ import pytest
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
-from jobrelay.relay import Relay
+from jobrelay.roles.relay import Relay
 from jobrelay.storage.tables import outbox
 from jobrelay.transport.base import OutgoingMessage
 

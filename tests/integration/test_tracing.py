@@ -16,7 +16,7 @@ from sqlalchemy import select
 
 from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
-from jobrelay.logs import JsonFormatter
+from jobrelay.observe.logs import JsonFormatter
 from jobrelay.storage.tables import outbox
 from tests.integration.api_fixtures import bearer, build_runtime, make_token
 

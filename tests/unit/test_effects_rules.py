@@ -16,11 +16,11 @@ from jobrelay.domain.effects import (
 )
 from jobrelay.domain.ids import follow_up_job_id, job_id_for
 from jobrelay.domain.states import JobState
+from jobrelay.effects.mail import parse_smtp_url
+from jobrelay.effects.notify_email import NotifyEmail, message_id_for, notification_for
 from jobrelay.errors import ConfigError, PermanentError
-from jobrelay.faults import Faults, parse
-from jobrelay.mail import parse_smtp_url
-from jobrelay.operations.notify_email import NotifyEmail, message_id_for, notification_for
-from jobrelay.operations.report_export import ReportExport
+from jobrelay.exports.report_export import ReportExport
+from jobrelay.observe.faults import Faults, parse
 from jobrelay.results.s3 import parse_s3_url
 from jobrelay.settings import load_settings
 from jobrelay.storage.store import JobRecord

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from jobrelay.domain.states import JobState as S
-from jobrelay.explain import attempts, explain_document, next_step
+from jobrelay.ops.explain import attempts, explain_document, next_step
 from jobrelay.storage.store import EventRecord, JobRecord
 
 from .records import JOB_ID, NOW

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from jobrelay.errors import ConfigError, PermanentError, TransientError
-from jobrelay.faults import Faults, parse
-from jobrelay.operations.report_export import defang
-from jobrelay.runtime import build_transport
+from jobrelay.exports.report_export import defang
+from jobrelay.observe.faults import Faults, parse
+from jobrelay.roles.runtime import build_transport
 from jobrelay.settings import load_settings
 from jobrelay.transport.rabbitmq import RabbitTransport
 

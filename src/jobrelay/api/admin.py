@@ -20,9 +20,9 @@ from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, problem_openapi
 from jobrelay.api.schemas import JobOut, WireModel, canonical_job_id, valid_traceparent
 from jobrelay.domain.states import JobState
-from jobrelay.explain import explain_document
-from jobrelay.operator import Operator, refusal
-from jobrelay.runtime import Runtime
+from jobrelay.ops.explain import explain_document
+from jobrelay.ops.operator import Operator, refusal
+from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.admin import ActionOutcome, AdminQueries
 from jobrelay.storage.store import JobRecord
 

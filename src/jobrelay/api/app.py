@@ -18,7 +18,7 @@ from jobrelay import __version__
 from jobrelay.api import admin, console, health, jobs, observability, routes
 from jobrelay.api.deps import set_runtime
 from jobrelay.api.problems import PROBLEM_MEDIA_TYPE, install_problem_handlers
-from jobrelay.runtime import Runtime, open_runtime
+from jobrelay.roles.runtime import Runtime, open_runtime
 from jobrelay.settings import Settings
 
 DESCRIPTION = (

@@ -13,12 +13,12 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jobrelay import logs
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.schemas import valid_traceparent
 from jobrelay.errors import StoreError
-from jobrelay.metrics import CONTENT_TYPE, Metrics, refresh_database_gauges
-from jobrelay.runtime import Runtime
+from jobrelay.observe import logs
+from jobrelay.observe.metrics import CONTENT_TYPE, Metrics, refresh_database_gauges
+from jobrelay.roles.runtime import Runtime
 
 log = logging.getLogger("jobrelay.api")
 

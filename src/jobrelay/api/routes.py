@@ -44,9 +44,9 @@ from jobrelay.api.schemas import (
 from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import IdempotencyConflict, TransientError
-from jobrelay.metrics import NEW as NEW_JOB
-from jobrelay.operations.report_export import TYPE as EXPORT_TYPE
-from jobrelay.runtime import Runtime
+from jobrelay.exports.report_export import TYPE as EXPORT_TYPE
+from jobrelay.observe.metrics import NEW as NEW_JOB
+from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.store import JobRecord, NewJob
 
 log = logging.getLogger("jobrelay.api")

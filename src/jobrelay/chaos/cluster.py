@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobrelay.faults import CRASH_EXIT_CODE
+from jobrelay.observe.faults import CRASH_EXIT_CODE
 
 STOP_TIMEOUT = 20.0  # SIGTERM → exit, before SIGKILL
 

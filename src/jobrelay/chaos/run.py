@@ -49,7 +49,7 @@ from jobrelay.chaos.plan import (
 from jobrelay.chaos.sandbox import ChaosSetupError, Sandbox, Services
 from jobrelay.chaos.sinks import MailServer, S3Server, free_port
 from jobrelay.chaos.verdict import Mail, Verdict, World, as_json, judge, summary_line
-from jobrelay.quarantine_scan import browse_rabbitmq
+from jobrelay.ops.quarantine_scan import browse_rabbitmq
 from jobrelay.storage import audit
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.store import Store

@@ -7,8 +7,8 @@ onto ``@app.job`` is tracked with the rest of the example app's move out of the 
 from __future__ import annotations
 
 from jobrelay.app import App
-from jobrelay.operations.notify_email import NotifyEmail
-from jobrelay.operations.report_export import ReportExport
+from jobrelay.effects.notify_email import NotifyEmail
+from jobrelay.exports.report_export import ReportExport
 from jobrelay.settings import Settings
 
 

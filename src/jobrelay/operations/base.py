@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
-from jobrelay.faults import Faults
+from jobrelay.observe.faults import Faults
 from jobrelay.results.base import ResultStore
 from jobrelay.storage.store import JobRecord, NewJob, Store
 
@@ -75,7 +75,7 @@ class Registry:
 def default_registry(settings: Settings | None = None) -> Registry:
     """Every shipped operation. Without settings, ``notify.email`` is still known (so its
     messages decode) but cannot send, and its jobs are quarantined saying so."""
-    from jobrelay.operations.notify_email import NotifyEmail
-    from jobrelay.operations.report_export import ReportExport
+    from jobrelay.effects.notify_email import NotifyEmail
+    from jobrelay.exports.report_export import ReportExport
 
     return Registry([ReportExport(), NotifyEmail(settings)])

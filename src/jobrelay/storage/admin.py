@@ -192,7 +192,7 @@ class AdminQueries:
 
     async def trace_id(self, job_id: str) -> str | None:
         """The trace id of the job's first message (from the HTTP request's traceparent)."""
-        from jobrelay.logs import trace_id
+        from jobrelay.observe.logs import trace_id
 
         async with self.store.reading() as conn:
             headers = await conn.scalar(

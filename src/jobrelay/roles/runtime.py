@@ -17,9 +17,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.app import App
 from jobrelay.errors import ConfigError, StoreError, TransportError
-from jobrelay.faults import Faults
 from jobrelay.loader import load_app
-from jobrelay.metrics import Metrics
+from jobrelay.observe.faults import Faults
+from jobrelay.observe.metrics import Metrics
 from jobrelay.results.base import ResultStore
 from jobrelay.results.files import FileResults
 from jobrelay.settings import Settings

@@ -11,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from jobrelay.runtime import Runtime, open_runtime, schema_revision, topology_for, utc_now
+from jobrelay.roles.runtime import Runtime, open_runtime, schema_revision, topology_for, utc_now
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import check_reachable, create_engine, upgrade_async
 
@@ -65,9 +65,9 @@ async def run_relay(
     settings: Settings, stop: asyncio.Event, metrics_at: MetricsAddress | None = None
 ) -> None:
     """The relay, its reconciler (one leader at a time), and optionally a metrics port."""
-    from jobrelay.metrics import refresh_database_gauges
-    from jobrelay.reconcile import Reconciler
-    from jobrelay.relay import Relay
+    from jobrelay.observe.metrics import refresh_database_gauges
+    from jobrelay.roles.reconcile import Reconciler
+    from jobrelay.roles.relay import Relay
 
     async with open_runtime(settings) as rt:
         parts = {"relay": Relay(rt).run(stop), "reconciler": Reconciler(rt).run(stop)}
@@ -79,7 +79,7 @@ async def run_relay(
 async def run_worker(
     settings: Settings, stop: asyncio.Event, metrics_at: MetricsAddress | None = None
 ) -> None:
-    from jobrelay.worker import Worker
+    from jobrelay.roles.worker import Worker
 
     async with open_runtime(settings) as rt:
         parts = {"worker": Worker(rt).run(stop)}
@@ -94,7 +94,7 @@ def _metrics_server(
     stop: asyncio.Event,
     refresh: Callable[[Runtime], Awaitable[None]] | None = None,
 ) -> Coroutine[Any, Any, None]:
-    from jobrelay.metrics import serve_metrics
+    from jobrelay.observe.metrics import serve_metrics
 
     return serve_metrics(
         rt.metrics, at.host, at.port, stop, refresh=(lambda: refresh(rt)) if refresh else None
@@ -118,9 +118,9 @@ async def run_parts(parts: dict[str, Coroutine[Any, Any, None]], stop: asyncio.E
 
 async def run_up(settings: Settings, host: str, port: int, stop: asyncio.Event) -> None:
     """API, relay and worker sharing one runtime; the API stops first, then both drain."""
-    from jobrelay.reconcile import Reconciler
-    from jobrelay.relay import Relay
-    from jobrelay.worker import Worker
+    from jobrelay.roles.reconcile import Reconciler
+    from jobrelay.roles.relay import Relay
+    from jobrelay.roles.worker import Worker
 
     await upgrade_database(settings)
     async with open_runtime(settings) as rt:
@@ -201,7 +201,7 @@ async def create_token(
 
 
 async def seed_database(settings: Settings, rows_per_month: int) -> dict[str, int]:
-    from jobrelay.seed import seed
+    from jobrelay.exports.seed import seed
 
     async with open_runtime(settings, connect_transport=False) as rt:
         return await seed(rt.store, rows_per_month)

@@ -31,7 +31,7 @@ from jobrelay.domain.states import JobState
 from jobrelay.errors import OperationError, PermanentError, StoreError
 from jobrelay.operations.base import OperationContext, Registry
 from jobrelay.results.staging import StagingResults
-from jobrelay.runtime import Runtime
+from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.store import Claim, Fenced, JobRecord, NewJob
 from jobrelay.transport.base import Delivery
 

@@ -15,9 +15,9 @@ from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 
-from jobrelay import logs
 from jobrelay.errors import ConfigError, JobrelayError
-from jobrelay.operations.report_export import ACCOUNT_PATTERN
+from jobrelay.exports.report_export import ACCOUNT_PATTERN
+from jobrelay.observe import logs
 from jobrelay.settings import ENV_PREFIX, Settings, load_settings
 
 app = typer.Typer(
@@ -120,7 +120,7 @@ def api_cmd(
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
 ) -> None:
     """Serve the HTTP API."""
-    from jobrelay.processes import serve_api
+    from jobrelay.roles.processes import serve_api
 
     logs.configure("api", settings.log_level)
     run_until_signalled(lambda stop: serve_api(settings, host, port, stop))
@@ -142,7 +142,7 @@ MetricsHost = Annotated[
 
 
 def _metrics_at(host: str, port: int | None) -> Any:
-    from jobrelay.processes import MetricsAddress
+    from jobrelay.roles.processes import MetricsAddress
 
     return MetricsAddress(host, port) if port is not None else None
 
@@ -153,7 +153,7 @@ def relay_cmd(
     settings: Settings, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1"
 ) -> None:
     """Publish outbox rows to the broker (several may run at once), and reconcile."""
-    from jobrelay.processes import run_relay
+    from jobrelay.roles.processes import run_relay
 
     logs.configure("relay", settings.log_level)
     at = _metrics_at(metrics_host, metrics_port)
@@ -166,7 +166,7 @@ def worker_cmd(
     settings: Settings, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1"
 ) -> None:
     """Consume jobs and run them."""
-    from jobrelay.processes import run_worker
+    from jobrelay.roles.processes import run_worker
 
     logs.configure("worker", settings.log_level)
     at = _metrics_at(metrics_host, metrics_port)
@@ -181,7 +181,7 @@ def up_cmd(
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
 ) -> None:
     """API + relay + worker in one process (development and the embedded default)."""
-    from jobrelay.processes import run_up
+    from jobrelay.roles.processes import run_up
 
     logs.configure("up", settings.log_level)
     run_until_signalled(lambda stop: run_up(settings, host, port, stop))
@@ -191,7 +191,7 @@ def up_cmd(
 @with_settings
 def demo_cmd(settings: Settings) -> None:
     """Run the main job end to end on the configured (by default embedded) pipeline."""
-    from jobrelay.demo import demo_main
+    from jobrelay.exports.demo import demo_main
 
     logs.configure("demo", "ERROR")  # the demo narrates; faults it arms are announced
     raise typer.Exit(demo_main(settings))
@@ -266,7 +266,7 @@ def chaos_cmd(
 @with_settings
 def db_upgrade_cmd(settings: Settings) -> None:
     """Create or migrate the schema (idempotent)."""
-    from jobrelay.processes import upgrade_database
+    from jobrelay.roles.processes import upgrade_database
 
     revision = run(upgrade_database(settings))
     typer.echo(f"database schema at revision {revision}")
@@ -276,7 +276,7 @@ def db_upgrade_cmd(settings: Settings) -> None:
 @with_settings
 def broker_declare_cmd(settings: Settings) -> None:
     """Declare exchanges and queues (idempotent)."""
-    from jobrelay.processes import declare_broker
+    from jobrelay.roles.processes import declare_broker
 
     typer.echo(run(declare_broker(settings)))
 
@@ -290,7 +290,7 @@ def token_create_cmd(
     label: Annotated[Optional[str], typer.Option(help="A note on who holds it.")] = None,  # noqa: UP045
 ) -> None:
     """Create an API token; the token alone is printed on the last line."""
-    from jobrelay.processes import create_token
+    from jobrelay.roles.processes import create_token
 
     if account is None and not admin:
         raise fail("give --account ACCOUNT (or --admin)", 2)
@@ -312,7 +312,7 @@ def seed_cmd(
     rows_per_month: Annotated[int, typer.Option(min=0, max=1_000_000)] = 300,
 ) -> None:
     """Fill ledger_entries with the deterministic sample (acme, globex, initech; 2019-2021)."""
-    from jobrelay.processes import seed_database
+    from jobrelay.roles.processes import seed_database
 
     counts = run(seed_database(settings, rows_per_month))
     for account, n in counts.items():
@@ -330,7 +330,7 @@ def job_show_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="The explanation as JSON.")] = False,
 ) -> None:
     """State, facts, attempts and timeline of one job, and where to look next."""
-    from jobrelay.explain import show_job
+    from jobrelay.ops.explain import show_job
 
     if not run(show_job(settings, job_id, as_json=as_json)):
         raise fail(f"no job {job_id}")
@@ -353,7 +353,7 @@ def jobs_list_cmd(
 ) -> None:
     """Recent jobs, newest first."""
     from jobrelay.domain.states import JobState
-    from jobrelay.explain import list_jobs
+    from jobrelay.ops.explain import list_jobs
 
     try:
         wanted = JobState(state) if state else None
@@ -364,7 +364,7 @@ def jobs_list_cmd(
 
 
 # Operator actions and the reconciler live in their own module; importing it registers them.
-from jobrelay import operator_cli  # noqa: E402, F401
+from jobrelay.cli import operator  # noqa: E402, F401
 
 
 def main() -> None:

@@ -12,11 +12,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from jobrelay import logs
-from jobrelay.cli import app, fail, job_app, jobs_app, run, with_settings
-from jobrelay.operator import BulkReplay, Operator, cli_actor, refusal
-from jobrelay.reconcile import Reconciler, Report
-from jobrelay.runtime import open_runtime
+from jobrelay.cli.main import app, fail, job_app, jobs_app, run, with_settings
+from jobrelay.observe import logs
+from jobrelay.ops.operator import BulkReplay, Operator, cli_actor, refusal
+from jobrelay.roles.reconcile import Reconciler, Report
+from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.admin import ActionOutcome
 

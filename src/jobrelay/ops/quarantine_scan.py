@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from jobrelay.errors import TransportError
-from jobrelay.runtime import Runtime
+from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.local_queue import QUARANTINE as LOCAL_QUARANTINE
 from jobrelay.storage.local_queue import REASON_HEADER as LOCAL_REASON_HEADER

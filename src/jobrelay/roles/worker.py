@@ -32,8 +32,6 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
-from jobrelay import logs
-from jobrelay.attempt import AttemptRun
 from jobrelay.domain.messages import JobMessage, MessageDecodeError, decode
 from jobrelay.domain.policy import (
     Action,
@@ -44,8 +42,10 @@ from jobrelay.domain.policy import (
 )
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreError
+from jobrelay.observe import logs
 from jobrelay.operations.base import Registry, default_registry
-from jobrelay.runtime import Runtime
+from jobrelay.roles.attempt import AttemptRun
+from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.store import JobRecord
 from jobrelay.transport.base import Delivery
 

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from jobrelay.domain.effects import check_address
+from jobrelay.effects.notify_email import NOTIFY_PARAM, notification_for
 from jobrelay.errors import PermanentError
 from jobrelay.operations.base import OperationContext, OperationResult
-from jobrelay.operations.notify_email import NOTIFY_PARAM, notification_for
 
 TYPE = "report.export"
 COLUMNS = ("entry_id", "booked_on", "description", "counterparty", "amount", "currency")

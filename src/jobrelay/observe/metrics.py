@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from jobrelay.runtime import Runtime
+    from jobrelay.roles.runtime import Runtime
 
 log = logging.getLogger("jobrelay.metrics")
 

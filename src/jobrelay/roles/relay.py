@@ -21,9 +21,9 @@ import time
 import uuid
 from datetime import timedelta
 
-from jobrelay import logs
 from jobrelay.errors import PublishError, StoreError, TransportError
-from jobrelay.runtime import Runtime
+from jobrelay.observe import logs
+from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.notify import OutboxListener
 from jobrelay.storage.store import OutboxRow
 from jobrelay.transport.base import OutgoingMessage

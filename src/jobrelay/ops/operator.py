@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass, field
 
 from jobrelay.domain.states import JobState, sources_for
-from jobrelay.runtime import Runtime
+from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.admin import ActionOutcome, AdminQueries
 from jobrelay.storage.store import JobRecord
 

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jobrelay.domain.states import JobState
-from jobrelay.runtime import open_runtime, utc_now
+from jobrelay.roles.runtime import open_runtime, utc_now
 from jobrelay.settings import Settings
 from jobrelay.storage.store import EventRecord, JobRecord
 

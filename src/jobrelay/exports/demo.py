@@ -21,18 +21,18 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from jobrelay.faults import Faults
-from jobrelay.processes import (
+from jobrelay.observe.faults import Faults
+from jobrelay.roles.processes import (
     build_server,
     create_token,
     seed_database,
     serve_until,
     upgrade_database,
 )
-from jobrelay.relay import Relay
-from jobrelay.runtime import open_runtime
+from jobrelay.roles.relay import Relay
+from jobrelay.roles.runtime import open_runtime
+from jobrelay.roles.worker import Worker
 from jobrelay.settings import Settings, redact_url
-from jobrelay.worker import Worker
 
 console = Console(highlight=False)
 

@@ -53,7 +53,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobrelay.domain.states import JobState
-from jobrelay.runtime import Runtime
+from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.admin import AdminQueries, WaitingJob
 
 log = logging.getLogger("jobrelay.reconcile")
@@ -268,7 +268,7 @@ class Reconciler:
             )
 
     async def _quarantine_mismatches(self, report: Report) -> None:
-        from jobrelay.quarantine_scan import scan_quarantine
+        from jobrelay.ops.quarantine_scan import scan_quarantine
 
         letters = await scan_quarantine(self.rt, self.batch)
         report.quarantine_scanned = len(letters)

@@ -1,0 +1,1 @@
+"""Observability: JSON logs with the job id, Prometheus metrics, fault points for fault tests."""

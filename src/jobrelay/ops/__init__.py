@@ -1,0 +1,1 @@
+"""Operator tools: explaining a job, replay and cancel, the quarantine scan."""
