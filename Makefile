@@ -23,8 +23,8 @@ test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -63,13 +63,21 @@ def poll(check: Callable[[], T | None], timeout: float = 30, what: str = "condit
 
 
 class Proc:
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        log_dir: Path,
+        cwd: Path | None = None,
+    ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("ab")
         self.popen = subprocess.Popen(
             [*JOBRELAY, *args],
             env=env,
+            cwd=cwd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -106,8 +114,8 @@ class Proc:
 def processes(log_dir: Path) -> Iterator[Callable[..., Proc]]:
     started: list[Proc] = []
 
-    def start(name: str, *args: str, env: dict[str, str]) -> Proc:
-        proc = Proc(f"{name}-{len(started)}", list(args), env, log_dir)
+    def start(name: str, *args: str, env: dict[str, str], cwd: Path | None = None) -> Proc:
+        proc = Proc(f"{name}-{len(started)}", list(args), env, log_dir, cwd)
         started.append(proc)
         return proc
 

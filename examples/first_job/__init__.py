@@ -1,0 +1,1 @@
+"""The code of docs/tutorial-first-job.md: a signup that enqueues a welcome job."""
