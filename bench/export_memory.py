@@ -22,7 +22,7 @@ import asyncpg
 from sqlalchemy import text
 
 from jobrelay.domain.ids import job_id_for, request_hash
-from jobrelay.exports.report_export import ReportExport
+from jobrelay.exports.app import report_export
 from jobrelay.observe.faults import Faults
 from jobrelay.operations.base import OperationContext
 from jobrelay.roles.runtime import open_runtime
@@ -85,7 +85,7 @@ async def measure(rows: int) -> None:
                     report_progress=progress,
                     clock=rt.clock,
                 )
-                result = await ReportExport().run(context)
+                result = await report_export.run(context)
                 elapsed = time.perf_counter() - started
                 print(
                     f"rows={result.meta['rows']} csv_bytes={result.meta['bytes']} "

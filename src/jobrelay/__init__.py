@@ -15,6 +15,7 @@ from jobrelay.errors import (
     Retry,
 )
 from jobrelay.settings import Settings
+from jobrelay.storage.engine import create_engine
 from jobrelay.storage.records import JobRecord as Job
 
 __all__ = [
@@ -30,5 +31,6 @@ __all__ = [
     "Result",
     "Retry",
     "Settings",
+    "create_engine",
 ]
 __version__ = "0.1.0"

@@ -25,10 +25,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy import Connection
+from sqlalchemy import Connection, MetaData
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.context import JobContext, Result
@@ -39,8 +40,12 @@ from jobrelay.settings import Settings
 from jobrelay.storage.enqueue import new_job_steps, run_async, run_sync
 from jobrelay.storage.records import JobRecord, NewJob
 
+if TYPE_CHECKING:
+    from fastapi import APIRouter
+
 P = TypeVar("P", bound=BaseModel)
 JobFunction = Callable[[JobContext[P], P], Awaitable[Result | None]]
+AppCommand = Callable[..., int]
 _NAME_MAX = 64  # jobs.type
 DEFAULT_QUEUE = "default"
 
@@ -66,6 +71,7 @@ class JobDefinition(Generic[P]):
         retry_delays: tuple[int, ...] | None,
         queue: str,
         http: bool,
+        result_filename: Callable[[str, Mapping[str, Any]], str] | None = None,
     ) -> None:
         self.app = app
         self.type = name
@@ -75,13 +81,18 @@ class JobDefinition(Generic[P]):
         self.retry_delays = retry_delays
         self.queue = queue
         self.http = http
+        self.result_filename = result_filename
 
     def __repr__(self) -> str:
         return f"<jobrelay job {self.type}>"
 
     @property
     def max_attempts(self) -> int:
-        return self._max_attempts or self.app.settings.max_attempts
+        return self.max_attempts_under(self.app.settings)
+
+    def max_attempts_under(self, settings: Settings) -> int:
+        """The definition's own ``max_attempts``, else ``settings.max_attempts``."""
+        return self._max_attempts or settings.max_attempts
 
     # --- enqueue ---------------------------------------------------------------------------
 
@@ -102,6 +113,7 @@ class JobDefinition(Generic[P]):
         account: str | None = None,
         job_id: str | None = None,
         headers: Mapping[str, str] | None = None,
+        max_attempts: int | None = None,
     ) -> NewJob:
         stored = self.parse(params).model_dump(mode="json")
         if job_id is None:
@@ -112,7 +124,7 @@ class JobDefinition(Generic[P]):
             account_id=account,
             params=stored,
             request_hash=request_hash(account, self.type, stored),
-            max_attempts=self.max_attempts,
+            max_attempts=max_attempts or self.max_attempts,
             idempotency_key=key,
             headers=headers,
         )
@@ -124,15 +136,18 @@ class JobDefinition(Generic[P]):
         *,
         key: str | None = None,
         account: str | None = None,
+        job_id: str | None = None,
     ) -> str:
         """Write the job on ``conn`` (the caller's open transaction); returns its id.
 
         The same ``key`` with the same parameters returns the same id and writes nothing;
-        with other parameters it raises ``IdempotencyConflict``.
+        with other parameters it raises ``IdempotencyConflict``. ``job_id`` replaces the
+        id derived from ``key`` (an application with its own id scheme); the same id with
+        the same parameters is again the same job.
         """
-        job = self.new_job(params, key=key, account=account)
-        job_id, _ = await run_async(conn, new_job_steps(conn.dialect.name, job, _now()))
-        return job_id
+        job = self.new_job(params, key=key, account=account, job_id=job_id)
+        written, _ = await run_async(conn, new_job_steps(conn.dialect.name, job, _now()))
+        return written
 
     def enqueue_sync(
         self,
@@ -141,11 +156,12 @@ class JobDefinition(Generic[P]):
         *,
         key: str | None = None,
         account: str | None = None,
+        job_id: str | None = None,
     ) -> str:
         """``enqueue`` for a synchronous application (psycopg 3 or sqlite3 connection)."""
-        job = self.new_job(params, key=key, account=account)
-        job_id, _ = run_sync(conn, new_job_steps(conn.dialect.name, job, _now()))
-        return job_id
+        job = self.new_job(params, key=key, account=account, job_id=job_id)
+        written, _ = run_sync(conn, new_job_steps(conn.dialect.name, job, _now()))
+        return written
 
     # --- run (the worker's Operation) -------------------------------------------------------
 
@@ -162,10 +178,28 @@ class JobDefinition(Generic[P]):
             raise PermanentError(str(InvalidParams(self.type, _field_errors(exc)))) from None
         job = ctx.job
 
-        def follow_up(definition: JobDefinition[Any], p: BaseModel | Mapping[str, Any]) -> NewJob:
-            return definition.new_job(
-                p, account=job.account_id, job_id=follow_up_job_id(job.id, definition.type)
+        def follow_up(target: JobDefinition[Any] | str, p: BaseModel | Mapping[str, Any]) -> NewJob:
+            if isinstance(target, JobDefinition):
+                return target.new_job(
+                    p,
+                    account=job.account_id,
+                    job_id=follow_up_job_id(job.id, target.type),
+                    max_attempts=target._max_attempts or job.max_attempts,
+                )
+            if target not in self.app.included_types:
+                raise ConfigError("ctx.follow_up", f"no job type {target!r} in this app")
+            stored = p.model_dump(mode="json") if isinstance(p, BaseModel) else dict(p)
+            return NewJob(
+                job_id=follow_up_job_id(job.id, target),
+                type=target,
+                account_id=job.account_id,
+                params=stored,
+                request_hash=request_hash(job.account_id, target, stored),
+                max_attempts=job.max_attempts,
             )
+
+        async def fault_point(point: str) -> None:
+            await ctx.faults.ahit(point, attempt=ctx.attempt, params=job.params)
 
         context: JobContext[P] = JobContext(
             job_id=job.id,
@@ -178,6 +212,7 @@ class JobDefinition(Generic[P]):
             lease_lost=ctx.lease_lost,
             report_progress=ctx.report_progress,
             make_follow_up=follow_up,
+            fault_point=fault_point,
         )
         result = await self.fn(context, params) or Result()
         return OperationResult(
@@ -194,6 +229,10 @@ class App:
         self._settings = settings
         self._jobs: dict[str, JobDefinition[Any]] = {}
         self._builtins: list[Callable[[Settings], Operation]] = []
+        self._included_types: set[str] = set()
+        self._routers: list[APIRouter] = []
+        self._tables: list[MetaData] = []
+        self._commands: dict[str, AppCommand] = {}
         self._engine: AsyncEngine | None = None
 
     @property
@@ -215,9 +254,15 @@ class App:
         retry_delays: tuple[int, ...] | None = None,
         queue: str = DEFAULT_QUEUE,
         http: bool = False,
+        result_filename: Callable[[str, Mapping[str, Any]], str] | None = None,
     ) -> Callable[[JobFunction[P]], JobDefinition[P]]:
-        """Define job type ``name``; the decorated function runs it."""
-        if not name or len(name) > _NAME_MAX or name in self._jobs:
+        """Define job type ``name``; the decorated function runs it.
+
+        ``result_filename(job_id, params)``: the result object of a succeeded job is
+        downloadable at ``GET /v1/jobs/{jobId}/result`` (``text/csv``) under this file name
+        (without the extension). Without it that route answers 404 for jobs of this type.
+        """
+        if not name or len(name) > _NAME_MAX or name in self._jobs or name in self._included_types:
             raise ConfigError("@app.job", f"job name {name!r} is empty, too long or taken")
         if queue != DEFAULT_QUEUE:
             raise ConfigError("@app.job", "queues other than 'default' are not supported yet")
@@ -236,15 +281,75 @@ class App:
                 retry_delays=tuple(retry_delays) if retry_delays else None,
                 queue=queue,
                 http=http,
+                result_filename=result_filename,
             )
             self._jobs[name] = definition
             return definition
 
         return define
 
-    def include(self, factory: Callable[[Settings], Operation]) -> None:
-        """Add a job type written against the lower-level ``Operation`` port."""
+    def include(self, factory: Callable[[Settings], Operation], *, type: str | None = None) -> None:
+        """Add a job type written against the lower-level ``Operation`` port
+        (``factory(settings)`` builds it). Named with ``type``, a job of this app may create
+        one with ``ctx.follow_up(type, params)``."""
+        if type is not None:
+            if not type or type in self._jobs or type in self._included_types:
+                raise ConfigError("App.include", f"job name {type!r} is empty or taken")
+            self._included_types.add(type)
         self._builtins.append(factory)
+
+    @property
+    def included_types(self) -> frozenset[str]:
+        return frozenset(self._included_types)
+
+    # --- what the application brings besides jobs ---------------------------------------------
+
+    def http_router(self, router: APIRouter) -> None:
+        """Serve ``router``'s routes from the API (``jobrelay api``/``up``), before the core's.
+
+        Its handlers use ``jobrelay.http`` (the caller, accepting jobs, problem responses).
+        """
+        self._routers.append(router)
+
+    @property
+    def routers(self) -> tuple[APIRouter, ...]:
+        return tuple(self._routers)
+
+    def command(self, name: str) -> Callable[[AppCommand], AppCommand]:
+        """Provide the body of CLI command ``name`` (``jobrelay seed``, ``jobrelay demo``):
+        ``fn(settings, **options) -> exit status``. The CLI declares the command and its
+        options; for an app without it, the command says so and exits 2."""
+
+        def define(fn: AppCommand) -> AppCommand:
+            if name in self._commands:
+                raise ConfigError("@app.command", f"command {name!r} is taken")
+            self._commands[name] = fn
+            return fn
+
+        return define
+
+    @property
+    def commands(self) -> Mapping[str, AppCommand]:
+        return dict(self._commands)
+
+    def tables(self, metadata: MetaData) -> None:
+        """The application's own tables, in jobrelay's database. jobrelay's migrations never
+        touch them; ``create_tables`` creates the missing ones."""
+        self._tables.append(metadata)
+
+    async def create_tables(self, engine: AsyncEngine) -> None:
+        """Create the application's missing tables (``checkfirst``); safe to run again and
+        from several processes at once. Run by every jobrelay process that opens its runtime
+        for this app (``api``, ``worker``, ``up``, ``demo``) and by ``jobrelay db upgrade``."""
+        for metadata in self._tables:
+            try:
+                async with engine.begin() as conn:
+                    await conn.run_sync(metadata.create_all, checkfirst=True)
+            except DBAPIError:
+                # Another process created them between our check and our CREATE: fine, as
+                # long as they exist now.
+                async with engine.begin() as conn:
+                    await conn.run_sync(metadata.create_all, checkfirst=True)
 
     def registry(self, settings: Settings | None = None) -> Registry:
         settings = settings or self.settings
@@ -273,13 +378,14 @@ class App:
         *,
         key: str | None = None,
         account: str | None = None,
+        job_id: str | None = None,
     ) -> str:
         """Enqueue in a transaction of its own (for callers with no transaction to join)."""
         definition = self._jobs.get(name)
         if definition is None:
             raise ConfigError("App.enqueue", f"no job type {name!r} in this app")
         async with self._engine_for_calls().begin() as conn:
-            return await definition.enqueue(conn, params, key=key, account=account)
+            return await definition.enqueue(conn, params, key=key, account=account, job_id=job_id)
 
     async def get_job(self, job_id: str) -> JobRecord | None:
         from jobrelay.storage.store import Store

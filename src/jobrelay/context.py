@@ -11,15 +11,17 @@ move its own state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.results.base import ResultSession, ResultStore
+from jobrelay.storage.engine import read_only
 from jobrelay.storage.records import NewJob
 
 if TYPE_CHECKING:
@@ -59,7 +61,8 @@ class JobContext(Generic[P]):
         engine: AsyncEngine,
         lease_lost: asyncio.Event,
         report_progress: Callable[[int, int], Awaitable[None]],
-        make_follow_up: Callable[[JobDefinition[Any], BaseModel | Mapping[str, Any]], NewJob],
+        make_follow_up: Callable[[JobDefinition[Any] | str, BaseModel | Mapping[str, Any]], NewJob],
+        fault_point: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.job_id = job_id
         self.job_type = job_type
@@ -74,6 +77,7 @@ class JobContext(Generic[P]):
         self._results = results
         self._report_progress = report_progress
         self._make_follow_up = make_follow_up
+        self._fault_point = fault_point
         self.follow_ups: list[NewJob] = []
 
     async def progress(self, done: int, total: int) -> None:
@@ -89,12 +93,31 @@ class JobContext(Generic[P]):
         at ``key`` only when this attempt's success is committed."""
         return self._results.writer(key, staged=True)
 
-    def follow_up(self, job: JobDefinition[Any], params: BaseModel | Mapping[str, Any]) -> str:
+    def follow_up(
+        self, job: JobDefinition[Any] | str, params: BaseModel | Mapping[str, Any]
+    ) -> str:
         """A job created in the SAME transaction as this job's success, once: its id is
-        derived from this job's, so a second success of this job cannot make a second one."""
+        derived from this job's, so a second success of this job cannot make a second one.
+
+        ``job`` is a definition, or the type name of a job included with
+        ``App.include(..., type=...)`` (such as ``notify.email``), whose parameters are
+        then checked when it runs. Without its own ``max_attempts`` it inherits this job's.
+        """
         new = self._make_follow_up(job, params)
         self.follow_ups.append(new)
         return new.job_id
+
+    def read_only(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        """A read-only transaction on ``engine`` for the application's own tables: on SQLite
+        it begins DEFERRED, so a long read (a server-side cursor) never holds the write lock
+        that jobrelay's own writes need."""
+        return read_only(self.engine)
+
+    async def fault_point(self, name: str) -> None:
+        """A named point where ``JOBRELAY_FAULTS`` may inject a failure (tests, demos,
+        chaos); does nothing unless a fault is armed at ``name`` for this job."""
+        if self._fault_point is not None:
+            await self._fault_point(name)
 
     @property
     def lease_is_lost(self) -> bool:

@@ -149,7 +149,7 @@ async def pipeline(settings: Settings, rows_per_month: int = 40) -> AsyncIterato
 
     faults = Faults(settings.faults, crash_handler=crash)
     async with open_runtime(settings, faults=faults) as rt:
-        await seed(rt.store, rows_per_month)
+        await seed(rt.engine, rows_per_month)
         p = Pipeline(rt, crashed=crashed)
         try:
             yield p

@@ -27,12 +27,13 @@ from sqlalchemy import insert, select, update
 from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreError
+from jobrelay.exports.ledger import ledger_entries
 from jobrelay.exports.seed import seed
 from jobrelay.observe.faults import Faults
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.worker import DEFERS_HEADER, Worker
 from jobrelay.storage.store import NewJob, Store
-from jobrelay.storage.tables import jobs, ledger_entries, outbox
+from jobrelay.storage.tables import jobs, outbox
 from jobrelay.transport.base import Delivery
 
 from .api_fixtures import Clock, build_runtime
@@ -74,7 +75,7 @@ def runtime_for(database_url: str, tmp_path: Path, *, faults: str = "", **settin
 @pytest.fixture
 async def rt(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
     runtime = runtime_for(database_url, tmp_path)
-    await seed(runtime.store, ROWS)
+    await seed(runtime.engine, ROWS)
     yield runtime
     await runtime.engine.dispose()
 
@@ -140,7 +141,7 @@ async def test_two_copies_in_one_process_only_the_newest_claim_saves_its_result(
     the lease lapses, the second copy claims again. The first run finishes first, but its
     claim was superseded: it must record ``lease_lost``, not ``result_saved``."""
     rt = runtime_for(database_url, tmp_path, faults="export.run:stall:0.5:1,export.run:stall:1.5:2")
-    await seed(rt.store, ROWS)
+    await seed(rt.engine, ROWS)
     job_id = await submit(rt)
     worker = Worker(rt, worker_id="host:1:shared")
 
@@ -174,7 +175,7 @@ async def test_a_lost_lease_stops_the_run(database_url: str, tmp_path: Path) -> 
     """Another claim took the job over while this run stalls: the next heartbeat finds the
     lease gone and cancels the operation, instead of letting it run on for ten minutes."""
     rt = runtime_for(database_url, tmp_path, faults="export.run:stall:600:1", lease_seconds=1.5)
-    await seed(rt.store, ROWS)
+    await seed(rt.engine, ROWS)
     job_id = await submit(rt)
     stalled = HandDelivery(body_of(job_id))
     run = asyncio.create_task(Worker(rt, worker_id="w-slow").handle(stalled))
@@ -199,7 +200,7 @@ async def test_a_stale_attempt_never_replaces_the_winning_object(
     ledger changes, then attempt 1 wakes and writes a different CSV. The object served at the
     result key must stay the one whose size and sha256 the job recorded."""
     rt = runtime_for(database_url, tmp_path, faults="export.run:stall:1:1")
-    await seed(rt.store, ROWS)
+    await seed(rt.engine, ROWS)
     job_id = await submit(rt)
     zombie = HandDelivery(body_of(job_id))
     run = asyncio.create_task(Worker(rt, worker_id="w-zombie").handle(zombie))
@@ -311,7 +312,7 @@ async def test_worker_clock_skew_changes_no_judgement(
     rt = dataclasses.replace(
         base, store=store, clock=lambda: store.local_now() + timedelta(seconds=skew)
     )
-    await seed(store, ROWS)
+    await seed(store.engine, ROWS)
     due_job = await submit(rt, period="2020-05")
     held_job = await submit(rt, period="2020-06")
     db_now = await store.db_now()
@@ -381,7 +382,7 @@ async def test_sigterm_drains_for_drain_seconds_then_stops_without_settling(
     rt = runtime_for(
         database_url, tmp_path, faults="export.run:stall:600", drain_seconds=0.5, lease_seconds=30
     )
-    await seed(rt.store, ROWS)
+    await seed(rt.engine, ROWS)
     job_id = await submit(rt)
     delivery = HandDelivery(body_of(job_id))
     rt = dataclasses.replace(rt, transport=OneShotTransport([delivery]))  # type: ignore[arg-type]

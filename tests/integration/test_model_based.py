@@ -243,7 +243,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> None:
 
     async def seeded() -> None:
         engine = create_engine(f"sqlite:///{path}")
-        await seed(Store(engine), 5)
+        await seed(engine, 5)
         await engine.dispose()
 
     asyncio.run(seeded())

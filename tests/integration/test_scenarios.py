@@ -17,6 +17,7 @@ import pytest
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
+from jobrelay.exports import ledger
 from jobrelay.roles.relay import Relay
 from jobrelay.storage.tables import outbox
 from jobrelay.transport.base import OutgoingMessage
@@ -62,7 +63,8 @@ async def test_a_stable_id_and_states(make_pipeline: Any, tmp_path: Path) -> Non
         ]
         path = tmp_path / "exports" / job.result_key
         rows = list(csv.reader(io.StringIO(path.read_text())))
-        expected = await p.store.ledger_count("acme", "2020-05")
+        async with p.rt.engine.connect() as conn:
+            expected = await ledger.count(conn, "acme", "2020-05")
         assert len(rows) == expected + 1 and rows[0][0] == "entry_id"
         assert job.result_meta["rows"] == expected
         assert result_files(tmp_path / "exports") == [path]

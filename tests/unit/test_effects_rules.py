@@ -19,7 +19,7 @@ from jobrelay.domain.states import JobState
 from jobrelay.effects.mail import parse_smtp_url
 from jobrelay.effects.notify_email import NotifyEmail, message_id_for, notification_for
 from jobrelay.errors import ConfigError, PermanentError
-from jobrelay.exports.report_export import ReportExport
+from jobrelay.exports.app import report_export
 from jobrelay.observe.faults import Faults, parse
 from jobrelay.results.s3 import parse_s3_url
 from jobrelay.settings import load_settings
@@ -151,7 +151,7 @@ def _export(params: dict[str, str]) -> JobRecord:
 
 def test_notification_job_and_its_message_are_stable() -> None:
     export = _export({"accountId": "acme", "period": "2020-05", "notifyEmail": "ops@example.com"})
-    ReportExport().validate(export.params)
+    report_export.validate(export.params)
     assert notification_for(_export({"accountId": "acme", "period": "2020-05"})) is None
     job = notification_for(export)
     assert job is not None and job == notification_for(export)
@@ -176,4 +176,4 @@ def test_notification_job_and_its_message_are_stable() -> None:
         with pytest.raises(PermanentError):
             notify.validate(bad)
     with pytest.raises(PermanentError, match="notifyEmail"):
-        ReportExport().validate({**export.params, "notifyEmail": "a@b.co, c@d.co"})
+        report_export.validate({**export.params, "notifyEmail": "a@b.co, c@d.co"})

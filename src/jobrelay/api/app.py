@@ -18,6 +18,7 @@ from jobrelay import __version__
 from jobrelay.api import admin, console, health, jobs, observability, routes
 from jobrelay.api.deps import set_runtime
 from jobrelay.api.problems import PROBLEM_MEDIA_TYPE, install_problem_handlers
+from jobrelay.loader import load_app
 from jobrelay.roles.runtime import Runtime, open_runtime
 from jobrelay.settings import Settings
 
@@ -62,6 +63,9 @@ def create_app(settings: Settings, *, runtime: Runtime | None = None) -> FastAPI
     set_runtime(app, runtime)
     install_problem_handlers(app)
     app.add_middleware(observability.RequestMiddleware)  # outermost: sees the final status
+    job_app = runtime.job_app() if runtime is not None else load_app(settings.app)
+    for router in job_app.routers:  # the application's own routes (App.http_router)
+        app.include_router(router)
     app.include_router(routes.router)
     app.include_router(jobs.router)
     app.include_router(admin.router)

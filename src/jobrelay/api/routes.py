@@ -1,9 +1,10 @@
-"""Accepting exports and reading jobs back: the ``/v1`` half of the HTTP contract.
+"""Reading jobs back: the ``/v1/jobs/{jobId}`` half of the HTTP contract.
 
-Accepting is one ``Store.submit`` call, which writes the job, its outbox row and its
-``accepted`` event in ONE transaction; the 202 is sent only after that commit, so a client
-that saw a jobId can always read it back. Reads answer 404 both for a missing job and for
-another account's job, with the same body, so ids cannot be probed across accounts.
+Jobs are accepted by ``POST /v1/jobs`` (jobs.py) or by an application's own routes
+(``App.http_router``, e.g. the export app's ``POST /v1/exports``). Reads answer 404 both for
+a missing job and for another account's job, with the same body, so ids cannot be probed
+across accounts. A result is downloadable only for a type whose definition names its file
+(``@app.job(..., result_filename=...)``).
 """
 
 from __future__ import annotations
@@ -13,41 +14,29 @@ import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Request, Response
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
-from pydantic import ValidationError
 
 from jobrelay.api.auth import Principal, PrincipalDep
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import (
-    IDEMPOTENCY_CONFLICT,
     NOT_FINISHED,
     RESULT_GONE,
     UNAVAILABLE,
-    FieldError,
     NotFinishedProblem,
     ProblemError,
-    ValidationProblem,
     problem_openapi,
 )
 from jobrelay.api.schemas import (
-    IDEMPOTENCY_KEY_PATTERN,
-    Accepted,
     EventOut,
     EventsOut,
-    ExportRequest,
     JobOut,
     canonical_job_id,
-    valid_traceparent,
 )
-from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.states import JobState
-from jobrelay.errors import IdempotencyConflict, TransientError
-from jobrelay.exports.report_export import TYPE as EXPORT_TYPE
-from jobrelay.observe.metrics import NEW as NEW_JOB
+from jobrelay.errors import TransientError
 from jobrelay.roles.runtime import Runtime
-from jobrelay.storage.store import JobRecord, NewJob
+from jobrelay.storage.store import JobRecord
 
 log = logging.getLogger("jobrelay.api")
 
@@ -71,96 +60,11 @@ _JOB_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: problem_openapi("No such job, or it belongs to another account (not distinguished)."),
 }
 
-IdempotencyKey = Annotated[
-    str | None,
-    Header(
-        alias="Idempotency-Key",
-        pattern=IDEMPOTENCY_KEY_PATTERN,
-        description="1-255 visible ASCII characters. Keys the job instead of the body.",
-    ),
-]
-TraceParent = Annotated[
-    str | None,
-    Header(description="W3C trace context; passed on to the job's message. Invalid is ignored."),
-]
 JobIdPath = Annotated[str, Path(alias="jobId", description="The jobId returned by the 202.")]
 
 
 class CsvResponse(StreamingResponse):
     media_type = "text/csv"
-
-
-@router.post(
-    "/v1/exports",
-    status_code=202,
-    response_model=Accepted,
-    summary="Accept a report.export job",
-    responses={
-        **_AUTH_RESPONSES,
-        403: problem_openapi("The token may not act for this accountId."),
-        413: problem_openapi(f"The body is larger than {MAX_BODY_BYTES} bytes."),
-        422: problem_openapi(
-            "Invalid body or header, or an Idempotency-Key reused with another body.",
-            ValidationProblem,
-        ),
-    },
-    # The body is parsed in the handler (after authentication), so it is declared here.
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": ExportRequest.model_json_schema()}},
-        }
-    },
-)
-async def create_export(
-    request: Request,
-    response: Response,
-    principal: PrincipalDep,
-    runtime: RuntimeDep,
-    idempotency_key: IdempotencyKey = None,
-    traceparent: TraceParent = None,
-) -> Accepted:
-    body = _parse_export(await read_body(request))
-    if not principal.may_act_for(body.account_id):
-        raise ProblemError(403, f"this token may not act for account {body.account_id!r}")
-    params = body.params()
-    trace = valid_traceparent(traceparent)
-    job = NewJob(
-        job_id=job_id_for(body.account_id, EXPORT_TYPE, params, idempotency_key),
-        type=EXPORT_TYPE,
-        account_id=body.account_id,
-        params=params,
-        request_hash=request_hash(body.account_id, EXPORT_TYPE, params),
-        max_attempts=runtime.settings.max_attempts,
-        idempotency_key=idempotency_key,
-        headers={"traceparent": trace} if trace else None,
-    )
-    try:
-        job_id, created = await runtime.store.submit(job, runtime.clock())
-    except IdempotencyConflict as exc:
-        raise ProblemError(
-            422,
-            str(exc),
-            type_=IDEMPOTENCY_CONFLICT,
-            title="Idempotency-Key reused",
-            errors=[FieldError(field="Idempotency-Key", message=str(exc)).model_dump()],
-        ) from None
-    if created:
-        runtime.metrics.transition(NEW_JOB, JobState.QUEUED.value)
-    runtime.faults.hit("api.before_response", params=params)
-    log.info(
-        "job accepted" if created else "job already accepted",
-        extra={
-            "event": "job_accepted",
-            "jobId": job_id,
-            "isNew": created,
-            "type": EXPORT_TYPE,
-            "attempt": 0 if created else None,  # a repeat: the job may be further along
-        },
-    )
-    status_url = f"/v1/jobs/{job_id}"
-    response.headers["Location"] = status_url
-    return Accepted(job_id=job_id, status_url=status_url)
 
 
 @router.get(
@@ -205,7 +109,8 @@ async def get_events(job_id: JobIdPath, principal: PrincipalDep, runtime: Runtim
 async def get_result(job_id: JobIdPath, principal: PrincipalDep, runtime: RuntimeDep) -> Response:
     # Tenancy first: no URL is ever signed for a job the caller may not see.
     job = await _visible_job(runtime, principal, job_id)
-    if job.type != EXPORT_TYPE:
+    filename = _filename(runtime, job)
+    if filename is None:
         raise ProblemError(404, f"a {job.type} job has no result to download")
     if job.state is not JobState.SUCCEEDED:
         raise ProblemError(
@@ -219,7 +124,7 @@ async def get_result(job_id: JobIdPath, principal: PrincipalDep, runtime: Runtim
     try:
         if key is None or not await runtime.results.exists(key):
             raise _result_gone(job)
-        url = await runtime.results.presign(key, RESULT_URL_SECONDS, filename=_filename(job))
+        url = await runtime.results.presign(key, RESULT_URL_SECONDS, filename=filename)
     except TransientError as exc:
         raise _results_unavailable(exc) from None
     if url is not None:
@@ -234,7 +139,7 @@ async def get_result(job_id: JobIdPath, principal: PrincipalDep, runtime: Runtim
         raise _result_gone(job) from None
     return CsvResponse(
         _stream(first, chunks),
-        headers={"Content-Disposition": f'attachment; filename="{_filename(job)}"'},
+        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
     )
 
 
@@ -245,18 +150,6 @@ async def read_body(request: Request) -> bytes:
         if len(body) > MAX_BODY_BYTES:
             raise ProblemError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     return bytes(body)
-
-
-def _parse_export(raw: bytes) -> ExportRequest:
-    """Validate the body the way FastAPI would, so the 422 looks the same as any other."""
-    try:
-        return ExportRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        errors = [
-            {**error, "loc": ("body", *error["loc"])}
-            for error in exc.errors(include_url=False, include_input=False)
-        ]
-        raise RequestValidationError(errors) from None
 
 
 async def _visible_job(runtime: Runtime, principal: Principal, raw_id: str) -> JobRecord:
@@ -308,11 +201,9 @@ async def _stream(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[byt
             await aclose()
 
 
-def _filename(job: JobRecord) -> str:
-    account, period = job.params.get("accountId"), job.params.get("period")
-    stem = (
-        f"export-{account}-{period}"
-        if isinstance(account, str) and isinstance(period, str)
-        else f"export-{job.id}"
-    )
+def _filename(runtime: Runtime, job: JobRecord) -> str | None:
+    definition = runtime.job_app().jobs.get(job.type)
+    if definition is None or definition.result_filename is None:
+        return None
+    stem = definition.result_filename(job.id, job.params)
     return _UNSAFE_FILENAME.sub("_", stem)[:120] + ".csv"

@@ -12,75 +12,21 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from jobrelay.domain.effects import MAX_ADDRESS_LENGTH, check_address
 from jobrelay.storage.store import EventRecord, JobRecord
 
+# An account id (tokens act for one): lowercase letters, digits, '_' and '-'; 1-64 characters.
 ACCOUNT_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
-PERIOD_PATTERN = r"^[0-9]{4}-[0-9]{2}$"
 # RFC 9110 visible ASCII (VCHAR): no spaces, no control characters, no non-ASCII.
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
-FIRST_PERIOD, LAST_PERIOD = (1900, 1), (2999, 12)
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 
 
 class WireModel(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, validate_by_name=True, frozen=True)
-
-
-class ExportRequest(WireModel):
-    # Only the camelCase wire names are accepted: "account_id" is an unknown field here.
-    model_config = ConfigDict(extra="forbid", validate_by_name=False)
-
-    account_id: str = Field(
-        pattern=ACCOUNT_PATTERN,
-        description="Lowercase letters, digits, '_' and '-'; 1-64 characters.",
-        examples=["acme"],
-    )
-    period: str = Field(
-        pattern=PERIOD_PATTERN,
-        description="A calendar month, YYYY-MM, from 1900-01 to 2999-12.",
-        examples=["2020-05"],
-    )
-    notify_email: str | None = Field(
-        default=None,
-        max_length=MAX_ADDRESS_LENGTH,
-        description=(
-            "Optional. One plain address (name@example.com, at most 254 characters, no display "
-            "name, no list) that gets one e-mail with a link to the result once the export "
-            "has succeeded. Part of the request's identity: it changes the jobId."
-        ),
-        examples=["ops@example.com"],
-    )
-
-    @field_validator("notify_email")
-    @classmethod
-    def _single_address(cls, value: str | None) -> str | None:
-        return None if value is None else check_address(value)
-
-    @field_validator("period")
-    @classmethod
-    def _real_month(cls, value: str) -> str:
-        year, month = int(value[:4]), int(value[5:])
-        if not 1 <= month <= 12:
-            raise ValueError("month must be 01-12")
-        if not FIRST_PERIOD <= (year, month) <= LAST_PERIOD:
-            raise ValueError("period must be between 1900-01 and 2999-12")
-        return value
-
-    def params(self) -> dict[str, Any]:
-        """The job's stored parameters: the wire fields given, in wire spelling.
-
-        ``notifyEmail`` is stored only when given, so a request without it keeps the jobId
-        it always had.
-        """
-        params = {"accountId": self.account_id, "period": self.period}
-        if self.notify_email is not None:
-            params["notifyEmail"] = self.notify_email
-        return params
 
 
 class Accepted(WireModel):

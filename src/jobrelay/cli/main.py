@@ -8,6 +8,7 @@ variable, exit code 2, and nothing created. Long-running commands drain on SIGTE
 import asyncio
 import functools
 import inspect
+import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -15,8 +16,8 @@ from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 
+from jobrelay.api.schemas import ACCOUNT_PATTERN
 from jobrelay.errors import ConfigError, JobrelayError
-from jobrelay.exports.report_export import ACCOUNT_PATTERN
 from jobrelay.observe import logs
 from jobrelay.settings import ENV_PREFIX, Settings, load_settings
 
@@ -190,11 +191,10 @@ def up_cmd(
 @app.command("demo")
 @with_settings
 def demo_cmd(settings: Settings) -> None:
-    """Run the main job end to end on the configured (by default embedded) pipeline."""
-    from jobrelay.exports.demo import demo_main
-
+    """Run the app's demo end to end on the configured (by default embedded) pipeline."""
+    demo = _app_command(settings, "demo")
     logs.configure("demo", "ERROR")  # the demo narrates; faults it arms are announced
-    raise typer.Exit(demo_main(settings))
+    raise typer.Exit(demo(settings))
 
 
 @app.command("chaos")
@@ -294,10 +294,8 @@ def token_create_cmd(
 
     if account is None and not admin:
         raise fail("give --account ACCOUNT (or --admin)", 2)
-    if account is not None and not ACCOUNT_PATTERN.match(account):
-        raise fail(
-            f"--account {account!r} is not a valid account id ({ACCOUNT_PATTERN.pattern})", 2
-        )
+    if account is not None and not re.match(ACCOUNT_PATTERN, account):
+        raise fail(f"--account {account!r} is not a valid account id ({ACCOUNT_PATTERN})", 2)
     token = run(create_token(settings, account, admin, label))
     typer.echo(
         f"created {'admin' if admin else 'account'} token for {account or 'all accounts'}", err=True
@@ -311,12 +309,23 @@ def seed_cmd(
     settings: Settings,
     rows_per_month: Annotated[int, typer.Option(min=0, max=1_000_000)] = 300,
 ) -> None:
-    """Fill ledger_entries with the deterministic sample (acme, globex, initech; 2019-2021)."""
-    from jobrelay.roles.processes import seed_database
+    """Fill the app's sample data (the export app: ledger_entries for acme, globex, initech;
+    2019-2021)."""
+    code = _app_command(settings, "seed")(settings, rows_per_month=rows_per_month)
+    if code:
+        raise typer.Exit(code)
 
-    counts = run(seed_database(settings, rows_per_month))
-    for account, n in counts.items():
-        typer.echo(f"{account}: {n} ledger rows")
+
+def _app_command(settings: Settings, name: str) -> Callable[..., int]:
+    """The body of command ``name`` from the app (``--app``/``JOBRELAY_APP``)."""
+    from jobrelay.loader import load_app
+
+    command = load_app(settings.app).commands.get(name)
+    if command is None:
+        raise ConfigError(
+            "JOBRELAY_APP", f"the app {settings.app or 'default'!r} has no {name!r} command"
+        )
+    return command
 
 
 # --- inspection ------------------------------------------------------------------------------

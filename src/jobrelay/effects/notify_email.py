@@ -30,7 +30,7 @@ from email.utils import format_datetime
 from typing import Any
 from urllib.parse import urlsplit
 
-from jobrelay.domain.effects import check_address
+from jobrelay.domain.effects import MAX_ADDRESS_LENGTH, check_address
 from jobrelay.domain.ids import follow_up_job_id, request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.effects.mail import Mailer
@@ -39,7 +39,19 @@ from jobrelay.operations.base import OperationContext, OperationResult
 from jobrelay.settings import Settings
 from jobrelay.storage.store import JobRecord, NewJob
 
+__all__ = [
+    "EFFECT_KIND",
+    "MAX_ADDRESS_LENGTH",
+    "NOTIFY_EMAIL",
+    "NotifyEmail",
+    "check_address",
+    "message_id_for",
+    "notification_for",
+    "result_link",
+]
+
 TYPE = "notify.email"
+NOTIFY_EMAIL = TYPE  # public: include with App.include(NotifyEmail, type=NOTIFY_EMAIL)
 EFFECT_KIND = "email"
 NOTIFY_PARAM = "notifyEmail"  # the export parameter that asks for a notification
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")

@@ -21,11 +21,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from jobrelay.exports.seed import seed_database
 from jobrelay.observe.faults import Faults
 from jobrelay.roles.processes import (
     build_server,
     create_token,
-    seed_database,
     serve_until,
     upgrade_database,
 )
@@ -64,7 +64,7 @@ async def run_demo(settings: Settings, *, timeout: float = 120.0) -> int:
     console.print(f"results   {settings.results_url}")
     revision = await upgrade_database(settings)
     console.print(f"schema    at revision {revision}")
-    counts = await seed_database(settings, DEMO_ROWS_PER_MONTH)
+    counts = await seed_database(settings.database_url, DEMO_ROWS_PER_MONTH)
     console.print(f"seeded    {sum(counts.values())} ledger rows for {', '.join(counts)}")
     token = await create_token(settings, None, True, "demo")
     console.print(f"[yellow]faults    armed on purpose for two demo jobs: {DEMO_FAULTS}[/yellow]")

@@ -11,7 +11,10 @@ from datetime import date
 from decimal import Decimal
 from typing import Any
 
-from jobrelay.storage.store import Store
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+import jobrelay
+from jobrelay.exports import ledger
 
 ACCOUNTS = ("acme", "globex", "initech")
 YEARS = (2019, 2020, 2021)
@@ -58,11 +61,21 @@ def ledger_rows(account_id: str, rows_per_month: int) -> list[dict[str, Any]]:
     return rows
 
 
-async def seed(store: Store, rows_per_month: int = DEFAULT_ROWS_PER_MONTH) -> dict[str, int]:
-    """Replace each account's ledger with the deterministic sample; idempotent."""
+async def seed(engine: AsyncEngine, rows_per_month: int = DEFAULT_ROWS_PER_MONTH) -> dict[str, int]:
+    """Replace each account's ledger with the deterministic sample (creating the table when
+    it is missing); idempotent."""
     counts: dict[str, int] = {}
     for account in ACCOUNTS:
         rows = ledger_rows(account, rows_per_month)
-        await store.replace_ledger(account, rows)
+        await ledger.replace(engine, account, rows)
         counts[account] = len(rows)
     return counts
+
+
+async def seed_database(database_url: str, rows_per_month: int) -> dict[str, int]:
+    """``seed`` on a database of its own engine (``jobrelay seed``, ``jobrelay demo``)."""
+    engine = jobrelay.create_engine(database_url)
+    try:
+        return await seed(engine, rows_per_month)
+    finally:
+        await engine.dispose()

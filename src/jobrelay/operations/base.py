@@ -73,9 +73,8 @@ class Registry:
 
 
 def default_registry(settings: Settings | None = None) -> Registry:
-    """Every shipped operation. Without settings, ``notify.email`` is still known (so its
-    messages decode) but cannot send, and its jobs are quarantined saying so."""
-    from jobrelay.effects.notify_email import NotifyEmail
-    from jobrelay.exports.report_export import ReportExport
+    """The default app's job types (``loader.DEFAULT_APP``), built with ``settings`` (else
+    the app's own, from the environment)."""
+    from jobrelay.loader import load_app
 
-    return Registry([ReportExport(), NotifyEmail(settings)])
+    return load_app(None).registry(settings)

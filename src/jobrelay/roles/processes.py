@@ -198,10 +198,3 @@ async def create_token(
     async with open_runtime(settings, connect_transport=False) as rt:
         await rt.store.add_token(hash_token(token), account, admin, utc_now(), label)
     return token
-
-
-async def seed_database(settings: Settings, rows_per_month: int) -> dict[str, int]:
-    from jobrelay.exports.seed import seed
-
-    async with open_runtime(settings, connect_transport=False) as rt:
-        return await seed(rt.store, rows_per_month)

@@ -49,6 +49,10 @@ class Runtime:
     # The application whose jobs run here (``--app``); None in tests that wire a registry.
     app: App | None = None
 
+    def job_app(self) -> App:
+        """``app``, or (a runtime built without one) the app the settings name."""
+        return self.app if self.app is not None else load_app(self.settings.app)
+
 
 def topology_for(settings: Settings, app: App | None = None) -> Topology:
     """The broker names in force; an app's own retry delays each get a tier too."""
@@ -133,6 +137,7 @@ async def open_runtime(
         except StoreError as exc:
             raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
         await check_schema(settings, engine)
+        await app.create_tables(engine)
         if connect_transport and settings.uses_local_broker:
             await _connect(transport)
         # Not probed here: an unreachable S3 endpoint is a transient failure of the jobs

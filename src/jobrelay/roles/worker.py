@@ -43,7 +43,7 @@ from jobrelay.domain.policy import (
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreError
 from jobrelay.observe import logs
-from jobrelay.operations.base import Registry, default_registry
+from jobrelay.operations.base import Registry
 from jobrelay.roles.attempt import AttemptRun
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.store import JobRecord
@@ -75,7 +75,7 @@ class Worker:
     ) -> None:
         self.rt = rt
         if registry is None:
-            registry = rt.app.registry(rt.settings) if rt.app else default_registry(rt.settings)
+            registry = rt.job_app().registry(rt.settings)
         self.registry = registry
         self.worker_id = worker_id or new_worker_id()
         self.lease = timedelta(seconds=rt.settings.lease_seconds)

@@ -1,7 +1,7 @@
 """The job store: every query jobrelay runs against its own tables, each a named method.
 
 One class for callers, assembled from one module per concept (``jobs``, ``claims``,
-``outbox``, ``events``, ``tokens``, ``ledger``) over ``base`` (the engine, the one clock
+``outbox``, ``events``, ``tokens``) over ``base`` (the engine, the one clock
 and the SQL they share). The records it reads and writes are in ``records``.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 from jobrelay.storage.claims import ClaimsStore
 from jobrelay.storage.events import EventsStore
 from jobrelay.storage.jobs import JobsStore
-from jobrelay.storage.ledger import LedgerStore
 from jobrelay.storage.outbox import OutboxStore
 from jobrelay.storage.records import (
     NOTIFY_CHANNEL,
@@ -29,7 +28,7 @@ from jobrelay.storage.records import (
 from jobrelay.storage.tokens import TokensStore
 
 
-class Store(JobsStore, ClaimsStore, OutboxStore, EventsStore, TokensStore, LedgerStore):
+class Store(JobsStore, ClaimsStore, OutboxStore, EventsStore, TokensStore):
     """All of the store; see the modules it is made of."""
 
 

@@ -15,14 +15,12 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
-    Date,
     DateTime,
     Dialect,
     ForeignKey,
     Index,
     Integer,
     MetaData,
-    Numeric,
     PrimaryKeyConstraint,
     String,
     Table,
@@ -139,25 +137,6 @@ api_tokens = Table(
     Column("is_admin", Boolean, nullable=False, server_default=text("false")),
     Column("label", String(255)),
     Column("created_at", UTCDateTime(), nullable=False),
-)
-
-ledger_entries = Table(
-    "ledger_entries",
-    metadata,
-    Column("id", BigId, primary_key=True, autoincrement=True),
-    Column("account_id", String(64), nullable=False),
-    Column("booked_on", Date, nullable=False),
-    Column("period", String(7), nullable=False),  # "YYYY-MM", indexed for the export scan
-    Column("description", Text, nullable=False),
-    Column("counterparty", Text, nullable=False),
-    Column("amount", Numeric(14, 2), nullable=False),
-    Column("currency", String(3), nullable=False),
-)
-Index(
-    "ix_ledger_account_period",
-    ledger_entries.c.account_id,
-    ledger_entries.c.period,
-    ledger_entries.c.id,
 )
 
 # The database-backed local transport (embedded default). One row per message in flight.

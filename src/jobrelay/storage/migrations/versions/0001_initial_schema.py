@@ -71,28 +71,6 @@ def upgrade() -> None:
         batch_op.create_index("ix_jobs_state_updated", ["state", "updated_at"], unique=False)
 
     op.create_table(
-        "ledger_entries",
-        sa.Column(
-            "id",
-            sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
-            autoincrement=True,
-            nullable=False,
-        ),
-        sa.Column("account_id", sa.String(length=64), nullable=False),
-        sa.Column("booked_on", sa.Date(), nullable=False),
-        sa.Column("period", sa.String(length=7), nullable=False),
-        sa.Column("description", sa.Text(), nullable=False),
-        sa.Column("counterparty", sa.Text(), nullable=False),
-        sa.Column("amount", sa.Numeric(precision=14, scale=2), nullable=False),
-        sa.Column("currency", sa.String(length=3), nullable=False),
-        sa.PrimaryKeyConstraint("id", name=op.f("pk_ledger_entries")),
-    )
-    with op.batch_alter_table("ledger_entries", schema=None) as batch_op:
-        batch_op.create_index(
-            "ix_ledger_account_period", ["account_id", "period", "id"], unique=False
-        )
-
-    op.create_table(
         "local_messages",
         sa.Column(
             "id",
@@ -198,10 +176,6 @@ def downgrade() -> None:
         batch_op.drop_index("ix_local_messages_ready")
 
     op.drop_table("local_messages")
-    with op.batch_alter_table("ledger_entries", schema=None) as batch_op:
-        batch_op.drop_index("ix_ledger_account_period")
-
-    op.drop_table("ledger_entries")
     with op.batch_alter_table("jobs", schema=None) as batch_op:
         batch_op.drop_index("ix_jobs_state_updated")
         batch_op.drop_index("ix_jobs_account_created")

@@ -1,0 +1,177 @@
+"""What an application's own HTTP routes use (``app.http_router(router)``).
+
+An application router is a FastAPI ``APIRouter`` served by ``jobrelay api``/``up`` next to
+the core's ``/v1/jobs`` routes. Its handlers get the caller (``CallerDep``, from the bearer
+token, 401 without one), accept jobs with ``AcceptDep`` (the job, its outbox row and its
+``accepted`` event in one transaction, committed before the handler answers), and fail with
+``ProblemError`` (``application/problem+json``, RFC 9457), like every core route::
+
+    router = APIRouter()
+
+    @router.post("/v1/thumbnails", status_code=202, response_model=Accepted)
+    async def thumbnails(request: Request, caller: CallerDep, accept: AcceptDep) -> Accepted:
+        body = parse_body(Thumbnail, await read_body(request))
+        accepted = await accept(resize, body, account=caller.account_id)
+        return Accepted(job_id=accepted.job_id, status_url=f"/v1/jobs/{accepted.job_id}")
+
+    app.http_router(router)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Header
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from jobrelay.api.auth import Principal as Caller
+from jobrelay.api.auth import PrincipalDep as CallerDep
+from jobrelay.api.deps import RuntimeDep
+from jobrelay.api.problems import (
+    IDEMPOTENCY_CONFLICT,
+    FieldError,
+    ProblemError,
+    ValidationProblem,
+    problem_openapi,
+)
+from jobrelay.api.routes import MAX_BODY_BYTES, read_body
+from jobrelay.api.schemas import (
+    IDEMPOTENCY_KEY_PATTERN,
+    Accepted,
+    WireModel,
+    valid_traceparent,
+)
+from jobrelay.app import JobDefinition
+from jobrelay.domain.ids import job_id_for as request_job_id
+from jobrelay.domain.states import JobState
+from jobrelay.errors import IdempotencyConflict
+from jobrelay.observe.metrics import NEW as _NEW_JOB
+from jobrelay.roles.runtime import Runtime
+
+__all__ = [
+    "AUTH_RESPONSES",
+    "IDEMPOTENCY_CONFLICT",
+    "IDEMPOTENCY_KEY_PATTERN",
+    "MAX_BODY_BYTES",
+    "AcceptDep",
+    "Accepted",
+    "Acceptor",
+    "Admission",
+    "Caller",
+    "CallerDep",
+    "FieldError",
+    "IdempotencyKey",
+    "ProblemError",
+    "TraceParent",
+    "ValidationProblem",
+    "WireModel",
+    "parse_body",
+    "problem_openapi",
+    "read_body",
+    "request_job_id",
+    "valid_traceparent",
+]
+
+log = logging.getLogger("jobrelay.api")
+M = TypeVar("M", bound=BaseModel)
+
+AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: problem_openapi("No token, or not a valid one."),
+    503: problem_openapi("The database is unavailable; nothing was changed."),
+}
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        pattern=IDEMPOTENCY_KEY_PATTERN,
+        description="1-255 visible ASCII characters. Keys the job instead of the body.",
+    ),
+]
+TraceParent = Annotated[
+    str | None,
+    Header(description="W3C trace context; passed on to the job's message. Invalid is ignored."),
+]
+
+
+def parse_body(model: type[M], raw: bytes) -> M:
+    """Validate a JSON body the way FastAPI would, so its 422 looks like any other."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = [
+            {**error, "loc": ("body", *error["loc"])}
+            for error in exc.errors(include_url=False, include_input=False)
+        ]
+        raise RequestValidationError(errors) from None
+
+
+@dataclass(frozen=True)
+class Admission:
+    job_id: str
+    created: bool  # False: the same request was accepted before, nothing was written
+
+
+class Acceptor:
+    """Accept a job of the serving app in a transaction of its own (``AcceptDep``)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    async def __call__(
+        self,
+        definition: JobDefinition[Any],
+        params: BaseModel | Mapping[str, Any],
+        *,
+        account: str | None,
+        key: str | None = None,
+        job_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Admission:
+        """Commit the job before returning. The same ``job_id`` (or ``key``) with the same
+        parameters is the same job (``created=False``); with other parameters a 422
+        ``ProblemError`` naming ``Idempotency-Key``. Fault point ``api.before_response`` is
+        reached after the commit."""
+        rt = self._runtime
+        job = definition.new_job(
+            params,
+            key=key,
+            account=account,
+            job_id=job_id,
+            headers=headers,
+            max_attempts=definition.max_attempts_under(rt.settings),
+        )
+        try:
+            accepted_id, created = await rt.store.submit(job, rt.clock())
+        except IdempotencyConflict as exc:
+            raise ProblemError(
+                422,
+                str(exc),
+                type_=IDEMPOTENCY_CONFLICT,
+                title="Idempotency-Key reused",
+                errors=[FieldError(field="Idempotency-Key", message=str(exc)).model_dump()],
+            ) from None
+        if created:
+            rt.metrics.transition(_NEW_JOB, JobState.QUEUED.value)
+        rt.faults.hit("api.before_response", params=job.params)
+        log.info(
+            "job accepted" if created else "job already accepted",
+            extra={
+                "event": "job_accepted",
+                "jobId": accepted_id,
+                "isNew": created,
+                "type": definition.type,
+                "attempt": 0 if created else None,  # a repeat: the job may be further along
+            },
+        )
+        return Admission(accepted_id, created)
+
+
+def _acceptor(runtime: RuntimeDep) -> Acceptor:
+    return Acceptor(runtime)
+
+
+AcceptDep = Annotated[Acceptor, Depends(_acceptor)]
