@@ -4,7 +4,7 @@ A job type is an async function of a ``JobContext`` and a pydantic model of its 
 
     app = jobrelay.App()
 
-    @app.job("images.resize", params=Resize, max_attempts=5, retry_delays=(5, 30))
+    @app.job("images.resize", params=Resize, max_attempts=5, retry_delays=(5, 30), queue="images")
     async def resize(ctx: jobrelay.JobContext[Resize], params: Resize) -> jobrelay.Result | None:
         ...
 
@@ -38,7 +38,8 @@ from jobrelay.errors import ConfigError, InvalidParams, PermanentError
 from jobrelay.operations.base import Operation, OperationContext, OperationResult, Registry
 from jobrelay.settings import Settings
 from jobrelay.storage.enqueue import new_job_steps, run_async, run_sync
-from jobrelay.storage.records import JobRecord, NewJob
+from jobrelay.storage.records import JobRecord, NewJob, work_destination
+from jobrelay.transport.topology import DEFAULT_QUEUE, QUEUE_NAME
 
 if TYPE_CHECKING:
     from fastapi import APIRouter
@@ -47,7 +48,6 @@ P = TypeVar("P", bound=BaseModel)
 JobFunction = Callable[[JobContext[P], P], Awaitable[Result | None]]
 AppCommand = Callable[..., int]
 _NAME_MAX = 64  # jobs.type
-DEFAULT_QUEUE = "default"
 
 
 def _field_errors(exc: ValidationError) -> list[dict[str, str]]:
@@ -127,6 +127,8 @@ class JobDefinition(Generic[P]):
             max_attempts=max_attempts or self.max_attempts,
             idempotency_key=key,
             headers=headers,
+            destination=work_destination(self.queue),
+            queue=self.queue,
         )
 
     async def enqueue(
@@ -264,8 +266,8 @@ class App:
         """
         if not name or len(name) > _NAME_MAX or name in self._jobs or name in self._included_types:
             raise ConfigError("@app.job", f"job name {name!r} is empty, too long or taken")
-        if queue != DEFAULT_QUEUE:
-            raise ConfigError("@app.job", "queues other than 'default' are not supported yet")
+        if not QUEUE_NAME.match(queue):
+            raise ConfigError("@app.job", f"queue {queue!r} must match {QUEUE_NAME.pattern}")
         if max_attempts is not None and not 1 <= max_attempts <= 100:
             raise ConfigError("@app.job", f"max_attempts must be 1..100, got {max_attempts}")
         if retry_delays is not None and (not retry_delays or min(retry_delays) < 1):
@@ -354,6 +356,12 @@ class App:
     def registry(self, settings: Settings | None = None) -> Registry:
         settings = settings or self.settings
         return Registry([*(f(settings) for f in self._builtins), *self._jobs.values()])
+
+    @property
+    def queues(self) -> tuple[str, ...]:
+        """``default`` and every queue a job type of this app is routed to."""
+        named = {definition.queue for definition in self._jobs.values()} - {DEFAULT_QUEUE}
+        return (DEFAULT_QUEUE, *sorted(named))
 
     def retry_tiers(self, settings: Settings | None = None) -> tuple[int, ...]:
         """Every delay a job of this app may be retried after (the broker needs a queue each)."""

@@ -1,4 +1,5 @@
-"""Migrations keep what is there: 0003 (jobs without an account) on a database with data.
+"""Migrations keep what is there: 0003 (jobs without an account) and 0004 (job queues) on a
+database with data.
 
 On SQLite, 0003 rebuilds the ``jobs`` table (batch mode). With foreign keys on, dropping the
 old table would cascade into every outbox row, event and effects-ledger row of every job, so
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 
 from jobrelay.storage.engine import create_engine, upgrade
 from jobrelay.storage.store import NewJob, Store
@@ -28,6 +29,46 @@ async def _counts(url: str) -> tuple[int, int, int]:
                 int(await conn.scalar(select(func.count()).select_from(outbox)) or 0),
                 int(await conn.scalar(select(func.count()).select_from(job_events)) or 0),
             )
+    finally:
+        await engine.dispose()
+
+
+async def _insert_old(url: str, account: str, job_id: str) -> None:
+    """A job as the code of revision 0002 wrote it: its columns only (no ``queue``)."""
+    engine = create_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                insert(jobs).values(
+                    id=job_id,
+                    type="report.export",
+                    account_id=account,
+                    params={"accountId": "acme", "period": "2020-05"},
+                    request_hash=job_id,
+                    state="queued",
+                    attempt=0,
+                    max_attempts=3,
+                    created_at=T0,
+                    updated_at=T0,
+                )
+            )
+            await conn.execute(
+                insert(outbox).values(
+                    job_id=job_id, destination="work", body="{}", headers={}, created_at=T0
+                )
+            )
+            await conn.execute(
+                insert(job_events).values(job_id=job_id, at=T0, kind="accepted", detail={})
+            )
+    finally:
+        await engine.dispose()
+
+
+async def _queue_of(url: str, job_id: str) -> str | None:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return await conn.scalar(select(jobs.c.queue).where(jobs.c.id == job_id))
     finally:
         await engine.dispose()
 
@@ -50,14 +91,16 @@ async def _submit(url: str, account: str | None, job_id: str) -> None:
         await engine.dispose()
 
 
-def test_0003_keeps_every_row_and_allows_jobs_without_an_account(tmp_path: Path) -> None:
+def test_0003_and_0004_keep_every_row_and_allow_jobs_without_an_account(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/old.db"
     upgrade(url, "0002")
-    asyncio.run(_submit(url, "acme", "00000000-0000-4000-8000-000000000001"))
+    old = "00000000-0000-4000-8000-000000000001"
+    asyncio.run(_insert_old(url, "acme", old))
     before = asyncio.run(_counts(url))
     assert before == (1, 1, 1)
 
     upgrade(url)
     assert asyncio.run(_counts(url)) == before
+    assert asyncio.run(_queue_of(url, old)) == "default"  # 0004: on the default queue
     asyncio.run(_submit(url, None, "00000000-0000-4000-8000-000000000002"))
     assert asyncio.run(_counts(url)) == (2, 2, 2)

@@ -219,6 +219,54 @@ async def test_retry_tier_comes_back_after_its_delay(backend: Backend) -> None:
     await delivery.ack()
 
 
+async def test_a_named_queue_is_consumed_only_by_its_own_consumers(backend: Backend) -> None:
+    transport = await backend.connected()
+    default = backend.pump(transport)
+    images = backend.pump(transport, queue="images")
+    await transport.publish(message({"n": 1}, destination="work.images"))
+    await transport.publish(message({"n": 2}))
+    delivery = await images.get()
+    assert body_of(delivery) == {"n": 1}
+    assert body_of(await default.get()) == {"n": 2}
+    await images.expect_none(0.3)
+    await default.expect_none(0.1)
+    await delivery.ack()
+    assert await transport.work_ready() == 0
+
+
+async def test_a_named_queues_retry_tier_comes_back_to_that_queue(backend: Backend) -> None:
+    transport = await backend.connected()
+    default = backend.pump(transport)
+    images = backend.pump(transport, queue="images")
+    started = asyncio.get_running_loop().time()
+    await transport.publish(message({"n": 1}, destination="retry.images.1s", jobId="j-1"))
+    delivery = await images.get(timeout=5)
+    assert asyncio.get_running_loop().time() - started >= 0.9
+    assert body_of(delivery) == {"n": 1} and delivery.headers["jobId"] == "j-1"
+    assert (delivery.redelivered, delivery.delivery_count) == (False, 0)
+    await default.expect_none(0.3)  # the default queue never saw it
+    await delivery.ack()
+
+
+async def test_destinations_of_undeclared_queues_and_tiers_are_unroutable(
+    backend: Backend,
+) -> None:
+    transport = await backend.connected()
+    for destination in (
+        "work.videos",
+        "retry.videos.1s",
+        "retry.images.7s",
+        "work.default",
+        "retry.default.1s",
+        "work.Images",
+        "work.images.x",
+    ):
+        with pytest.raises(PublishError, match="unroutable"):
+            await transport.publish(message({"n": 0}, destination=destination))
+    with pytest.raises(TransportError):
+        await backend.pump(transport, queue="videos").get(timeout=5)
+
+
 async def test_prefetch_bounds_unsettled_deliveries(backend: Backend) -> None:
     transport = await backend.connected()
     for n in range(5):
@@ -427,7 +475,16 @@ async def test_rabbit_topology_is_declared_as_specified_and_checked(rabbit: Back
         )
     )
     queues = {q["name"]: q for q in listed}
-    assert set(queues) == {WORK_QUEUE, retry_queue(1), retry_queue(3), QUARANTINE_QUEUE}
+    assert set(queues) == {
+        WORK_QUEUE,
+        retry_queue(1),
+        retry_queue(3),
+        "jobrelay.work.images",
+        "jobrelay.retry.images.1s",
+        "jobrelay.retry.images.3s",
+        QUARANTINE_QUEUE,
+    }
+    assert set(queues) == set(TOPOLOGY.names())
     assert all(q["type"] == "quorum" and q["durable"] for q in listed)
     args = {name: {a[0]: a[2] for a in q["arguments"]} for name, q in queues.items()}
     assert args[WORK_QUEUE] == work_queue_arguments(TOPOLOGY)
@@ -435,6 +492,10 @@ async def test_rabbit_topology_is_declared_as_specified_and_checked(rabbit: Back
     assert args[WORK_QUEUE]["x-delivery-limit"] == TOPOLOGY.delivery_limit
     assert args[retry_queue(3)] == retry_queue_arguments(3)
     assert args[retry_queue(3)]["x-message-ttl"] == 3000
+    assert args["jobrelay.work.images"] == work_queue_arguments(TOPOLOGY)
+    assert args["jobrelay.retry.images.3s"] == retry_queue_arguments(3, "images")
+    assert args["jobrelay.retry.images.3s"]["x-dead-letter-routing-key"] == "work.images"
+    assert args[retry_queue(3)]["x-dead-letter-routing-key"] == "work"
     bindings = json.loads(
         await rabbitmqctl(
             "list_bindings",
@@ -452,6 +513,8 @@ async def test_rabbit_topology_is_declared_as_specified_and_checked(rabbit: Back
         (EXCHANGE, "work", WORK_QUEUE),
         (EXCHANGE, "retry.1s", retry_queue(1)),
         (EXCHANGE, "retry.3s", retry_queue(3)),
+        (EXCHANGE, "work.images", "jobrelay.work.images"),
+        (EXCHANGE, "retry.images.1s", "jobrelay.retry.images.1s"),
         (DEAD_LETTER_EXCHANGE, "quarantine", QUARANTINE_QUEUE),
     } <= routes
     # Queue arguments cannot change in place: a new delivery limit must be a clear error.

@@ -29,7 +29,8 @@ from jobrelay.transport.local import LocalTransport
 from jobrelay.transport.rabbitmq import RabbitTransport, declare_topology
 from jobrelay.transport.topology import Topology
 
-TOPOLOGY = Topology(retry_delays=(1, 3), delivery_limit=2)
+# The default queue and one named queue, "images", each with tiers 1 s and 3 s.
+TOPOLOGY = Topology(retry_delays=(1, 3), delivery_limit=2, queues=("images",))
 # Short, so what a stopped consumer left unsettled comes back quickly (local: visibility
 # timeout; RabbitMQ: the grace before a stopped consumer's channel closes).
 LOCAL_VISIBILITY = 1.0
@@ -89,8 +90,8 @@ class Backend:
         await made.connect()
         return made
 
-    def pump(self, transport: Transport, prefetch: int = 10) -> Pump:
-        made = Pump(transport, prefetch)
+    def pump(self, transport: Transport, prefetch: int = 10, queue: str = "default") -> Pump:
+        made = Pump(transport, prefetch, queue)
         self._pumps.append(made)
         return made
 
@@ -132,10 +133,10 @@ class NoDelivery(AssertionError):
 
 
 class Pump:
-    """Pulls deliveries from ``consume(prefetch)`` into a queue, in a background task."""
+    """Pulls deliveries from ``consume(prefetch, queue)`` into a queue, in a background task."""
 
-    def __init__(self, transport: Transport, prefetch: int = 10) -> None:
-        self.iterator = transport.consume(prefetch)
+    def __init__(self, transport: Transport, prefetch: int = 10, queue: str = "default") -> None:
+        self.iterator = transport.consume(prefetch, queue=queue)
         self.deliveries: asyncio.Queue[Delivery] = asyncio.Queue()
         self.task = asyncio.create_task(self._run())
 

@@ -18,7 +18,8 @@ from sqlalchemy import exists, func, select, update
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
-from jobrelay.storage.store import WORK_DESTINATION, JobRecord, Store, aware_time, job_record
+from jobrelay.storage.records import work_destination
+from jobrelay.storage.store import JobRecord, Store, aware_time, job_record
 from jobrelay.storage.tables import api_tokens, job_events, jobs, local_messages, outbox
 
 OPERATOR = "operator"
@@ -87,7 +88,13 @@ class AdminQueries:
         async with store.writing() as conn:
             row = (
                 await conn.execute(
-                    select(jobs.c.state, jobs.c.type, jobs.c.attempt, jobs.c.quarantine_reason)
+                    select(
+                        jobs.c.state,
+                        jobs.c.type,
+                        jobs.c.queue,
+                        jobs.c.attempt,
+                        jobs.c.quarantine_reason,
+                    )
                     .where(jobs.c.id == job_id)
                     .with_for_update()
                 )
@@ -112,7 +119,12 @@ class AdminQueries:
             if not won:
                 return ActionOutcome(job_id, False, state)
             await store.add_message(
-                conn, job_id, JobMessage(job_id, row.type), WORK_DESTINATION, now, headers
+                conn,
+                job_id,
+                JobMessage(job_id, row.type),
+                work_destination(row.queue),
+                now,
+                headers,
             )
             await store.add_event(
                 conn,
@@ -355,9 +367,9 @@ class AdminQueries:
         async with store.writing() as conn:
             row = (
                 await conn.execute(
-                    select(jobs.c.type, jobs.c.attempt, jobs.c.lease_expires_at).where(
-                        jobs.c.id == job_id
-                    )
+                    select(
+                        jobs.c.type, jobs.c.queue, jobs.c.attempt, jobs.c.lease_expires_at
+                    ).where(jobs.c.id == job_id)
                 )
             ).first()
             if row is None:
@@ -379,7 +391,7 @@ class AdminQueries:
             if not won:
                 return False
             await store.add_message(
-                conn, job_id, JobMessage(job_id, row.type), WORK_DESTINATION, now
+                conn, job_id, JobMessage(job_id, row.type), work_destination(row.queue), now
             )
             await store.add_event(
                 conn,
@@ -435,7 +447,7 @@ class AdminQueries:
         async with store.writing() as conn:
             row = (
                 await conn.execute(
-                    select(jobs.c.type, jobs.c.attempt, jobs.c.next_attempt_at).where(
+                    select(jobs.c.type, jobs.c.queue, jobs.c.attempt, jobs.c.next_attempt_at).where(
                         jobs.c.id == job_id
                     )
                 )
@@ -456,7 +468,7 @@ class AdminQueries:
             if result.rowcount != 1:
                 return False
             await store.add_message(
-                conn, job_id, JobMessage(job_id, row.type), WORK_DESTINATION, now
+                conn, job_id, JobMessage(job_id, row.type), work_destination(row.queue), now
             )
             await store.add_event(conn, job_id, kind, now, actor=actor, **detail(row))
         store.wake_relays()

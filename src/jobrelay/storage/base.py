@@ -180,6 +180,7 @@ class StoreBase:
                 state=JobState.QUEUED.value,
                 attempt=0,
                 max_attempts=job.max_attempts,
+                queue=job.queue,
                 created_at=now,
                 updated_at=now,
             )

@@ -25,16 +25,17 @@ from jobrelay.domain.policy import RETRY_SLACK, JobView
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.base import StoreBase
 from jobrelay.storage.records import (
-    WORK_DESTINATION,
     Claim,
     Fenced,
     NewJob,
     retry_destination,
+    work_destination,
 )
 from jobrelay.storage.tables import (
     job_events,
     jobs,
 )
+from jobrelay.transport.topology import DEFAULT_QUEUE
 
 
 class ClaimsStore(StoreBase):
@@ -209,7 +210,8 @@ class ClaimsStore(StoreBase):
         if not await self.insert_job(conn, job, now):
             return  # created by an earlier success of the same parent
         message = JobMessage(job_id=job.job_id, type=job.type)
-        await self.add_message(conn, job.job_id, message, WORK_DESTINATION, now, job.headers or {})
+        destination = job.destination or work_destination(job.queue)
+        await self.add_message(conn, job.job_id, message, destination, now, job.headers or {})
         await self.add_event(
             conn, job.job_id, "accepted", now, type=job.type, parentJobId=parent_id
         )
@@ -236,16 +238,17 @@ class ClaimsStore(StoreBase):
                     lease_owner=None,
                     lease_expires_at=None,
                 )
-                .returning(jobs.c.next_attempt_at)
+                .returning(jobs.c.next_attempt_at, jobs.c.queue)
             )
-            due = result.scalar_one_or_none()
-            if due is None:
+            row = result.first()
+            if row is None:
                 return await self.current(conn, claim.job_id)
+            due = row.next_attempt_at
             await self.add_message(
                 conn,
                 claim.job_id,
                 JobMessage(claim.job_id, job_type),
-                retry_destination(delay),
+                retry_destination(delay, row.queue),
                 now,
             )
             await self.add_event(
@@ -318,8 +321,14 @@ class ClaimsStore(StoreBase):
         version only newer workers know): it is passed on unchanged, with ``headers`` added.
         """
         async with self.writing() as conn:
+            queue = await conn.scalar(select(jobs.c.queue).where(jobs.c.id == job_id))
             await self.add_message(
-                conn, job_id, message, retry_destination(delay), now, extra_headers=headers
+                conn,
+                job_id,
+                message,
+                retry_destination(delay, queue or DEFAULT_QUEUE),
+                now,
+                extra_headers=headers,
             )
             await self.add_event(conn, job_id, "deferred", now, reason=reason, delaySeconds=delay)
         self.wake_relays()

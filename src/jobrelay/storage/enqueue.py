@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError, IdempotencyConflict
-from jobrelay.storage.records import NOTIFY_CHANNEL, WORK_DESTINATION, NewJob
+from jobrelay.storage.records import NOTIFY_CHANNEL, NewJob, work_destination
 from jobrelay.storage.tables import job_events, jobs, outbox
 
 T = TypeVar("T")
@@ -49,6 +49,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
         state=JobState.QUEUED.value,
         attempt=0,
         max_attempts=job.max_attempts,
+        queue=job.queue,
         created_at=now,
         updated_at=now,
     ).on_conflict_do_nothing(index_elements=[jobs.c.id])
@@ -62,7 +63,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     body = JobMessage(job_id=job.job_id, type=job.type).encode().decode()
     yield insert(outbox).values(
         job_id=job.job_id,
-        destination=job.destination or WORK_DESTINATION,
+        destination=job.destination or work_destination(job.queue),
         body=body,
         headers=dict(job.headers or {}),
         created_at=now,

@@ -17,7 +17,7 @@ Rules, the same as the job store's:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -28,6 +28,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from jobrelay.storage.engine import read_only
 from jobrelay.storage.tables import local_messages as lm
 
+# A row's ``queue`` is the work routing key of its queue: "work" for the default queue,
+# "work.Q" for queue Q (see ``transport.topology``); or "quarantine".
 WORK = "work"
 QUARANTINE = "quarantine"
 # Why a row reached the quarantine queue ("rejected" or "delivery_limit", as RabbitMQ says).
@@ -90,13 +92,14 @@ async def insert_message(
 async def claim_messages(
     conn: AsyncConnection,
     *,
+    queue: str = WORK,
     consumer: str,
     now: datetime,
     invisible_until: datetime,
     limit: int,
     delivery_limit: int,
 ) -> ClaimResult:
-    """Take up to ``limit`` visible work rows; quarantine those past the delivery limit.
+    """Take up to ``limit`` visible rows of ``queue``; quarantine those past the delivery limit.
 
     A row already handed out more than ``delivery_limit`` times goes to the quarantine queue
     here instead of out again: the same backstop as RabbitMQ's ``x-delivery-limit`` for a
@@ -106,7 +109,7 @@ async def claim_messages(
         await conn.execute(
             select(lm.c.id, lm.c.body, lm.c.headers, lm.c.delivery_count)
             .where(
-                lm.c.queue == WORK,
+                lm.c.queue == queue,
                 lm.c.available_at <= now,
                 or_(lm.c.invisible_until.is_(None), lm.c.invisible_until <= now),
             )
@@ -150,7 +153,7 @@ async def claim_messages(
 def _held(message_id: int, consumer: str, fence: int) -> list[Any]:
     return [
         lm.c.id == message_id,
-        lm.c.queue == WORK,
+        lm.c.queue != QUARANTINE,
         lm.c.consumer == consumer,
         lm.c.delivery_count == fence,
     ]
@@ -168,7 +171,7 @@ async def renew_claims(
         return set()
     result = await conn.execute(
         update(lm)
-        .where(lm.c.id.in_(list(claims)), lm.c.queue == WORK, lm.c.consumer == consumer)
+        .where(lm.c.id.in_(list(claims)), lm.c.queue != QUARANTINE, lm.c.consumer == consumer)
         .values(invisible_until=invisible_until)
         .returning(lm.c.id, lm.c.delivery_count)
     )
@@ -227,13 +230,13 @@ async def count_queue(conn: AsyncConnection, queue: str) -> int:
     return int(n or 0)
 
 
-async def count_ready(conn: AsyncConnection, now: datetime) -> int:
-    """Work messages due and handed to no consumer: what RabbitMQ calls ready."""
+async def count_ready(conn: AsyncConnection, now: datetime, queues: Sequence[str]) -> int:
+    """Messages of ``queues`` due and handed to no consumer: what RabbitMQ calls ready."""
     n = await conn.scalar(
         select(func.count())
         .select_from(lm)
         .where(
-            lm.c.queue == WORK,
+            lm.c.queue.in_(list(queues)),
             lm.c.available_at <= now,
             or_(lm.c.invisible_until.is_(None), lm.c.invisible_until <= now),
         )

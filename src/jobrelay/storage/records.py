@@ -15,13 +15,20 @@ from sqlalchemy import Row
 from jobrelay.domain.policy import JobView
 from jobrelay.domain.states import JobState
 from jobrelay.storage.tables import UTCDateTime
+from jobrelay.transport.topology import DEFAULT_QUEUE, destination
 
 NOTIFY_CHANNEL = "jobrelay_outbox"
-WORK_DESTINATION = "work"
+WORK_DESTINATION = destination(DEFAULT_QUEUE)
 
 
-def retry_destination(seconds: int) -> str:
-    return f"retry.{seconds}s"
+def work_destination(queue: str = DEFAULT_QUEUE) -> str:
+    """Where a job of ``queue`` is sent to run now (the topology's one mapping)."""
+    return destination(queue)
+
+
+def retry_destination(seconds: int, queue: str = DEFAULT_QUEUE) -> str:
+    """Where a job of ``queue`` is sent to run again after ``seconds``."""
+    return destination(queue, seconds)
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class NewJob:
     idempotency_key: str | None = None
     headers: Mapping[str, str] | None = None  # message headers (trace context)
     destination: str | None = None  # the outbox destination of its first message (a queue)
+    queue: str = DEFAULT_QUEUE  # the job's queue: where its retries and re-sends go
 
 
 Clock = Callable[[], datetime]
@@ -88,6 +96,7 @@ class JobRecord:
     last_publish_error: str | None
     # The store's clock when this row was read: what the policy judges leases and due times by.
     observed_at: datetime | None = None
+    queue: str = DEFAULT_QUEUE  # the queue its messages go to (retries and re-sends too)
 
     def view(self) -> JobView:
         return JobView(
@@ -150,6 +159,7 @@ def job_record(row: Row[Any]) -> JobRecord:
         unpublished_since=aware_time(m["unpublished_since"]),
         last_publish_error=m["last_publish_error"],
         observed_at=aware_time(m.get("observed_at")),
+        queue=m.get("queue") or DEFAULT_QUEUE,
     )
 
 

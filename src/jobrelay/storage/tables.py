@@ -87,6 +87,9 @@ jobs = Table(
     Column("progress_total", BigInteger),
     Column("created_at", UTCDateTime(), nullable=False),
     Column("updated_at", UTCDateTime(), nullable=False),
+    # The job type's queue (``@app.job(queue=...)``): its work, retry and re-sent messages
+    # go there. Kept on the row because operators and the reconciler have no registry.
+    Column("queue", String(32), nullable=False, server_default=text("'default'")),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)

@@ -14,7 +14,9 @@ contract by one test suite (tests/integration/test_transport_contract.py):
   was gone: the message is, or will be, delivered again. On RabbitMQ ``True`` only means the
   frame was written on the open channel (``basic.ack`` has no reply).
 - ``release`` gives it back for redelivery now; it counts towards the delivery limit.
-- Destinations ``retry.<n>s`` come back to the work queue after n seconds.
+- Destinations ``retry.<n>s`` come back to the work queue after n seconds, and
+  ``retry.Q.<n>s`` to the work queue of queue Q (``work.Q``): a retry returns to its queue.
+- ``consume(prefetch, queue=Q)`` delivers only what was sent to Q.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from jobrelay.transport.topology import DEFAULT_QUEUE
 
 
 @dataclass(frozen=True)
@@ -108,8 +112,12 @@ class Transport(Protocol):
         """Return once confirmed; raise PublishError (nack, unroutable, timeout) otherwise."""
         ...
 
-    def consume(self, prefetch: int) -> AsyncIterator[Delivery]:
-        """Deliveries from the work queue until the iterator is closed."""
+    def consume(self, prefetch: int, queue: str = DEFAULT_QUEUE) -> AsyncIterator[Delivery]:
+        """Deliveries from ``queue``'s work queue until the iterator is closed.
+
+        Each call is a consumer of its own (a channel on RabbitMQ) with its own prefetch; a
+        queue not in the topology raises ``TransportError``.
+        """
         ...
 
     async def quarantine_depth(self) -> int:
@@ -117,5 +125,5 @@ class Transport(Protocol):
         ...
 
     async def work_ready(self) -> int:
-        """Messages in the work queue not handed to any consumer yet (the backlog)."""
+        """Messages in the work queues not handed to any consumer yet (the backlog)."""
         ...

@@ -3,7 +3,10 @@
 A message is a row (SQL in ``storage.local_queue``). What stands in for each broker feature:
 
 - publisher confirm: the commit of the inserted row;
-- delayed retry tier ``retry.<n>s``: a work row that becomes available n seconds later;
+- queues: a row's ``queue`` is its work routing key (``work``, ``work.Q``), and each
+  ``consume(prefetch, queue=Q)`` claims only rows of Q;
+- delayed retry tier ``retry.<n>s`` (``retry.Q.<n>s``): a row of the work queue (of Q) that
+  becomes available n seconds later;
 - prefetch and manual ack: at most ``prefetch`` rows claimed per consumer, deleted on ack
   (``ack``/``reject`` return False when the claim was lost and the row was left alone);
 - requeue when a consumer dies: a claim is only good until ``invisible_until``; a background
@@ -37,7 +40,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.storage import local_queue as q
 from jobrelay.transport.base import Delivery, OutgoingMessage
-from jobrelay.transport.topology import WORK_ROUTING_KEY, Topology, retry_seconds
+from jobrelay.transport.topology import (
+    DEFAULT_QUEUE,
+    Topology,
+    parse_destination,
+    work_routing_key,
+)
 
 log = logging.getLogger("jobrelay.transport.local")
 _DB_ERRORS = (SQLAlchemyError, OSError)
@@ -85,6 +93,7 @@ class _Stream:
     """One ``consume()`` iterator: claimed rows not yet handed out, and those in flight."""
 
     prefetch: int
+    queue: str  # the rows' ``queue`` value it claims from
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     buffer: deque[q.Claimed] = field(default_factory=deque)
     handed: set[int] = field(default_factory=set)
@@ -204,7 +213,9 @@ class LocalTransport:
         destination = message.destination
         if not self._topology.routes(destination):
             raise PublishError(f"unroutable: no queue for destination {destination!r}")
-        delay = 0 if destination == WORK_ROUTING_KEY else retry_seconds(destination) or 0
+        parsed = parse_destination(destination)
+        assert parsed is not None  # routes() said so
+        queue, delay = parsed[0], parsed[1] or 0
         try:
             body = message.body.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -214,7 +225,7 @@ class LocalTransport:
             async with q.writing(self._engine) as conn:
                 await q.insert_message(
                     conn,
-                    queue=q.WORK,
+                    queue=work_routing_key(queue),  # a tier's row waits in its work queue
                     body=body,
                     headers=message.headers,
                     available_at=now + timedelta(seconds=delay),
@@ -235,18 +246,21 @@ class LocalTransport:
     async def work_ready(self) -> int:
         try:
             async with q.reading(self._engine) as conn:
-                return await q.count_ready(conn, self._clock())
+                queues = [work_routing_key(name) for name in self._topology.queues]
+                return await q.count_ready(conn, self._clock(), queues)
         except _DB_ERRORS as exc:
             raise TransportError(f"local queue unreachable: {_short(exc)}") from exc
 
     # --- consuming ------------------------------------------------------------------------
 
-    async def consume(self, prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, prefetch: int, queue: str = DEFAULT_QUEUE) -> AsyncIterator[Delivery]:
         if prefetch < 1:
             raise ValueError("prefetch must be at least 1")
         if self._closed:
             raise TransportError("transport is closed")
-        stream = _Stream(prefetch)
+        if queue not in self._topology.queues:
+            raise TransportError(f"cannot consume from queue {queue!r}: not in the topology")
+        stream = _Stream(prefetch, work_routing_key(queue))
         bell = _DOORBELLS.register(self._bell, stream.wake)
         self._streams.add(stream)
         self._start_renewer()
@@ -305,6 +319,7 @@ class LocalTransport:
             async with q.writing(self._engine) as conn:
                 result = await q.claim_messages(
                     conn,
+                    queue=stream.queue,
                     consumer=self._consumer,
                     now=now,
                     invisible_until=now + self._visibility,

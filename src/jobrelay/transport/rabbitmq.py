@@ -51,14 +51,15 @@ from jobrelay.errors import PublishError, TransportError
 from jobrelay.transport.base import Delivery, OutgoingMessage
 from jobrelay.transport.topology import (
     DEAD_LETTER_EXCHANGE,
+    DEFAULT_QUEUE,
     EXCHANGE,
     QUARANTINE_QUEUE,
     QUARANTINE_ROUTING_KEY,
-    WORK_QUEUE,
-    WORK_ROUTING_KEY,
     Topology,
     retry_queue,
     retry_routing_key,
+    work_queue,
+    work_routing_key,
 )
 
 log = logging.getLogger("jobrelay.transport.rabbitmq")
@@ -81,13 +82,14 @@ def work_queue_arguments(topology: Topology) -> dict[str, Any]:
     }
 
 
-def retry_queue_arguments(seconds: int) -> dict[str, Any]:
+def retry_queue_arguments(seconds: int, queue: str = DEFAULT_QUEUE) -> dict[str, Any]:
     # One fixed TTL per queue: every message expires in order, no head-of-line blocking.
+    # Expired messages go back to the work queue of the tier's own queue.
     return {
         "x-queue-type": "quorum",
         "x-message-ttl": seconds * 1000,
         "x-dead-letter-exchange": EXCHANGE,
-        "x-dead-letter-routing-key": WORK_ROUTING_KEY,
+        "x-dead-letter-routing-key": work_routing_key(queue),
         **_SAFE_DEAD_LETTERING,
     }
 
@@ -96,15 +98,18 @@ async def _declare(channel: AbstractChannel, topology: Topology) -> None:
     direct = aio_pika.ExchangeType.DIRECT
     exchange = await channel.declare_exchange(EXCHANGE, direct, durable=True)
     dlx = await channel.declare_exchange(DEAD_LETTER_EXCHANGE, direct, durable=True)
-    work = await channel.declare_queue(
-        WORK_QUEUE, durable=True, arguments=work_queue_arguments(topology)
-    )
-    await work.bind(exchange, WORK_ROUTING_KEY)
-    for seconds in topology.tiers:
-        tier = await channel.declare_queue(
-            retry_queue(seconds), durable=True, arguments=retry_queue_arguments(seconds)
+    for name in topology.queues:
+        work = await channel.declare_queue(
+            work_queue(name), durable=True, arguments=work_queue_arguments(topology)
         )
-        await tier.bind(exchange, retry_routing_key(seconds))
+        await work.bind(exchange, work_routing_key(name))
+        for seconds in topology.tiers:
+            tier = await channel.declare_queue(
+                retry_queue(seconds, name),
+                durable=True,
+                arguments=retry_queue_arguments(seconds, name),
+            )
+            await tier.bind(exchange, retry_routing_key(seconds, name))
     quarantine = await channel.declare_queue(
         QUARANTINE_QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
     )
@@ -308,7 +313,7 @@ class RabbitTransport:
     async def ping(self) -> None:
         """Answer from the broker itself: a passive declare of the work queue, or a connect."""
         if self._connection is not None:
-            await self._message_count(WORK_QUEUE)
+            await self._message_count(work_queue())
             return
         try:
             async with asyncio.timeout(_BROKER_TIMEOUT):
@@ -374,22 +379,27 @@ class RabbitTransport:
         return await self._message_count(QUARANTINE_QUEUE)
 
     async def work_ready(self) -> int:
-        return await self._message_count(WORK_QUEUE)  # passive declare counts ready only
+        # A passive declare counts ready messages only; every work queue of the topology.
+        return sum([await self._message_count(work_queue(q)) for q in self._topology.queues])
 
     # --- consuming ------------------------------------------------------------------------
 
-    async def consume(self, prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, prefetch: int, queue: str = DEFAULT_QUEUE) -> AsyncIterator[Delivery]:
         if prefetch < 1:
             raise ValueError("prefetch must be at least 1")
+        if queue not in self._topology.queues:
+            raise TransportError(f"cannot consume from queue {queue!r}: not in the topology")
         connection = self._require_connection()
+        name = work_queue(queue)
         try:
+            # A channel (and prefetch) of its own: one queue's slow jobs never hold another's.
             channel = await connection.channel(publisher_confirms=False)
             consumer = _Consumer(channel)
             await channel.set_qos(prefetch_count=prefetch)
-            queue = await channel.declare_queue(WORK_QUEUE, passive=True)
-            tag = await queue.consume(consumer.on_message, no_ack=False)
+            declared = await channel.declare_queue(name, passive=True)
+            tag = await declared.consume(consumer.on_message, no_ack=False)
         except _AMQP_ERRORS as exc:
-            raise TransportError(f"cannot consume from {WORK_QUEUE}: {_short(exc)}") from exc
+            raise TransportError(f"cannot consume from {name}: {_short(exc)}") from exc
         self._consumers.add(consumer)
         try:
             while (message := await consumer.inbox.get()) is not None:
@@ -401,7 +411,7 @@ class RabbitTransport:
             if consumer.unsettled and self._connection is not None:
                 # Deliveries in flight stay settleable for a while (a draining worker acks
                 # them); only the prefetched rest goes back now.
-                await _quietly(queue.cancel(tag))
+                await _quietly(declared.cancel(tag))
                 while not consumer.inbox.empty():
                     if (left := consumer.inbox.get_nowait()) is not None:
                         await _quietly(left.nack(requeue=True))

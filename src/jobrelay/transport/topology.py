@@ -1,58 +1,127 @@
 """Every broker name in one place, and how a logical destination maps onto them.
 
-The outbox stores logical destinations ("work", "retry.5s"); only this module knows that
-"retry.5s" is the queue ``jobrelay.retry.5s`` bound to the ``jobrelay`` exchange with that
-routing key, and that expired messages there dead-letter back to the work queue.
+The outbox stores logical destinations; only this module knows what they mean:
+
+- ``work``: the default queue's work queue ``jobrelay.work`` (routing key ``work``);
+- ``retry.<n>s``: the tier ``jobrelay.retry.<n>s``, whose expired messages dead-letter back
+  to ``work``;
+- ``work.Q``: the work queue ``jobrelay.work.Q`` of the named queue Q;
+- ``retry.Q.<n>s``: Q's own tier ``jobrelay.retry.Q.<n>s``, dead-lettering back to ``work.Q``,
+  so a retry returns to the queue its job came from.
+
+Each destination is also the routing key on the ``jobrelay`` exchange. ``destination()`` is
+the one mapping from (queue, delay) to a destination; ``parse_destination()`` its inverse.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 EXCHANGE = "jobrelay"
 DEAD_LETTER_EXCHANGE = "jobrelay.dlx"
+DEFAULT_QUEUE = "default"
 WORK_QUEUE = "jobrelay.work"
 WORK_ROUTING_KEY = "work"
 QUARANTINE_QUEUE = "jobrelay.quarantine"
 QUARANTINE_ROUTING_KEY = "quarantine"
 RETRY_QUEUE_PREFIX = "jobrelay.retry."
 
-_RETRY = re.compile(r"^retry\.([1-9][0-9]*)s$")
+_NAME = r"[a-z0-9][a-z0-9_-]{0,31}"
+QUEUE_NAME = re.compile(rf"^{_NAME}$")
+_WORK = re.compile(rf"^work(?:\.({_NAME}))?$")
+_RETRY = re.compile(rf"^retry\.(?:({_NAME})\.)?([1-9][0-9]*)s$")
 
 
-def retry_queue(seconds: int) -> str:
-    return f"{RETRY_QUEUE_PREFIX}{seconds}s"
+def check_queue_name(name: str) -> str:
+    """The name, or ValueError unless it is a valid queue name (``QUEUE_NAME``)."""
+    if not QUEUE_NAME.match(name):
+        raise ValueError(f"queue name {name!r} must match {QUEUE_NAME.pattern}")
+    return name
 
 
-def retry_routing_key(seconds: int) -> str:
-    return f"retry.{seconds}s"
+def destination(queue: str = DEFAULT_QUEUE, delay: int | None = None) -> str:
+    """The logical destination of a job's message on ``queue``: now, or after ``delay`` s."""
+    if delay is None:
+        return WORK_ROUTING_KEY if queue == DEFAULT_QUEUE else f"work.{queue}"
+    return f"retry.{delay}s" if queue == DEFAULT_QUEUE else f"retry.{queue}.{delay}s"
 
 
-def retry_seconds(destination: str) -> int | None:
-    """The delay of a retry destination, or None when it is not one."""
-    match = _RETRY.match(destination)
-    return int(match.group(1)) if match else None
+def parse_destination(value: str) -> tuple[str, int | None] | None:
+    """(queue, delay or None) of a destination; None when it is not one."""
+    if match := _WORK.match(value):
+        queue = match.group(1)
+        if queue == DEFAULT_QUEUE:
+            return None  # the default queue is spelled "work"
+        return queue or DEFAULT_QUEUE, None
+    if match := _RETRY.match(value):
+        queue = match.group(1)
+        if queue == DEFAULT_QUEUE:
+            return None
+        return queue or DEFAULT_QUEUE, int(match.group(2))
+    return None
+
+
+def work_routing_key(queue: str = DEFAULT_QUEUE) -> str:
+    return destination(queue)
+
+
+def work_queue(queue: str = DEFAULT_QUEUE) -> str:
+    return WORK_QUEUE if queue == DEFAULT_QUEUE else f"{WORK_QUEUE}.{queue}"
+
+
+def retry_queue(seconds: int, queue: str = DEFAULT_QUEUE) -> str:
+    prefix = RETRY_QUEUE_PREFIX if queue == DEFAULT_QUEUE else f"{RETRY_QUEUE_PREFIX}{queue}."
+    return f"{prefix}{seconds}s"
+
+
+def retry_routing_key(seconds: int, queue: str = DEFAULT_QUEUE) -> str:
+    return destination(queue, seconds)
+
+
+def retry_seconds(value: str) -> int | None:
+    """The delay of a retry destination (of any queue), or None when it is not one."""
+    parsed = parse_destination(value)
+    return parsed[1] if parsed else None
 
 
 @dataclass(frozen=True)
 class Topology:
-    """The tiers in force: one fixed-TTL queue per configured retry delay."""
+    """The queues and tiers in force.
+
+    One work queue per queue name (``default`` always among them), and for each of them one
+    fixed-TTL tier per configured retry delay.
+    """
 
     retry_delays: tuple[int, ...]
     delivery_limit: int
+    queues: tuple[str, ...] = field(default=(DEFAULT_QUEUE,))
+
+    def __post_init__(self) -> None:
+        names = {check_queue_name(q) for q in self.queues} - {DEFAULT_QUEUE}
+        object.__setattr__(self, "queues", (DEFAULT_QUEUE, *sorted(names)))
 
     @property
     def tiers(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.retry_delays)))
 
-    def routes(self, destination: str) -> bool:
+    def routes(self, value: str) -> bool:
         """True when the destination has a queue; anything else is unroutable."""
-        if destination == WORK_ROUTING_KEY:
-            return True
-        seconds = retry_seconds(destination)
-        return seconds is not None and seconds in self.tiers
+        parsed = parse_destination(value)
+        if parsed is None:
+            return False
+        queue, delay = parsed
+        return queue in self.queues and (delay is None or delay in self.tiers)
 
     @property
     def shortest_delay(self) -> int:
         return self.tiers[0]
+
+    def names(self) -> list[str]:
+        """Every queue declared on the broker, work queues and their tiers, then quarantine."""
+        out: list[str] = []
+        for queue in self.queues:
+            out.append(work_queue(queue))
+            out.extend(retry_queue(t, queue) for t in self.tiers)
+        out.append(QUARANTINE_QUEUE)
+        return out
