@@ -370,7 +370,7 @@ class OneShotTransport:
     def __init__(self, deliveries: list[Delivery]) -> None:
         self._deliveries = deliveries
 
-    async def consume(self, prefetch: int) -> AsyncIterator[Delivery]:
+    async def consume(self, prefetch: int, queue: str = "default") -> AsyncIterator[Delivery]:
         for delivery in self._deliveries:
             yield delivery
         await asyncio.Event().wait()

@@ -164,14 +164,26 @@ def relay_cmd(
 @app.command("worker")
 @with_settings
 def worker_cmd(
-    settings: Settings, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1"
+    settings: Settings,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = "127.0.0.1",
+    queue: Annotated[
+        Optional[list[str]],  # noqa: UP045 (typer needs it)
+        typer.Option(
+            "--queue",
+            help="Consume this queue (repeatable), each with its own prefetch "
+            "[default: every queue of the app].",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Consume jobs and run them."""
     from jobrelay.roles.processes import run_worker
 
     logs.configure("worker", settings.log_level)
     at = _metrics_at(metrics_host, metrics_port)
-    run_until_signalled(lambda stop: run_worker(settings, stop, at))
+    queues = tuple(queue or ())
+    run_until_signalled(lambda stop: run_worker(settings, stop, at, queues))
 
 
 @app.command("up")

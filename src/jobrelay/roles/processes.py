@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,12 +77,19 @@ async def run_relay(
 
 
 async def run_worker(
-    settings: Settings, stop: asyncio.Event, metrics_at: MetricsAddress | None = None
+    settings: Settings,
+    stop: asyncio.Event,
+    metrics_at: MetricsAddress | None = None,
+    queues: Sequence[str] = (),
 ) -> None:
-    from jobrelay.roles.worker import Worker
+    """A worker of ``queues`` (each with its own prefetch), or of every queue of the app."""
+    from jobrelay.loader import load_app
+    from jobrelay.roles.worker import Worker, check_queues
 
+    # Before connecting anywhere: a mistyped --queue is a usage error, not an outage.
+    check_queues(queues, topology_for(settings, load_app(settings.app)).queues)
     async with open_runtime(settings) as rt:
-        parts = {"worker": Worker(rt).run(stop)}
+        parts = {"worker": Worker(rt, queues=queues or None).run(stop)}
         if metrics_at is not None:
             parts["metrics"] = _metrics_server(rt, metrics_at, stop)
         await run_parts(parts, stop)
@@ -179,14 +186,14 @@ async def declare_broker(settings: Settings) -> str:
     from jobrelay.errors import ConfigError, TransportError
     from jobrelay.loader import load_app
     from jobrelay.transport.rabbitmq import declare_topology
+    from jobrelay.transport.topology import DEAD_LETTER_EXCHANGE, EXCHANGE
 
     topology = topology_for(settings, load_app(settings.app))
     try:
         await declare_topology(settings.broker_url, topology)
     except TransportError as exc:
         raise ConfigError("JOBRELAY_BROKER_URL", f"broker unreachable: {exc}") from None
-    tiers = ", ".join(f"jobrelay.retry.{t}s" for t in topology.tiers)
-    return f"declared jobrelay, jobrelay.dlx, jobrelay.work, {tiers}, jobrelay.quarantine"
+    return f"declared {EXCHANGE}, {DEAD_LETTER_EXCHANGE}, {', '.join(topology.names())}"
 
 
 async def create_token(

@@ -29,6 +29,7 @@ import math
 import os
 import socket
 import uuid
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -41,7 +42,7 @@ from jobrelay.domain.policy import (
     observe_delivery,
 )
 from jobrelay.domain.states import JobState
-from jobrelay.errors import StoreError
+from jobrelay.errors import ConfigError, StoreError
 from jobrelay.observe import logs
 from jobrelay.operations.base import Registry
 from jobrelay.roles.attempt import AttemptRun
@@ -69,15 +70,34 @@ def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
+def check_queues(wanted: Sequence[str], known: Sequence[str]) -> None:
+    """ConfigError (``--queue``) unless every wanted queue is one of the app's."""
+    unknown = [q for q in wanted if q not in known]
+    if unknown:
+        raise ConfigError(
+            "--queue",
+            f"no job type of this app uses queue {', '.join(map(repr, unknown))} "
+            f"(its queues: {', '.join(known)})",
+        )
+
+
 class Worker:
     def __init__(
-        self, rt: Runtime, *, registry: Registry | None = None, worker_id: str | None = None
+        self,
+        rt: Runtime,
+        *,
+        registry: Registry | None = None,
+        worker_id: str | None = None,
+        queues: Sequence[str] | None = None,
     ) -> None:
         self.rt = rt
         if registry is None:
             registry = rt.job_app().registry(rt.settings)
         self.registry = registry
         self.worker_id = worker_id or new_worker_id()
+        # The queues consumed, each with a consumer and prefetch of its own (default: all).
+        self.queues = tuple(dict.fromkeys(queues)) if queues else rt.topology.queues
+        check_queues(self.queues, rt.topology.queues)
         self.lease = timedelta(seconds=rt.settings.lease_seconds)
         self.handled = 0
         # Set while the database answers; cleared by an outage, which pauses consuming.
@@ -88,56 +108,44 @@ class Worker:
     # --- the consume loop -------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Consume until ``stop`` is set, then drain: finish and settle what is in flight."""
+        """Consume until ``stop`` is set, then drain: finish and settle what is in flight.
+
+        One consumer per queue, each with ``prefetch`` slots of its own, so a queue of slow
+        jobs never starves another; all of them hand deliveries to the same handling. The
+        consumers stop together (``stop``, or one of them ending or failing), and only then
+        is what is in flight drained.
+        """
         prefetch = self.rt.settings.prefetch
-        slots = asyncio.Semaphore(prefetch)
         in_flight: set[asyncio.Task[None]] = set()
         log.info(
             "worker started",
-            extra={"event": "worker_started", "worker": self.worker_id, "prefetch": prefetch},
+            extra={
+                "event": "worker_started",
+                "worker": self.worker_id,
+                "prefetch": prefetch,
+                "queues": list(self.queues),
+            },
         )
-        deliveries = self.rt.transport.consume(prefetch)
-        iterator = deliveries.__aiter__()
+        halt = asyncio.Event()  # stop is set, or a consumer ended: every consumer stops
+        consumers = [
+            asyncio.create_task(self._consume(queue, prefetch, halt, in_flight))
+            for queue in self.queues
+        ]
         stopping = asyncio.ensure_future(stop.wait())
-        receiving: asyncio.Future[Delivery] | None = None
         hard_stop = False
         try:
-            while not stop.is_set():
-                await slots.acquire()
-                if not self._database_up.is_set():
-                    # Paused: what we hold stays held; take nothing new until it is back.
-                    waiting = asyncio.ensure_future(self._database_up.wait())
-                    await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                    waiting.cancel()
-                    if stop.is_set():
-                        slots.release()
-                        break
-                receiving = asyncio.ensure_future(anext(iterator))
-                await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                if not receiving.done():
-                    break
-                delivery = receiving.result()
-                receiving = None
-                task = asyncio.create_task(self._handle_safely(delivery))
-                in_flight.add(task)
-                task.add_done_callback(in_flight.discard)
-                task.add_done_callback(_log_abandoned)
-                task.add_done_callback(lambda _: slots.release())
-        except StopAsyncIteration:
-            log.warning("delivery stream ended", extra={"event": "consume_ended"})
+            await asyncio.wait({stopping, *consumers}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             hard_stop = True  # killed, not asked to stop: abandon work like a dead process
+            for consumer in consumers:
+                consumer.cancel()
             raise
         finally:
             stopping.cancel()
-            if receiving is not None and not receiving.done():
-                receiving.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await receiving
-            # Stop the consumer first: what was prefetched but not started goes back to the
+            halt.set()
+            # Each consumer stops first: what was prefetched but not started goes back to the
             # broker now, and the deliveries in flight stay settleable while they drain.
-            with contextlib.suppress(Exception):
-                await deliveries.aclose()  # type: ignore[attr-defined]
+            await asyncio.gather(*consumers, return_exceptions=True)
             if in_flight:
                 if hard_stop:
                     for task in in_flight:
@@ -148,6 +156,52 @@ class Worker:
             if self._probe is not None:
                 self._probe.cancel()
             log.info("worker stopped", extra={"event": "worker_stopped", "handled": self.handled})
+        for consumer in consumers:  # a consumer that failed fails the worker
+            failure = None if consumer.cancelled() else consumer.exception()
+            if failure is not None:
+                raise failure
+
+    async def _consume(
+        self, queue: str, prefetch: int, halt: asyncio.Event, in_flight: set[asyncio.Task[None]]
+    ) -> None:
+        """One queue's consumer: take deliveries while a slot of its own is free."""
+        slots = asyncio.Semaphore(prefetch)
+        deliveries = self.rt.transport.consume(prefetch, queue=queue)
+        iterator = deliveries.__aiter__()
+        halting = asyncio.ensure_future(halt.wait())
+        receiving: asyncio.Future[Delivery] | None = None
+        try:
+            while not halt.is_set():
+                await slots.acquire()
+                if not self._database_up.is_set():
+                    # Paused: what we hold stays held; take nothing new until it is back.
+                    waiting = asyncio.ensure_future(self._database_up.wait())
+                    await asyncio.wait({waiting, halting}, return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
+                    if halt.is_set():
+                        slots.release()
+                        break
+                receiving = asyncio.ensure_future(anext(iterator))
+                await asyncio.wait({receiving, halting}, return_when=asyncio.FIRST_COMPLETED)
+                if not receiving.done():
+                    break
+                delivery = receiving.result()
+                receiving = None
+                task = asyncio.create_task(self._handle_safely(delivery))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+                task.add_done_callback(_log_abandoned)
+                task.add_done_callback(lambda _: slots.release())
+        except StopAsyncIteration:
+            log.warning("delivery stream ended", extra={"event": "consume_ended", "queue": queue})
+        finally:
+            halting.cancel()
+            if receiving is not None and not receiving.done():
+                receiving.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await receiving
+            with contextlib.suppress(Exception):
+                await deliveries.aclose()  # type: ignore[attr-defined]
 
     async def _drain(self, in_flight: set[asyncio.Task[None]]) -> None:
         """Let in-flight work finish for up to ``drain_seconds``, then stop it unsettled.
