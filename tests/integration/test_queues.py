@@ -15,12 +15,14 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
 import jobrelay
+from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError
 from jobrelay.observe.faults import Faults
@@ -29,6 +31,7 @@ from jobrelay.roles.relay import Relay
 from jobrelay.roles.runtime import Runtime, topology_for
 from jobrelay.roles.worker import Worker
 from jobrelay.settings import Settings
+from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.store import EventRecord, Store
 from jobrelay.storage.tables import outbox
@@ -187,3 +190,31 @@ def test_worker_with_an_unknown_queue_is_a_one_line_usage_error(tmp_path: Path) 
         "(its queues: default, images)"
     ]
     assert not (tmp_path / "never-created.db").exists()
+
+
+async def test_a_deferral_a_replay_and_a_reconciler_resend_go_to_the_jobs_own_queue(
+    rt: Runtime,
+) -> None:
+    async with rt.engine.begin() as conn:
+        job_id = await resize.enqueue(conn, {"image_id": 8})
+    now = rt.clock()
+    await rt.store.defer(job_id, JobMessage(job_id, "images.resize"), 1, "not yet", now)
+    assert await rt.store.quarantine(job_id, "operator test", now)
+    outcome = await AdminQueries(rt.store).replay(
+        job_id, actor="test", reason="fixed", budget=1, now=now
+    )
+    assert outcome.done
+    # The reconciler's re-send of a job whose worker was lost goes there too.
+    assert await rt.store.claim_job(job_id, "lost-worker", now, timedelta(seconds=1))
+    later = now + timedelta(hours=1)
+    assert await AdminQueries(rt.store).requeue_expired_lease(
+        job_id, "lost-worker", later, later, "reconciler"
+    )
+    async with rt.engine.connect() as conn:
+        sent = [
+            r.destination
+            for r in await conn.execute(
+                outbox.select().where(outbox.c.job_id == job_id).order_by(outbox.c.id)
+            )
+        ]
+    assert sent == ["work.images", "retry.images.1s", "work.images", "work.images"]
