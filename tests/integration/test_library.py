@@ -219,6 +219,8 @@ async def test_sync_enqueue_on_a_synchronous_connection(rt: Runtime) -> None:
     finally:
         sync_engine.dispose()
     assert await count(rt, jobs, id=job_id) == 1
+    assert await count(rt, outbox, job_id=job_id) == 1  # psycopg's rowcount is -1 here
+    assert await count(rt, job_events, job_id=job_id, kind="accepted") == 1
     assert await count(rt, images, id=5) == 1
     assert (await run_job(rt, job_id)).outcomes == ["ack"]
 

@@ -52,8 +52,9 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
         queue=job.queue,
         created_at=now,
         updated_at=now,
-    ).on_conflict_do_nothing(index_elements=[jobs.c.id])
-    if inserted.rowcount != 1:
+    ).on_conflict_do_nothing(index_elements=[jobs.c.id]).returning(jobs.c.id)
+    # RETURNING, not rowcount: psycopg reports -1 for an INSERT … ON CONFLICT here.
+    if inserted.first() is None:
         existing = (yield select(jobs.c.request_hash).where(jobs.c.id == job.job_id)).scalar_one()
         if existing != job.request_hash:
             raise IdempotencyConflict(
