@@ -39,20 +39,24 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     if dialect not in ("postgresql", "sqlite"):
         raise ConfigError("connection", f"jobrelay supports PostgreSQL and SQLite, not {dialect}")
     upsert = postgresql.insert(jobs) if dialect == "postgresql" else sqlite.insert(jobs)
-    inserted = yield upsert.values(
-        id=job.job_id,
-        type=job.type,
-        account_id=job.account_id,
-        params=job.params,
-        idempotency_key=job.idempotency_key,
-        request_hash=job.request_hash,
-        state=JobState.QUEUED.value,
-        attempt=0,
-        max_attempts=job.max_attempts,
-        queue=job.queue,
-        created_at=now,
-        updated_at=now,
-    ).on_conflict_do_nothing(index_elements=[jobs.c.id]).returning(jobs.c.id)
+    inserted = (
+        yield upsert.values(
+            id=job.job_id,
+            type=job.type,
+            account_id=job.account_id,
+            params=job.params,
+            idempotency_key=job.idempotency_key,
+            request_hash=job.request_hash,
+            state=JobState.QUEUED.value,
+            attempt=0,
+            max_attempts=job.max_attempts,
+            queue=job.queue,
+            created_at=now,
+            updated_at=now,
+        )
+        .on_conflict_do_nothing(index_elements=[jobs.c.id])
+        .returning(jobs.c.id)
+    )
     # RETURNING, not rowcount: psycopg reports -1 for an INSERT … ON CONFLICT here.
     if inserted.first() is None:
         existing = (yield select(jobs.c.request_hash).where(jobs.c.id == job.job_id)).scalar_one()
