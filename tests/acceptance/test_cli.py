@@ -37,6 +37,9 @@ def assert_one_line_error(result: object, variable: str) -> None:
         ("JOBRELAY_BROKER_URL", "amqp://guest:guest@127.0.0.1:1/"),
         ("JOBRELAY_MAX_ATTEMPTS", "lots"),
         ("JOBRELAY_FAULTS", "export.run:explode"),
+        ("JOBRELAY_APP", "no_such_module_anywhere:app"),
+        ("JOBRELAY_APP", "no-colon-here"),
+        ("JOBRELAY_APP", "json:dumps"),  # importable, but not a jobrelay.App
     ],
 )
 def test_bad_or_unreachable_settings_fail_in_one_line(

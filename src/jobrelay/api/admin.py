@@ -15,7 +15,7 @@ from fastapi import APIRouter, Body, Depends, Header, Path, Query
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import ConfigDict, Field, field_validator
 
-from jobrelay.api.auth import Principal, PrincipalDep, _bearer, hash_token
+from jobrelay.api.auth import Principal, PrincipalDep, bearer_scheme, hash_token
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, problem_openapi
 from jobrelay.api.schemas import JobOut, WireModel, canonical_job_id, valid_traceparent
@@ -92,7 +92,7 @@ class WhoAmI(WireModel):
 async def admin_actor(
     principal: PrincipalDep,
     runtime: RuntimeDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
 ) -> str:
     """The name of the admin token calling (for the audit trail); 403 for account tokens."""
     if not principal.is_admin or credentials is None:

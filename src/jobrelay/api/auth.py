@@ -27,7 +27,7 @@ log = logging.getLogger("jobrelay.api")
 TOKEN_PREFIX = "jr_"
 _CHALLENGE = 'Bearer realm="jobrelay"'
 
-_bearer = HTTPBearer(
+bearer_scheme = HTTPBearer(
     auto_error=False,
     bearerFormat="jr_…",
     description="An API token from `jobrelay token create --account A`.",
@@ -58,7 +58,7 @@ class Principal:
 
 async def authenticate(
     runtime: RuntimeDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
 ) -> Principal:
     """The caller behind ``Authorization: Bearer``; 401 with a challenge otherwise.
 
