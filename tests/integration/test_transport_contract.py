@@ -17,6 +17,7 @@ import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import pytest
@@ -24,6 +25,7 @@ import pytest
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.storage import local_queue
 from jobrelay.transport.base import OutgoingMessage, Transport
+from jobrelay.transport.local import LocalTransport
 from jobrelay.transport.rabbitmq import retry_queue_arguments, work_queue_arguments
 from jobrelay.transport.topology import (
     DEAD_LETTER_EXCHANGE,
@@ -401,6 +403,36 @@ async def test_local_settle_after_a_lost_claim_is_a_no_op(local: Backend) -> Non
     assert await stale.reject() is False  # already settled (and lost anyway)
     assert await fresh.reject() is True
     assert await slow.quarantine_depth() == 1
+
+
+async def test_a_claim_in_flight_as_the_transport_closes_gives_its_rows_back(
+    local: Backend,
+) -> None:
+    # close() gives back what it holds while the consumer's next claim is still on its way;
+    # that claim can take the very rows just given back. They must be given back again, not
+    # left invisible until the visibility timeout (CI saw a successor get nothing for 10 s).
+    consumer = await local.connected(visibility_seconds=30, settle_grace_seconds=30)
+    assert isinstance(consumer, LocalTransport)
+    for n in range(2):
+        await consumer.publish(message({"n": n}))
+    pump = local.pump(consumer)
+    await pump.get(), await pump.get()
+    entered, proceed = asyncio.Event(), asyncio.Event()
+    claim = consumer._claim
+
+    async def late_claim(stream: Any) -> bool:
+        entered.set()
+        await proceed.wait()
+        return await claim(stream)
+
+    consumer._claim = late_claim  # type: ignore[method-assign]
+    await asyncio.wait_for(entered.wait(), 10)
+    await consumer.close()  # gives back both handed-out rows
+    proceed.set()  # ... and only now the claim runs, and takes them again
+    await asyncio.wait_for(pump.task, 10)
+    successor = local.pump(await local.connected())
+    again = [await successor.get(timeout=5), await successor.get(timeout=5)]
+    assert sorted(body_of(d)["n"] for d in again) == [0, 1]
 
 
 @pytest.mark.slow

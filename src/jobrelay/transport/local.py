@@ -291,13 +291,23 @@ class LocalTransport:
         finally:
             _DOORBELLS.unregister(self._bell, bell)
             self._streams.discard(stream)
-            # In flight: no longer renewed, so they come back after the visibility timeout
-            # unless settled first (a draining worker still acks them).
+            # Claimed but never handed out: given back now, under the fence of that claim (a
+            # claim still running as close() gave back the rows can have taken them again).
+            leftover = {c.id: c.fence for c in stream.buffer}
+            stream.buffer = deque()
             for message_id in stream.handed:
-                if (hold := self._holds.pop(message_id, None)) is not None:
+                hold = self._holds.pop(message_id, None)
+                if hold is None or message_id in leftover:
+                    continue
+                if self._closed:  # close() has run or is running: nobody settles these now
+                    leftover[message_id] = hold.fence
+                else:
+                    # No longer renewed, so they come back after the visibility timeout
+                    # unless settled first (a draining worker still acks them).
                     self._orphans[message_id] = hold.fence
-            leftover, stream.buffer = [c.id for c in stream.buffer], deque()
-            await asyncio.shield(self._give_back(leftover))  # even if we are being cancelled
+            for message_id in leftover:
+                self._holds.pop(message_id, None)
+            await asyncio.shield(self._give_back([], leftover))  # even if we are being cancelled
 
     async def _claim_shielded(self, stream: _Stream) -> bool:
         """Claim into ``stream.buffer``; a cancelled caller still gets the rows given back.
