@@ -40,6 +40,7 @@ from jobrelay.chaos.sandbox import ChaosSetupError, Scratch, Services
 
 PG_SERVER = "postgresql://postgres@127.0.0.1:5432"
 AMQP_SERVER = "amqp://guest:guest@127.0.0.1:5672"
+BENCH_DIR = Path(__file__).resolve().parent
 COMMAND_TIMEOUT = 120.0  # one-shot commands: db upgrade, seed, rabbitmqctl
 STOP_TIMEOUT = 20.0  # SIGTERM → exit, before SIGKILL
 _LOG_POLL_SECONDS = 0.05
@@ -160,6 +161,11 @@ class Sandbox:
             "JOBRELAY_DATABASE_URL": self.database_url,
             "JOBRELAY_BROKER_URL": self.broker_url,
             "JOBRELAY_RESULTS_URL": f"file://{self.results_dir}",
+            # The export app plus the no-op job the drain is compared with the peers on.
+            "JOBRELAY_APP": "bench_app:app",
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH", "")) if p
+            ),
             **{f"JOBRELAY_{k.upper()}": v for k, v in tuning.items()},
         }
         return env

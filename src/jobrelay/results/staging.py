@@ -44,6 +44,11 @@ class StagingResults:
     async def aclose(self) -> None:
         return None  # the runtime owns the real store
 
+    @property
+    def staged(self) -> bool:
+        """Whether this attempt opened a writer (a job with no file completes in one statement)."""
+        return bool(self._sessions)
+
     async def publish(self) -> None:
         """Make every staged result visible; called under the completion's row lock."""
         for session in self._sessions:

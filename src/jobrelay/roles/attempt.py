@@ -208,7 +208,7 @@ class AttemptRun:
                 {**result.meta, "attempt": claim.attempt},
                 now,
                 follow_ups=tuple[NewJob, ...](result.follow_ups),
-                publish=results.publish,
+                publish=results.publish if results.staged else None,
             )
         if decision.action is Action.ACK:
             assert decision.retry_delay is not None

@@ -47,7 +47,8 @@ from jobrelay.observe import logs
 from jobrelay.operations.base import Registry
 from jobrelay.roles.attempt import AttemptRun
 from jobrelay.roles.runtime import Runtime
-from jobrelay.storage.store import JobRecord
+from jobrelay.roles.timeline import TimelineWriter
+from jobrelay.storage.store import Claim, JobRecord
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
@@ -104,6 +105,7 @@ class Worker:
         self._database_up = asyncio.Event()
         self._database_up.set()
         self._probe: asyncio.Task[None] | None = None
+        self.timeline = TimelineWriter(rt.store)
 
     # --- the consume loop -------------------------------------------------------------------
 
@@ -155,6 +157,7 @@ class Worker:
                 await asyncio.gather(*in_flight, return_exceptions=True)
             if self._probe is not None:
                 self._probe.cancel()
+            await self.timeline.close()
             log.info("worker stopped", extra={"event": "worker_stopped", "handled": self.handled})
         for consumer in consumers:  # a consumer that failed fails the worker
             failure = None if consumer.cancelled() else consumer.exception()
@@ -296,6 +299,13 @@ class Worker:
                 await self._invalid(delivery, exc.reason, exc.job_id, meta)
             return
         logs.bind(jobId=message.job_id)
+        # The happy path first: a claim guarded on exactly "ready to run" needs no read.
+        claimed = await self.rt.store.claim_delivered(
+            message.job_id, message.type, self.worker_id, self.rt.clock(), self.lease, **meta
+        )
+        if claimed is not None:
+            await self._run(delivery, *claimed)
+            return
         for _ in range(_MAX_DECISION_ROUNDS):
             job = await self.rt.store.get_job(message.job_id)
             if job is None:
@@ -362,19 +372,24 @@ class Worker:
                 )
                 if claim is None:
                     return False
-                self.rt.metrics.transition(job.state.value, JobState.RUNNING.value)
-                logs.bind(attempt=claim.attempt)
-                run = AttemptRun(
-                    self.rt,
-                    self.registry,
-                    self.worker_id,
-                    self.lease,
-                    settle=self._settle,
-                    wait_for_database=self._wait_for_database,
-                )
-                await run.run(delivery, job, claim)
+                await self._run(delivery, claim, job, job.state)
                 return True
         raise AssertionError(decision)  # pragma: no cover
+
+    async def _run(
+        self, delivery: Delivery, claim: Claim, job: JobRecord, claimed_from: JobState
+    ) -> None:
+        self.rt.metrics.transition(claimed_from.value, JobState.RUNNING.value)
+        logs.bind(attempt=claim.attempt)
+        run = AttemptRun(
+            self.rt,
+            self.registry,
+            self.worker_id,
+            self.lease,
+            settle=self._settle,
+            wait_for_database=self._wait_for_database,
+        )
+        await run.run(delivery, job, claim)
 
     # --- settling ---------------------------------------------------------------------------
 
@@ -396,8 +411,7 @@ class Worker:
             detail["action"] = kind
             kind = "settle_lost"
         log.info(kind, extra={"event": kind, "jobId": job_id, "attempt": attempt})
-        with contextlib.suppress(StoreError):
-            await self.rt.store.record_event(job_id, kind, self.rt.clock(), **detail)
+        self.timeline.add(job_id, kind, self.rt.clock(), **detail)
 
     async def _defer(
         self,

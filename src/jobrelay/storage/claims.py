@@ -8,7 +8,7 @@ statement on that token; a delivery-time quarantine is guarded on what the polic
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -82,44 +82,12 @@ class ClaimsStore(StoreBase):
         ``seen``) on the state and attempt the policy read, so a racing copy or a retry that is
         not yet due loses here instead of running twice.
         """
-        clock = self.now_sql()
         guards = list(self.as_seen(seen)[:2]) if seen is not None else []
         async with self.writing() as conn:
             result = await conn.execute(
                 update(jobs)
-                .where(
-                    jobs.c.id == job_id,
-                    jobs.c.state.in_(sorted(s.value for s in sources_for(JobState.RUNNING))),
-                    jobs.c.attempt < jobs.c.max_attempts,
-                    or_(
-                        jobs.c.state == JobState.QUEUED.value,
-                        and_(
-                            jobs.c.state == JobState.RETRY_WAIT.value,
-                            or_(
-                                jobs.c.next_attempt_at.is_(None),
-                                jobs.c.next_attempt_at <= self.now_sql(RETRY_SLACK),
-                            ),
-                        ),
-                        and_(
-                            jobs.c.state == JobState.RUNNING.value,
-                            or_(
-                                jobs.c.lease_expires_at.is_(None),
-                                jobs.c.lease_expires_at <= clock,
-                            ),
-                        ),
-                    ),
-                    *guards,
-                )
-                .values(
-                    state=JobState.RUNNING.value,
-                    updated_at=now,
-                    attempt=jobs.c.attempt + 1,
-                    lease_owner=worker_id,
-                    lease_expires_at=self.now_sql(lease),
-                    next_attempt_at=None,
-                    progress_done=None,
-                    progress_total=None,
-                )
+                .where(jobs.c.id == job_id, *self.claimable(), *guards)
+                .values(**self.claim_values(worker_id, now, lease))
                 .returning(jobs.c.attempt)
             )
             attempt = result.scalar_one_or_none()
@@ -129,6 +97,44 @@ class ClaimsStore(StoreBase):
                 conn, job_id, "claimed", now, worker=worker_id, attempt=int(attempt), **detail
             )
         return Claim(job_id, int(attempt), worker_id)
+
+    def claimable(self) -> list[Any]:
+        """Exactly the policy's ``ReadyToRun``, judged by the store's clock.
+
+        Not finished, not held by a live lease, not a retry before it is due, attempts left:
+        a claim guarded on this needs no earlier read of the job to be right.
+        """
+        clock = self.now_sql()
+        return [
+            jobs.c.state.in_(sorted(s.value for s in sources_for(JobState.RUNNING))),
+            jobs.c.attempt < jobs.c.max_attempts,
+            or_(
+                jobs.c.state == JobState.QUEUED.value,
+                and_(
+                    jobs.c.state == JobState.RETRY_WAIT.value,
+                    or_(
+                        jobs.c.next_attempt_at.is_(None),
+                        jobs.c.next_attempt_at <= self.now_sql(RETRY_SLACK),
+                    ),
+                ),
+                and_(
+                    jobs.c.state == JobState.RUNNING.value,
+                    or_(jobs.c.lease_expires_at.is_(None), jobs.c.lease_expires_at <= clock),
+                ),
+            ),
+        ]
+
+    def claim_values(self, worker_id: str, now: datetime, lease: timedelta) -> dict[str, Any]:
+        return {
+            "state": JobState.RUNNING.value,
+            "updated_at": now,
+            "attempt": jobs.c.attempt + 1,
+            "lease_owner": worker_id,
+            "lease_expires_at": self.now_sql(lease),
+            "next_attempt_at": None,
+            "progress_done": None,
+            "progress_total": None,
+        }
 
     async def renew_lease(self, claim: Claim, lease: timedelta, now: datetime) -> bool:
         """Extend the lease to the store's clock + ``lease``, only while the claim holds."""
@@ -148,61 +154,6 @@ class ClaimsStore(StoreBase):
                 .values(progress_done=done, progress_total=total, updated_at=now)
             )
         return bool(result.rowcount == 1)
-
-    async def complete(
-        self,
-        claim: Claim,
-        result_key: str | None,
-        result_meta: dict[str, Any],
-        now: datetime,
-        follow_ups: Sequence[NewJob] = (),
-        publish: Callable[[], Awaitable[None]] | None = None,
-    ) -> Fenced:
-        """running -> succeeded with its result key, BEFORE the delivery is acked.
-
-        Fenced on the claim. ``publish`` makes the staged result visible under its key while
-        the guarded UPDATE holds the job's row lock (PostgreSQL) or the write lock (SQLite),
-        and before the commit: a stale attempt can never pass the guard, so it can never
-        replace the object the winning attempt committed. A publish that fails rolls the
-        whole completion back.
-
-        ``follow_ups`` (a notification of this success) are created in the SAME transaction,
-        each with its outbox row and ``accepted`` event: no success without its follow-up,
-        and, their ids being derived from this job's, never a second one.
-        """
-        async with self.writing() as conn:
-            won = await self.transition(
-                conn,
-                claim.job_id,
-                JobState.SUCCEEDED,
-                now,
-                where=self.fenced(claim),
-                result_key=result_key,
-                result_meta=result_meta,
-                lease_owner=None,
-                lease_expires_at=None,
-                last_error=None,
-                progress_done=result_meta.get("rows"),
-                progress_total=result_meta.get("rows"),
-            )
-            if not won:
-                return await self.current(conn, claim.job_id)
-            if publish is not None:
-                await publish()
-            await self.add_event(
-                conn,
-                claim.job_id,
-                "result_saved",
-                now,
-                resultKey=result_key,
-                worker=claim.worker_id,
-                **result_meta,
-            )
-            for follow_up in follow_ups:
-                await self.add_follow_up(conn, claim.job_id, follow_up, now)
-        if follow_ups:
-            self.wake_relays()
-        return Fenced(True)
 
     async def add_follow_up(
         self, conn: AsyncConnection, parent_id: str, job: NewJob, now: datetime

@@ -43,7 +43,7 @@ def create_engine(database_url: str) -> AsyncEngine:
     url = async_url(database_url)
     if url.get_backend_name() == "sqlite":
         return _sqlite_engine(url)
-    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
+    return create_async_engine(url, pool_size=10, max_overflow=10)
 
 
 def _sqlite_engine(url: URL) -> AsyncEngine:
@@ -122,6 +122,27 @@ async def write_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnect
     """A write transaction whose driver errors surface as StoreError("<what> write failed")."""
     try:
         async with engine.begin() as conn:
+            yield conn
+    except (DBAPIError, OSError) as exc:
+        raise StoreError(f"{what} write failed: {first_line(exc)}") from exc
+
+
+@contextlib.asynccontextmanager
+async def statement_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnection]:
+    """``write_tx`` for ONE statement that is its own transaction.
+
+    On PostgreSQL it is sent in autocommit mode: no ``BEGIN`` and no ``COMMIT`` round trip,
+    the statement commits by itself (a data-modifying CTE is still all or nothing). SQLite
+    has no round trips to save, and its hot-path writes are several statements: a normal
+    ``BEGIN IMMEDIATE`` transaction there.
+    """
+    if engine.dialect.name != "postgresql":
+        async with write_tx(engine, what) as conn:
+            yield conn
+        return
+    try:
+        async with engine.connect() as conn:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
             yield conn
     except (DBAPIError, OSError) as exc:
         raise StoreError(f"{what} write failed: {first_line(exc)}") from exc

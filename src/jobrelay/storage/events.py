@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (
-    select,
-)
+from sqlalchemy import JSON, String, bindparam, exists, insert, select
 
 from jobrelay.storage.base import StoreBase
-from jobrelay.storage.records import (
-    EventRecord,
-)
-from jobrelay.storage.tables import (
-    job_events,
-    jobs,
-)
+from jobrelay.storage.engine import statement_tx
+from jobrelay.storage.records import EventRecord, PendingEvent, jsonable
+from jobrelay.storage.tables import UTCDateTime, job_events, jobs
 
 
 class EventsStore(StoreBase):
@@ -37,3 +32,24 @@ class EventsStore(StoreBase):
             exists = await conn.scalar(select(jobs.c.id).where(jobs.c.id == job_id))
             if exists is not None:
                 await self.add_event(conn, job_id, kind, now, **detail)
+
+    async def record_events(self, events: Sequence[PendingEvent]) -> None:
+        """Many state-less events in one batch (one round trip); unknown jobs' are skipped."""
+        if not events:
+            return
+        job_id = bindparam("job_id", type_=String())
+        statement = insert(job_events).from_select(
+            ["job_id", "at", "kind", "detail"],
+            select(
+                job_id,
+                bindparam("at", type_=UTCDateTime()),
+                bindparam("kind", type_=String()),
+                bindparam("detail", type_=JSON()),
+            ).where(exists().where(jobs.c.id == job_id)),
+        )
+        rows = [
+            {"job_id": e.job_id, "at": e.at, "kind": e.kind, "detail": jsonable(e.detail)}
+            for e in events
+        ]
+        async with statement_tx(self.engine, "database") as conn:
+            await conn.execute(statement, rows)

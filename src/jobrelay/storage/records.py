@@ -111,6 +111,16 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
+class PendingEvent:
+    """An event to write later, in a batch (what happened after an outcome, e.g. ``ack_sent``)."""
+
+    job_id: str
+    kind: str
+    at: datetime
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class EventRecord:
     at: datetime
     kind: str
@@ -155,9 +165,10 @@ def job_record(row: Row[Any]) -> JobRecord:
         progress_total=m["progress_total"],
         created_at=m["created_at"],
         updated_at=m["updated_at"],
-        published=m["unpublished_since"] is None and (m["published_count"] or 0) > 0,
-        unpublished_since=aware_time(m["unpublished_since"]),
-        last_publish_error=m["last_publish_error"],
+        # A row read without the outbox columns (a claim's RETURNING) says nothing of them.
+        published=m.get("unpublished_since") is None and (m.get("published_count") or 0) > 0,
+        unpublished_since=aware_time(m.get("unpublished_since")),
+        last_publish_error=m.get("last_publish_error"),
         observed_at=aware_time(m.get("observed_at")),
         queue=m.get("queue") or DEFAULT_QUEUE,
     )

@@ -1,14 +1,15 @@
 """The job store: every query jobrelay runs against its own tables, each a named method.
 
-One class for callers, assembled from one module per concept (``jobs``, ``claims``,
+One class for callers, assembled from one module per concept (``jobs``, ``claims`` and
+its ``hot_path``,
 ``outbox``, ``events``, ``tokens``) over ``base`` (the engine, the one clock
 and the SQL they share). The records it reads and writes are in ``records``.
 """
 
 from __future__ import annotations
 
-from jobrelay.storage.claims import ClaimsStore
 from jobrelay.storage.events import EventsStore
+from jobrelay.storage.hot_path import HotPathStore
 from jobrelay.storage.jobs import JobsStore
 from jobrelay.storage.outbox import OutboxStore
 from jobrelay.storage.records import (
@@ -20,6 +21,7 @@ from jobrelay.storage.records import (
     JobRecord,
     NewJob,
     OutboxRow,
+    PendingEvent,
     TokenRecord,
     aware_time,
     job_record,
@@ -28,7 +30,7 @@ from jobrelay.storage.records import (
 from jobrelay.storage.tokens import TokensStore
 
 
-class Store(JobsStore, ClaimsStore, OutboxStore, EventsStore, TokensStore):
+class Store(JobsStore, HotPathStore, OutboxStore, EventsStore, TokensStore):
     """All of the store; see the modules it is made of."""
 
 
@@ -41,6 +43,7 @@ __all__ = [
     "JobRecord",
     "NewJob",
     "OutboxRow",
+    "PendingEvent",
     "Store",
     "TokenRecord",
     "aware_time",

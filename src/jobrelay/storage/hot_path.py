@@ -1,0 +1,215 @@
+"""The worker's hot path, one statement per guarantee: claim a delivered job, complete it.
+
+What a delivery needs on the happy path is a claim and a completion, each with its event.
+``claims`` does them the careful way (read the job, decide, claim guarded on what was read);
+here they are one round trip each on PostgreSQL: the guarded ``UPDATE … RETURNING`` and its
+``job_events`` row in one data-modifying CTE, in autocommit (no ``BEGIN``/``COMMIT``).
+
+The claim is guarded on exactly the policy's ``ReadyToRun`` (``ClaimsStore.claimable``), so
+it needs no earlier read: when it wins, the decision would have been to run; when it loses,
+the worker reads the job and lets the policy decide, as before. The fences are the same
+ones: nothing here is weaker than the slow path, it only asks fewer questions.
+
+SQLite runs the same writes as separate statements in one transaction (no network there).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import JSON, cast, func, insert, literal, select, update
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from jobrelay.domain.states import JobState, sources_for
+from jobrelay.storage.claims import ClaimsStore
+from jobrelay.storage.engine import statement_tx
+from jobrelay.storage.records import Claim, Fenced, JobRecord, NewJob, job_record, jsonable
+from jobrelay.storage.tables import UTCDateTime, job_events, jobs
+
+_FROM_STATE = "claimed_from_state"
+
+
+class HotPathStore(ClaimsStore):
+    async def claim_delivered(
+        self,
+        job_id: str,
+        job_type: str,
+        worker_id: str,
+        now: datetime,
+        lease: timedelta,
+        **detail: Any,
+    ) -> tuple[Claim, JobRecord, JobState] | None:
+        """Claim the job a delivery names if it is ready to run: (claim, job, state it left).
+
+        None when it is not (finished, leased, not yet due, attempts used, another type, no
+        such job): the caller then reads it and decides what the delivery means.
+        """
+        async with statement_tx(self.engine, "database") as conn:
+            if self.is_postgres:
+                row = await self._claim_in_one_statement(
+                    conn, job_id, job_type, worker_id, now, lease, detail
+                )
+            else:
+                row = await self._claim_in_steps(
+                    conn, job_id, job_type, worker_id, now, lease, detail
+                )
+        if row is None:
+            return None
+        job = job_record(row)
+        claim = Claim(job_id, job.attempt, worker_id)
+        return claim, job, JobState(row._mapping[_FROM_STATE])
+
+    async def _claim_in_one_statement(
+        self,
+        conn: AsyncConnection,
+        job_id: str,
+        job_type: str,
+        worker_id: str,
+        now: datetime,
+        lease: timedelta,
+        detail: dict[str, Any],
+    ) -> Any:
+        # The row lock first, so the state it left is the one the UPDATE then changes.
+        before = (
+            select(jobs.c.id, jobs.c.state.label(_FROM_STATE))
+            .where(jobs.c.id == job_id, jobs.c.type == job_type)
+            .with_for_update()
+            .cte("before")
+        )
+        claimed = (
+            update(jobs)
+            .where(jobs.c.id == before.c.id, *self.claimable())
+            .values(**self.claim_values(worker_id, now, lease))
+            .returning(*jobs.c, before.c[_FROM_STATE])
+            .cte("claimed")
+        )
+        event_detail = cast(
+            cast(literal(json.dumps(jsonable({"worker": worker_id, **detail}))), JSONB).op("||")(
+                func.jsonb_build_object("attempt", claimed.c.attempt)
+            ),
+            JSON,
+        )
+        event = (
+            insert(job_events)
+            .from_select(
+                ["job_id", "at", "kind", "detail"],
+                select(claimed.c.id, literal(now, UTCDateTime()), literal("claimed"), event_detail),
+            )
+            .cte("event")
+        )
+        return (await conn.execute(select(claimed).add_cte(event))).first()
+
+    async def _claim_in_steps(
+        self,
+        conn: AsyncConnection,
+        job_id: str,
+        job_type: str,
+        worker_id: str,
+        now: datetime,
+        lease: timedelta,
+        detail: dict[str, Any],
+    ) -> Any:
+        state = await conn.scalar(
+            select(jobs.c.state).where(jobs.c.id == job_id, jobs.c.type == job_type)
+        )
+        if state is None:
+            return None
+        row = (
+            await conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id, *self.claimable())
+                .values(**self.claim_values(worker_id, now, lease))
+                .returning(*jobs.c, literal(state).label(_FROM_STATE))
+            )
+        ).first()
+        if row is not None:
+            await self.add_event(
+                conn, job_id, "claimed", now, worker=worker_id, attempt=row.attempt, **detail
+            )
+        return row
+
+    async def complete(
+        self,
+        claim: Claim,
+        result_key: str | None,
+        result_meta: dict[str, Any],
+        now: datetime,
+        follow_ups: Sequence[NewJob] = (),
+        publish: Callable[[], Awaitable[None]] | None = None,
+    ) -> Fenced:
+        """running -> succeeded with its result key, BEFORE the delivery is acked.
+
+        Fenced on the claim. ``publish`` makes the staged result visible under its key while
+        the guarded UPDATE holds the job's row lock (PostgreSQL) or the write lock (SQLite),
+        and before the commit: a stale attempt can never pass the guard, so it can never
+        replace the object the winning attempt committed. A publish that fails rolls the
+        whole completion back.
+
+        ``follow_ups`` (a notification of this success) are created in the SAME transaction,
+        each with its outbox row and ``accepted`` event: no success without its follow-up,
+        and, their ids being derived from this job's, never a second one.
+
+        With neither, the completion is one statement in autocommit: one round trip.
+        """
+        values = {
+            "result_key": result_key,
+            "result_meta": result_meta,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "last_error": None,
+            "progress_done": result_meta.get("rows"),
+            "progress_total": result_meta.get("rows"),
+        }
+        event = {"resultKey": result_key, "worker": claim.worker_id, **result_meta}
+        in_one = publish is None and not follow_ups
+        opened = statement_tx(self.engine, "database") if in_one else self.writing()
+        async with opened as conn:
+            if not await self._completed(conn, claim, now, values, event):
+                return await self.current(conn, claim.job_id)
+            if publish is not None:
+                await publish()
+            for follow_up in follow_ups:
+                await self.add_follow_up(conn, claim.job_id, follow_up, now)
+        if follow_ups:
+            self.wake_relays()
+        return Fenced(True)
+
+    async def _completed(
+        self,
+        conn: AsyncConnection,
+        claim: Claim,
+        now: datetime,
+        values: dict[str, Any],
+        event_detail: dict[str, Any],
+    ) -> bool:
+        """The guarded running -> succeeded and its ``result_saved`` event; True if it won."""
+        allowed = sorted(s.value for s in sources_for(JobState.SUCCEEDED))
+        done = (
+            update(jobs)
+            .where(jobs.c.id == claim.job_id, jobs.c.state.in_(allowed), *self.fenced(claim))
+            .values(state=JobState.SUCCEEDED.value, updated_at=now, **values)
+        )
+        if not self.is_postgres:
+            if (await conn.execute(done)).rowcount != 1:
+                return False
+            await self.add_event(conn, claim.job_id, "result_saved", now, **event_detail)
+            return True
+        won = done.returning(jobs.c.id).cte("done")
+        event = (
+            insert(job_events)
+            .from_select(
+                ["job_id", "at", "kind", "detail"],
+                select(
+                    won.c.id,
+                    literal(now, UTCDateTime()),
+                    literal("result_saved"),
+                    literal(jsonable(event_detail), JSON),
+                ),
+            )
+            .cte("event")
+        )
+        return (await conn.scalar(select(func.count()).select_from(won).add_cte(event))) == 1
