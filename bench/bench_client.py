@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from bench_env import BenchFailure, RoleProcess
@@ -51,8 +52,17 @@ class Submitted:
     latencies: list[float]  # per POST, seconds
 
 
-async def submit(client: httpx.AsyncClient, n: int, concurrency: int, key_prefix: str) -> Submitted:
-    """N POSTs over ``concurrency`` connections, each with its own Idempotency-Key (so each
+def request_for(job: str, i: int, key: str) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """Path, body and headers of request ``i``: an export, or ``bench.noop`` via /v1/jobs."""
+    if job == "noop":
+        return "/v1/jobs", {"type": "bench.noop", "params": {"n": i}, "key": key}, {}
+    return "/v1/exports", export_body(i), {"Idempotency-Key": key}
+
+
+async def submit(
+    client: httpx.AsyncClient, n: int, concurrency: int, key_prefix: str, job: str = "export"
+) -> Submitted:
+    """N POSTs over ``concurrency`` connections, each with its own idempotency key (so each
     one creates a job); every answer must be a 202 with a distinct jobId."""
     job_ids = [""] * n
     latencies: list[float] = []
@@ -61,13 +71,10 @@ async def submit(client: httpx.AsyncClient, n: int, concurrency: int, key_prefix
 
     async def lane() -> None:
         for i in numbers:
+            path, body, headers = request_for(job, i, f"{key_prefix}-{i}")
             sent = time.perf_counter()
             try:
-                response = await client.post(
-                    "/v1/exports",
-                    json=export_body(i),
-                    headers={"Idempotency-Key": f"{key_prefix}-{i}"},
-                )
+                response = await client.post(path, json=body, headers=headers)
             except httpx.HTTPError as exc:
                 failures.append(f"request {i}: {exc!r}")
                 continue

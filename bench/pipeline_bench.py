@@ -101,6 +101,7 @@ class Options:
     phase_timeout: float
     tuning: dict[str, str]  # extra JOBRELAY_* settings for every process
     profile: frozenset[str]  # roles run under cProfile (diagnosis; slows them down)
+    job: str = "export"  # what every phase runs: report.export, or bench.noop
 
 
 def parse_args(argv: list[str] | None) -> Options:
@@ -114,6 +115,12 @@ def parse_args(argv: list[str] | None) -> Options:
     parser.add_argument("--prefetch", type=int, help="JOBRELAY_PREFETCH for the workers")
     parser.add_argument("--relay-batch", type=int, help="JOBRELAY_RELAY_BATCH for the relay")
     parser.add_argument("--log-level", help="JOBRELAY_LOG_LEVEL for every process")
+    parser.add_argument(
+        "--job",
+        choices=("export", "noop"),
+        default="export",
+        help="report.export (20-row months) or bench.noop (what jobrelay always does per job)",
+    )
     parser.add_argument(
         "--profile",
         default="",
@@ -145,6 +152,7 @@ def parse_args(argv: list[str] | None) -> Options:
         phase_timeout=args.phase_timeout,
         tuning=tuning,
         profile=profile,
+        job=args.job,
     )
 
 
@@ -171,6 +179,7 @@ class Bench:
                 "phase_timeout_s": options.phase_timeout,
                 "tuning": options.tuning,
                 "profiled_roles": sorted(options.profile),
+                "job": options.job,
             },
         )
         self.broker_pid: int | None = None
@@ -380,7 +389,7 @@ class Bench:
         samples = await self.db.fetch(
             "SELECT id FROM jobs ORDER BY created_at DESC LIMIT $1", RESULT_SAMPLES
         )
-        for row in samples:
+        for row in samples if self.options.job == "export" else []:
             response = await self.client.get(f"/v1/jobs/{row['id']}/result")
             lines = list(csv.reader(io.StringIO(response.text)))
             if response.status_code != 200 or len(lines) != ROWS_PER_MONTH + 1:
@@ -511,7 +520,7 @@ class Bench:
     async def submit(self, n: int, tag: str) -> Submitted:
         assert self.client is not None
         prefix = f"bench-{self.sandbox.run_id}-{tag}"
-        return await submit(self.client, n, self.options.concurrency, prefix)
+        return await submit(self.client, n, self.options.concurrency, prefix, self.options.job)
 
     async def poll(self, probe: Callable[[], Awaitable[bool]]) -> float:
         """Poll ``probe`` until it holds; the epoch time it was seen holding."""
