@@ -31,6 +31,21 @@ class TimelineWriter:
         self._limit = limit
         self._pending: list[PendingEvent] = []
         self._writing: asyncio.Task[None] | None = None
+        self._batching = False
+
+    def start_batching(self) -> None:
+        """From now on (a worker's consume loop) events are batched; ``close`` ends it.
+
+        Before (one delivery handled on its own) each event is written at once.
+        """
+        self._batching = True
+
+    async def record(self, job_id: str, kind: str, at: datetime, **detail: Any) -> None:
+        if self._batching:
+            self.add(job_id, kind, at, **detail)
+            return
+        with contextlib.suppress(StoreError):
+            await self._store.record_events([PendingEvent(job_id, kind, at, detail)])
 
     def add(self, job_id: str, kind: str, at: datetime, **detail: Any) -> None:
         if len(self._pending) >= self._limit:
@@ -62,6 +77,7 @@ class TimelineWriter:
 
     async def close(self, timeout: float = 5.0) -> None:
         """Write what is pending; after ``timeout`` (the database is down) give up on it."""
+        self._batching = False
         if self._writing is None:
             return
         try:

@@ -129,6 +129,7 @@ class Worker:
             },
         )
         halt = asyncio.Event()  # stop is set, or a consumer ended: every consumer stops
+        self.timeline.start_batching()
         consumers = [
             asyncio.create_task(self._consume(queue, prefetch, halt, in_flight))
             for queue in self.queues
@@ -411,7 +412,7 @@ class Worker:
             detail["action"] = kind
             kind = "settle_lost"
         log.info(kind, extra={"event": kind, "jobId": job_id, "attempt": attempt})
-        self.timeline.add(job_id, kind, self.rt.clock(), **detail)
+        await self.timeline.record(job_id, kind, self.rt.clock(), **detail)
 
     async def _defer(
         self,

@@ -30,6 +30,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    literal_column,
     select,
     text,
     type_coerce,
@@ -147,6 +148,12 @@ class StoreBase:
             # Delivered at commit, to listening relays only: a hint, never the only path.
             await conn.execute(text("SELECT pg_notify(:c, '')"), {"c": NOTIFY_CHANNEL})
 
+    @staticmethod
+    def state_in(states: Iterable[JobState]) -> ColumnElement[bool]:
+        """``state IN ('a', 'b')`` written out: the states are our own constants, and a bound
+        list would be re-expanded (compiled again) on every execution."""
+        return jobs.c.state.in_([literal_column(f"'{s.value}'") for s in sorted(states)])
+
     async def transition(
         self,
         conn: AsyncConnection,
@@ -158,10 +165,10 @@ class StoreBase:
         where: Sequence[Any] = (),
         **values: Any,
     ) -> bool:
-        allowed = sorted(s.value for s in (sources if sources is not None else sources_for(target)))
+        allowed = sources if sources is not None else sources_for(target)
         result = await conn.execute(
             update(jobs)
-            .where(jobs.c.id == job_id, jobs.c.state.in_(allowed), *where)
+            .where(jobs.c.id == job_id, self.state_in(allowed), *where)
             .values(state=target.value, updated_at=now, **values)
         )
         return bool(result.rowcount == 1)

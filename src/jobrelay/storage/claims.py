@@ -106,7 +106,7 @@ class ClaimsStore(StoreBase):
         """
         clock = self.now_sql()
         return [
-            jobs.c.state.in_(sorted(s.value for s in sources_for(JobState.RUNNING))),
+            self.state_in(sources_for(JobState.RUNNING)),
             jobs.c.attempt < jobs.c.max_attempts,
             or_(
                 jobs.c.state == JobState.QUEUED.value,

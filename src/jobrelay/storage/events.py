@@ -37,18 +37,23 @@ class EventsStore(StoreBase):
         """Many state-less events in one batch (one round trip); unknown jobs' are skipped."""
         if not events:
             return
-        job_id = bindparam("job_id", type_=String())
+        job_id = bindparam("ev_job_id", type_=String())
         statement = insert(job_events).from_select(
             ["job_id", "at", "kind", "detail"],
             select(
                 job_id,
-                bindparam("at", type_=UTCDateTime()),
-                bindparam("kind", type_=String()),
-                bindparam("detail", type_=JSON()),
+                bindparam("ev_at", type_=UTCDateTime()),
+                bindparam("ev_kind", type_=String()),
+                bindparam("ev_detail", type_=JSON()),
             ).where(exists().where(jobs.c.id == job_id)),
         )
         rows = [
-            {"job_id": e.job_id, "at": e.at, "kind": e.kind, "detail": jsonable(e.detail)}
+            {
+                "ev_job_id": e.job_id,
+                "ev_at": e.at,
+                "ev_kind": e.kind,
+                "ev_detail": jsonable(e.detail),
+            }
             for e in events
         ]
         async with statement_tx(self.engine, "database") as conn:

@@ -20,7 +20,21 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import JSON, cast, func, insert, literal, select, update
+from sqlalchemy import (
+    JSON,
+    Integer,
+    Interval,
+    String,
+    Text,
+    bindparam,
+    cast,
+    func,
+    insert,
+    literal,
+    literal_column,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -31,6 +45,17 @@ from jobrelay.storage.records import Claim, Fenced, JobRecord, NewJob, job_recor
 from jobrelay.storage.tables import UTCDateTime, job_events, jobs
 
 _FROM_STATE = "claimed_from_state"
+_COMPLETABLE = sources_for(JobState.SUCCEEDED)
+# What a completion sets besides the state (the names ``complete`` passes in ``values``).
+_COMPLETION_VALUES = (
+    "result_key",
+    "result_meta",
+    "lease_owner",
+    "lease_expires_at",
+    "last_error",
+    "progress_done",
+    "progress_total",
+)
 
 
 class HotPathStore(ClaimsStore):
@@ -73,22 +98,57 @@ class HotPathStore(ClaimsStore):
         lease: timedelta,
         detail: dict[str, Any],
     ) -> Any:
+        params = {
+            "hp_job_id": job_id,
+            "hp_job_type": job_type,
+            "hp_worker_id": worker_id,
+            "hp_now": now,
+            "hp_lease": lease,
+            "hp_detail": json.dumps(jsonable({"worker": worker_id, **detail})),
+        }
+        return (await conn.execute(self._statement("claim", self._build_claim), params)).first()
+
+    def _statement(self, name: str, build: Callable[[], Any]) -> Any:
+        """Built once per store: constructing these costs more CPU than running them.
+
+        Their parameters are named ``hp_*``: a parameter named like a column of the UPDATE
+        would be taken as a value to SET.
+
+        Not cached under an injected clock: ``now_sql`` is then a value, fixed when built.
+        """
+        if self._clock is not None:
+            return build()
+        cache: dict[str, Any] = self.__dict__.setdefault("_hot_statements", {})
+        if name not in cache:
+            cache[name] = build()
+        return cache[name]
+
+    def _build_claim(self) -> Any:
         # The row lock first, so the state it left is the one the UPDATE then changes.
         before = (
             select(jobs.c.id, jobs.c.state.label(_FROM_STATE))
-            .where(jobs.c.id == job_id, jobs.c.type == job_type)
+            .where(
+                jobs.c.id == bindparam("hp_job_id", type_=String()),
+                jobs.c.type == bindparam("hp_job_type", type_=String()),
+            )
             .with_for_update()
             .cte("before")
         )
+        values = self.claim_values(
+            bindparam("hp_worker_id", type_=String()),  # type: ignore[arg-type]
+            bindparam("hp_now", type_=UTCDateTime()),  # type: ignore[arg-type]
+            timedelta(0),
+        )
+        values["lease_expires_at"] = self.now_sql() + bindparam("hp_lease", type_=Interval())
         claimed = (
             update(jobs)
             .where(jobs.c.id == before.c.id, *self.claimable())
-            .values(**self.claim_values(worker_id, now, lease))
+            .values(**values)
             .returning(*jobs.c, before.c[_FROM_STATE])
             .cte("claimed")
         )
         event_detail = cast(
-            cast(literal(json.dumps(jsonable({"worker": worker_id, **detail}))), JSONB).op("||")(
+            cast(bindparam("hp_detail", type_=Text()), JSONB).op("||")(
                 func.jsonb_build_object("attempt", claimed.c.attempt)
             ),
             JSON,
@@ -97,11 +157,16 @@ class HotPathStore(ClaimsStore):
             insert(job_events)
             .from_select(
                 ["job_id", "at", "kind", "detail"],
-                select(claimed.c.id, literal(now, UTCDateTime()), literal("claimed"), event_detail),
+                select(
+                    claimed.c.id,
+                    bindparam("hp_now", type_=UTCDateTime()),
+                    literal_column("'claimed'"),
+                    event_detail,
+                ),
             )
             .cte("event")
         )
-        return (await conn.execute(select(claimed).add_cte(event))).first()
+        return select(claimed).add_cte(event)
 
     async def _claim_in_steps(
         self,
@@ -187,29 +252,55 @@ class HotPathStore(ClaimsStore):
         event_detail: dict[str, Any],
     ) -> bool:
         """The guarded running -> succeeded and its ``result_saved`` event; True if it won."""
-        allowed = sorted(s.value for s in sources_for(JobState.SUCCEEDED))
-        done = (
-            update(jobs)
-            .where(jobs.c.id == claim.job_id, jobs.c.state.in_(allowed), *self.fenced(claim))
-            .values(state=JobState.SUCCEEDED.value, updated_at=now, **values)
-        )
         if not self.is_postgres:
+            done = (
+                update(jobs)
+                .where(jobs.c.id == claim.job_id, self.state_in(_COMPLETABLE), *self.fenced(claim))
+                .values(state=JobState.SUCCEEDED.value, updated_at=now, **values)
+            )
             if (await conn.execute(done)).rowcount != 1:
                 return False
             await self.add_event(conn, claim.job_id, "result_saved", now, **event_detail)
             return True
-        won = done.returning(jobs.c.id).cte("done")
+        params = {
+            **{f"hp_{name}": value for name, value in values.items()},
+            "hp_job_id": claim.job_id,
+            "hp_attempt": claim.attempt,
+            "hp_worker_id": claim.worker_id,
+            "hp_now": now,
+            "hp_detail": jsonable(event_detail),
+        }
+        won = await conn.scalar(self._statement("complete", self._build_complete), params)
+        return bool(won == 1)
+
+    def _build_complete(self) -> Any:
+        token = Claim(
+            bindparam("hp_job_id", type_=String()),  # type: ignore[arg-type]
+            bindparam("hp_attempt", type_=Integer()),  # type: ignore[arg-type]
+            bindparam("hp_worker_id", type_=String()),  # type: ignore[arg-type]
+        )
+        done = (
+            update(jobs)
+            .where(jobs.c.id == token.job_id, self.state_in(_COMPLETABLE), *self.fenced(token))
+            .values(
+                state=JobState.SUCCEEDED.value,
+                updated_at=bindparam("hp_now", type_=UTCDateTime()),
+                **{n: bindparam(f"hp_{n}", type_=jobs.c[n].type) for n in _COMPLETION_VALUES},
+            )
+            .returning(jobs.c.id)
+            .cte("done")
+        )
         event = (
             insert(job_events)
             .from_select(
                 ["job_id", "at", "kind", "detail"],
                 select(
-                    won.c.id,
-                    literal(now, UTCDateTime()),
-                    literal("result_saved"),
-                    literal(jsonable(event_detail), JSON),
+                    done.c.id,
+                    bindparam("hp_now", type_=UTCDateTime()),
+                    literal_column("'result_saved'"),
+                    bindparam("hp_detail", type_=JSON()),
                 ),
             )
             .cte("event")
         )
-        return (await conn.scalar(select(func.count()).select_from(won).add_cte(event))) == 1
+        return select(func.count()).select_from(done).add_cte(event)
