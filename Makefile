@@ -32,9 +32,11 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit
 
-## bench: throughput through separate api / relay / worker processes (PostgreSQL + RabbitMQ)
+## bench: throughput through separate api / relay / worker processes (PostgreSQL + RabbitMQ):
+## report.export first, then the no-op job against the peers; ends with the `bench:` line
 bench: $(STAMP)
-	$(BIN)/python bench/pipeline_bench.py $(BENCH_ARGS)
+	$(BIN)/python bench/pipeline_bench.py --job export --skip-peers $(BENCH_ARGS)
+	$(BIN)/python bench/pipeline_bench.py --job noop $(BENCH_ARGS)
 
 ## chaos: the fault proof: N exports under kill -9 and service restarts (PostgreSQL + RabbitMQ)
 chaos: $(STAMP)

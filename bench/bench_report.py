@@ -24,6 +24,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {
         "p50": statistics.median(ordered),
         "p95": cuts[94] if cuts else ordered[0],
+        "p99": cuts[98] if cuts else ordered[0],
         "max": ordered[-1],
     }
 
@@ -131,3 +132,31 @@ def write_json(results: Results, path: Path, elapsed: float, logs: str) -> None:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2, default=str) + "\n")
+
+
+QUEUE_PEERS = ("dramatiq", "celery", "procrastinate")
+
+
+def bench_line(results: Results) -> str:
+    """The one line ``make bench`` ends with: each ratio ours / peer from this same run.
+
+    ``n/a`` where this run did not measure it (a peer skipped, or not built yet).
+    """
+    drain = results.figures.get("worker drain")
+    relay = results.figures.get("relay")
+    e2e = results.figures.get("end to end")
+
+    def ratio(ours: Figure | None, key: str) -> str:
+        peer = results.peers.get(key)
+        return "n/a" if ours is None or peer is None else f"{ours.rate / peer.rate:.2f}"
+
+    latency = e2e.detail["latency_ms"] if e2e is not None else {}
+    fields = {
+        **{f"drain_vs_{name}": ratio(drain, name) for name in QUEUE_PEERS},
+        "relay_vs_raw": ratio(relay, "publish"),
+        "accept_vs_starlette": "n/a",
+        "e2e_p50_ms": f"{latency['p50']:.0f}" if latency else "n/a",
+        "e2e_p99_ms": f"{latency['p99']:.0f}" if latency else "n/a",
+        "embedded_jobs_s": "n/a",
+    }
+    return "bench: " + " ".join(f"{k}={v}" for k, v in fields.items())

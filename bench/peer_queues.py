@@ -96,7 +96,15 @@ def _peer_env() -> dict[str, str]:
     }
 
 
-async def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+async def measure(
+    name: str,
+    jobs: int,
+    processes: int = 2,
+    concurrency: int = 8,
+    *,
+    timeout: float = 120.0,
+    queue_type: str | None = None,
+) -> dict[str, Any]:
     """``run_peer`` on a scratch database (and vhost) made for this one run, then dropped."""
     scratch_name = f"jobrelay_peer_{secrets.token_hex(4)}"
     vhosts = () if name == "procrastinate" else (scratch_name,)
@@ -110,11 +118,11 @@ async def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
             name,
             f"{PG_SERVER}/{scratch_name}",
             f"{AMQP_SERVER}/{scratch_name}",
-            args.jobs,
-            args.processes,
-            args.concurrency,
-            timeout=args.timeout,
-            queue_type=None if name == "procrastinate" else args.queue_type,
+            jobs,
+            processes,
+            concurrency,
+            timeout=timeout,
+            queue_type=None if name == "procrastinate" else queue_type,
         )
     finally:
         for problem in await scratch.destroy():
@@ -125,7 +133,14 @@ async def amain(args: argparse.Namespace) -> int:
     failed = 0
     for name in args.peers:
         try:
-            figures = await measure(name, args)
+            figures = await measure(
+                name,
+                args.jobs,
+                args.processes,
+                args.concurrency,
+                timeout=args.timeout,
+                queue_type=args.queue_type,
+            )
         except BenchFailure as exc:
             print(f"peer_queues: {name}: FAILED: {exc}", file=sys.stderr)
             failed += 1

@@ -58,6 +58,7 @@ from typing import Any
 import bench_cpu
 import bench_peers
 import httpx
+import peer_queues
 from bench_client import Submitted, api_client, submit, wait_ready
 from bench_env import (
     BenchFailure,
@@ -72,8 +73,10 @@ from bench_env import (
 )
 from bench_peers import PeerFigure
 from bench_report import (
+    QUEUE_PEERS,
     Figure,
     Results,
+    bench_line,
     in_ms,
     percentiles,
     print_phase,
@@ -89,6 +92,7 @@ POLL_SECONDS = 0.1
 READY_TIMEOUT = 60.0
 RESULT_SAMPLES = 3
 PEER_RUNS = 3
+DEFAULT_PREFETCH = 8  # JOBRELAY_PREFETCH's default: each worker's concurrency
 
 
 @dataclass(frozen=True)
@@ -479,6 +483,8 @@ class Bench:
             for key, measure in steps:
                 async with self.bounded(f"peer {key}"):
                     runs[key].append(await measure())
+        if self.options.job == "noop":
+            await self.measure_queue_peers()
         for key, figures in runs.items():
             ordered = sorted(figures, key=lambda f: f.rate)
             peer = self.results.peers[key] = ordered[len(ordered) // 2]
@@ -487,6 +493,25 @@ class Bench:
                 round(f.rate, 1) for f in figures
             ]
             say(f"peer  {key:>12}: {peer.rate:8.1f}/s  (median of {rates}; {peer.name})")
+
+    async def measure_queue_peers(self) -> None:
+        """Dramatiq, Celery and Procrastinate draining N no-op jobs with the same budget:
+        our worker processes, each with our prefetch as its concurrency."""
+        concurrency = int(self.options.tuning.get("prefetch", DEFAULT_PREFETCH))
+        for name in QUEUE_PEERS:
+            async with self.bounded(f"peer {name}"):
+                figures = await peer_queues.measure(
+                    name, self.options.jobs, self.options.workers, concurrency
+                )
+            peer = PeerFigure(
+                f"{name} {figures['version']}", int(figures["jobs"]), float(figures["seconds"])
+            )
+            self.results.peers[name] = peer
+            self.results.checks.setdefault("queue_peers", {})[name] = figures
+            say(
+                f"peer  {name:>12}: {peer.rate:8.1f}/s  ({peer.name}, {self.options.workers} "
+                f"processes x {concurrency}; start-up {figures['startup_s']:.2f}s not counted)"
+            )
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -606,6 +631,7 @@ async def amain(options: Options) -> int:
         path = RESULTS / f"pipeline-{stamp}.json"
         write_json(results, path, elapsed, str(bench.log_dir.relative_to(REPO)))
         print_table(results)
+        say(bench_line(results))
         if results.failure is not None:
             print(f"\nbench: FAILED: {results.failure}", file=sys.stderr)
         say(
