@@ -157,6 +157,6 @@ def bench_line(results: Results) -> str:
         "accept_vs_starlette": "n/a",
         "e2e_p50_ms": f"{latency['p50']:.0f}" if latency else "n/a",
         "e2e_p99_ms": f"{latency['p99']:.0f}" if latency else "n/a",
-        "embedded_jobs_s": "n/a",
+        "embedded_jobs_s": str(results.checks.get("embedded_jobs_s", "n/a")),
     }
     return "bench: " + " ".join(f"{k}={v}" for k, v in fields.items())

@@ -84,6 +84,7 @@ from bench_report import (
     say,
     write_json,
 )
+from embedded_bench import embedded_drain
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench-results"
@@ -485,6 +486,12 @@ class Bench:
                     runs[key].append(await measure())
         if self.options.job == "noop":
             await self.measure_queue_peers()
+            async with self.bounded("embedded"):
+                rate = await embedded_drain(
+                    self.options.jobs, self.env, self.log_dir, self.options.phase_timeout
+                )
+            self.results.checks["embedded_jobs_s"] = round(rate, 1)
+            say(f"embedded    jobrelay up: {rate:8.1f}/s  (bench.noop, SQLite + local transport)")
         for key, figures in runs.items():
             ordered = sorted(figures, key=lambda f: f.rate)
             peer = self.results.peers[key] = ordered[len(ordered) // 2]

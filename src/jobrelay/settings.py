@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     # A claimed job's lease; the heartbeat renews it every third of this.
     lease_seconds: float = Field(default=30.0, gt=0)
     prefetch: int = Field(default=8, ge=1, le=1000)
+    # PostgreSQL: claims and completions of concurrent deliveries share one statement each.
+    batching: bool = True
     # Crash-loop backstop on the work queue (RabbitMQ x-delivery-limit; local transport too).
     delivery_limit: int = Field(default=5, ge=1)
     confirm_timeout: float = Field(default=10.0, gt=0)

@@ -32,12 +32,14 @@ from jobrelay.errors import OperationError, PermanentError, StoreError
 from jobrelay.operations.base import OperationContext, Registry
 from jobrelay.results.staging import StagingResults
 from jobrelay.roles.runtime import Runtime
-from jobrelay.storage.store import Claim, Fenced, JobRecord, NewJob
+from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, NewJob
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
 
 Settle = Callable[[Delivery, str, Action, int], Awaitable[None]]
+# A completion with nothing to publish and no follow-ups, sent with others (see batching).
+Complete = Callable[[CompleteRequest], Awaitable[bool]]
 
 
 class AttemptRun:
@@ -52,6 +54,7 @@ class AttemptRun:
         *,
         settle: Settle,
         wait_for_database: Callable[[], Awaitable[None]],
+        complete: Complete | None = None,
     ) -> None:
         self.rt = rt
         self.registry = registry
@@ -59,6 +62,7 @@ class AttemptRun:
         self.lease = lease
         self._settle = settle
         self._wait_for_database = wait_for_database
+        self._complete = complete
 
     async def run(self, delivery: Delivery, job: JobRecord, claim: Claim) -> None:
         """Run the operation under the claim, then commit its outcome and settle."""
@@ -202,10 +206,16 @@ class AttemptRun:
         store = self.rt.store
         now = self.rt.clock()
         if isinstance(observation, ResultSaved):
+            meta = {**result.meta, "attempt": claim.attempt}
+            if self._complete is not None and not results.staged and not result.follow_ups:
+                request = CompleteRequest(claim, observation.result_key, meta)
+                return (
+                    Fenced(True) if await self._complete(request) else await self._current(job.id)
+                )
             return await store.complete(
                 claim,
                 observation.result_key,
-                {**result.meta, "attempt": claim.attempt},
+                meta,
                 now,
                 follow_ups=tuple[NewJob, ...](result.follow_ups),
                 publish=results.publish if results.staged else None,

@@ -46,9 +46,10 @@ from jobrelay.errors import ConfigError, StoreError
 from jobrelay.observe import logs
 from jobrelay.operations.base import Registry
 from jobrelay.roles.attempt import AttemptRun
+from jobrelay.roles.batching import Batcher
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.timeline import TimelineWriter
-from jobrelay.storage.store import Claim, JobRecord
+from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest, JobRecord
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
@@ -59,6 +60,10 @@ _MAX_DECISION_ROUNDS = 3
 _PROBE_BACKOFF_MAX = 8.0  # seconds between database probes while it is unreachable
 # A deferred copy of a job whose type or version no worker here knows carries its count.
 DEFERS_HEADER = "x-jobrelay-defers"
+
+
+# A claim that won: the claim, the job as claimed, and the state it was claimed from.
+Claimed = tuple[Claim, JobRecord, JobState] | None
 
 
 def _log_abandoned(task: asyncio.Task[None]) -> None:
@@ -106,6 +111,12 @@ class Worker:
         self._database_up.set()
         self._probe: asyncio.Task[None] | None = None
         self.timeline = TimelineWriter(rt.store)
+        # PostgreSQL: the claims and completions of concurrent deliveries share a statement.
+        self._claims: Batcher[ClaimRequest, Claimed] | None = None
+        self._completions: Batcher[CompleteRequest, bool] | None = None
+        if rt.settings.batching and rt.store.is_postgres:
+            self._claims = Batcher(self._claim_many, key=lambda r: r.job_id)
+            self._completions = Batcher(self._complete_many, key=lambda r: r.claim.job_id)
 
     # --- the consume loop -------------------------------------------------------------------
 
@@ -301,9 +312,13 @@ class Worker:
             return
         logs.bind(jobId=message.job_id)
         # The happy path first: a claim guarded on exactly "ready to run" needs no read.
-        claimed = await self.rt.store.claim_delivered(
-            message.job_id, message.type, self.worker_id, self.rt.clock(), self.lease, **meta
-        )
+        if self._claims is not None:
+            request = ClaimRequest(message.job_id, message.type, self.worker_id, meta)
+            claimed = await self._claims.submit(request)
+        else:
+            claimed = await self.rt.store.claim_delivered(
+                message.job_id, message.type, self.worker_id, self.rt.clock(), self.lease, **meta
+            )
         if claimed is not None:
             await self._run(delivery, *claimed)
             return
@@ -389,8 +404,16 @@ class Worker:
             self.lease,
             settle=self._settle,
             wait_for_database=self._wait_for_database,
+            complete=self._completions.submit if self._completions is not None else None,
         )
         await run.run(delivery, job, claim)
+
+    async def _claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claimed]:
+        return await self.rt.store.claim_many(requests, self.rt.clock(), self.lease)
+
+    async def _complete_many(self, requests: Sequence[CompleteRequest]) -> list[bool]:
+        won = await self.rt.store.complete_many(requests, self.rt.clock())
+        return [r.claim.job_id in won for r in requests]
 
     # --- settling ---------------------------------------------------------------------------
 

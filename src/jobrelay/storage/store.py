@@ -1,15 +1,15 @@
 """The job store: every query jobrelay runs against its own tables, each a named method.
 
 One class for callers, assembled from one module per concept (``jobs``, ``claims`` and
-its ``hot_path``,
+its ``hot_path`` and ``batches``,
 ``outbox``, ``events``, ``tokens``) over ``base`` (the engine, the one clock
 and the SQL they share). The records it reads and writes are in ``records``.
 """
 
 from __future__ import annotations
 
+from jobrelay.storage.batches import BatchStore, ClaimRequest, CompleteRequest
 from jobrelay.storage.events import EventsStore
-from jobrelay.storage.hot_path import HotPathStore
 from jobrelay.storage.jobs import JobsStore
 from jobrelay.storage.outbox import OutboxStore
 from jobrelay.storage.records import (
@@ -30,7 +30,7 @@ from jobrelay.storage.records import (
 from jobrelay.storage.tokens import TokensStore
 
 
-class Store(JobsStore, HotPathStore, OutboxStore, EventsStore, TokensStore):
+class Store(JobsStore, BatchStore, OutboxStore, EventsStore, TokensStore):
     """All of the store; see the modules it is made of."""
 
 
@@ -38,6 +38,8 @@ __all__ = [
     "NOTIFY_CHANNEL",
     "WORK_DESTINATION",
     "Claim",
+    "ClaimRequest",
+    "CompleteRequest",
     "EventRecord",
     "Fenced",
     "JobRecord",

@@ -1,0 +1,71 @@
+"""The embedded default's throughput: ``bench.noop`` end to end in one ``jobrelay up``.
+
+SQLite + the local transport, no services: what a user who runs ``jobrelay up`` gets. N jobs
+are enqueued the way an application would, in ONE transaction of its own on the same SQLite
+file (``noop.enqueue_sync``), while ``jobrelay up`` (API, relay and worker in one process) is
+running; timed from that commit until all N are ``succeeded`` (so it includes the relay
+noticing a commit made by another process: its poll, ``JOBRELAY_RELAY_POLL_SECONDS``).
+Nothing here is asserted about speed: it fails only if the jobs do not all succeed in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_app import noop
+from bench_env import BenchFailure, RoleProcess, free_port, run_command
+from sqlalchemy import create_engine
+
+READY_TIMEOUT = 60.0
+POLL_SECONDS = 0.05
+
+
+def _succeeded(path: Path) -> tuple[int, int]:
+    with sqlite3.connect(path) as db:
+        rows = dict(db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall())
+    return int(rows.get("succeeded", 0)), int(rows.get("quarantined", 0))
+
+
+async def embedded_drain(n: int, env: dict[str, str], log_dir: Path, timeout: float) -> float:
+    """Jobs per second through one ``jobrelay up`` on a fresh SQLite file."""
+    with tempfile.TemporaryDirectory(prefix="jobrelay-embedded-") as scratch:
+        database = Path(scratch) / "jobrelay.db"
+        env = {
+            **{k: v for k, v in env.items() if not k.startswith("JOBRELAY_")},
+            "JOBRELAY_DATABASE_URL": f"sqlite:///{database}",
+            "JOBRELAY_BROKER_URL": "local",
+            "JOBRELAY_RESULTS_URL": f"file://{scratch}/results",
+            "JOBRELAY_APP": "bench_app:app",
+        }
+        await run_command(
+            [sys.executable, "-m", "jobrelay", "db", "upgrade"], env=env, log=log_dir / "setup.log"
+        )
+        up = RoleProcess.spawn(
+            "embedded", ["up", "--port", str(free_port())], env, log_dir, profile=False
+        )
+        try:
+            await up.wait_for_event("worker_started", READY_TIMEOUT)
+            engine = create_engine(f"sqlite:///{database}", connect_args={"timeout": 30})
+            with engine.begin() as conn:
+                for i in range(n):
+                    noop.enqueue_sync(conn, {"n": i})
+            engine.dispose()
+            started = time.perf_counter()
+            deadline = started + timeout
+            while True:
+                up.check_alive()
+                done, quarantined = _succeeded(database)
+                if quarantined:
+                    raise BenchFailure(f"embedded: {quarantined} jobs quarantined")
+                if done == n:
+                    return n / (time.perf_counter() - started)
+                if time.perf_counter() > deadline:
+                    raise BenchFailure(f"embedded: {done}/{n} succeeded within {timeout:g}s")
+                await asyncio.sleep(POLL_SECONDS)
+        finally:
+            await up.stop()

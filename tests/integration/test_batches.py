@@ -1,0 +1,101 @@
+"""Batched claims and completions on PostgreSQL: each job in a batch wins or loses alone.
+
+The worker sends the claims (and completions) of concurrent deliveries as one statement
+(``storage/batches.py``); these check that statement's guards row by row, the same guards
+the one-job path has (``test_claims.py`` runs the worker through both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from jobrelay.domain.states import JobState
+from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest
+from tests.integration.test_claims import (
+    ROWS,
+    clock_of,
+    events_of,
+    job_state,
+    runtime_for,
+    seed,
+    submit,
+)
+
+LEASE = timedelta(seconds=30)
+
+
+@pytest.fixture
+async def pg(pg_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
+    runtime = runtime_for(pg_url, tmp_path)
+    await seed(runtime.engine, ROWS)
+    yield runtime
+    await runtime.engine.dispose()
+
+
+def ask(job_id: str, worker: str = "w-1", job_type: str = "report.export") -> ClaimRequest:
+    return ClaimRequest(job_id, job_type, worker, {"redelivered": False})
+
+
+async def test_a_batch_claims_the_ready_jobs_and_leaves_the_rest_to_the_policy(
+    pg: Runtime,
+) -> None:
+    ready = await submit(pg, period="2020-01")
+    leased = await submit(pg, period="2020-02")
+    finished = await submit(pg, period="2020-03")
+    wrong_type = await submit(pg, period="2020-04")
+    now = pg.clock()
+    first = await pg.store.claim_many([ask(leased, "w-other"), ask(finished)], now, LEASE)
+    assert all(r is not None for r in first)
+    claim = first[1]
+    assert claim is not None
+    done = await pg.store.complete_many([CompleteRequest(claim[0], "k", {"rows": 3})], now)
+    assert done == {finished}
+
+    results = await pg.store.claim_many(
+        [ask(ready), ask(leased), ask(finished), ask(wrong_type, job_type="notify.email")],
+        now,
+        LEASE,
+    )
+    assert results[1:] == [None, None, None]  # a live lease, finished, another type
+    assert results[0] is not None
+    claim_ready, job, claimed_from = results[0]
+    assert (claim_ready.attempt, job.state, claimed_from) == (1, JobState.RUNNING, JobState.QUEUED)
+    assert await job_state(pg, leased) == (JobState.RUNNING, 1)  # untouched
+    assert [e["attempt"] for e in await events_of(pg, ready, "claimed")] == [1]
+    assert [e["worker"] for e in await events_of(pg, leased, "claimed")] == ["w-other"]
+
+
+async def test_an_expired_lease_is_claimed_again_by_the_store_clock(pg: Runtime) -> None:
+    job_id = await submit(pg)
+    [won] = await pg.store.claim_many([ask(job_id, "w-dead")], pg.clock(), LEASE)
+    assert won is not None
+    [early] = await pg.store.claim_many([ask(job_id)], pg.clock(), LEASE)
+    assert early is None
+    clock_of(pg).advance(LEASE.total_seconds() + 1)
+    [late] = await pg.store.claim_many([ask(job_id)], pg.clock(), LEASE)
+    assert late is not None and late[0].attempt == 2 and late[2] is JobState.RUNNING
+
+
+async def test_a_batch_completion_is_fenced_per_job(pg: Runtime) -> None:
+    a, b = await submit(pg, period="2020-01"), await submit(pg, period="2020-02")
+    claims = await pg.store.claim_many([ask(a), ask(b)], pg.clock(), LEASE)
+    assert all(c is not None for c in claims)
+    claim_a, claim_b = (c[0] for c in claims if c is not None)
+    stale_b = Claim(b, claim_b.attempt - 1, claim_b.worker_id)  # an attempt that lost
+    won = await pg.store.complete_many(
+        [CompleteRequest(claim_a, "ka", {"rows": 1}), CompleteRequest(stale_b, "kb", {})],
+        pg.clock(),
+    )
+    assert won == {a}
+    assert await job_state(pg, a) == (JobState.SUCCEEDED, 1)
+    assert await job_state(pg, b) == (JobState.RUNNING, 1)
+    assert await events_of(pg, b, "result_saved") == []
+    saved = await events_of(pg, a, "result_saved")
+    assert [(e["resultKey"], e["rows"], e["worker"]) for e in saved] == [("ka", 1, "w-1")]
+    job = await pg.store.get_job(a)
+    assert job is not None and (job.result_key, job.progress_done) == ("ka", 1)
