@@ -7,6 +7,7 @@ the one-job path has (``test_claims.py`` runs the worker through both).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -99,3 +100,26 @@ async def test_a_batch_completion_is_fenced_per_job(pg: Runtime) -> None:
     assert [(e["resultKey"], e["rows"], e["worker"]) for e in saved] == [("ka", 1, "w-1")]
     job = await pg.store.get_job(a)
     assert job is not None and (job.result_key, job.progress_done) == ("ka", 1)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batch", "one"])
+async def test_a_claim_does_not_wait_for_an_open_event_insert_of_the_same_job(
+    pg: Runtime, batched: bool
+) -> None:
+    # A relay marking a row published inserts its ``published`` event, whose foreign key
+    # takes a key-share lock on the job. A claim that locked the job FOR UPDATE waited for
+    # that transaction, and with the relay waiting on another job the worker held, the two
+    # deadlocked (seen in the benchmark). FOR NO KEY UPDATE does not conflict with it.
+    job_id = await submit(pg)
+    async with pg.engine.connect() as other:
+        transaction = await other.begin()
+        await pg.store.add_event(other, job_id, "published", pg.clock())
+        async with asyncio.timeout(10):
+            if batched:
+                [claimed] = await pg.store.claim_many([ask(job_id)], pg.clock(), LEASE)
+            else:
+                claimed = await pg.store.claim_delivered(
+                    job_id, "report.export", "w-1", pg.clock(), LEASE
+                )
+        await transaction.rollback()
+    assert claimed is not None and claimed[0].attempt == 1

@@ -5,6 +5,10 @@ statement per batch size, so the prepared statement is the same for 1 and for 10
 Each job in a batch wins or loses on its own: a lost claim goes to the read-and-decide path,
 a lost completion reads what holds the job now. PostgreSQL only; SQLite keeps ``hot_path``.
 
+Rows are locked in id order (``ORDER BY id FOR NO KEY UPDATE``): two batches never wait on
+each other in a cycle, and the key-share locks of event and outbox inserts (their foreign
+keys) never conflict with them (a plain ``FOR UPDATE`` would, and deadlocked the relay).
+
 A batch is one commit: nothing of it is acked before it returns, and a crash after the commit
 but before the acks leaves redeliveries that find the jobs finished and are acked as
 duplicates — commit-before-ack per job, batched.
@@ -62,7 +66,7 @@ before AS (
     SELECT j.id, j.state AS from_state, req.worker, req.detail
     FROM jobs j JOIN req ON j.id = req.id AND j.type = req.type
     ORDER BY j.id
-    FOR UPDATE OF j
+    FOR NO KEY UPDATE OF j
 ),
 claimed AS (
     UPDATE jobs SET
@@ -113,13 +117,16 @@ WITH req AS (
                          CAST(:b_details AS text[]))
         AS r(id, attempt, worker, result_key, meta, rows, detail)
 ),
+locked AS (
+    SELECT j.id FROM jobs j JOIN req ON j.id = req.id ORDER BY j.id FOR NO KEY UPDATE OF j
+),
 done AS (
     UPDATE jobs SET
         state = '{JobState.SUCCEEDED.value}', updated_at = :b_now,
         result_key = req.result_key, result_meta = CAST(req.meta AS json),
         lease_owner = NULL, lease_expires_at = NULL, last_error = NULL,
         progress_done = req.rows, progress_total = req.rows
-    FROM req
+    FROM req JOIN locked ON locked.id = req.id
     WHERE jobs.id = req.id AND jobs.state = '{_RUNNING}'
       AND jobs.attempt = req.attempt AND jobs.lease_owner = req.worker
     RETURNING jobs.id, req.detail

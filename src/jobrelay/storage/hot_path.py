@@ -131,7 +131,7 @@ class HotPathStore(ClaimsStore):
                 jobs.c.id == bindparam("hp_job_id", type_=String()),
                 jobs.c.type == bindparam("hp_job_type", type_=String()),
             )
-            .with_for_update()
+            .with_for_update(key_share=True)  # FOR NO KEY UPDATE: FK inserts pass
             .cte("before")
         )
         values = self.claim_values(
