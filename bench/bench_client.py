@@ -95,3 +95,37 @@ async def submit(
     if len(set(job_ids)) != n:
         raise BenchFailure(f"{key_prefix}: {n} POSTs returned {len(set(job_ids))} distinct jobIds")
     return Submitted(job_ids, seconds, latencies)
+
+
+async def submit_at_rate(
+    client: httpx.AsyncClient, n: int, rate: float, key_prefix: str, job: str = "export"
+) -> Submitted:
+    """N POSTs sent on a fixed schedule (request i at i / ``rate`` seconds), not as fast as
+    possible: latency measured under a load the system can carry, not in a burn-down."""
+    job_ids = [""] * n
+    latencies: list[float] = []
+    failures: list[str] = []
+    started = time.perf_counter()
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(max(0.0, started + i / rate - time.perf_counter()))
+        path, body, headers = request_for(job, i, f"{key_prefix}-{i}")
+        sent = time.perf_counter()
+        try:
+            response = await client.post(path, json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            failures.append(f"request {i}: {exc!r}")
+            return
+        latencies.append(time.perf_counter() - sent)
+        if response.status_code != 202:
+            failures.append(f"request {i}: {response.status_code} {response.text[:300]}")
+            return
+        job_ids[i] = str(response.json()["jobId"])
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    if failures:
+        raise BenchFailure(
+            f"{key_prefix}: {len(failures)} of {n} POSTs were not 202; first: "
+            + "; ".join(failures[:3])
+        )
+    return Submitted(job_ids, time.perf_counter() - started, latencies)

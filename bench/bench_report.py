@@ -140,11 +140,14 @@ QUEUE_PEERS = ("dramatiq", "celery", "procrastinate")
 def bench_line(results: Results) -> str:
     """The one line ``make bench`` ends with: each ratio ours / peer from this same run.
 
+    The latencies are the fixed-rate phase's (half the end-to-end maximum), as the target
+    asks, falling back to the burn-down's if that phase did not run.
+
     ``n/a`` where this run did not measure it (a peer skipped, or not built yet).
     """
     drain = results.figures.get("worker drain")
     relay = results.figures.get("relay")
-    e2e = results.figures.get("end to end")
+    e2e = results.figures.get("fixed rate") or results.figures.get("end to end")
 
     def ratio(ours: Figure | None, key: str) -> str:
         peer = results.peers.get(key)

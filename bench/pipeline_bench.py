@@ -59,7 +59,7 @@ import bench_cpu
 import bench_peers
 import httpx
 import peer_queues
-from bench_client import Submitted, api_client, submit, wait_ready
+from bench_client import Submitted, api_client, submit, submit_at_rate, wait_ready
 from bench_env import (
     BenchFailure,
     CountedConnection,
@@ -93,6 +93,7 @@ POLL_SECONDS = 0.1
 READY_TIMEOUT = 60.0
 RESULT_SAMPLES = 3
 PEER_RUNS = 3
+FIXED_RATE_SECONDS = 10.0  # how long the fixed-rate phase sends
 DEFAULT_PREFETCH = 8  # JOBRELAY_PREFETCH's default: each worker's concurrency
 
 
@@ -203,6 +204,7 @@ class Bench:
             await self.phase_relay()
             await self.phase_drain()
             await self.phase_end_to_end()
+            await self.phase_fixed_rate()
             await self.check_results()
         await self.stop_processes()
         await self.check_leftovers()
@@ -358,6 +360,43 @@ class Bench:
             f"p95 {latency['p95'] * 1000:.0f} ms; accepting at {accepting:.0f}/s meanwhile",
         )
 
+    async def phase_fixed_rate(self) -> None:
+        """Latency at half the end-to-end maximum: a steady load, not a burn-down."""
+        e2e = self.results.figures["end to end"]
+        rate = e2e.rate / 2
+        n = max(1, min(self.options.jobs, int(rate * FIXED_RATE_SECONDS)))
+        total = 2 * self.options.jobs + n
+        assert self.client is not None
+        async with self.bounded("fixed rate"), self.cpu() as cpu:
+            started = time.time()
+            submitted = await submit_at_rate(
+                self.client, n, rate, f"bench-{self.sandbox.run_id}-rate", self.options.job
+            )
+            done = await self.poll(lambda: self.all_succeeded(total))
+        latency = await self.latencies(submitted.job_ids)
+        detail = {"rate": round(rate, 1), "latency_ms": in_ms(latency), "cpu_cores": cpu}
+        self.record(
+            "fixed rate",
+            Figure(n, done - started, detail),
+            f"{n} jobs sent at {rate:.0f}/s (half the end-to-end maximum); accept→succeeded "
+            f"p50 {latency['p50'] * 1000:.0f} ms, p99 {latency['p99'] * 1000:.0f} ms",
+        )
+
+    async def latencies(self, job_ids: list[str]) -> dict[str, float]:
+        """Percentiles of accept (the job row's created_at) → its result_saved event."""
+        assert self.db is not None
+        rows = await self.db.fetch(
+            "SELECT EXTRACT(EPOCH FROM min(e.at) - j.created_at) AS seconds"
+            " FROM jobs j JOIN job_events e ON e.job_id = j.id AND e.kind = 'result_saved'"
+            " WHERE j.id = ANY($1::text[]) GROUP BY j.id, j.created_at",
+            job_ids,
+        )
+        if len(rows) != len(job_ids):
+            raise BenchFailure(
+                f"{len(job_ids)} jobs succeeded but {len(rows)} have a result_saved event"
+            )
+        return percentiles([float(r["seconds"]) for r in rows])
+
     # --- checks -------------------------------------------------------------------------
 
     async def check_results(self) -> None:
@@ -377,7 +416,7 @@ class Bench:
             "jobs_attempted_twice": retried,
             "outbox_rows": outbox_rows,
         }
-        total = 2 * self.options.jobs
+        total = int(await self.scalar("SELECT count(*) FROM jobs"))  # every phase's jobs
         findings = self.results.findings
         if twice:
             findings.append(f"{twice} jobs have more than one result_saved event")
@@ -446,17 +485,17 @@ class Bench:
         assert self.db is not None
         row = await self.db.fetchrow("SELECT id, job_id, body, headers FROM outbox LIMIT 1")
         self.peer_sample = dict(row)
+        jobs = int(await self.scalar("SELECT count(*) FROM jobs"))
         own = self.db.statements + 1  # and the close
         await self.db.close()
         self.db = None
         after = await self.sandbox.database_activity()
         delta = {key: after[key] - self.db_baseline.get(key, 0) for key in after}
         delta["xact_commit"] -= own
-        jobs = 2 * self.options.jobs
         per_job = {key: round(value / jobs, 2) for key, value in delta.items()}
         self.results.checks["database_per_job"] = per_job | {"benchmark_statements": own}
         say(
-            f"bench: PostgreSQL work per job (api + relay + worker, both halves): "
+            f"bench: PostgreSQL work per job (api + relay + worker, every phase): "
             f"{per_job['xact_commit'] + per_job['xact_rollback']:.1f} transactions "
             f"({per_job['xact_commit']:.1f} committed, {per_job['xact_rollback']:.1f} rolled "
             f"back), {per_job['tup_inserted']:.1f} rows inserted, "
