@@ -110,6 +110,18 @@ class Options:
     job: str = "export"  # what every phase runs: report.export, or bench.noop
 
 
+def peak_rss_mib(pid: int) -> float | None:
+    """The process's peak resident set (``VmHWM``), from ``/proc``; None once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
 def parse_args(argv: list[str] | None) -> Options:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--jobs", type=int, default=1000, help="jobs per phase (default 1000)")
@@ -444,6 +456,12 @@ class Bench:
 
     async def stop_processes(self) -> None:
         """API first (stop accepting), then the relay, then the workers drain."""
+        peaks = {p.name: peak_rss_mib(p.popen.pid) for p in self.procs}
+        self.results.checks["peak_rss_mib"] = peaks
+        say(
+            "bench: peak RSS (MiB): "
+            + ", ".join(f"{name} {mib:.0f}" for name, mib in peaks.items() if mib is not None)
+        )
         for proc in self.procs:
             code = await proc.stop()
             if code != 0:
