@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from jobrelay.roles.batching import Batcher
+from jobrelay.batching import Batcher
 
 
 class Recorder:

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from jobrelay.batching import Batcher
 from jobrelay.domain.messages import JobMessage, MessageDecodeError, decode
 from jobrelay.domain.policy import (
     Action,
@@ -46,7 +47,6 @@ from jobrelay.errors import ConfigError, StoreError
 from jobrelay.observe import logs
 from jobrelay.operations.base import Registry
 from jobrelay.roles.attempt import AttemptRun
-from jobrelay.roles.batching import Batcher
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest, JobRecord

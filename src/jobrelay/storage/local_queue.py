@@ -68,24 +68,16 @@ async def check_table(conn: AsyncConnection) -> None:
     await conn.execute(select(lm.c.id).limit(1))
 
 
-async def insert_message(
-    conn: AsyncConnection,
-    *,
-    queue: str,
-    body: str,
-    headers: Mapping[str, Any],
-    available_at: datetime,
-    now: datetime,
+async def insert_messages(
+    conn: AsyncConnection, rows: Sequence[Mapping[str, Any]], now: datetime
 ) -> None:
+    """Queue many messages (each: queue, body, headers, available_at) in one statement."""
     await conn.execute(
-        insert(lm).values(
-            queue=queue,
-            body=body,
-            headers=dict(headers),
-            available_at=available_at,
-            delivery_count=0,
-            created_at=now,
-        )
+        insert(lm),
+        [
+            {**row, "headers": dict(row["headers"]), "delivery_count": 0, "created_at": now}
+            for row in rows
+        ],
     )
 
 
@@ -255,7 +247,7 @@ __all__ = [
     "count_queue",
     "count_ready",
     "delete_claimed",
-    "insert_message",
+    "insert_messages",
     "quarantine_claimed",
     "reading",
     "release_claims",

@@ -30,13 +30,15 @@ import os
 import socket
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobrelay.batching import Batcher
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.storage import local_queue as q
 from jobrelay.transport.base import Delivery, OutgoingMessage
@@ -177,6 +179,7 @@ class LocalTransport:
         self._renewer: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._closed = False
+        self._publishes: Batcher[dict[str, Any], None] = Batcher(self._insert_many, key=id)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -220,21 +223,35 @@ class LocalTransport:
             body = message.body.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise PublishError("the local transport stores text: body is not UTF-8") from exc
-        now = self._clock()
+        row = {
+            "queue": work_routing_key(queue),  # a tier's row waits in its work queue
+            "body": body,
+            "headers": message.headers,
+            "delay": delay,
+        }
         try:
-            async with q.writing(self._engine) as conn:
-                await q.insert_message(
-                    conn,
-                    queue=work_routing_key(queue),  # a tier's row waits in its work queue
-                    body=body,
-                    headers=message.headers,
-                    available_at=now + timedelta(seconds=delay),
-                    now=now,
-                )
+            # Concurrent publishes (a relay's batch) share one transaction: the "confirm"
+            # each of them awaits is that commit.
+            await self._publishes.submit(row)
         except _DB_ERRORS as exc:
             # We cannot tell whether the commit happened; the relay will simply publish again.
             raise PublishError(f"database write failed: {_short(exc)}", unknown=True) from exc
         _DOORBELLS.ring(self._bell)
+
+    async def _insert_many(self, rows: Sequence[dict[str, Any]]) -> list[None]:
+        now = self._clock()
+        inserts = [
+            {
+                "queue": r["queue"],
+                "body": r["body"],
+                "headers": r["headers"],
+                "available_at": now + timedelta(seconds=r["delay"]),
+            }
+            for r in rows
+        ]
+        async with q.writing(self._engine) as conn:
+            await q.insert_messages(conn, inserts, now)
+        return [None] * len(rows)
 
     async def quarantine_depth(self) -> int:
         try:
