@@ -17,6 +17,13 @@ from jobrelay.storage.engine import check_reachable, create_engine, upgrade_asyn
 
 log = logging.getLogger("jobrelay")
 
+# How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals httpx's
+# and many clients' own idle expiry (5 s), so a client could send a request on a connection
+# just as the server closed it: the request is lost and the client sees a reset (the
+# benchmark's ReadError). The server must outlast every client's and proxy's idle timeout
+# (AWS ALB 60 s, nginx upstream keepalive_timeout 60 s), never race it.
+KEEP_ALIVE_SECONDS = 75
+
 
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: our handler drains relay and worker first."""
@@ -31,7 +38,13 @@ def build_server(rt: Runtime, host: str, port: int) -> _Server:
 
     app = create_app(rt.settings, runtime=rt)
     config = uvicorn.Config(
-        app, host=host, port=port, log_config=None, access_log=False, lifespan="on"
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
     return _Server(config)
 
