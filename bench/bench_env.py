@@ -262,11 +262,18 @@ class RoleProcess:
         cls, name: str, args: list[str], env: dict[str, str], log_dir: Path, *, profile: bool
     ) -> RoleProcess:
         """Start ``python -m jobrelay ARGS``; under cProfile (to ``NAME.prof``) if asked."""
-        log_path = log_dir / f"{name}.log"
         profiler = ["-m", "cProfile", "-o", str(log_dir / f"{name}.prof")] if profile else []
+        return cls.spawn_command(name, [*profiler, "-m", "jobrelay", *args], env, log_dir)
+
+    @classmethod
+    def spawn_command(
+        cls, name: str, args: list[str], env: dict[str, str], log_dir: Path
+    ) -> RoleProcess:
+        """Start ``python ARGS`` (a peer's server, say), logging to ``NAME.log``."""
+        log_path = log_dir / f"{name}.log"
         with log_path.open("ab") as log:
             popen = subprocess.Popen(
-                [sys.executable, *profiler, "-m", "jobrelay", *args],
+                [sys.executable, *args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

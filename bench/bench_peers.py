@@ -3,6 +3,9 @@
 Each peer does the one thing a jobrelay phase cannot avoid, on the same services, with the
 same payload, so ``ours / peer`` reads as "the share of the floor we reach":
 
+- ``starlette_accept``: a bare Starlette + asyncpg endpoint (``starlette_peer.py``) doing
+  the accept phase's exact transaction and token check, under the same uvicorn process
+  count, driven by the same client at the same concurrency (the accept phase's peer).
 - ``db_transactions``: a jobs-like row plus an outbox-like row inserted in ONE transaction
   (the accept path's unavoidable write), 8 connections, prepared statements, no HTTP.
 - ``broker_publish``: persistent messages into a durable quorum queue with publisher
@@ -20,10 +23,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 import aio_pika
 import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
+from bench_client import api_client, submit, wait_ready
+from bench_env import BENCH_DIR, RoleProcess, free_port
 
 PEER_QUEUE = "bench.peer"
 
@@ -95,6 +101,34 @@ async def db_transactions(dsn: str, n: int, body: str, connections: int = 8) -> 
         for conn in conns:
             await conn.close()
     return PeerFigure("asyncpg job+outbox tx, 8 conns", n, seconds)
+
+
+async def starlette_accept(
+    dsn: str,
+    token: str,
+    n: int,
+    concurrency: int,
+    key_prefix: str,
+    env: dict[str, str],
+    log_dir: Path,
+    processes: int = 1,
+) -> PeerFigure:
+    """N ``POST /v1/jobs`` of ``bench.noop`` to the bare Starlette peer, as the accept phase
+    sends them to jobrelay; timed from the first POST (start-up not counted)."""
+    port = free_port()
+    script = str(BENCH_DIR / "starlette_peer.py")
+    peer_env = env | {"STARLETTE_PEER_DSN": dsn}
+    peer = RoleProcess.spawn_command(
+        "starlette-peer", [script, str(port), str(processes)], peer_env, log_dir
+    )
+    try:
+        async with api_client(port, token, concurrency) as client:
+            await wait_ready(client, peer, 60.0)
+            submitted = await submit(client, n, concurrency, key_prefix, "noop")
+    finally:
+        await peer.stop()
+    label = "process" if processes == 1 else "processes"
+    return PeerFigure(f"Starlette + asyncpg, {processes} {label}", n, submitted.seconds)
 
 
 async def broker_publish(

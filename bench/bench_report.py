@@ -10,8 +10,11 @@ from typing import Any
 
 from bench_peers import PeerFigure
 
-# Which peer is the floor under which phase (the end-to-end phase has none).
-PEER_OF = {"accept": "db", "relay": "publish", "worker drain": "consume"}
+# Which peer is the floor under which phase (the end-to-end phase has none). The accept
+# phase is compared with the bare Starlette endpoint; the raw ``db`` transaction is reported
+# beside it (and is the accept phase's peer when Starlette was not run: ``--job export``).
+PEER_OF = {"accept": "starlette", "relay": "publish", "worker drain": "consume"}
+FALLBACK_PEER_OF = {"accept": "db"}
 
 
 def say(text: str = "") -> None:
@@ -58,7 +61,12 @@ class Results:
 
     def rows(self) -> list[tuple[str, float, PeerFigure | None]]:
         return [
-            (phase, figure.rate, self.peers.get(PEER_OF.get(phase, "")))
+            (
+                phase,
+                figure.rate,
+                self.peers.get(PEER_OF.get(phase, ""))
+                or self.peers.get(FALLBACK_PEER_OF.get(phase, "")),
+            )
             for phase, figure in self.figures.items()
         ]
 
@@ -145,6 +153,7 @@ def bench_line(results: Results) -> str:
 
     ``n/a`` where this run did not measure it (a peer skipped, or not built yet).
     """
+    accept = results.figures.get("accept")
     drain = results.figures.get("worker drain")
     relay = results.figures.get("relay")
     e2e = results.figures.get("fixed rate") or results.figures.get("end to end")
@@ -157,7 +166,7 @@ def bench_line(results: Results) -> str:
     fields = {
         **{f"drain_vs_{name}": ratio(drain, name) for name in QUEUE_PEERS},
         "relay_vs_raw": ratio(relay, "publish"),
-        "accept_vs_starlette": "n/a",
+        "accept_vs_starlette": ratio(accept, "starlette"),
         "e2e_p50_ms": f"{latency['p50']:.0f}" if latency else "n/a",
         "e2e_p99_ms": f"{latency['p99']:.0f}" if latency else "n/a",
         "embedded_jobs_s": str(results.checks.get("embedded_jobs_s", "n/a")),

@@ -21,8 +21,11 @@ ROLES`` runs those roles under cProfile for diagnosis (slower; not comparable fi
 
 Why those peers: each is the floor under one phase, done with the raw library on the same
 services with the same payload, so ``ours / peer`` says how much of the floor we reach.
-The accept path must commit a job row and an outbox row in one transaction (raw asyncpg, 8
-connections); the relay must publish persistent messages with confirms to a quorum queue
+The accept phase's peer is a bare Starlette + asyncpg endpoint (``starlette_peer.py``, with
+``--job noop``) doing the same token check and the same job + outbox + event + NOTIFY
+transaction under the same uvicorn process count and client; below it, the accept path must
+commit a job row and an outbox row in one transaction (raw asyncpg, 8 connections, reported
+as ``db``); the relay must publish persistent messages with confirms to a quorum queue
 (raw aio-pika, 500 in flight); a worker must at least consume and ack (raw aio-pika,
 prefetch 200). What jobrelay adds above each floor (HTTP, auth, the ``accepted`` event and
 NOTIFY; the claim and mark transactions; the claim, export, commit and event writes per
@@ -45,6 +48,7 @@ import asyncio
 import contextlib
 import csv
 import io
+import itertools
 import json
 import signal
 import sys
@@ -530,7 +534,18 @@ class Bench:
         }
         n, dsn, amqp = self.options.jobs, self.sandbox.database_url, self.sandbox.peer_broker_url
         await bench_peers.create_peer_tables(dsn)
+        starlette_runs = itertools.count(1)
+
+        def starlette() -> Awaitable[PeerFigure]:
+            prefix = f"peer-{self.sandbox.run_id}-starlette-{next(starlette_runs)}"
+            return bench_peers.starlette_accept(
+                dsn, self.token, n, self.options.concurrency, prefix, self.env, self.log_dir
+            )
+
+        # The accept phase's peer takes the same requests, so only when we sent bench.noop.
+        accept_peer = [("starlette", starlette)] if self.options.job == "noop" else []
         steps: list[tuple[str, Callable[[], Awaitable[PeerFigure]]]] = [
+            *accept_peer,
             ("db", lambda: bench_peers.db_transactions(dsn, n, body)),
             ("publish", lambda: bench_peers.broker_publish(amqp, n, body.encode(), headers)),
             ("consume", lambda: bench_peers.broker_consume(amqp, n)),
