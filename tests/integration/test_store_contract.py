@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
+import asyncpg
 import pytest
 
 from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import IdempotencyConflict
 from jobrelay.storage.engine import create_engine
-from jobrelay.storage.store import NewJob, OutboxRow, Store
+from jobrelay.storage.store import NOTIFY_CHANNEL, NewJob, OutboxRow, Store
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -90,6 +92,30 @@ async def test_same_key_other_body_conflicts_and_changes_nothing(store: Store) -
     with pytest.raises(IdempotencyConflict):
         await store.submit(new_job({"accountId": "acme", "period": "2020-06"}, key="k1"), T0)
     assert await store.outbox_backlog() == 1
+
+
+async def test_concurrent_submits_of_one_job_create_it_once(store: Store) -> None:
+    results = await asyncio.gather(*(store.submit(new_job(key="k2"), T0) for _ in range(8)))
+    assert {job_id for job_id, _ in results} == {new_job(key="k2").job_id}
+    assert sum(created for _, created in results) == 1
+    assert await store.outbox_backlog() == 1
+
+
+async def test_submit_notifies_listening_relays_once_per_new_job(store: Store) -> None:
+    if not store.is_postgres:
+        pytest.skip("NOTIFY is PostgreSQL's")
+    heard: list[str] = []
+    listener = await asyncpg.connect(
+        store.engine.url.set(drivername="postgresql").render_as_string(False)
+    )
+    try:
+        await listener.add_listener(NOTIFY_CHANNEL, lambda *args: heard.append(args[2]))
+        await store.submit(new_job(), T0)
+        await store.submit(new_job(), T0)  # the same request again: nothing written
+        await asyncio.sleep(0.2)
+    finally:
+        await listener.close()
+    assert heard == [NOTIFY_CHANNEL]
 
 
 async def test_outbox_claim_is_exclusive_until_it_expires(store: Store) -> None:

@@ -7,16 +7,30 @@ asynchronous SQLAlchemy connection (asyncpg, aiosqlite) or a synchronous one (ps
 sqlite3). Nothing here commits, begins, or opens a connection: a rollback of the caller's
 transaction leaves no trace, and on PostgreSQL the relay's wake-up (``pg_notify``) is
 delivered only at the caller's commit.
+
+On PostgreSQL the four writes are ONE statement (a data-modifying CTE, built once with bound
+parameters), so it is all or nothing even in autocommit mode: the API sends it alone, one
+round trip per accepted job. SQLite gets the same writes as four statements.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Executable, insert, select, text
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import (
+    JSON,
+    Connection,
+    Executable,
+    Integer,
+    String,
+    bindparam,
+    insert,
+    select,
+    text,
+)
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobrelay.domain.messages import JobMessage
@@ -26,7 +40,53 @@ from jobrelay.storage.records import NOTIFY_CHANNEL, NewJob, work_destination
 from jobrelay.storage.tables import job_events, jobs, outbox
 
 T = TypeVar("T")
-Steps = Generator[Executable, Any, T]
+# One statement and its parameters (None: the values are in the statement).
+Step = tuple[Executable, Mapping[str, Any] | None]
+Steps = Generator[Step, Any, T]
+
+# PostgreSQL: job, outbox row, ``accepted`` event and NOTIFY in one statement. The sibling
+# INSERTs see ``nj_job`` (empty when the id exists: nothing else is written then); the outer
+# SELECT reads the table as it was before the statement, so ``existing_hash`` is the hash of
+# a job that was already there. NOTIFY is a scalar subquery of the outer SELECT, which is
+# what makes it run. Parameters are ``nj_*``, never a column's name; those in a SELECT list
+# are cast, as a driver binding them untyped (psycopg) would otherwise send text.
+_PG_NEW_JOB = text(
+    """WITH nj_job AS (
+    INSERT INTO jobs (id, type, account_id, params, idempotency_key, request_hash, state,
+                      attempt, max_attempts, queue, created_at, updated_at)
+    VALUES (:nj_id, :nj_type, :nj_account, :nj_params, :nj_key, :nj_hash, :nj_state,
+            0, :nj_max_attempts, :nj_queue, :nj_now, :nj_now)
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id
+), nj_outbox AS (
+    INSERT INTO outbox (job_id, destination, body, headers, created_at)
+    SELECT id, CAST(:nj_destination AS varchar), CAST(:nj_body AS text),
+           CAST(:nj_headers AS json), CAST(:nj_now AS timestamptz) FROM nj_job
+), nj_event AS (
+    INSERT INTO job_events (job_id, at, kind, detail)
+    SELECT id, CAST(:nj_now AS timestamptz), 'accepted', CAST(:nj_detail AS json) FROM nj_job
+)
+SELECT (SELECT id FROM nj_job) AS inserted,
+       (SELECT count(*) FROM (SELECT pg_notify(:nj_channel, '') FROM nj_job) AS n) AS notified,
+       (SELECT request_hash FROM jobs WHERE id = :nj_id) AS existing_hash"""
+).bindparams(
+    bindparam("nj_id", type_=String()),
+    bindparam("nj_type", type_=String()),
+    bindparam("nj_account", type_=String()),
+    bindparam("nj_params", type_=jobs.c.params.type),
+    bindparam("nj_key", type_=String()),
+    bindparam("nj_hash", type_=String()),
+    bindparam("nj_state", type_=String()),
+    bindparam("nj_max_attempts", type_=Integer()),
+    bindparam("nj_queue", type_=String()),
+    bindparam("nj_now", type_=jobs.c.created_at.type),
+    bindparam("nj_destination", type_=String()),
+    bindparam("nj_body", type_=String()),
+    bindparam("nj_headers", type_=JSON()),
+    bindparam("nj_detail", type_=JSON()),
+    bindparam("nj_channel", type_=String()),
+)
+_EXISTING_HASH = select(jobs.c.request_hash).where(jobs.c.id == bindparam("nj_id", type_=String()))
 
 
 def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, bool]]:
@@ -38,9 +98,43 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     """
     if dialect not in ("postgresql", "sqlite"):
         raise ConfigError("connection", f"jobrelay supports PostgreSQL and SQLite, not {dialect}")
-    upsert = postgresql.insert(jobs) if dialect == "postgresql" else sqlite.insert(jobs)
-    inserted = (
-        yield upsert.values(
+    body = JobMessage(job_id=job.job_id, type=job.type).encode().decode()
+    destination = job.destination or work_destination(job.queue)
+    if dialect == "postgresql":
+        row = (
+            yield (
+                _PG_NEW_JOB,
+                {
+                    "nj_id": job.job_id,
+                    "nj_type": job.type,
+                    "nj_account": job.account_id,
+                    "nj_params": job.params,
+                    "nj_key": job.idempotency_key,
+                    "nj_hash": job.request_hash,
+                    "nj_state": JobState.QUEUED.value,
+                    "nj_max_attempts": job.max_attempts,
+                    "nj_queue": job.queue,
+                    "nj_now": now,
+                    "nj_destination": destination,
+                    "nj_body": body,
+                    "nj_headers": dict(job.headers or {}),
+                    "nj_detail": {"type": job.type},
+                    # Delivered at commit, to listening relays only: a hint, never the only path.
+                    "nj_channel": NOTIFY_CHANNEL,
+                },
+            )
+        ).one()
+        if row.inserted is not None:
+            return job.job_id, True
+        existing = row.existing_hash
+        if existing is None:
+            # The id was inserted by a transaction that committed after this statement began
+            # (ON CONFLICT waited for it): read it again, with a snapshot that sees it.
+            existing = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).scalar_one()
+        return _same_request(job, existing)
+    inserted = yield (
+        sqlite.insert(jobs)
+        .values(
             id=job.job_id,
             type=job.type,
             account_id=job.account_id,
@@ -55,39 +149,47 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
             updated_at=now,
         )
         .on_conflict_do_nothing(index_elements=[jobs.c.id])
-        .returning(jobs.c.id)
+        .returning(jobs.c.id),
+        None,
     )
     # RETURNING, not rowcount: psycopg reports -1 for an INSERT … ON CONFLICT here.
     if inserted.first() is None:
-        existing = (yield select(jobs.c.request_hash).where(jobs.c.id == job.job_id)).scalar_one()
-        if existing != job.request_hash:
-            raise IdempotencyConflict(
-                "this Idempotency-Key was already used with a different request body"
-            )
-        return job.job_id, False
-    body = JobMessage(job_id=job.job_id, type=job.type).encode().decode()
-    yield insert(outbox).values(
-        job_id=job.job_id,
-        destination=job.destination or work_destination(job.queue),
-        body=body,
-        headers=dict(job.headers or {}),
-        created_at=now,
+        existing = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).scalar_one()
+        return _same_request(job, existing)
+    yield (
+        insert(outbox).values(
+            job_id=job.job_id,
+            destination=destination,
+            body=body,
+            headers=dict(job.headers or {}),
+            created_at=now,
+        ),
+        None,
     )
-    if dialect == "postgresql":
-        # Delivered at commit, to listening relays only: a hint, never the only path.
-        yield text("SELECT pg_notify(:c, '')").bindparams(c=NOTIFY_CHANNEL)
-    yield insert(job_events).values(
-        job_id=job.job_id, at=now, kind="accepted", detail={"type": job.type}
+    yield (
+        insert(job_events).values(
+            job_id=job.job_id, at=now, kind="accepted", detail={"type": job.type}
+        ),
+        None,
     )
     return job.job_id, True
+
+
+def _same_request(job: NewJob, existing_hash: str) -> tuple[str, bool]:
+    """An existing job under this id: the same request again, or a reused key."""
+    if existing_hash != job.request_hash:
+        raise IdempotencyConflict(
+            "this Idempotency-Key was already used with a different request body"
+        )
+    return job.job_id, False
 
 
 async def run_async(conn: AsyncConnection, steps: Steps[T]) -> T:
     """Run ``steps`` on an asynchronous connection, inside whatever transaction it has."""
     try:
-        statement = next(steps)
+        statement, params = next(steps)
         while True:
-            statement = steps.send(await conn.execute(statement))
+            statement, params = steps.send(await conn.execute(statement, params))
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
 
@@ -95,8 +197,8 @@ async def run_async(conn: AsyncConnection, steps: Steps[T]) -> T:
 def run_sync(conn: Connection, steps: Steps[T]) -> T:
     """Run ``steps`` on a synchronous connection, inside whatever transaction it has."""
     try:
-        statement = next(steps)
+        statement, params = next(steps)
         while True:
-            statement = steps.send(conn.execute(statement))
+            statement, params = steps.send(conn.execute(statement, params))
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
