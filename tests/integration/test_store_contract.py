@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
+from sqlalchemy import delete
 
 from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import IdempotencyConflict
+from jobrelay.storage import tokens
 from jobrelay.storage.engine import create_engine
-from jobrelay.storage.store import NOTIFY_CHANNEL, NewJob, OutboxRow, Store
+from jobrelay.storage.store import NOTIFY_CHANNEL, NewJob, OutboxRow, Store, TokenRecord
+from jobrelay.storage.tables import api_tokens
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -116,6 +120,20 @@ async def test_submit_notifies_listening_relays_once_per_new_job(store: Store) -
     finally:
         await listener.close()
     assert heard == [NOTIFY_CHANNEL]
+
+
+async def test_a_token_found_is_remembered_briefly_and_an_unknown_one_never(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert await store.find_token("h1") is None
+    await store.add_token("h1", "acme", False, T0)
+    assert await store.find_token("h1") == TokenRecord("acme", False)  # at once
+    async with store.writing() as conn:
+        await conn.execute(delete(api_tokens))
+    assert await store.find_token("h1") == TokenRecord("acme", False)  # remembered
+    later = time.monotonic() + tokens.TOKEN_CACHE_SECONDS + 1
+    monkeypatch.setattr(tokens, "_monotonic", lambda: later)
+    assert await store.find_token("h1") is None
 
 
 async def test_outbox_claim_is_exclusive_until_it_expires(store: Store) -> None:

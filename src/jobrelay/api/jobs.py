@@ -27,6 +27,7 @@ from jobrelay.api.problems import (
 from jobrelay.api.routes import MAX_BODY_BYTES, read_body
 from jobrelay.api.schemas import IDEMPOTENCY_KEY_PATTERN, Accepted, WireModel
 from jobrelay.errors import IdempotencyConflict, InvalidParams
+from jobrelay.storage.engine import statement_tx
 
 log = logging.getLogger("jobrelay.api")
 
@@ -74,7 +75,9 @@ async def create_job(
     if definition is None or not definition.http:
         raise ProblemError(404, f"no job type {body.type!r} is exposed over HTTP")
     try:
-        async with runtime.engine.begin() as conn:
+        # One statement on PostgreSQL (see storage/enqueue.py), so no BEGIN and no COMMIT:
+        # it commits by itself, before the 202. Driver errors are a 503 (StoreError).
+        async with statement_tx(runtime.engine, "database") as conn:
             job_id = await definition.enqueue(
                 conn, body.params, key=body.key, account=principal.account_id
             )

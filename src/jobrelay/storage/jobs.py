@@ -11,6 +11,7 @@ from sqlalchemy import (
 
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
+from jobrelay.storage.engine import statement_tx
 from jobrelay.storage.enqueue import new_job_steps, run_async
 from jobrelay.storage.records import (
     JobRecord,
@@ -27,9 +28,10 @@ class JobsStore(StoreBase):
         """Insert the job, its outbox row and its ``accepted`` event in ONE transaction.
 
         Returns ``(job_id, created)``. A repeat of the same request returns the existing id
-        and writes nothing; the same idempotency key with another body raises.
+        and writes nothing; the same idempotency key with another body raises. On PostgreSQL
+        the writes are one statement, sent in autocommit mode: one round trip.
         """
-        async with self.writing() as conn:
+        async with statement_tx(self.engine, "database") as conn:
             job_id, created = await run_async(
                 conn, new_job_steps(self.engine.dialect.name, job, now)
             )
