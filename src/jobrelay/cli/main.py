@@ -87,8 +87,14 @@ def with_settings(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``main(stop)``; SIGTERM/SIGINT set ``stop`` so it can drain, a second one aborts."""
+def run_until_signalled(
+    main: Callable[[asyncio.Event], Awaitable[None]], *, fast_loop: bool = False
+) -> None:
+    """Run ``main(stop)``; SIGTERM/SIGINT set ``stop`` so it can drain, a second one aborts.
+
+    ``fast_loop``: on uvloop when it is installed (the API, where the loop's socket work is
+    a large share of each request), else on asyncio's own loop.
+    """
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -103,7 +109,17 @@ def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> Non
             loop.add_signal_handler(sig, on_signal)
         await main(stop)
 
-    asyncio.run(runner())
+    with asyncio.Runner(loop_factory=_fast_loop_factory() if fast_loop else None) as loop_runner:
+        loop_runner.run(runner())
+
+
+def _fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def run(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -124,7 +140,7 @@ def api_cmd(
     from jobrelay.roles.processes import serve_api
 
     logs.configure("api", settings.log_level)
-    run_until_signalled(lambda stop: serve_api(settings, host, port, stop))
+    run_until_signalled(lambda stop: serve_api(settings, host, port, stop), fast_loop=True)
 
 
 MetricsPort = Annotated[
