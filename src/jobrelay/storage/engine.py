@@ -43,7 +43,10 @@ def create_engine(database_url: str) -> AsyncEngine:
     url = async_url(database_url)
     if url.get_backend_name() == "sqlite":
         return _sqlite_engine(url)
-    return create_async_engine(url, pool_size=10, max_overflow=10)
+    # Up to 20 connections, all kept once opened: with 10 kept and 10 "overflow" ones, an API
+    # under 32 concurrent requests closed and reopened connections all the time (a backend
+    # fork and a handshake each; 7% of the API's CPU in a profile).
+    return create_async_engine(url, pool_size=20, max_overflow=0)
 
 
 def _sqlite_engine(url: URL) -> AsyncEngine:
