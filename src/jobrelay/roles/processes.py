@@ -65,7 +65,22 @@ async def serve_until(server: _Server, stop: asyncio.Event) -> None:
 
 async def serve_api(settings: Settings, host: str, port: int, stop: asyncio.Event) -> None:
     async with open_runtime(settings) as rt:
+        await open_pool(rt)
         await serve_until(build_server(rt, host, port), stop)
+
+
+async def open_pool(rt: Runtime) -> None:
+    """Open the PostgreSQL pool's connections before the first request rather than during
+    the first burst, where each one waits for a backend to start (the slowest answers).
+    Best effort: a connection that fails now is opened later, on demand, as before."""
+    size = getattr(rt.engine.pool, "size", None)
+    if rt.engine.dialect.name != "postgresql" or size is None:
+        return
+    async with contextlib.AsyncExitStack() as opened:
+        await asyncio.gather(
+            *(opened.enter_async_context(rt.engine.connect()) for _ in range(size())),
+            return_exceptions=True,
+        )
 
 
 @dataclass(frozen=True)
