@@ -93,6 +93,12 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(process_name: str, level: str = "INFO") -> None:
+    # Our lines never show the caller's file and line, thread or process: do not look them up
+    # for every record (the logging HOWTO's "Optimization"; a busy API logs per request).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(process_name))
     root = logging.getLogger()
