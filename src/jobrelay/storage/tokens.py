@@ -27,7 +27,7 @@ from jobrelay.storage.tables import (
     api_tokens,
 )
 
-TOKEN_CACHE_SECONDS = 10.0
+TOKEN_CACHE_SECONDS = 5.0
 _TOKEN_CACHE_SIZE = 10_000  # beyond that, start again (a flood of distinct tokens is rare)
 _monotonic = time.monotonic  # the cache's clock (tests move it)
 
