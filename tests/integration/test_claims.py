@@ -30,8 +30,9 @@ from jobrelay.errors import StoreError
 from jobrelay.exports.ledger import ledger_entries
 from jobrelay.exports.seed import seed
 from jobrelay.observe.faults import Faults
+from jobrelay.roles.delivery import DEFERS_HEADER
 from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.worker import DEFERS_HEADER, Worker
+from jobrelay.roles.worker import Worker
 from jobrelay.storage.store import NewJob, Store
 from jobrelay.storage.tables import jobs, outbox
 from jobrelay.transport.base import Delivery

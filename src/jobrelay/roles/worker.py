@@ -18,6 +18,9 @@ database outage is not the message's fault, so nothing is released towards its d
 limit. It resumes by itself when the database answers again.
 
 The worker publishes nothing itself: retries and deferrals are outbox rows the relay sends.
+
+This module is the consume loop (a consumer per queue, the prefetch slots, the drain on
+SIGTERM, the outage pause); what one delivery means is ``roles.delivery``.
 """
 
 from __future__ import annotations
@@ -25,45 +28,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import socket
 import uuid
 from collections.abc import Sequence
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import timedelta
 
-from jobrelay.batching import Batcher
-from jobrelay.domain.messages import JobMessage, MessageDecodeError, decode
-from jobrelay.domain.policy import (
-    Action,
-    Decision,
-    InvalidPayload,
-    decide,
-    observe_delivery,
-)
-from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError, StoreError
-from jobrelay.observe import logs
 from jobrelay.operations.base import Registry
-from jobrelay.roles.attempt import AttemptRun
+from jobrelay.roles.delivery import DeliveryHandler
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.timeline import TimelineWriter
-from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest, JobRecord
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
 
-# A claim can lose a race (another worker, a retry not yet due); re-read and decide again a
-# few times, then defer rather than drop.
-_MAX_DECISION_ROUNDS = 3
 _PROBE_BACKOFF_MAX = 8.0  # seconds between database probes while it is unreachable
-# A deferred copy of a job whose type or version no worker here knows carries its count.
-DEFERS_HEADER = "x-jobrelay-defers"
-
-
-# A claim that won: the claim, the job as claimed, and the state it was claimed from.
-Claimed = tuple[Claim, JobRecord, JobState] | None
 
 
 def _log_abandoned(task: asyncio.Task[None]) -> None:
@@ -111,12 +91,14 @@ class Worker:
         self._database_up.set()
         self._probe: asyncio.Task[None] | None = None
         self.timeline = TimelineWriter(rt.store)
-        # PostgreSQL: the claims and completions of concurrent deliveries share a statement.
-        self._claims: Batcher[ClaimRequest, Claimed] | None = None
-        self._completions: Batcher[CompleteRequest, bool] | None = None
-        if rt.settings.batching and rt.store.is_postgres:
-            self._claims = Batcher(self._claim_many, key=lambda r: r.job_id)
-            self._completions = Batcher(self._complete_many, key=lambda r: r.claim.job_id)
+        self.deliveries = DeliveryHandler(
+            rt,
+            registry,
+            self.worker_id,
+            self.lease,
+            timeline=self.timeline,
+            wait_for_database=self._wait_for_database,
+        )
 
     # --- the consume loop -------------------------------------------------------------------
 
@@ -290,231 +272,6 @@ class Worker:
         self._database_up.set()
         log.info("database reachable again: consuming resumed", extra={"event": "consumer_resumed"})
 
-    # --- one delivery -----------------------------------------------------------------------
-
     async def handle(self, delivery: Delivery) -> None:
-        """Handle one delivery; its log lines carry the trace id from its ``traceparent``."""
-        self.rt.metrics.deliveries.inc()
-        if delivery.redelivered:
-            self.rt.metrics.redeliveries.inc()
-        with logs.bound(traceId=logs.trace_id(delivery.headers.get("traceparent"))):
-            await self._handle(delivery)
-
-    async def _handle(self, delivery: Delivery) -> None:
-        meta = {"redelivered": delivery.redelivered, "deliveryCount": delivery.delivery_count}
-        try:
-            message = decode(delivery.body, self.registry.types)
-        except MessageDecodeError as exc:
-            if exc.unknown and exc.job_id is not None:
-                await self._unknown(delivery, exc.reason, exc.job_id, meta)
-            else:
-                await self._invalid(delivery, exc.reason, exc.job_id, meta)
-            return
-        logs.bind(jobId=message.job_id)
-        # The happy path first: a claim guarded on exactly "ready to run" needs no read.
-        if self._claims is not None:
-            request = ClaimRequest(message.job_id, message.type, self.worker_id, meta)
-            claimed = await self._claims.submit(request)
-        else:
-            claimed = await self.rt.store.claim_delivered(
-                message.job_id, message.type, self.worker_id, self.rt.clock(), self.lease, **meta
-            )
-        if claimed is not None:
-            await self._run(delivery, *claimed)
-            return
-        for _ in range(_MAX_DECISION_ROUNDS):
-            job = await self.rt.store.get_job(message.job_id)
-            if job is None:
-                await self._invalid(delivery, "unknown job", None, meta)
-                return
-            if job.type != message.type:
-                await self._invalid(
-                    delivery, f"type {message.type} != job type {job.type}", job.id, meta
-                )
-                return
-            decision = decide(observe_delivery(job.view(), self._seen_at(job)))
-            if await self._act(delivery, message, job, decision, meta):
-                return
-        await self._defer(
-            delivery, message.job_id, message.encode(), "claim kept losing races", None
-        )
-
-    def _seen_at(self, job: JobRecord) -> datetime:
-        """The store's clock when the row was read: leases and due times are judged by it."""
-        return job.observed_at or self.rt.clock()
-
-    async def _act(
-        self,
-        delivery: Delivery,
-        message: JobMessage,
-        job: JobRecord,
-        decision: Decision,
-        meta: dict[str, Any],
-    ) -> bool:
-        """Carry out a delivery-time decision; False when a guard lost and we must re-read."""
-        now = self.rt.clock()
-        match decision.action:
-            case Action.ACK:
-                await self.rt.store.record_event(
-                    job.id, decision.event, now, reason=decision.reason, **meta
-                )
-                if decision.event == "duplicate_acked":
-                    self.rt.metrics.duplicates_acked.inc()
-                await self._settle(delivery, job.id, Action.ACK, job.attempt)
-                return True
-            case Action.DEFER:
-                reason = decision.reason or "deferred"
-                await self._defer(delivery, job.id, message.encode(), reason, job)
-                return True
-            case Action.REJECT:
-                if decision.new_state is not None:
-                    # Guarded on exactly what the policy saw (state, attempt, lease): a lease
-                    # renewed meanwhile, or a new claim, makes this lose and we look again.
-                    quarantined = await self.rt.store.quarantine(
-                        job.id, decision.reason or "", now, seen=job.view(), **meta
-                    )
-                    if not quarantined:
-                        return False
-                    self.rt.metrics.quarantined(job.state.value, decision.reason or "")
-                else:
-                    await self.rt.store.record_event(
-                        job.id, decision.event, now, reason=decision.reason, **meta
-                    )
-                await self._settle(delivery, job.id, Action.REJECT, job.attempt)
-                return True
-            case Action.RUN:
-                claim = await self.rt.store.claim_job(
-                    job.id, self.worker_id, now, self.lease, seen=job.view(), **meta
-                )
-                if claim is None:
-                    return False
-                await self._run(delivery, claim, job, job.state)
-                return True
-        raise AssertionError(decision)  # pragma: no cover
-
-    async def _run(
-        self, delivery: Delivery, claim: Claim, job: JobRecord, claimed_from: JobState
-    ) -> None:
-        self.rt.metrics.transition(claimed_from.value, JobState.RUNNING.value)
-        logs.bind(attempt=claim.attempt)
-        run = AttemptRun(
-            self.rt,
-            self.registry,
-            self.worker_id,
-            self.lease,
-            settle=self._settle,
-            wait_for_database=self._wait_for_database,
-            complete=self._completions.submit if self._completions is not None else None,
-        )
-        await run.run(delivery, job, claim)
-
-    async def _claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claimed]:
-        return await self.rt.store.claim_many(requests, self.rt.clock(), self.lease)
-
-    async def _complete_many(self, requests: Sequence[CompleteRequest]) -> list[bool]:
-        won = await self.rt.store.complete_many(requests, self.rt.clock())
-        return [r.claim.job_id in won for r in requests]
-
-    # --- settling ---------------------------------------------------------------------------
-
-    async def _settle(self, delivery: Delivery, job_id: str, action: Action, attempt: int) -> None:
-        """Ack or reject AFTER the outcome is committed, then record whether the broker took it.
-
-        ``settle_lost``: the channel the delivery came on had closed, so the broker requeues
-        the message and its redelivery is handled as a duplicate of the committed outcome.
-        """
-        self.rt.faults.hit("worker.before_ack")
-        if action is Action.REJECT:
-            taken = await delivery.reject()
-            kind = "rejected"
-        else:
-            taken = await delivery.ack()
-            kind = "ack_sent"
-        detail: dict[str, Any] = {"attempt": attempt}
-        if not taken:
-            detail["action"] = kind
-            kind = "settle_lost"
-        log.info(kind, extra={"event": kind, "jobId": job_id, "attempt": attempt})
-        await self.timeline.record(job_id, kind, self.rt.clock(), **detail)
-
-    async def _defer(
-        self,
-        delivery: Delivery,
-        job_id: str,
-        body: bytes,
-        reason: str,
-        job: JobRecord | None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        delay = self._defer_delay(job)
-        await self.rt.store.defer(job_id, body, delay, reason, self.rt.clock(), headers=headers)
-        await self._settle(delivery, job_id, Action.ACK, job.attempt if job else 0)
-
-    def _defer_delay(self, job: JobRecord | None) -> int:
-        """The shortest retry tier that outlasts the other worker's lease, else the longest."""
-        tiers = self.rt.topology.tiers
-        if job is None or job.lease_expires_at is None:
-            return tiers[0]
-        remaining = math.ceil((job.lease_expires_at - self._seen_at(job)).total_seconds())
-        return next((t for t in tiers if t >= remaining), tiers[-1])
-
-    async def _unknown(
-        self, delivery: Delivery, reason: str, job_id: str, meta: dict[str, Any]
-    ) -> None:
-        """A type or version this worker does not know, for an existing job: defer it.
-
-        During a rolling deploy only the newer workers know it; quarantining here would
-        punish the job for our age. Each deferral carries its count; past the delivery limit
-        the job is quarantined saying no worker knew it.
-        """
-        job = await self.rt.store.get_job(job_id)
-        if job is None:
-            await self._invalid(delivery, f"{reason} (and no such job)", None, meta)
-            return
-        if job.state.is_terminal:
-            decision = decide(observe_delivery(job.view(), self._seen_at(job)))
-            message = JobMessage(job.id, job.type)
-            await self._act(delivery, message, job, decision, meta)
-            return
-        defers = str(delivery.headers.get(DEFERS_HEADER, "0"))
-        count = int(defers) if defers.isdigit() else 0
-        limit = self.rt.settings.delivery_limit
-        if count >= limit:
-            await self._invalid(
-                delivery, f"{reason}: no worker knew it after {count} deferrals", job_id, meta
-            )
-            return
-        await self._defer(
-            delivery,
-            job_id,
-            delivery.body,
-            f"{reason} (not known to this worker; deferral {count + 1}/{limit})",
-            None,
-            headers={DEFERS_HEADER: str(count + 1)},
-        )
-
-    async def _invalid(
-        self, delivery: Delivery, reason: str, job_id: str | None, meta: dict[str, Any]
-    ) -> None:
-        job = await self.rt.store.get_job(job_id) if job_id else None
-        decision = decide(InvalidPayload(reason, job.state if job else None))
-        now = self.rt.clock()
-        if job is not None:
-            if decision.new_state is not None:
-                # Guarded on the job as read: a good copy that claimed it since wins.
-                if await self.rt.store.quarantine(
-                    job.id, decision.reason or reason, now, seen=job.view(), **meta
-                ):
-                    self.rt.metrics.quarantined(job.state.value, decision.reason or reason)
-            else:
-                await self.rt.store.record_event(job.id, decision.event, now, reason=reason, **meta)
-        log.warning(
-            "invalid message rejected: %s",
-            reason,
-            extra={"event": "invalid_message", "jobId": job_id, "reason": reason},
-        )
-        if job is not None:
-            await self._settle(delivery, job.id, Action.REJECT, job.attempt)
-        else:
-            self.rt.faults.hit("worker.before_ack")
-            await delivery.reject()
+        """Handle one delivery (see ``roles.delivery``); the consume loop calls this."""
+        await self.deliveries.handle(delivery)
