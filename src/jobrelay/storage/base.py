@@ -43,6 +43,7 @@ from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.effects import EffectsLedger
 from jobrelay.storage.engine import read_tx, write_tx
+from jobrelay.storage.enqueue import queued_job_row
 from jobrelay.storage.records import (
     NOTIFY_CHANNEL,
     Clock,
@@ -177,20 +178,7 @@ class StoreBase:
         """Insert a queued job unless its id exists; True when this call created it."""
         inserted = await conn.execute(
             self.upsert(jobs)
-            .values(
-                id=job.job_id,
-                type=job.type,
-                account_id=job.account_id,
-                params=job.params,
-                idempotency_key=job.idempotency_key,
-                request_hash=job.request_hash,
-                state=JobState.QUEUED.value,
-                attempt=0,
-                max_attempts=job.max_attempts,
-                queue=job.queue,
-                created_at=now,
-                updated_at=now,
-            )
+            .values(**queued_job_row(job, now))
             .on_conflict_do_nothing(index_elements=[jobs.c.id])
         )
         return bool(inserted.rowcount == 1)

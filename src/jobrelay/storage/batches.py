@@ -27,7 +27,7 @@ from sqlalchemy import ARRAY, Column, Integer, Interval, String, Text, bindparam
 from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState
 from jobrelay.storage.engine import statement_tx
-from jobrelay.storage.hot_path import HotPathStore
+from jobrelay.storage.hot_path import HotPathStore, claimed_detail, result_saved_detail
 from jobrelay.storage.records import Claim, JobRecord, job_record, jsonable
 from jobrelay.storage.tables import UTCDateTime, jobs
 
@@ -158,9 +158,7 @@ class BatchStore(HotPathStore):
             "b_ids": [r.job_id for r in requests],
             "b_types": [r.job_type for r in requests],
             "b_workers": [r.worker_id for r in requests],
-            "b_details": [
-                json.dumps(jsonable({"worker": r.worker_id, **r.detail})) for r in requests
-            ],
+            "b_details": [json.dumps(claimed_detail(r.worker_id, r.detail)) for r in requests],
             "b_now": now,
             "b_lease": lease,
             "b_slack": RETRY_SLACK,
@@ -192,11 +190,7 @@ class BatchStore(HotPathStore):
             "b_metas": [json.dumps(jsonable(r.result_meta)) for r in requests],
             "b_rows": [_rows(r.result_meta) for r in requests],
             "b_details": [
-                json.dumps(
-                    jsonable(
-                        {"resultKey": r.result_key, "worker": r.claim.worker_id, **r.result_meta}
-                    )
-                )
+                json.dumps(jsonable(result_saved_detail(r.claim, r.result_key, r.result_meta)))
                 for r in requests
             ],
             "b_now": now,

@@ -89,6 +89,24 @@ SELECT (SELECT id FROM nj_job) AS inserted,
 _EXISTING_HASH = select(jobs.c.request_hash).where(jobs.c.id == bindparam("nj_id", type_=String()))
 
 
+def queued_job_row(job: NewJob, now: datetime) -> dict[str, Any]:
+    """The ``jobs`` row of a job just accepted (also a follow-up's, written by ``claims``)."""
+    return {
+        "id": job.job_id,
+        "type": job.type,
+        "account_id": job.account_id,
+        "params": job.params,
+        "idempotency_key": job.idempotency_key,
+        "request_hash": job.request_hash,
+        "state": JobState.QUEUED.value,
+        "attempt": 0,
+        "max_attempts": job.max_attempts,
+        "queue": job.queue,
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
 def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, bool]]:
     """Insert the job unless its id exists; then its outbox row and ``accepted`` event.
 
@@ -134,20 +152,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
         return _same_request(job, existing)
     inserted = yield (
         sqlite.insert(jobs)
-        .values(
-            id=job.job_id,
-            type=job.type,
-            account_id=job.account_id,
-            params=job.params,
-            idempotency_key=job.idempotency_key,
-            request_hash=job.request_hash,
-            state=JobState.QUEUED.value,
-            attempt=0,
-            max_attempts=job.max_attempts,
-            queue=job.queue,
-            created_at=now,
-            updated_at=now,
-        )
+        .values(**queued_job_row(job, now))
         .on_conflict_do_nothing(index_elements=[jobs.c.id])
         .returning(jobs.c.id),
         None,

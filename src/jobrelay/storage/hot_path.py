@@ -58,6 +58,17 @@ _COMPLETION_VALUES = (
 )
 
 
+def claimed_detail(worker_id: str, detail: dict[str, Any]) -> dict[str, Any]:
+    """A ``claimed`` event's detail before the attempt (which the statement adds)."""
+    return jsonable({"worker": worker_id, **detail})
+
+
+def result_saved_detail(
+    claim: Claim, result_key: str | None, result_meta: dict[str, Any]
+) -> dict[str, Any]:
+    return {"resultKey": result_key, "worker": claim.worker_id, **result_meta}
+
+
 class HotPathStore(ClaimsStore):
     async def claim_delivered(
         self,
@@ -104,7 +115,7 @@ class HotPathStore(ClaimsStore):
             "hp_worker_id": worker_id,
             "hp_now": now,
             "hp_lease": lease,
-            "hp_detail": json.dumps(jsonable({"worker": worker_id, **detail})),
+            "hp_detail": json.dumps(claimed_detail(worker_id, detail)),
         }
         return (await conn.execute(self._statement("claim", self._build_claim), params)).first()
 
@@ -229,7 +240,7 @@ class HotPathStore(ClaimsStore):
             "progress_done": result_meta.get("rows"),
             "progress_total": result_meta.get("rows"),
         }
-        event = {"resultKey": result_key, "worker": claim.worker_id, **result_meta}
+        event = result_saved_detail(claim, result_key, result_meta)
         in_one = publish is None and not follow_ups
         opened = statement_tx(self.engine, "database") if in_one else self.writing()
         async with opened as conn:
