@@ -27,7 +27,14 @@ class Settings(BaseSettings):
     # The application whose jobs this process runs (pkg.module:attribute); none: the shipped one.
     app: str | None = None
     database_url: str = "sqlite:///./var/jobrelay.db"
+    # "local", or the AMQP URL of RabbitMQ; several comma-separated URLs are the nodes of one
+    # cluster, tried in turn (a lost connection moves to the next).
     broker_url: str = "local"
+    # RabbitMQ's management API, for `broker declare` to show each queue's leader and members;
+    # unset: http://host:15672 of each broker node, with the broker's credentials.
+    broker_management_url: str | None = None
+    # Cluster nodes holding each quorum queue (fewer when the cluster is smaller).
+    quorum_group_size: int = Field(default=3, ge=1, le=7)
     results_url: str = "file://./var/exports"
     max_attempts: int = Field(default=3, ge=1, le=100)
     retry_delays: Annotated[tuple[int, ...], NoDecode] = (5, 30)
@@ -111,9 +118,19 @@ class Settings(BaseSettings):
     def _check_broker_url(cls, value: str) -> str:
         if value == "local":
             return value
-        parts = urlsplit(value)
-        if parts.scheme not in {"amqp", "amqps"} or not parts.hostname:
-            raise ValueError(f"expected 'local' or amqp://user:pass@host:5672/vhost, got {value!r}")
+        from jobrelay.transport.rabbit_nodes import split_broker_urls
+
+        return ",".join(split_broker_urls(value))
+
+    @field_validator("broker_management_url")
+    @classmethod
+    def _check_management_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        for part in value.split(","):
+            parts = urlsplit(part.strip())
+            if parts.scheme not in {"http", "https"} or not parts.hostname:
+                raise ValueError(f"expected http(s)://host:15672[,…], got {redact_url(part)!r}")
         return value
 
     @field_validator("results_url")
@@ -188,13 +205,17 @@ class Settings(BaseSettings):
     def redacted(self) -> dict[str, Any]:
         """Settings safe to log: passwords in URLs replaced."""
         out = self.model_dump()
-        for key in ("database_url", "broker_url", "results_url", "s3_endpoint_url", "smtp_url"):
+        keys = ("database_url", "broker_url", "broker_management_url", "results_url")
+        for key in (*keys, "s3_endpoint_url", "smtp_url"):
             if out[key] is not None:
                 out[key] = redact_url(out[key])
         return out
 
 
 def redact_url(url: str) -> str:
+    """The URL (or comma-separated URLs) with any password replaced by ***."""
+    if "," in url:
+        return ",".join(redact_url(part) for part in url.split(","))
     parts = urlsplit(url)
     if parts.password:
         return url.replace(f":{parts.password}@", ":***@", 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,47 @@ def test_short_soak_loses_nothing_and_does_nothing_twice(
         + counts["unknown_resolved_absent"]
         + counts["unknown_resolved_existed"]
     )
+
+
+@pytest.mark.timeout(500)
+def test_short_soak_on_a_rabbitmq_cluster_survives_the_work_queue_leader_stopping(
+    tmp_path: Path, rabbitmq_available: None, pg_template: str
+) -> None:
+    """The soak on its own 3-node cluster: 2 apis, 3 relays and 4 workers given every node,
+    the work queue's leader stopped under load (plus the kills, crashes and the PostgreSQL
+    restart). ``make chaos CHAOS_ARGS="--cluster 3"`` adds a restart and a second node."""
+    from jobrelay.chaos.rabbit_cluster import available
+
+    from ..conftest import _unavailable
+
+    if reason := available():
+        _unavailable("a RabbitMQ cluster", reason)
+    out = tmp_path / "chaos"
+    result = run_cli(
+        "chaos", "--jobs", "200", "--profile", "short", "--seed", SEED, "--out", str(out),
+        "--cluster", "3", env=clean_env(), timeout=480,
+    )  # fmt: skip
+    last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, f"{last}\n{result.stderr[-6000:]}"
+    assert re.fullmatch(
+        r"chaos: accepted=200 lost=0 stuck=0 dup_results=0 dup_emails=0 window_dup_emails=\d+ "
+        r"quarantined=3/3 .* OK",
+        last,
+    ), last
+    report = json.loads(next(out.glob("chaos-*/report.json")).read_text())
+    assert report["ok"] is True and not any(report["violations"].values())
+    nodes = [f for f in report["faults"] if f["kind"].startswith("node_")]
+    assert [(f["kind"], f["result"]) for f in nodes] == [("node_stop", "done")], nodes
+    assert "the work queue's leader" in nodes[0]["detail"]
+    assert not any(f["kind"] == "rabbitmq_restart" for f in report["faults"])
+    # Processes connected to the stopped node moved to another one.
+    logs = "".join(p.read_text(errors="replace") for p in out.glob("chaos-*/logs/*.log"))
+    assert "broker_node_connected" in logs or "connected to broker node" in logs
+    counts = report["counts"]
+    assert counts["exports_succeeded"] == 197 and counts["result_objects"] == 197
+    # Every node of the soak's cluster is gone again; their logs were kept with the report.
+    assert list(out.glob("chaos-*/rabbitmq-logs/*/*.log"))
+    names = subprocess.run(["epmd", "-names"], capture_output=True, text=True, check=False)
+    assert len(report["rabbit_nodes"]) == 3
+    for node in report["rabbit_nodes"]:
+        assert f"name {node.split('@')[0]} " not in names.stdout

@@ -556,6 +556,29 @@ async def test_rabbit_topology_is_declared_as_specified_and_checked(rabbit: Back
 
 
 @pytest.mark.rabbitmq
+async def test_rabbit_queues_declared_before_the_group_size_setting_are_kept(
+    rabbit: Backend,
+) -> None:
+    """An upgrade: the work queue exists without ``x-quorum-initial-group-size`` (as earlier
+    versions declared it), holding a message. Declaring keeps it, message and all."""
+    import aio_pika
+
+    connection = await aio_pika.connect(rabbit.url)
+    async with connection:
+        channel = await connection.channel()
+        old = {k: v for k, v in work_queue_arguments(TOPOLOGY).items() if "group" not in k}
+        await channel.declare_queue(WORK_QUEUE, durable=True, arguments=old)
+        await channel.default_exchange.publish(
+            aio_pika.Message(b'{"n": 1}'), routing_key=WORK_QUEUE
+        )
+    await rabbit.declare()  # no topology mismatch
+    transport = await rabbit.connected()
+    delivery = await rabbit.pump(transport).get()
+    assert body_of(delivery) == {"n": 1}
+    assert await delivery.ack()
+
+
+@pytest.mark.rabbitmq
 async def test_rabbit_publish_failures_say_whether_the_outcome_is_known(rabbit: Backend) -> None:
     # No confirm in time: the broker may or may not have the message.
     hasty = await rabbit.connected(confirm_timeout=1e-6)

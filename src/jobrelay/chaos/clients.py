@@ -15,6 +15,7 @@ or ``failed`` or the clients' deadline passes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -55,14 +56,14 @@ class Record:
 class Clients:
     def __init__(
         self,
-        base_url: str,
+        base_urls: list[str],
         tokens: dict[str, str],
         *,
         concurrency: int,
         window: float,
         deadline: float,
     ) -> None:
-        self.base_url = base_url
+        self.base_urls = base_urls  # every API process; client loops are spread over them
         self.tokens = tokens
         self.concurrency = concurrency
         self.window = window  # submissions are spread evenly over this many seconds
@@ -81,11 +82,15 @@ class Clients:
             queue.put_nowait(record)
         spacing = self.window / max(len(submissions), 1)
         limits = httpx.Limits(max_connections=self.concurrency)
-        async with httpx.AsyncClient(
-            base_url=self.base_url, timeout=httpx.Timeout(10.0), limits=limits
-        ) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(
+                    httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(10.0), limits=limits)
+                )
+                for base in self.base_urls
+            ]
 
-            async def loop() -> None:
+            async def loop(client: httpx.AsyncClient) -> None:
                 while not queue.empty():
                     record = queue.get_nowait()
                     due = record.submission.index * spacing - self.elapsed()
@@ -93,7 +98,9 @@ class Clients:
                         await asyncio.sleep(due)  # pacing the load, not synchronising
                     await self._submit(client, record)
 
-            await asyncio.gather(*(loop() for _ in range(self.concurrency)))
+            await asyncio.gather(
+                *(loop(clients[i % len(clients)]) for i in range(self.concurrency))
+            )
         return self.records
 
     async def _submit(self, client: httpx.AsyncClient, record: Record) -> None:

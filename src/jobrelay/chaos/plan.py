@@ -28,7 +28,9 @@ FAULT_POINTS: dict[str, str] = {
     "api.before_response": "api",
 }
 
-FaultKind = Literal["kill", "crash", "rabbitmq_restart", "postgres_restart"]
+FaultKind = Literal[
+    "kill", "crash", "rabbitmq_restart", "postgres_restart", "node_stop", "node_start"
+]
 
 
 @dataclass(frozen=True)
@@ -58,12 +60,22 @@ class Profile:
     relay_kills: int
     service_restarts: bool
     pause: tuple[float, float]  # seconds between faults, drawn uniformly
+    # On a soak cluster (``--cluster N``), in this order, instead of the broker restart:
+    # "leader" stops the node leading the work queue, "stopped" starts the node stopped last,
+    # "other" stops a running node that was not stopped before.
+    node_faults: tuple[str, ...] = ()
 
 
 PROFILES = {
-    "full": Profile("full", worker_kills=4, relay_kills=3, service_restarts=True, pause=(3, 7)),
-    "short": Profile("short", worker_kills=1, relay_kills=1, service_restarts=True, pause=(2, 4)),
-}
+    "full": Profile(
+        "full", worker_kills=4, relay_kills=3, service_restarts=True, pause=(3, 7),
+        node_faults=("leader", "stopped", "other"),
+    ),
+    "short": Profile(
+        "short", worker_kills=1, relay_kills=1, service_restarts=True, pause=(2, 4),
+        node_faults=("leader",),
+    ),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,14 @@ class Plan:
 
 
 # Roughly how long each fault takes to inject, to spread the submissions over the whole plan.
-_TAKES = {"kill": 0.2, "crash": 4.0, "rabbitmq_restart": 12.0, "postgres_restart": 6.0}
+_TAKES = {
+    "kill": 0.2,
+    "crash": 4.0,
+    "rabbitmq_restart": 12.0,
+    "postgres_restart": 6.0,
+    "node_stop": 8.0,
+    "node_start": 10.0,
+}
 
 
 def expected_duration(plan: Plan) -> float:
@@ -95,7 +114,11 @@ def make_plan(
     workers: tuple[str, ...],
     relays: tuple[str, ...],
     api: str = "api",
+    *,
+    rabbit_nodes: int = 0,
 ) -> Plan:
+    """The plan; with ``rabbit_nodes`` (the soak runs its own cluster) the broker restart is
+    replaced by the profile's node faults, spread evenly over the plan in their order."""
     if jobs < 1 or not 0 <= poison < jobs:
         raise ValueError("need at least one job, and fewer poison jobs than jobs")
     rng = random.Random(seed)
@@ -122,7 +145,9 @@ def make_plan(
     others = [Fault("kill", rng.choice(workers)) for _ in range(profile.worker_kills)]
     others += [Fault("kill", rng.choice(relays)) for _ in range(profile.relay_kills)]
     if profile.service_restarts:
-        others += [Fault("rabbitmq_restart", "rabbitmq"), Fault("postgres_restart", "postgres")]
+        others.append(Fault("postgres_restart", "postgres"))
+        if not rabbit_nodes:
+            others.append(Fault("rabbitmq_restart", "rabbitmq"))
     rng.shuffle(crashes)
     rng.shuffle(others)
     # A crash point fires only when work reaches it, so the crashes go in the first 60% of
@@ -134,6 +159,14 @@ def make_plan(
     faults = [crashes.pop() if i in slots else others.pop() for i in range(total)]
     if len(faults) > 1 and (faults[0].point or "").startswith("notify"):
         faults[0], faults[1] = faults[1], faults[0]
+    if rabbit_nodes:
+        # Ordered (a node must be stopped before it is started), evenly spaced, never first.
+        nodes = [
+            Fault("node_stop" if t != "stopped" else "node_start", t) for t in profile.node_faults
+        ]
+        step = len(faults) / (len(nodes) + 1)
+        for i, fault in reversed(list(enumerate(nodes))):
+            faults.insert(max(1, round(step * (i + 1))), fault)
     timed = tuple(
         Fault(f.kind, f.target, f.point, round(rng.uniform(*profile.pause), 1)) for f in faults
     )

@@ -17,9 +17,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -33,6 +35,13 @@ import httpx
 
 _START_TIMEOUT = 90.0  # a node boots in about 5 s here; a loaded machine may take far longer
 _CTL_TIMEOUT = 120.0
+
+
+# How long a quorum queue's at-least-once dead-letter worker waits for the target queue's
+# confirm before it sends again (RabbitMQ's default: 180 s). A retry tier's expired message
+# that was on its way to the work queue when that queue's leader stopped waits this long;
+# see docs/how-to/scale-out.md.
+DLX_CONFIRM_TIMEOUT_MS = 5000
 
 
 class ClusterError(Exception):
@@ -57,6 +66,26 @@ class Node:
         return f"http://guest:guest@127.0.0.1:{self.management_port}"
 
 
+def _free_base(count: int) -> int:
+    """A base port whose AMQP, management (+10000) and distribution (+20000) ports are free."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(5700, 9000)
+        ports = [base + i + offset for i in range(count) for offset in (0, 10000, 20000)]
+        if all(_port_free(port) for port in ports):
+            return base
+    raise ClusterError("no free ports for a cluster")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def available() -> str | None:
     """None when a cluster can be started here, else why not (for a clear skip or failure)."""
     if shutil.which("rabbitmq-server") is None or shutil.which("rabbitmqctl") is None:
@@ -68,8 +97,16 @@ def available() -> str | None:
 
 class RabbitCluster:
     def __init__(
-        self, nodes: int = 3, *, base_port: int = 5681, workdir: Path | None = None
+        self,
+        nodes: int = 3,
+        *,
+        base_port: int = 5681,
+        workdir: Path | None = None,
+        logs_to: Path | None = None,
     ) -> None:
+        """``base_port`` 0 picks free ports. ``workdir`` must be reachable by the ``rabbitmq``
+        user (not under a 0700 directory); by default a fresh one in the system's temp
+        directory. ``logs_to`` receives a copy of each node's log when the cluster stops."""
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
         self._tag = secrets.token_hex(3)
@@ -78,6 +115,7 @@ class RabbitCluster:
         self._base = Path(workdir) if workdir else None
         self._count = nodes
         self._base_port = base_port
+        self._logs_to = logs_to
         self._nodes: list[Node] = []
         self._started: set[int] = set()
 
@@ -92,6 +130,8 @@ class RabbitCluster:
         self._base.mkdir(parents=True, exist_ok=True)
         self._base.chmod(0o755)
         atexit.register(self.stop)
+        if self._base_port == 0:
+            self._base_port = _free_base(self._count)
         self._nodes = [self._layout(i) for i in range(1, self._count + 1)]
         try:
             for node in self._nodes:
@@ -115,6 +155,14 @@ class RabbitCluster:
             if node.index in self._started:
                 self._halt(node)
         self._started.clear()
+        if self._logs_to is not None:
+            for node in self._nodes:
+                with contextlib.suppress(OSError):
+                    shutil.copytree(
+                        node.home / "log", self._logs_to / node.name, dirs_exist_ok=True
+                    )
+        for node in self._nodes:
+            shutil.rmtree(node.home / "mnesia", ignore_errors=True)
         if self._base is not None and self._owned_workdir:
             shutil.rmtree(self._base, ignore_errors=True)
             self._base = None
@@ -194,6 +242,10 @@ class RabbitCluster:
                     return candidate.index
         raise ClusterError(f"no live node knows the leader of {queue!r}: {last}")
 
+    def live_node(self) -> Node:
+        """A node this cluster has running (for ``rabbitmqctl -n``)."""
+        return self._live()
+
     def add_vhost(self, vhost: str) -> None:
         node = self._live()
         self._ctl(node, "add_vhost", vhost)
@@ -216,6 +268,8 @@ class RabbitCluster:
         for sub in ("mnesia", "log"):
             (home / sub).mkdir(parents=True, exist_ok=True)
         (home / "enabled_plugins").write_text("[rabbitmq_management].\n")
+        setting = f"{{dead_letter_worker_publisher_confirm_timeout, {DLX_CONFIRM_TIMEOUT_MS}}}"
+        (home / "advanced.config").write_text(f"[{{rabbit, [{setting}]}}].\n")
         (home / "rabbitmq.conf").write_text(
             f"listeners.tcp.default = 127.0.0.1:{node.port}\n"
             f"management.tcp.ip = 127.0.0.1\n"
@@ -234,6 +288,7 @@ class RabbitCluster:
             "RABBITMQ_LOG_BASE": str(node.home / "log"),
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(node.home / "enabled_plugins"),
             "RABBITMQ_CONFIG_FILE": str(node.home / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(node.home / "advanced.config"),
             "RABBITMQ_PID_FILE": str(node.home / "pid"),
         }
 

@@ -5,8 +5,11 @@ The run, in order:
 1. a sandbox (fresh database, vhost and bucket), moto's S3 and the recording SMTP server in
    this process; ``db upgrade``, ``broker declare``, ``seed`` and one token per account
    through the real CLI;
-2. the cluster: one api, two relays, two workers, each a supervised process; every worker
-   carries a permanent fault that makes the poison jobs fail on every attempt;
+2. the processes: one api, two relays, two workers, each supervised; every worker carries a
+   permanent fault that makes the poison jobs fail on every attempt. With ``--cluster N`` the
+   soak first starts its own N-node RabbitMQ cluster, runs two apis, three relays and four
+   workers against all its nodes, and replaces the broker restart with node stops and starts
+   (``broker_faults.py``);
 3. clients submit the planned exports over HTTP while the controller works through the
    seeded fault plan (kills, a crash at every fault point, a RabbitMQ and a PostgreSQL
    restart);
@@ -35,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobrelay.chaos.broker_faults import NodeFaults
 from jobrelay.chaos.clients import Clients, Record
 from jobrelay.chaos.cluster import Cluster, Role
 from jobrelay.chaos.plan import (
@@ -46,6 +50,7 @@ from jobrelay.chaos.plan import (
     expected_duration,
     make_plan,
 )
+from jobrelay.chaos.rabbit_cluster import ClusterError, RabbitCluster
 from jobrelay.chaos.sandbox import ChaosSetupError, Sandbox, Services
 from jobrelay.chaos.sinks import MailServer, S3Server, free_port
 from jobrelay.chaos.verdict import Mail, Verdict, World, as_json, judge, summary_line
@@ -96,6 +101,18 @@ class ChaosOptions:
     out_dir: Path = Path("chaos-results")
     keep: bool = False
     services: Services = field(default_factory=Services)
+    cluster_nodes: int = 0  # >0: run on a RabbitMQ cluster of this many nodes, started here
+
+    @property
+    def layout(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """(apis, relays, workers): the scale-out layout on a cluster, the small one else."""
+        if self.cluster_nodes:
+            return (
+                ("api-1", "api-2"),
+                ("relay-1", "relay-2", "relay-3"),
+                tuple(f"worker-{i}" for i in range(1, 5)),
+            )
+        return ("api",), RELAYS, WORKERS
 
 
 @dataclass
@@ -115,10 +132,20 @@ async def run_chaos(opts: ChaosOptions) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     root = (opts.out_dir / f"chaos-{opts.seed}-{stamp}").resolve()
     sandbox = Sandbox(opts.services, root)
-    plan = make_plan(opts.seed, opts.jobs, opts.poison, PROFILES[opts.profile], WORKERS, RELAYS)
+    apis, relays, workers = opts.layout
+    plan = make_plan(
+        opts.seed,
+        opts.jobs,
+        opts.poison,
+        PROFILES[opts.profile],
+        workers,
+        relays,
+        ",".join(apis),
+        rabbit_nodes=opts.cluster_nodes,
+    )
     console.print(
         f"chaos: seed={opts.seed} jobs={opts.jobs} poison={opts.poison} profile={opts.profile}"
-        f" run={sandbox.run_id}; logs in {sandbox.log_dir}"
+        f" cluster={opts.cluster_nodes or 'no'} run={sandbox.run_id}; logs in {sandbox.log_dir}"
     )
     for line in plan.describe():
         console.print(f"  plan: {line}")
@@ -127,22 +154,33 @@ async def run_chaos(opts: ChaosOptions) -> int:
     s3, mail = S3Server(), MailServer()
     cluster: Cluster | None = None
     verdict: Verdict | None = None
+    rabbit: RabbitCluster | None = None
     try:
+        if opts.cluster_nodes:
+            rabbit = RabbitCluster(opts.cluster_nodes, logs_to=root / "rabbitmq-logs")
+            console.print(f"starting a {opts.cluster_nodes}-node RabbitMQ cluster")
+            try:
+                await asyncio.to_thread(rabbit.start)
+            except ClusterError as exc:
+                raise ChaosSetupError(f"RabbitMQ cluster: {exc}") from None
+            opts.services.cluster = rabbit
+        nodes = NodeFaults(rabbit, sandbox.vhost) if rabbit else None
         await sandbox.create()
         s3.start()
         mail.start()
         await _create_bucket(s3.endpoint, sandbox.bucket)
-        api_port = free_port()
-        env = _role_env(sandbox, s3, mail, api_port)
+        api_ports = {name: free_port() for name in apis}
+        env = _role_env(sandbox, s3, mail, next(iter(api_ports.values())))
         tokens = await _prepare(env, sandbox)
-        cluster = Cluster(_roles(api_port), env, sandbox.log_dir)
+        cluster = Cluster(_roles(api_ports, relays, workers), env, sandbox.log_dir)
         await cluster.start()
-        base = f"http://127.0.0.1:{api_port}"
-        await _wait_ready(base, cluster)
+        bases = [f"http://127.0.0.1:{port}" for port in api_ports.values()]
+        for base in bases:
+            await _wait_ready(base, cluster)
         # Submissions are spread over the whole fault plan, so every fault lands on live work.
         window = opts.jobs / opts.rate if opts.rate else expected_duration(plan)
         clients = Clients(
-            base,
+            bases,
             tokens,
             concurrency=opts.concurrency,
             window=window,
@@ -150,7 +188,7 @@ async def run_chaos(opts: ChaosOptions) -> int:
         )
         engine = create_engine(sandbox.database_url)
         try:
-            records, faults = await _soak(opts, plan, cluster, clients, sandbox, engine)
+            records, faults = await _soak(opts, plan, cluster, clients, sandbox, engine, nodes)
             quiet = await _settle(engine, sandbox, opts.settle_timeout)
             world = await _world(s3, mail, sandbox, faults)
             facts = await audit.collect(Store(engine))
@@ -162,6 +200,7 @@ async def run_chaos(opts: ChaosOptions) -> int:
         report = _report(opts, plan, sandbox, records, faults, cluster, verdict, quiet, elapsed)
         report["versions"] = await _object_versions(s3.endpoint, sandbox.bucket)
         report["summary"] = line
+        report["rabbit_nodes"] = [n.name for n in rabbit.nodes] if rabbit else []
         report_path = root / "report.json"
         report_path.write_text(json.dumps(report, indent=2, default=str))
         _print_table(verdict, faults, cluster, quiet)
@@ -181,6 +220,9 @@ async def run_chaos(opts: ChaosOptions) -> int:
         else:
             for problem in await sandbox.destroy():
                 console.print(f"[yellow]cleanup: {problem}[/yellow]")
+        if rabbit is not None:  # on every exit path: the cluster is this run's alone
+            await asyncio.to_thread(rabbit.stop)
+            opts.services.cluster = None
 
 
 def _role_env(sandbox: Sandbox, s3: S3Server, mail: MailServer, api_port: int) -> dict[str, str]:
@@ -201,12 +243,17 @@ def _role_env(sandbox: Sandbox, s3: S3Server, mail: MailServer, api_port: int) -
     return env
 
 
-def _roles(api_port: int) -> list[Role]:
+def _roles(
+    api_ports: dict[str, int], relays: tuple[str, ...], workers: tuple[str, ...]
+) -> list[Role]:
     poison = f"export.run:transient@accountId={POISON_ACCOUNT}&period={POISON_PERIOD}"
     return [
-        Role("api", ["api", "--host", "127.0.0.1", "--port", str(api_port)]),
-        *(Role(name, ["relay"]) for name in RELAYS),
-        *(Role(name, ["worker"], permanent_faults=poison) for name in WORKERS),
+        *(
+            Role(name, ["api", "--host", "127.0.0.1", "--port", str(port)])
+            for name, port in api_ports.items()
+        ),
+        *(Role(name, ["relay"]) for name in relays),
+        *(Role(name, ["worker"], permanent_faults=poison) for name in workers),
     ]
 
 
@@ -265,6 +312,7 @@ async def _soak(
     clients: Clients,
     sandbox: Sandbox,
     engine: AsyncEngine,
+    nodes: NodeFaults | None,
 ) -> tuple[list[Record], list[FaultLog]]:
     faults: list[FaultLog] = []
     done = asyncio.Event()
@@ -272,7 +320,7 @@ async def _soak(
     async def controller() -> None:
         for fault in plan.faults:
             await asyncio.sleep(fault.pause)  # the plan's spacing between faults
-            faults.append(await _inject(fault, cluster, sandbox, opts.crash_timeout))
+            faults.append(await _inject(fault, cluster, sandbox, opts.crash_timeout, nodes))
             entry = faults[-1]
             console.print(
                 f"  [{entry.at:6.1f}s] {entry.kind} {entry.target}"
@@ -304,7 +352,11 @@ async def _soak(
 
 
 async def _inject(
-    fault: Fault, cluster: Cluster, sandbox: Sandbox, crash_timeout: float
+    fault: Fault,
+    cluster: Cluster,
+    sandbox: Sandbox,
+    crash_timeout: float,
+    nodes: NodeFaults | None = None,
 ) -> FaultLog:
     at = cluster.elapsed()
     log = sandbox.log_dir / "faults.log"
@@ -328,6 +380,12 @@ async def _inject(
             )
             return FaultLog(fault.kind, fault.target, fault.point, at, cluster.elapsed() - at,
                             result, detail)  # fmt: skip
+        if fault.kind in ("node_stop", "node_start"):
+            if nodes is None:
+                raise ChaosSetupError("node faults need --cluster")
+            done = await nodes.inject(fault.kind, fault.target)
+            return FaultLog(fault.kind, fault.target, None, at, cluster.elapsed() - at, "done",
+                            done)  # fmt: skip
         if fault.kind == "rabbitmq_restart":
             await sandbox.services.restart_rabbitmq(log)
         else:
@@ -418,7 +476,8 @@ def _report(
         "database": sandbox.database,
         "elapsed_seconds": round(elapsed, 1),
         "settled_after_seconds": None if quiet is None else round(quiet, 1),
-        "replay": f"jobrelay chaos --seed {opts.seed} --jobs {opts.jobs} --profile {opts.profile}",
+        "replay": f"jobrelay chaos --seed {opts.seed} --jobs {opts.jobs} --profile {opts.profile}"
+        + (f" --cluster {opts.cluster_nodes}" if opts.cluster_nodes else ""),
         **as_json(verdict),
         "faults": [asdict(f) for f in faults],
         "exits": [asdict(e) for e in cluster.exits],

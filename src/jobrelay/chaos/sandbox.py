@@ -16,9 +16,13 @@ import shlex
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import asyncpg
+
+if TYPE_CHECKING:
+    from jobrelay.chaos.rabbit_cluster import RabbitCluster
 
 
 class ChaosSetupError(Exception):
@@ -66,9 +70,20 @@ class Services:
     amqp_server: str = "amqp://guest:guest@127.0.0.1:5672"
     postgres_restart: list[str] = field(default_factory=default_postgres_restart)
     rabbitmq_down_seconds: float = 3.0
+    # The soak's own RabbitMQ cluster (``--cluster N``), instead of the machine's broker.
+    cluster: RabbitCluster | None = None
+
+    @property
+    def amqp_servers(self) -> list[str]:
+        if self.cluster is None:
+            return [self.amqp_server]
+        return [url.rstrip("/") for url in self.cluster.urls]
 
     async def rabbitmqctl(self, *args: str, log: Path | None = None) -> str:
-        return await run_command(["rabbitmqctl", "-q", *args], log=log)
+        if self.cluster is None:
+            return await run_command(["rabbitmqctl", "-q", *args], log=log)
+        node = self.cluster.live_node().name
+        return await run_command(["rabbitmqctl", "-q", "-n", node, *args], log=log)
 
     async def restart_rabbitmq(self, log: Path | None = None) -> None:
         """Stop the broker application, keep it down a moment, start it and wait until up."""
@@ -161,7 +176,8 @@ class Sandbox:
 
     @property
     def broker_url(self) -> str:
-        return f"{self.services.amqp_server}/{self.vhost}"
+        """The scratch vhost on the broker, or on every node of the soak's cluster."""
+        return ",".join(f"{server}/{self.vhost}" for server in self.services.amqp_servers)
 
     @property
     def log_dir(self) -> Path:

@@ -253,6 +253,15 @@ def chaos_cmd(
         Optional[str],  # noqa: UP045 (typer needs it)
         typer.Option(help="Command that restarts PostgreSQL [default: pg_ctlcluster … restart]."),
     ] = None,
+    cluster: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=7,
+            help="Start a RabbitMQ cluster of this many nodes on loopback and soak on it "
+            "(2 apis, 3 relays, 4 workers; node stops instead of the broker restart).",
+        ),
+    ] = 0,
 ) -> None:
     """Soak PostgreSQL + RabbitMQ under kill -9 and restarts; check nothing lost or doubled."""
     import shlex
@@ -283,6 +292,7 @@ def chaos_cmd(
         out_dir=Path(out),
         keep=keep,
         services=services,
+        cluster_nodes=cluster,
     )
     raise typer.Exit(run(run_chaos(options)))
 

@@ -54,11 +54,23 @@ async def browse_rabbitmq(url: str, limit: int) -> list[DeadLetter]:
     import aiormq
     from yarl import URL
 
+    from jobrelay.transport.rabbit_nodes import split_broker_urls
+
     errors = (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError, OSError)
-    connection = aio_pika.Connection(URL(url))
+    nodes = split_broker_urls(url)
+    connection = aio_pika.Connection(URL(nodes[0]))
     found: list[DeadLetter] = []
     try:
-        await connection.connect(timeout=_TIMEOUT)
+        for i, node in enumerate(nodes):  # the first node of the cluster that answers
+            try:
+                connection = aio_pika.Connection(URL(node))
+                await connection.connect(timeout=_TIMEOUT)
+                break
+            except errors:
+                with contextlib.suppress(*errors):
+                    await connection.close()
+                if i == len(nodes) - 1:
+                    raise
         channel = await connection.channel(publisher_confirms=False)
         try:
             queue = await channel.declare_queue(QUARANTINE_QUEUE, passive=True)

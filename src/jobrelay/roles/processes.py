@@ -217,11 +217,15 @@ async def declare_broker(settings: Settings) -> str:
     from jobrelay.transport.topology import DEAD_LETTER_EXCHANGE, EXCHANGE
 
     topology = topology_for(settings, load_app(settings.app))
+    from jobrelay.transport.rabbit_management import placements, render
+
     try:
         await declare_topology(settings.broker_url, topology)
     except TransportError as exc:
         raise ConfigError("JOBRELAY_BROKER_URL", f"broker unreachable: {exc}") from None
-    return f"declared {EXCHANGE}, {DEAD_LETTER_EXCHANGE}, {', '.join(topology.names())}"
+    where = await placements(settings.broker_url, settings.broker_management_url, topology.names())
+    declared = f"declared {EXCHANGE}, {DEAD_LETTER_EXCHANGE}, {', '.join(topology.names())}"
+    return f"{declared}\n{render(where)}"
 
 
 async def create_token(

@@ -58,11 +58,16 @@ def topology_for(settings: Settings, app: App | None = None) -> Topology:
     """The broker names in force: an app's own retry delays each get a tier too, and each
     queue its job types use gets a work queue and tiers of its own."""
     if app is None:
-        return Topology(retry_delays=settings.retry_delays, delivery_limit=settings.delivery_limit)
+        return Topology(
+            retry_delays=settings.retry_delays,
+            delivery_limit=settings.delivery_limit,
+            quorum_size=settings.quorum_group_size,
+        )
     return Topology(
         retry_delays=app.retry_tiers(settings),
         delivery_limit=settings.delivery_limit,
         queues=app.queues,
+        quorum_size=settings.quorum_group_size,
     )
 
 

@@ -8,6 +8,10 @@ What each choice protects against:
 - aiormq matches a ``basic.return`` to its publish by ``message_id``; two publishes in flight
   with the same id can swap results and report an unroutable message as confirmed. Publishes
   sharing a message id therefore go out one at a time.
+- Several comma-separated URLs are the nodes of one cluster (``rabbit_nodes.py``): the
+  connection fails over between them. Every queue is a quorum queue whose initial group is
+  ``topology.quorum_size`` nodes (RabbitMQ takes fewer when the cluster is smaller), so it
+  keeps working while a minority of its members is down.
 - Queues are quorum queues that dead-letter ``at-least-once`` (which needs ``x-overflow:
   reject-publish``): an expired retry or a rejected message stays in its queue until the
   target queue confirms it, instead of being dropped when the target is missing.
@@ -45,10 +49,15 @@ from aio_pika.abc import (
     AbstractRobustChannel,
     AbstractRobustConnection,
 )
-from yarl import URL
 
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.transport.base import Delivery, OutgoingMessage
+from jobrelay.transport.rabbit_nodes import (
+    FailoverConnection,
+    connect_first,
+    safe_url,
+    split_broker_urls,
+)
 from jobrelay.transport.topology import (
     DEAD_LETTER_EXCHANGE,
     DEFAULT_QUEUE,
@@ -72,9 +81,41 @@ _AMQP_ERRORS = (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidSta
 _SAFE_DEAD_LETTERING = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
 
 
+_GROUP_SIZE = "x-quorum-initial-group-size"
+
+
+def _quorum(size: int) -> dict[str, Any]:
+    return {"x-queue-type": "quorum", _GROUP_SIZE: size}
+
+
+async def _declare_queue(
+    channel: AbstractChannel, name: str, arguments: dict[str, Any]
+) -> aio_pika.abc.AbstractQueue:
+    """Declare a queue; one declared by a version before the group size was set is kept.
+
+    RabbitMQ refuses a redeclaration with arguments the queue was not created with, and
+    queues made before jobrelay set ``x-quorum-initial-group-size`` have none. The argument
+    only matters at creation (membership changes with ``rabbitmq-queues add_member``), so
+    such a queue is declared as it is rather than failing every start after an upgrade.
+    """
+    try:
+        return await channel.declare_queue(name, durable=True, arguments=arguments)
+    except aiormq.exceptions.ChannelPreconditionFailed as exc:
+        if _GROUP_SIZE not in str(exc) or "current is none" not in str(exc):
+            raise
+    await channel.reopen()  # the refusal closed the channel
+    log.warning(
+        "queue %s predates the quorum group size setting; its membership is kept as it is",
+        name,
+        extra={"event": "queue_group_size_unset", "queue": name},
+    )
+    legacy = {k: v for k, v in arguments.items() if k != _GROUP_SIZE}
+    return await channel.declare_queue(name, durable=True, arguments=legacy)
+
+
 def work_queue_arguments(topology: Topology) -> dict[str, Any]:
     return {
-        "x-queue-type": "quorum",
+        **_quorum(topology.quorum_size),
         "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
         "x-dead-letter-routing-key": QUARANTINE_ROUTING_KEY,
         "x-delivery-limit": topology.delivery_limit,
@@ -82,11 +123,13 @@ def work_queue_arguments(topology: Topology) -> dict[str, Any]:
     }
 
 
-def retry_queue_arguments(seconds: int, queue: str = DEFAULT_QUEUE) -> dict[str, Any]:
+def retry_queue_arguments(
+    seconds: int, queue: str = DEFAULT_QUEUE, *, quorum_size: int = Topology.quorum_size
+) -> dict[str, Any]:
     # One fixed TTL per queue: every message expires in order, no head-of-line blocking.
     # Expired messages go back to the work queue of the tier's own queue.
     return {
-        "x-queue-type": "quorum",
+        **_quorum(quorum_size),
         "x-message-ttl": seconds * 1000,
         "x-dead-letter-exchange": EXCHANGE,
         "x-dead-letter-routing-key": work_routing_key(queue),
@@ -99,20 +142,16 @@ async def _declare(channel: AbstractChannel, topology: Topology) -> None:
     exchange = await channel.declare_exchange(EXCHANGE, direct, durable=True)
     dlx = await channel.declare_exchange(DEAD_LETTER_EXCHANGE, direct, durable=True)
     for name in topology.queues:
-        work = await channel.declare_queue(
-            work_queue(name), durable=True, arguments=work_queue_arguments(topology)
-        )
+        work = await _declare_queue(channel, work_queue(name), work_queue_arguments(topology))
         await work.bind(exchange, work_routing_key(name))
         for seconds in topology.tiers:
-            tier = await channel.declare_queue(
+            tier = await _declare_queue(
+                channel,
                 retry_queue(seconds, name),
-                durable=True,
-                arguments=retry_queue_arguments(seconds, name),
+                retry_queue_arguments(seconds, name, quorum_size=topology.quorum_size),
             )
             await tier.bind(exchange, retry_routing_key(seconds, name))
-    quarantine = await channel.declare_queue(
-        QUARANTINE_QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
-    )
+    quarantine = await _declare_queue(channel, QUARANTINE_QUEUE, _quorum(topology.quorum_size))
     await quarantine.bind(dlx, QUARANTINE_ROUTING_KEY)
 
 
@@ -127,7 +166,7 @@ def _declare_error(exc: BaseException) -> TransportError:
 
 async def declare_topology(url: str, topology: Topology) -> None:
     """Declare exchanges, queues and bindings; safe to run again with the same settings."""
-    connection = await _opened(aio_pika.Connection(URL(url)), url)
+    connection = await connect_first(split_broker_urls(url), aio_pika.Connection, _opened)
     try:
         async with connection.channel(publisher_confirms=False) as channel:
             await _declare(channel, topology)
@@ -261,12 +300,14 @@ class RabbitTransport:
         # transport's counterpart is its visibility timeout). A process passes its drain
         # time, so a worker still finishing jobs after SIGTERM can ack them on this channel.
         self.settle_grace_seconds = settle_grace_seconds
-        self._url = url
+        self._urls = split_broker_urls(url)
         self._topology = topology
         self._timeout = confirm_timeout
         self._connection: AbstractRobustConnection | None = None
         self._topology_channel: AbstractRobustChannel | None = None
         self._exchange: AbstractExchange | None = None
+        self._publishing: AbstractChannel | None = None
+        self._renewing = asyncio.Lock()
         self._consumers: set[_Consumer] = set()
         self._id_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = (
             weakref.WeakValueDictionary()
@@ -278,8 +319,8 @@ class RabbitTransport:
         """Connect (robustly) and declare the topology; calling it again only re-declares."""
         if self._connection is None or self._connection.is_closed:
             self._connection = await _opened(
-                aio_pika.RobustConnection(URL(self._url), reconnect_interval=_RECONNECT_INTERVAL),
-                self._url,
+                FailoverConnection(self._urls, reconnect_interval=_RECONNECT_INTERVAL),
+                ",".join(self._urls),
             )
         connection = self._connection
         try:
@@ -289,18 +330,45 @@ class RabbitTransport:
                 self._topology_channel = await connection.channel(publisher_confirms=False)
             await _declare(self._topology_channel, self._topology)
             if self._exchange is None:
-                publishing = await connection.channel(
-                    publisher_confirms=True, on_return_raises=True
-                )
-                self._exchange = await publishing.get_exchange(EXCHANGE, ensure=False)
+                await self._open_publisher(connection)
         except _AMQP_ERRORS as exc:
             await self.close()
             raise _declare_error(exc) from exc
 
+    async def _open_publisher(self, connection: AbstractRobustConnection) -> None:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        self._exchange = await channel.get_exchange(EXCHANGE, ensure=False)
+        self._publishing = channel
+
+    async def _renew_publisher(self, nacked: AbstractExchange) -> None:
+        """Publish on a new channel from now on, after ``nacked``'s channel got a nack.
+
+        Seen on RabbitMQ 3.10 when a quorum queue's leader node stops: a channel that was
+        restored onto another node while the old leader was shutting down keeps getting
+        every publish nacked, though the queue has a new leader and a new channel's
+        publishes are confirmed at once. A nack for any other reason (a full queue) loses
+        nothing by a new channel either.
+        """
+        async with self._renewing:
+            if self._exchange is not nacked or self._connection is None:
+                return  # renewed by a concurrent publish, or closed
+            old = self._publishing
+            try:
+                await self._open_publisher(self._connection)
+            except _AMQP_ERRORS as exc:
+                log.warning("cannot open a new publishing channel yet: %s", _short(exc))
+                return
+        log.info(
+            "publishing on a new channel after a nack",
+            extra={"event": "publisher_channel_renewed"},
+        )
+        if old is not None:
+            await _quietly(old.close())
+
     async def close(self) -> None:
         """Close the connection: the broker requeues every unsettled delivery."""
         connection, self._connection = self._connection, None
-        self._topology_channel = self._exchange = None
+        self._topology_channel = self._exchange = self._publishing = None
         for consumer in self._consumers:
             consumer.stopping = True
             consumer.inbox.put_nowait(None)
@@ -317,7 +385,7 @@ class RabbitTransport:
             return
         try:
             async with asyncio.timeout(_BROKER_TIMEOUT):
-                await (await _opened(aio_pika.Connection(URL(self._url)), self._url)).close()
+                await (await connect_first(self._urls, aio_pika.Connection, _opened)).close()
         except TimeoutError as exc:
             raise TransportError("broker unreachable: no answer in time") from exc
 
@@ -357,6 +425,7 @@ class RabbitTransport:
         except aiormq.exceptions.PublishError as exc:  # basic.return
             raise PublishError(f"unroutable: {exc}") from exc
         except aiormq.exceptions.DeliveryError as exc:  # basic.nack
+            await self._renew_publisher(exchange)
             raise PublishError(f"rejected by the broker: {exc}") from exc
         except aiormq.exceptions.ChannelNotFoundEntity as exc:  # exchange deleted
             raise PublishError(f"unroutable: {_short(exc)}") from exc
@@ -441,7 +510,8 @@ async def _opened(connection: _C, url: str) -> _C:
         with contextlib.suppress(Exception):
             await connection.close()
         if isinstance(exc, _AMQP_ERRORS):
-            raise TransportError(f"cannot connect to {_safe(url)}: {_short(exc)}") from exc
+            shown = ",".join(safe_url(u) for u in url.split(","))
+            raise TransportError(f"cannot connect to {shown}: {_short(exc)}") from exc
         raise
     return connection
 
@@ -460,10 +530,6 @@ async def _quietly(operation: Any) -> None:
         await operation
     except _AMQP_ERRORS as exc:
         log.debug("ignored broker error during cleanup: %s", _short(exc))
-
-
-def _safe(url: str) -> str:
-    return str(URL(url).with_password("***")) if URL(url).password else url
 
 
 def _short(exc: BaseException) -> str:

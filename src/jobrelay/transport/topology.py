@@ -96,6 +96,8 @@ class Topology:
     retry_delays: tuple[int, ...]
     delivery_limit: int
     queues: tuple[str, ...] = field(default=(DEFAULT_QUEUE,))
+    # How many cluster nodes hold each (quorum) queue; a smaller cluster holds it on all.
+    quorum_size: int = 3
 
     def __post_init__(self) -> None:
         names = {check_queue_name(q) for q in self.queues} - {DEFAULT_QUEUE}
