@@ -60,6 +60,13 @@ class Settings(BaseSettings):
     # lease, a retry or an unpublished outbox row must be before it is repaired or reported.
     reconcile_seconds: float = Field(default=30.0, ge=0)
     reconcile_grace_seconds: float = Field(default=60.0, ge=0)
+    # Retention: finished jobs (succeeded, cancelled) with their events, effects rows and
+    # result objects, published outbox rows and dead-lettered local-queue rows are deleted
+    # this many days after they last changed (fractions allowed: a soak test uses minutes).
+    retention_days: float = Field(default=30.0, gt=0)
+    # Leave result objects in place when their job is pruned (a bucket lifecycle rule
+    # deletes them instead).
+    retention_keep_results: bool = False
     faults: str = ""
     log_level: str = "INFO"
     # S3-compatible endpoint for s3:// results (MinIO, Ceph, moto); unset means AWS itself.

@@ -32,6 +32,12 @@ class ResultStore(Protocol):
 
     async def exists(self, key: str) -> bool: ...
 
+    async def delete(self, key: str) -> None:
+        """Remove the object at ``key`` (retention prunes it with its job). Idempotent: an
+        object that is already gone is not an error; a store that cannot be reached raises
+        ``TransientError`` and the caller keeps the job row, to try again later."""
+        ...
+
     def read(self, key: str) -> AsyncIterator[bytes]: ...
 
     def describe(self, key: str) -> str:

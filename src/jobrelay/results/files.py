@@ -52,6 +52,13 @@ class FileResults:
     async def exists(self, key: str) -> bool:
         return await asyncio.to_thread(self.path_for(key).is_file)
 
+    async def delete(self, key: str) -> None:
+        path = self.path_for(key)
+        try:
+            await asyncio.to_thread(path.unlink, missing_ok=True)
+        except OSError as exc:
+            raise TransientError(f"could not delete result {path}: {exc}") from exc
+
     async def read(self, key: str) -> AsyncIterator[bytes]:
         handle = await asyncio.to_thread(self.path_for(key).open, "rb")
         try:

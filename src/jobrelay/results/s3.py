@@ -133,6 +133,16 @@ class S3Results:
                 raise
         return True
 
+    async def delete(self, key: str) -> None:
+        """``DeleteObject``, which S3 answers 204 for a key that is not there too."""
+        s3 = await self.client()
+        async with s3_errors("DeleteObject"):
+            try:
+                await s3.delete_object(Bucket=self.bucket, Key=self.object_key(key))
+            except ClientError as exc:
+                if not _not_found(exc):
+                    raise
+
     async def read(self, key: str) -> AsyncIterator[bytes]:
         s3 = await self.client()
         async with s3_errors("GetObject"):

@@ -32,6 +32,9 @@ class StagingResults:
     async def exists(self, key: str) -> bool:
         return await self._inner.exists(key)
 
+    async def delete(self, key: str) -> None:
+        await self._inner.delete(key)
+
     def read(self, key: str) -> AsyncIterator[bytes]:
         return self._inner.read(key)
 

@@ -180,3 +180,16 @@ effects_ledger = Table(
     Column("updated_at", UTCDateTime(), nullable=False),
     PrimaryKeyConstraint("job_id", "kind"),
 )
+
+# One row per job deleted by retention (storage/retention.py): enough to answer "410 Gone,
+# pruned" instead of 404 to whoever could see the job, for one more retention period.
+# Account kept so another account still gets the 404 it would have got for the job itself.
+pruned_jobs = Table(
+    "pruned_jobs",
+    metadata,
+    Column("id", String(36), primary_key=True),
+    Column("account_id", String(64)),
+    Column("created_at", UTCDateTime(), nullable=False),  # the job's
+    Column("pruned_at", UTCDateTime(), nullable=False),
+)
+Index("ix_pruned_jobs_pruned_at", pruned_jobs.c.pruned_at)

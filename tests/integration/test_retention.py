@@ -1,0 +1,285 @@
+"""Retention: exactly the old finished jobs (with their events, effects rows, outbox rows and
+result objects), superseded published outbox rows and dead-lettered local-queue rows go;
+everything else stays. SQLite and PostgreSQL, on a test clock moved 31 days instead of waited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import func, insert, select, update
+
+from jobrelay.domain.states import JobState
+from jobrelay.errors import TransientError
+from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.retention import PruneCounts, Retention
+from jobrelay.storage.tables import (
+    effects_ledger,
+    job_events,
+    jobs,
+    local_messages,
+    outbox,
+    pruned_jobs,
+)
+from tests.integration.api_fixtures import T0, Clock, build_runtime
+
+from .ops_fixtures import job_in_state
+
+pytestmark = pytest.mark.timeout(90)
+S = JobState
+DAYS = 30
+
+
+@pytest.fixture
+async def runtime(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
+    rt = build_runtime(database_url, tmp_path, clock=Clock())
+    yield rt
+    await rt.engine.dispose()
+
+
+def clock(rt: Runtime) -> Clock:
+    assert isinstance(rt.clock, Clock)
+    return rt.clock
+
+
+async def count(rt: Runtime, table: Any, *where: Any) -> int:
+    async with rt.engine.connect() as conn:
+        n = await conn.scalar(select(func.count()).select_from(table).where(*where))
+    return int(n or 0)
+
+
+async def with_result(rt: Runtime, job_id: str) -> str:
+    """Write the result object a succeeded job of job_in_state names."""
+    key = f"exports/acme/{job_id}.csv"
+    async with rt.results.writer(key) as out:
+        await out.write(b"a,b\n1,2\n")
+    return key
+
+
+async def with_ledger_row(rt: Runtime, job_id: str, now: datetime) -> None:
+    async with rt.engine.begin() as conn:
+        await conn.execute(
+            insert(effects_ledger).values(
+                job_id=job_id,
+                kind="email",
+                state="sent",
+                message_id=f"<{job_id}@test>",
+                created_at=now,
+                updated_at=now,
+            )
+        )
+
+
+async def publish_all(rt: Runtime, at: datetime) -> None:
+    async with rt.engine.begin() as conn:
+        await conn.execute(
+            update(outbox).where(outbox.c.published_at.is_(None)).values(published_at=at)
+        )
+
+
+async def add_local_message(rt: Runtime, queue: str, created: datetime) -> None:
+    async with rt.engine.begin() as conn:
+        await conn.execute(
+            insert(local_messages).values(
+                queue=queue, body="{}", headers={}, available_at=created, created_at=created
+            )
+        )
+
+
+async def prune(rt: Runtime, **kwargs: Any) -> PruneCounts:
+    retention = Retention(rt.store, rt.results, **kwargs)
+    return await retention.prune(await retention.cutoff(DAYS))
+
+
+async def old_world(rt: Runtime) -> dict[str, str]:
+    """One job of each state at T0; then 31 days later a succeeded and a cancelled one."""
+    ids = {}
+    for i, state in enumerate(
+        (S.SUCCEEDED, S.CANCELLED, S.QUARANTINED, S.QUEUED, S.RUNNING, S.RETRY_WAIT)
+    ):
+        ids[f"old_{state.value}"] = await job_in_state(rt.store, state, T0, f"2020-0{i + 1}")
+    await with_ledger_row(rt, ids["old_succeeded"], T0)
+    await with_ledger_row(rt, ids["old_quarantined"], T0)
+    await publish_all(rt, T0)
+    await add_local_message(rt, "quarantine", T0)
+    await add_local_message(rt, "work", T0)  # waiting (or in flight) for 31 days: kept
+    now = clock(rt).advance(timedelta(days=DAYS + 1).total_seconds())
+    ids["new_succeeded"] = await job_in_state(rt.store, S.SUCCEEDED, now, "2021-01")
+    ids["new_cancelled"] = await job_in_state(rt.store, S.CANCELLED, now, "2021-02")
+    await add_local_message(rt, "quarantine", now)
+    return ids
+
+
+async def test_prune_deletes_exactly_the_old_finished_jobs_and_their_rows(
+    runtime: Runtime,
+) -> None:
+    ids = await old_world(runtime)
+    old_key = await with_result(runtime, ids["old_succeeded"])
+    new_key = await with_result(runtime, ids["new_succeeded"])
+    gone = [ids["old_succeeded"], ids["old_cancelled"]]
+    events_before = await count(runtime, job_events, job_events.c.job_id.in_(gone))
+    outbox_before = await count(runtime, outbox, outbox.c.job_id.in_(gone))
+    assert events_before >= 4 and outbox_before == 2
+
+    counts = await prune(runtime)
+
+    assert (counts.jobs, counts.job_events, counts.effects_ledger) == (2, events_before, 1)
+    # + 1: the retry_wait job's first message, superseded by its (published) retry message.
+    assert (counts.outbox, counts.local_messages, counts.results) == (outbox_before + 1, 1, 1)
+    assert await count(runtime, outbox, outbox.c.job_id == ids["old_retry_wait"]) == 1
+    assert not counts.capped
+    for name, job_id in ids.items():
+        job = await runtime.store.get_job(job_id)
+        assert (job is None) == (job_id in gone), name
+    for table in (job_events, effects_ledger, outbox):
+        assert await count(runtime, table, table.c.job_id.in_(gone)) == 0
+    # The kept jobs keep everything, including the quarantined job's ledger row.
+    assert await count(runtime, effects_ledger) == 1
+    assert (await runtime.store.get_job(ids["old_quarantined"])).published  # type: ignore[union-attr]
+    assert await count(runtime, local_messages, local_messages.c.queue == "work") == 1
+    assert await count(runtime, local_messages, local_messages.c.queue == "quarantine") == 1
+    assert not await runtime.results.exists(old_key) and await runtime.results.exists(new_key)
+    stones = {
+        r.job_id
+        for r in [await Retention(runtime.store, runtime.results).pruned(i) for i in gone]
+        if r
+    }
+    assert stones == set(gone)
+
+    again = await prune(runtime)
+    assert again.total == 0  # idempotent: nothing else is old enough
+
+
+async def test_superseded_published_outbox_rows_of_kept_jobs_go_but_the_newest_stays(
+    runtime: Runtime,
+) -> None:
+    job_id = await job_in_state(runtime.store, S.QUARANTINED, T0)
+    await publish_all(runtime, T0)
+    # An operator replayed it long ago; its message was published, and it was quarantined again.
+    later = T0 + timedelta(hours=1)
+    from jobrelay.storage.admin import AdminQueries
+
+    replay = await AdminQueries(runtime.store).replay(
+        job_id, actor="t", reason="t", budget=1, now=later
+    )
+    assert replay.done
+    await publish_all(runtime, later)
+    assert await count(runtime, outbox, outbox.c.job_id == job_id) == 2
+    clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+
+    counts = await prune(runtime)
+
+    assert (counts.jobs, counts.outbox) == (0, 1)
+    async with runtime.engine.connect() as conn:
+        [kept] = (
+            await conn.execute(select(outbox.c.created_at).where(outbox.c.job_id == job_id))
+        ).all()
+    assert kept.created_at == later  # the newest row: the job still reads as published
+    job = await runtime.store.get_job(job_id)
+    assert job is not None and job.published and job.state is S.QUEUED
+
+
+async def test_small_batches_still_delete_every_victim_in_several_transactions(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victims = [
+        await job_in_state(runtime.store, S.SUCCEEDED, T0, f"2020-0{i + 1}") for i in range(5)
+    ]
+    clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+    writes = 0
+    original = runtime.store.writing
+
+    def counting() -> Any:
+        nonlocal writes
+        writes += 1
+        return original()
+
+    monkeypatch.setattr(runtime.store, "writing", counting)
+
+    counts = await prune(runtime, batch=2)
+
+    assert counts.jobs == 5 and not counts.capped
+    assert writes >= 3 + 3  # 2 + 2 + 1 jobs, then one (empty) batch per other table
+    assert all([await runtime.store.get_job(j) is None for j in victims])
+
+
+async def test_the_cap_bounds_one_call_and_the_next_call_goes_on(runtime: Runtime) -> None:
+    for i in range(5):
+        await job_in_state(runtime.store, S.CANCELLED, T0, f"2020-0{i + 1}")
+    clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+
+    first = await prune(runtime, batch=2, max_rows=3)
+    assert first.jobs == 3 and first.capped
+    second = await prune(runtime, batch=2, max_rows=3)
+    assert second.jobs == 2 and not second.capped
+    assert await count(runtime, jobs) == 0
+
+
+async def test_dry_run_counts_the_same_and_changes_nothing(runtime: Runtime) -> None:
+    ids = await old_world(runtime)
+    await with_result(runtime, ids["old_succeeded"])
+    retention = Retention(runtime.store, runtime.results)
+    cutoff = await retention.cutoff(DAYS)
+    before = {t.name: await count(runtime, t) for t in (jobs, job_events, outbox, local_messages)}
+
+    dry = await retention.prune(cutoff, dry_run=True)
+
+    after = {t.name: await count(runtime, t) for t in (jobs, job_events, outbox, local_messages)}
+    assert after == before and await count(runtime, pruned_jobs) == 0
+    real = await retention.prune(cutoff)
+    assert dry.tables() == real.tables() and real.jobs == 2
+
+
+async def test_results_are_kept_when_asked(runtime: Runtime) -> None:
+    job_id = await job_in_state(runtime.store, S.SUCCEEDED, T0)
+    key = await with_result(runtime, job_id)
+    clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+
+    counts = await prune(runtime, keep_results=True)
+
+    assert (counts.jobs, counts.results) == (1, 0)
+    assert await runtime.store.get_job(job_id) is None and await runtime.results.exists(key)
+
+
+class FailingDeletes:
+    """The file store, but every delete fails as an unreachable S3 would."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def delete(self, key: str) -> None:
+        raise TransientError("S3 DeleteObject failed: unreachable")
+
+
+async def test_a_result_that_cannot_be_deleted_keeps_its_job_for_the_next_round(
+    runtime: Runtime,
+) -> None:
+    job_id = await job_in_state(runtime.store, S.SUCCEEDED, T0)
+    key = await with_result(runtime, job_id)
+    clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+    retention = Retention(runtime.store, FailingDeletes(runtime.results))
+
+    counts = await retention.prune(await retention.cutoff(DAYS))
+
+    assert (counts.jobs, counts.results, counts.results_failed) == (0, 0, 1)
+    assert await runtime.store.get_job(job_id) is not None and await runtime.results.exists(key)
+    assert (await prune(runtime)).jobs == 1  # the store is back: the next round prunes it
+
+
+async def test_expired_tombstones_go_after_another_retention_period(runtime: Runtime) -> None:
+    job_id = await job_in_state(runtime.store, S.CANCELLED, T0)
+    clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+    assert (await prune(runtime)).jobs == 1
+    retention = Retention(runtime.store, runtime.results)
+    assert await retention.pruned(job_id) is not None
+
+    clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+    assert (await prune(runtime)).pruned_jobs == 1
+    assert await retention.pruned(job_id) is None
