@@ -5,6 +5,7 @@ everything else stays. SQLite and PostgreSQL, on a test clock moved 31 days inst
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -15,6 +16,8 @@ from sqlalchemy import func, insert, select, update
 
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransientError
+from jobrelay.roles.prune import Pruner
+from jobrelay.roles.reconcile import Reconciler
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.retention import PruneCounts, Retention
 from jobrelay.storage.tables import (
@@ -27,7 +30,7 @@ from jobrelay.storage.tables import (
 )
 from tests.integration.api_fixtures import T0, Clock, build_runtime
 
-from .ops_fixtures import job_in_state
+from .ops_fixtures import eventually, job_in_state
 
 pytestmark = pytest.mark.timeout(90)
 S = JobState
@@ -283,3 +286,37 @@ async def test_expired_tombstones_go_after_another_retention_period(runtime: Run
     clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
     assert (await prune(runtime)).pruned_jobs == 1
     assert await retention.pruned(job_id) is None
+
+
+async def test_the_reconciler_leader_prunes_and_counts_it(runtime: Runtime) -> None:
+    old = await job_in_state(runtime.store, S.SUCCEEDED, T0)
+    clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+    kept = await job_in_state(runtime.store, S.SUCCEEDED, runtime.clock(), "2021-01")
+    stop = asyncio.Event()
+    task = asyncio.create_task(Reconciler(runtime).run(stop))
+    try:
+
+        async def pruned() -> bool:
+            return await runtime.store.get_job(old) is None
+
+        await eventually(pruned, what="the leader to prune the old job")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert await runtime.store.get_job(kept) is not None
+    assert runtime.metrics.pruned.labels(table="jobs")._value.get() == 1
+
+
+async def test_a_prune_is_due_once_a_minute_or_at_once_after_a_capped_one(
+    runtime: Runtime,
+) -> None:
+    for i in range(3):
+        await job_in_state(runtime.store, S.CANCELLED, T0, f"2020-0{i + 1}")
+    clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+    pruner = Pruner(runtime, batch=1, max_rows=2)
+
+    first = await pruner.run_if_due()
+    assert first is not None and first.jobs == 2 and first.capped
+    second = await pruner.run_if_due()  # capped: due again at once
+    assert second is not None and second.jobs == 1 and not second.capped
+    assert await pruner.run_if_due() is None  # done: not due for a minute

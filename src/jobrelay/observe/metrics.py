@@ -114,6 +114,12 @@ class Metrics:
             ["finding"],
             registry=r,
         )
+        self.pruned = Counter(
+            "jobrelay_pruned",
+            "Rows retention deleted, by table (results: result objects).",
+            ["table"],
+            registry=r,
+        )
         self.reconcile_leader = Gauge(
             "jobrelay_reconcile_leader",
             "1 while this process is the reconciler leader, else 0.",

@@ -25,6 +25,8 @@ on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for five things, e
 - ``quarantine_mismatch``: a message in the quarantine queue whose job is not
   ``quarantined``. Reported.
 
+The leader also prunes (retention, ``roles/prune.py``) at most once a minute after a pass.
+
 One clock: a pass reads the database's clock once (``Store.db_now``: ``now()`` on
 PostgreSQL, the store's clock on SQLite) and uses that instant for every judgement and every
 write it makes, never the clock of the host it runs on, so a relay host whose clock is off
@@ -53,6 +55,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobrelay.domain.states import JobState
+from jobrelay.roles.prune import Pruner
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.admin import AdminQueries, WaitingJob
 
@@ -123,8 +126,16 @@ def _age(since: datetime | None, now: datetime) -> str:
 
 
 class Reconciler:
-    def __init__(self, rt: Runtime, *, actor: str | None = None, batch: int = _BATCH) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        *,
+        actor: str | None = None,
+        batch: int = _BATCH,
+        pruner: Pruner | None = None,
+    ) -> None:
         self.rt = rt
+        self.pruner = pruner
         self.actor = actor or new_reconciler_id()
         self.batch = batch
         self.queries = AdminQueries(rt.store)
@@ -306,13 +317,21 @@ class Reconciler:
             return
         # Broker-side reads on RabbitMQ touch the messages (see quarantine_scan): on demand only.
         scan = self.rt.settings.uses_local_broker
+        pruner = self.pruner or Pruner(self.rt)
         async with Leadership(self.rt) as leadership:
             while not stop.is_set():
+                leading = False
                 try:
-                    if await leadership.check():
+                    leading = await leadership.check()
+                    if leading:
                         await self.run_once(scan_quarantine=scan)
                 except Exception:
                     log.exception("reconcile pass failed", extra={"event": "reconcile_failed"})
+                try:
+                    if leading:
+                        await pruner.run_if_due()  # retention: see roles/prune.py
+                except Exception:
+                    log.exception("prune failed", extra={"event": "prune_failed"})
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(interval):
                         await stop.wait()
