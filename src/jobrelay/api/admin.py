@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, field_validator
 from jobrelay.api.auth import Principal, PrincipalDep, bearer_scheme, hash_token
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, problem_openapi
+from jobrelay.api.routes import PRUNED_RESPONSE, missing_job
 from jobrelay.api.schemas import JobOut, WireModel, canonical_job_id, valid_traceparent
 from jobrelay.domain.states import JobState
 from jobrelay.ops.explain import explain_document
@@ -39,6 +40,7 @@ _ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
 _ACTION_RESPONSES: dict[int | str, dict[str, Any]] = {
     **_ADMIN_RESPONSES,
     404: problem_openapi("No such job."),
+    410: PRUNED_RESPONSE,
     409: problem_openapi("The job is in a state this action may not move it from."),
     422: problem_openapi("Invalid body."),
 }
@@ -156,13 +158,15 @@ async def replay_job(
     job_id: JobIdPath,
     runtime: RuntimeDep,
     actor: AdminActor,
+    principal: PrincipalDep,
     body: Annotated[ReplayRequest | None, Body()] = None,
     traceparent: Annotated[str | None, Header()] = None,
 ) -> ActionOut:
     """``quarantined -> queued`` with a fresh attempt budget; a new message goes through the
     outbox. The timeline gets a ``replayed`` event naming this token."""
     reason = (body or ReplayRequest()).reason
-    return await _act(runtime, job_id, "replay", actor, reason, valid_traceparent(traceparent))
+    trace = valid_traceparent(traceparent)
+    return await _act(runtime, job_id, "replay", actor, reason, trace, principal)
 
 
 @router.post(
@@ -172,11 +176,15 @@ async def replay_job(
     responses=_ACTION_RESPONSES,
 )
 async def cancel_job(
-    job_id: JobIdPath, runtime: RuntimeDep, actor: AdminActor, body: CancelRequest
+    job_id: JobIdPath,
+    runtime: RuntimeDep,
+    actor: AdminActor,
+    principal: PrincipalDep,
+    body: CancelRequest,
 ) -> ActionOut:
     """``queued | retry_wait | quarantined -> cancelled``; later deliveries are acked without
     work. The timeline gets a ``cancelled`` event naming this token."""
-    return await _act(runtime, job_id, "cancel", actor, body.reason, None)
+    return await _act(runtime, job_id, "cancel", actor, body.reason, None, principal)
 
 
 @router.get(
@@ -186,6 +194,7 @@ async def cancel_job(
         200: {"description": "The explanation (the JSON of `jobrelay job show --json`)."},
         401: problem_openapi("No token, or not a valid one."),
         404: problem_openapi("No such job, or it belongs to another account (not distinguished)."),
+        410: PRUNED_RESPONSE,
         503: problem_openapi("The database is unavailable."),
     },
 )
@@ -193,14 +202,23 @@ async def explain_job(
     job_id: JobIdPath, principal: PrincipalDep, runtime: RuntimeDep
 ) -> dict[str, Any]:
     canonical = canonical_job_id(job_id)
-    job = _visible(principal, await runtime.store.get_job(canonical) if canonical else None)
+    found = await runtime.store.get_job(canonical) if canonical else None
+    if found is None:
+        raise await missing_job(runtime, principal, canonical)
+    job = _visible(principal, found)
     events = await runtime.store.events(job.id)
     trace_id = await AdminQueries(runtime.store).trace_id(job.id)
     return explain_document(job, events, runtime.clock(), trace_id)
 
 
 async def _act(
-    runtime: Runtime, raw_id: str, action: str, actor: str, reason: str, trace: str | None
+    runtime: Runtime,
+    raw_id: str,
+    action: str,
+    actor: str,
+    reason: str,
+    trace: str | None,
+    principal: Principal,
 ) -> ActionOut:
     job_id = canonical_job_id(raw_id)
     if job_id is None:
@@ -213,7 +231,7 @@ async def _act(
     else:
         outcome = await operator.cancel(job_id, actor=actor, reason=reason)
     if outcome.state is None:
-        raise ProblemError(404, _NOT_FOUND)
+        raise await missing_job(runtime, principal, job_id)
     if not outcome.done:
         raise ProblemError(
             409,

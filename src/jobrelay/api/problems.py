@@ -33,6 +33,7 @@ VALIDATION = "urn:jobrelay:problem:validation"
 IDEMPOTENCY_CONFLICT = "urn:jobrelay:problem:idempotency-conflict"
 NOT_FINISHED = "urn:jobrelay:problem:job-not-finished"
 RESULT_GONE = "urn:jobrelay:problem:result-gone"
+JOB_PRUNED = "urn:jobrelay:problem:job-pruned"
 NOT_READY = "urn:jobrelay:problem:not-ready"
 UNAVAILABLE = "urn:jobrelay:problem:dependency-unavailable"
 _STANDARD_MEMBERS = frozenset({"type", "title", "status", "detail", "instance"})

@@ -3,7 +3,9 @@
 Jobs are accepted by ``POST /v1/jobs`` (jobs.py) or by an application's own routes
 (``App.http_router``, e.g. the export app's ``POST /v1/exports``). Reads answer 404 both for
 a missing job and for another account's job, with the same body, so ids cannot be probed
-across accounts. A result is downloadable only for a type whose definition names its file
+across accounts. A job that retention deleted answers 410 (``job-pruned``) instead, to
+whoever could have read it, for one more retention period (``storage/retention.py``). A
+result is downloadable only for a type whose definition names its file
 (``@app.job(..., result_filename=...)``).
 """
 
@@ -20,6 +22,7 @@ from fastapi.responses import RedirectResponse, StreamingResponse
 from jobrelay.api.auth import Principal, PrincipalDep
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import (
+    JOB_PRUNED,
     NOT_FINISHED,
     RESULT_GONE,
     UNAVAILABLE,
@@ -36,6 +39,7 @@ from jobrelay.api.schemas import (
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransientError
 from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.retention import Retention
 from jobrelay.storage.store import JobRecord
 
 log = logging.getLogger("jobrelay.api")
@@ -55,9 +59,13 @@ _AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: problem_openapi("No token, or not a valid one."),
     503: problem_openapi("The database is unavailable; nothing was changed."),
 }
+PRUNED_RESPONSE = problem_openapi(
+    "The job finished and was deleted by retention (JOBRELAY_RETENTION_DAYS); `prunedAt` says when."
+)
 _JOB_RESPONSES: dict[int | str, dict[str, Any]] = {
     **_AUTH_RESPONSES,
     404: problem_openapi("No such job, or it belongs to another account (not distinguished)."),
+    410: PRUNED_RESPONSE,
 }
 
 JobIdPath = Annotated[str, Path(alias="jobId", description="The jobId returned by the 202.")]
@@ -102,7 +110,10 @@ async def get_events(job_id: JobIdPath, principal: PrincipalDep, runtime: Runtim
         409: problem_openapi(
             "The job has not succeeded (the detail says its state).", NotFinishedProblem
         ),
-        410: problem_openapi("The job succeeded but its result file is gone."),
+        410: problem_openapi(
+            "The job succeeded but its result file is gone (`result-gone`), or the job itself "
+            "was deleted by retention (`job-pruned`)."
+        ),
         503: problem_openapi("The database or the result store (S3) is unavailable."),
     },
 )
@@ -155,9 +166,28 @@ async def read_body(request: Request) -> bytes:
 async def _visible_job(runtime: Runtime, principal: Principal, raw_id: str) -> JobRecord:
     job_id = canonical_job_id(raw_id)
     job = await runtime.store.get_job(job_id) if job_id is not None else None
-    if job is None or not principal.may_act_for(job.account_id):
+    if job is None:
+        raise await missing_job(runtime, principal, job_id)
+    if not principal.may_act_for(job.account_id):
         raise ProblemError(404, _NOT_FOUND)
     return job
+
+
+async def missing_job(runtime: Runtime, principal: Principal, job_id: str | None) -> ProblemError:
+    """What to answer for an id with no job row: 410 if retention deleted a job this
+    principal could have read (its tombstone says so), else the usual 404."""
+    if job_id is not None:
+        stone = await Retention(runtime.store, runtime.results).pruned(job_id)
+        if stone is not None and principal.may_act_for(stone.account_id):
+            return ProblemError(
+                410,
+                "the job finished and was deleted by retention "
+                f"(JOBRELAY_RETENTION_DAYS={runtime.settings.retention_days:g})",
+                type_=JOB_PRUNED,
+                title="Job pruned",
+                prunedAt=stone.pruned_at.isoformat().replace("+00:00", "Z"),
+            )
+    return ProblemError(404, _NOT_FOUND)
 
 
 def _results_unavailable(exc: TransientError) -> ProblemError:
