@@ -377,10 +377,11 @@ def job_show_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="The explanation as JSON.")] = False,
 ) -> None:
     """State, facts, attempts and timeline of one job, and where to look next."""
+    from jobrelay.cli.retention import fail_missing
     from jobrelay.ops.explain import show_job
 
     if not run(show_job(settings, job_id, as_json=as_json)):
-        raise fail(f"no job {job_id}")
+        raise fail_missing(settings, job_id, f"no job {job_id}")
 
 
 @jobs_app.command("list")
@@ -410,8 +411,9 @@ def jobs_list_cmd(
     run(list_jobs(settings, wanted, limit, reason=reason, job_type=job_type))
 
 
-# Operator actions and the reconciler live in their own module; importing it registers them.
-from jobrelay.cli import operator  # noqa: E402, F401
+# Operator actions, the reconciler and prune live in modules of their own; importing them
+# registers their commands.
+from jobrelay.cli import operator, retention  # noqa: E402, F401
 
 
 def main() -> None:

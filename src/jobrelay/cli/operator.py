@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from jobrelay.cli.main import app, fail, job_app, jobs_app, run, with_settings
+from jobrelay.cli.retention import fail_missing
 from jobrelay.observe import logs
 from jobrelay.ops.operator import BulkReplay, Operator, cli_actor, refusal
 from jobrelay.roles.reconcile import Reconciler, Report
@@ -48,6 +49,8 @@ def job_replay_cmd(
 ) -> None:
     """Send a quarantined job back to queued, with a fresh attempt budget."""
     outcome = run(_act(settings, "replay", job_id, actor or cli_actor(), reason))
+    if outcome.state is None:
+        raise fail_missing(settings, job_id, refusal("replay", outcome))
     if not outcome.done:
         raise fail(refusal("replay", outcome))
     typer.echo(
@@ -68,6 +71,8 @@ def job_cancel_cmd(
     if not reason.strip():
         raise fail("--reason must not be empty", 2)
     outcome = run(_act(settings, "cancel", job_id, actor or cli_actor(), reason))
+    if outcome.state is None:
+        raise fail_missing(settings, job_id, refusal("cancel", outcome))
     if not outcome.done:
         raise fail(refusal("cancel", outcome))
     assert outcome.previous_state is not None
