@@ -1,5 +1,5 @@
-"""Migrations keep what is there: 0003 (jobs without an account) and 0004 (job queues) on a
-database with data.
+"""Migrations keep what is there: 0003 (jobs without an account), 0004 (job queues) and 0005
+(retention: tombstones, autovacuum settings on PostgreSQL) on a database with data.
 
 On SQLite, 0003 rebuilds the ``jobs`` table (batch mode). With foreign keys on, dropping the
 old table would cascade into every outbox row, event and effects-ledger row of every job, so
@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from sqlalchemy import func, insert, select
+from alembic import command
+from sqlalchemy import func, insert, select, text
 
-from jobrelay.storage.engine import create_engine, upgrade
+from jobrelay.storage.engine import alembic_config, create_engine, upgrade
 from jobrelay.storage.store import NewJob, Store
 from jobrelay.storage.tables import job_events, jobs, outbox
 
@@ -104,3 +105,39 @@ def test_0003_and_0004_keep_every_row_and_allow_jobs_without_an_account(tmp_path
     assert asyncio.run(_queue_of(url, old)) == "default"  # 0004: on the default queue
     asyncio.run(_submit(url, None, "00000000-0000-4000-8000-000000000002"))
     assert asyncio.run(_counts(url)) == (2, 2, 2)
+
+
+async def _reloptions(url: str) -> dict[str, list[str] | None]:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT relname, reloptions FROM pg_class WHERE relname IN "
+                    "('outbox', 'local_messages', 'jobs', 'job_events', 'pruned_jobs')"
+                )
+            )
+            return {r.relname: r.reloptions for r in rows}
+    finally:
+        await engine.dispose()
+
+
+def test_0005_keeps_every_row_and_tunes_autovacuum_on_postgres(
+    database_url: str, tmp_path: Path
+) -> None:
+    # Back to 0004 (the fixture's database is at head), a job as it was, then 0005 again.
+    command.downgrade(alembic_config(database_url), "0004")
+    if database_url.startswith("postgresql"):
+        assert all(not options for options in asyncio.run(_reloptions(database_url)).values())
+    asyncio.run(_submit(database_url, "acme", "00000000-0000-4000-8000-000000000001"))
+
+    upgrade(database_url)
+
+    assert asyncio.run(_counts(database_url)) == (1, 1, 1)
+    if database_url.startswith("postgresql"):
+        options = asyncio.run(_reloptions(database_url))
+        assert "autovacuum_vacuum_scale_factor=0.01" in (options["outbox"] or [])
+        assert "autovacuum_vacuum_scale_factor=0.01" in (options["local_messages"] or [])
+        assert "autovacuum_vacuum_scale_factor=0.02" in (options["jobs"] or [])
+        assert "autovacuum_vacuum_scale_factor=0.02" in (options["job_events"] or [])
+        assert "pruned_jobs" in options

@@ -172,11 +172,14 @@ async def test_superseded_published_outbox_rows_of_kept_jobs_go_but_the_newest_s
     assert replay.done
     await publish_all(runtime, later)
     assert await count(runtime, outbox, outbox.c.job_id == job_id) == 2
-    clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+    now = clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+    young = await job_in_state(runtime.store, S.QUEUED, now, "2021-01")  # bounds the scan
+    await publish_all(runtime, now)
 
     counts = await prune(runtime)
 
     assert (counts.jobs, counts.outbox) == (0, 1)
+    assert await count(runtime, outbox, outbox.c.job_id == young) == 1
     async with runtime.engine.connect() as conn:
         [kept] = (
             await conn.execute(select(outbox.c.created_at).where(outbox.c.job_id == job_id))

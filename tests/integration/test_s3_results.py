@@ -150,3 +150,30 @@ async def test_large_result_streams_in_parts_with_flat_memory(aws_env: None, buc
     print(f"peak traced memory writing {total // MiB} MiB: {peak / MiB:.1f} MiB")
     # One part buffered (+ the buffer's growth and the HTTP client's own chunks), never more.
     assert peak < 2 * MIN_PART_SIZE, f"peak {peak / MiB:.1f} MiB for a {total // MiB} MiB result"
+
+
+async def test_delete_removes_the_object_and_a_missing_one_is_fine(
+    store: S3Results, s3_server: S3Server, bucket: str
+) -> None:
+    async with store.writer(KEY) as out:
+        await out.write(b"a,b\r\n")
+    assert await object_keys(s3_server.endpoint, bucket) == [FULL_KEY]
+
+    await store.delete(KEY)
+
+    assert await object_keys(s3_server.endpoint, bucket) == []
+    await store.delete(KEY)  # already gone: retention may repeat itself
+    assert not await store.exists(KEY)
+
+
+async def test_delete_on_an_unreachable_endpoint_is_a_transient_error(
+    aws_env: None, bucket: str
+) -> None:
+    from .effects_fixtures import free_port
+
+    results = S3Results(f"s3://{bucket}", endpoint_url=f"http://127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(TransientError, match=r"DeleteObject failed.*Could not connect"):
+            await results.delete(KEY)
+    finally:
+        await results.aclose()
