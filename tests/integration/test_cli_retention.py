@@ -5,6 +5,8 @@ since the CLI runs on the real clock (the database's on PostgreSQL)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,6 +22,17 @@ from jobrelay.storage.store import Store
 from .ops_fixtures import job_in_state
 
 pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """``jobrelay prune`` configures logging onto the runner's stderr, which closes after
+    each invoke: give the next tests the root logger they had."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def env(database_url: str, tmp_path: Path) -> dict[str, str]:

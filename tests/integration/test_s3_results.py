@@ -169,7 +169,7 @@ async def test_delete_removes_the_object_and_a_missing_one_is_fine(
 async def test_delete_on_an_unreachable_endpoint_is_a_transient_error(
     aws_env: None, bucket: str
 ) -> None:
-    from .effects_fixtures import free_port
+    from jobrelay.chaos.sinks import free_port
 
     results = S3Results(f"s3://{bucket}", endpoint_url=f"http://127.0.0.1:{free_port()}")
     try:
