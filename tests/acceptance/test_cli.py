@@ -93,3 +93,13 @@ def test_unmigrated_database_is_named(tmp_path: Path) -> None:
     result = run_cli("jobs", "list", env=env)
     assert_one_line_error(result, "JOBRELAY_DATABASE_URL")
     assert "jobrelay db upgrade" in result.stderr
+
+
+def test_prune_counts_and_refuses_a_bad_age_in_one_line(sqlite_env: dict[str, str]) -> None:
+    bogus = run_cli("prune", "--older-than", "bogus", env=sqlite_env)
+    assert bogus.returncode == 2 and bogus.stdout == ""
+    assert bogus.stderr.startswith("jobrelay: error: --older-than 'bogus': ")
+    assert len(bogus.stderr.strip().splitlines()) == 1 and "Traceback" not in bogus.stderr
+    dry = run_cli("prune", "--dry-run", env=sqlite_env)
+    assert dry.returncode == 0 and "nothing changed" in dry.stdout
+    assert "jobs             0" in dry.stdout.splitlines()
