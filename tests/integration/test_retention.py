@@ -267,16 +267,43 @@ class FailingDeletes:
 async def test_a_result_that_cannot_be_deleted_keeps_its_job_for_the_next_round(
     runtime: Runtime,
 ) -> None:
-    job_id = await job_in_state(runtime.store, S.SUCCEEDED, T0)
-    key = await with_result(runtime, job_id)
+    job_ids = [await job_in_state(runtime.store, S.SUCCEEDED, T0, f"2020-0{i}") for i in (1, 2)]
+    keys = [await with_result(runtime, job_id) for job_id in job_ids]
     clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
     retention = Retention(runtime.store, FailingDeletes(runtime.results))
 
     counts = await retention.prune(await retention.cutoff(DAYS))
 
+    # The first failure stops the batch: a store that is down is not asked 500 times.
     assert (counts.jobs, counts.results, counts.results_failed) == (0, 0, 1)
-    assert await runtime.store.get_job(job_id) is not None and await runtime.results.exists(key)
-    assert (await prune(runtime)).jobs == 1  # the store is back: the next round prunes it
+    for job_id, key in zip(job_ids, keys, strict=True):
+        assert await runtime.store.get_job(job_id) is not None
+        assert await runtime.results.exists(key)
+    assert (await prune(runtime)).jobs == 2  # the store is back: the next round prunes them
+
+
+async def test_a_locked_job_is_skipped_not_waited_for_and_goes_next_time(
+    pg_url: str, tmp_path: Path
+) -> None:
+    rt = build_runtime(pg_url, tmp_path, clock=Clock())
+    try:
+        job_ids = [
+            await job_in_state(rt.store, S.SUCCEEDED, T0, f"2020-0{i + 1}") for i in range(3)
+        ]
+        clock(rt).advance(timedelta(days=DAYS + 1).total_seconds())
+        async with rt.engine.connect() as holder, holder.begin():
+            # As many locked as one batch holds: picked again and again, were they not skipped.
+            locked = select(jobs.c.id).where(jobs.c.id.in_(job_ids[:2])).with_for_update()
+            await holder.execute(locked)
+            counts = await asyncio.wait_for(prune(rt, batch=2), 10)  # never waits on the lock
+            assert counts.jobs <= 1
+            assert all([await rt.store.get_job(j) is not None for j in job_ids[:2]])
+        left = 3 - counts.jobs
+        for _ in range(2):
+            left -= (await prune(rt, batch=2)).jobs
+        assert left == 0 and await count(rt, jobs) == 0
+    finally:
+        await rt.engine.dispose()
 
 
 async def test_expired_tombstones_go_after_another_retention_period(runtime: Runtime) -> None:

@@ -29,8 +29,11 @@ bounded; ``PruneCounts.capped`` says more remains.
 Result objects are deleted BEFORE their job's rows, outside any transaction (S3 is I/O no
 lock should wait on). A crash between the two leaves a past-retention job whose result is
 gone: a result read in between answers 410 (result gone), and the next prune deletes the
-rows. A result object whose delete fails (the store is down) keeps its job for the next
-round, so the key is never forgotten while its object still exists.
+rows. A result object whose delete fails (the store is down) keeps its job, and ends the
+jobs step of this call, for the next round: the key is never forgotten while its object
+still exists, and a store that is down is asked once, not once per job. A batch that deleted
+fewer jobs than it picked (some were locked, skipped) also ends the step, so a few held rows
+are never picked again and again.
 """
 
 from __future__ import annotations
@@ -156,10 +159,7 @@ class Retention:
         counts = PruneCounts()
         now = await self.store.db_now()
         await self._prune_jobs(cutoff, now, counts)
-        superseded = self._superseded_before(cutoff)
-        boundary = await self._outbox_boundary(cutoff)
-        if boundary is not None:
-            superseded.append(outbox.c.id < boundary)
+        superseded = await self._superseded(cutoff)
         counts.outbox += await self._in_batches(counts, outbox, superseded)
         counts.local_messages += await self._in_batches(
             counts, local_messages, self._dead_letters_before(cutoff)
@@ -169,8 +169,9 @@ class Retention:
         )
         return counts
 
-    async def _outbox_boundary(self, cutoff: datetime) -> int | None:
-        """The id of the first outbox row written at or after ``cutoff``.
+    async def _superseded(self, cutoff: datetime) -> list[Any]:
+        """``_superseded_before(cutoff)``, below the id of the first outbox row written at or
+        after ``cutoff``.
 
         Ids grow with insertion, so every row older than the cutoff lies (give or take the
         few rows written as the cutoff passed, left for a later round) below it. Bounding the
@@ -180,13 +181,14 @@ class Retention:
         writes no more index entries than before.
         """
         async with self.store.reading() as conn:
-            value = await conn.scalar(
+            boundary = await conn.scalar(
                 select(outbox.c.id)
                 .where(outbox.c.created_at >= cutoff)
                 .order_by(outbox.c.id)
                 .limit(1)
             )
-        return int(value) if value is not None else None
+        where = self._superseded_before(cutoff)
+        return where if boundary is None else [*where, outbox.c.id < boundary]
 
     async def _prune_jobs(self, cutoff: datetime, now: datetime, counts: PruneCounts) -> None:
         while counts.jobs < self.max_rows:
@@ -203,34 +205,42 @@ class Retention:
                 ).all()
             if not rows:
                 return
-            failed = set() if self.keep_results else await self._delete_results(rows, counts)
-            ids = [r.id for r in rows if r.id not in failed]
+            ids = (
+                [r.id for r in rows]
+                if self.keep_results
+                else await self._delete_results(rows, counts)
+            )
+            deleted = 0
             if ids:
                 async with self.store.writing() as conn:
-                    await self._delete_jobs(conn, ids, cutoff, now, counts)
-            if failed or len(rows) < limit:
-                return  # the result store is failing: the rest waits for the next call
+                    deleted = await self._delete_jobs(conn, ids, cutoff, now, counts)
+            # Fewer than asked: the last ones. A failed result delete, or rows skipped as
+            # locked (they would be picked again and again): the next call.
+            if len(rows) < limit or deleted < len(rows):
+                return
         counts.capped = True
 
-    async def _delete_results(self, rows: Sequence[Any], counts: PruneCounts) -> set[str]:
-        """Delete the result objects of ``rows``; the ids of the jobs whose delete failed."""
-        failed: set[str] = set()
+    async def _delete_results(self, rows: Sequence[Any], counts: PruneCounts) -> list[str]:
+        """Delete the result objects of ``rows`` in order; the ids of the jobs whose object is
+        gone now (or that had none). The first failure stops it: a result store that is down
+        would fail (and time out) the same way for every other object of the batch."""
+        done: list[str] = []
         for row in rows:
-            if row.result_key is None:
-                continue
-            try:
-                await self.results.delete(row.result_key)
-            except TransientError as exc:
-                failed.add(row.id)
-                log.warning(
-                    "result not deleted, its job is kept for the next prune: %s",
-                    exc,
-                    extra={"event": "prune_result_failed", "jobId": row.id},
-                )
-                continue
-            counts.results += 1
-        counts.results_failed += len(failed)
-        return failed
+            if row.result_key is not None:
+                try:
+                    await self.results.delete(row.result_key)
+                except TransientError as exc:
+                    counts.results_failed += 1
+                    log.warning(
+                        "result not deleted, its job and the rest of the batch are kept for "
+                        "the next prune: %s",
+                        exc,
+                        extra={"event": "prune_result_failed", "jobId": row.id},
+                    )
+                    break
+                counts.results += 1
+            done.append(row.id)
+        return done
 
     async def _delete_jobs(
         self,
@@ -239,9 +249,10 @@ class Retention:
         cutoff: datetime,
         now: datetime,
         counts: PruneCounts,
-    ) -> None:
+    ) -> int:
         """One batch, one transaction: lock the jobs still prunable (skip any row someone
-        holds), delete their rows child tables first, leave a tombstone for each."""
+        holds), delete their rows child tables first, leave a tombstone for each. Returns how
+        many jobs it deleted."""
         locked = (
             await conn.execute(
                 select(jobs.c.id, jobs.c.account_id, jobs.c.created_at)
@@ -250,7 +261,7 @@ class Retention:
             )
         ).all()
         if not locked:
-            return
+            return 0
         victims = [r.id for r in locked]
         for table, name in ((job_events, "job_events"), (effects_ledger, "effects_ledger")):
             result = await conn.execute(delete(table).where(table.c.job_id.in_(victims)))
@@ -266,6 +277,7 @@ class Retention:
         ]
         await conn.execute(delete(pruned_jobs).where(pruned_jobs.c.id.in_(victims)))
         await conn.execute(insert(pruned_jobs), stones)
+        return len(victims)
 
     async def _in_batches(self, counts: PruneCounts, table: Any, where: list[Any]) -> int:
         """Delete rows of ``table`` matching ``where``, ``batch`` per transaction, up to
@@ -294,6 +306,7 @@ class Retention:
     async def count(self, cutoff: datetime) -> PruneCounts:
         """What ``prune(cutoff)`` would delete now, without the cap, changing nothing."""
         finished = select(jobs.c.id).where(*self._finished_before(cutoff))
+        superseded = await self._superseded(cutoff)
         async with self.store.reading() as conn:
 
             async def n(table: Any, *where: Any) -> int:
@@ -305,7 +318,7 @@ class Retention:
                 job_events=await n(job_events, job_events.c.job_id.in_(finished)),
                 effects_ledger=await n(effects_ledger, effects_ledger.c.job_id.in_(finished)),
                 outbox=await n(outbox, outbox.c.job_id.in_(finished))
-                + await n(outbox, ~outbox.c.job_id.in_(finished), *self._superseded_before(cutoff)),
+                + await n(outbox, ~outbox.c.job_id.in_(finished), *superseded),
                 local_messages=await n(local_messages, *self._dead_letters_before(cutoff)),
                 results=0
                 if self.keep_results
