@@ -33,8 +33,10 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit
 
 ## bench: throughput through separate api / relay / worker processes (PostgreSQL + RabbitMQ):
-## report.export first, then the no-op job against the peers; ends with the `bench:` line
+## the scaling table (1/2 relays, 1/2/4 workers; one node and a 3-node cluster), then
+## report.export, then the no-op job against the peers; ends with the `bench:` line
 bench: $(STAMP)
+	$(BIN)/python bench/scaling_bench.py --cluster 3 $(SCALING_ARGS)
 	$(BIN)/python bench/pipeline_bench.py --job export --skip-peers $(BENCH_ARGS)
 	$(BIN)/python bench/pipeline_bench.py --job noop $(BENCH_ARGS)
 
