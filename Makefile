@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test lint typecheck unit bench chaos clean
+.PHONY: demo test lint typecheck unit bench bench-soak chaos clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ bench: $(STAMP)
 	$(BIN)/python bench/scaling_bench.py --cluster 3 $(SCALING_ARGS)
 	$(BIN)/python bench/pipeline_bench.py --job export --skip-peers $(BENCH_ARGS)
 	$(BIN)/python bench/pipeline_bench.py --job noop $(BENCH_ARGS)
+
+## bench-soak: SOAK seconds (default 600) of no-op jobs over HTTP at a fixed rate (half a measured
+## maximum), retention a few minutes; a row a minute (rows, dead tuples and sizes per table, outbox
+## backlog, relay and end-to-end p99); fails unless they stay flat and no job is lost
+SOAK ?= 600
+bench-soak: $(STAMP)
+	$(BIN)/python bench/soak_bench.py --soak $(SOAK) $(SOAK_ARGS)
 
 ## chaos: the fault proof: N exports under kill -9 and service restarts (PostgreSQL + RabbitMQ)
 chaos: $(STAMP)

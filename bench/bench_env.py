@@ -359,6 +359,18 @@ class RoleProcess:
         }
 
 
+def peak_rss_mib(pid: int) -> float | None:
+    """The process's peak resident set (``VmHWM``), from ``/proc``; None once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
 def _json_line(line: str) -> dict[str, Any] | None:
     if not line.startswith("{"):
         return None

@@ -34,6 +34,8 @@ job) is the cost of its guarantees, which this report makes visible, not a defec
 The benchmark client shares the machine's two cores with the processes it measures, and the
 processes log at jobrelay's default level (INFO), as a deployment would.
 
+``--soak SECONDS`` hands the run over to the soak mode (``bench/soak_bench.py``, its options).
+
 It isolates itself (a fresh database and vhosts, dropped at the end, also on failure or
 Ctrl-C; ``--keep`` leaves them), bounds every phase (``--phase-timeout``), keeps process logs
 under ``bench-results/logs/``, and writes the figures to ``bench-results/pipeline-*.json``.
@@ -63,6 +65,7 @@ import bench_cpu
 import bench_peers
 import httpx
 import peer_queues
+import soak_bench
 from bench_client import Submitted, api_client, submit, submit_at_rate, wait_ready
 from bench_env import (
     BenchFailure,
@@ -71,6 +74,7 @@ from bench_env import (
     Sandbox,
     describe_environment,
     free_port,
+    peak_rss_mib,
     rabbitmqctl,
     run_command,
     summarise_profile,
@@ -112,18 +116,6 @@ class Options:
     tuning: dict[str, str]  # extra JOBRELAY_* settings for every process
     profile: frozenset[str]  # roles run under cProfile (diagnosis; slows them down)
     job: str = "export"  # what every phase runs: report.export, or bench.noop
-
-
-def peak_rss_mib(pid: int) -> float | None:
-    """The process's peak resident set (``VmHWM``), from ``/proc``; None once it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    for line in status.splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return None
 
 
 def parse_args(argv: list[str] | None) -> Options:
@@ -721,7 +713,10 @@ async def amain(options: Options) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    if any(arg == "--soak" or arg.startswith("--soak=") for arg in args):
+        return soak_bench.main(args)  # the soak mode: bench/soak_bench.py, its own options
+    options = parse_args(args)
     try:
         return asyncio.run(amain(options))
     except (KeyboardInterrupt, asyncio.CancelledError):
