@@ -17,8 +17,10 @@ uses ``RELAYS[i % len]`` relays and ``WORKERS[i]`` workers, so with the defaults
 
 So process start-up is never in a rate, and every process of a cell starts its work at the
 same instant. The cluster column's processes get ``JOBRELAY_BROKER_URL`` = every node's URL,
-comma-separated; the work queue is a quorum queue replicated on every node, so the cluster
-column over the single-node one is the cost of replication. Two shared cores bound the
+comma-separated (node 1's alone if this jobrelay cannot connect with a list: the line
+``scaling: the processes connect to …`` says which); the work queue is a quorum queue
+replicated on every node, so the cluster column over the single-node one is the cost of
+replication. Two shared cores bound the
 absolute figures; read the table for its shape. Each cell's machine-readable line
 (``scaling-cell: {json}``) has the cores used meanwhile: ``jobrelay`` (the cell's processes),
 ``postgres`` (the benchmark database's backends and the server's writers), ``rabbitmq``
@@ -34,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,15 +47,21 @@ from typing import Any
 
 import asyncpg
 import bench_cpu
+import httpx
 from bench_app import noop
 from bench_env import BenchFailure, RoleProcess, Sandbox, run_command
 from bench_report import say
 from sqlalchemy.ext.asyncio import create_async_engine
 
-try:  # another engineer's module; until it is on main the cluster column is skipped
-    from jobrelay.chaos.rabbit_cluster import RabbitCluster
+from jobrelay.errors import TransportError
+from jobrelay.transport.rabbitmq import RabbitTransport
+from jobrelay.transport.topology import Topology, work_queue
+
+try:  # the cluster column needs it; a checkout without it skips that column
+    from jobrelay.chaos.rabbit_cluster import ClusterError, RabbitCluster
 except ImportError:  # pragma: no cover - depends on the checkout
     RabbitCluster = None  # type: ignore[assignment,misc]
+    ClusterError = BenchFailure  # type: ignore[assignment,misc]
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench-results"
@@ -79,6 +88,7 @@ class Column:
     drain: dict[int, list[float]] = field(default_factory=dict)
     cells: list[dict[str, Any]] = field(default_factory=list)
     failure: str | None = None
+    broker: str = "amqp://127.0.0.1:5672 (a vhost of its own)"
 
 
 def parse_args(argv: list[str] | None) -> Options:
@@ -209,6 +219,7 @@ class ColumnRun:
             "others": others,
             "total": used.get("total", 0.0),
         }
+        cores |= {k: v for k, v in used.items() if k.startswith("other: ") and v >= 0.05}
         return seconds, {k: round(v, 2) for k, v in cores.items()}
 
     async def outbox_drained(self) -> bool:
@@ -273,19 +284,69 @@ async def measure_column(options: Options, column: Column, log_dir: Path) -> Non
     try:
         broker_url = None
         if column.name != SINGLE:
-            cluster = RabbitCluster(options.cluster, workdir=log_dir / "rabbit")
+            cluster = RabbitCluster(options.cluster, base_port=free_base_port(options.cluster))
             say(f"scaling: starting a {options.cluster}-node RabbitMQ cluster")
             started = time.perf_counter()
             await asyncio.to_thread(cluster.start)
             say(f"scaling: cluster ready after {time.perf_counter() - started:.1f}s")
-            broker_url = cluster.broker_url()
+            broker_url = await cluster_broker_url(cluster)
+            column.broker = broker_url.replace("guest:guest@", "")
+            say(f"scaling: the processes connect to {column.broker}")
         await run.run(broker_url)
-    except BenchFailure as exc:
+        if cluster is not None:
+            members = await asyncio.to_thread(queue_members, cluster, work_queue())
+            column.broker += f"; {work_queue()} replicated on {members}"
+            say(f"scaling: {work_queue()} is a quorum queue on {members}")
+    except (BenchFailure, ClusterError) as exc:
         column.failure = str(exc)
     finally:
         await run.clean_up()
         if cluster is not None:
             await asyncio.to_thread(cluster.stop)
+
+
+async def cluster_broker_url(cluster: Any) -> str:
+    """Every node's URL, comma-separated, when this jobrelay connects with that; else node
+    1's (clients on one node; the quorum queues are replicated on every node all the same)."""
+    every = str(cluster.broker_url())
+    transport = RabbitTransport(every, Topology(retry_delays=(5, 30), delivery_limit=5))
+    try:
+        await transport.ping()
+    except TransportError as exc:
+        say(f"scaling: this jobrelay does not take a list of broker URLs ({exc}); node 1 only")
+        return str(cluster.urls[0])
+    return every
+
+
+def queue_members(cluster: Any, queue: str) -> str:
+    """Leader and members of a quorum queue, from node 1's management API."""
+    url = str(cluster.management_urls()[0]).replace("guest:guest@", "")
+    try:
+        answer = httpx.get(f"{url}/api/queues/%2F/{queue}", auth=("guest", "guest"), timeout=5)
+        answer.raise_for_status()
+        info = answer.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return f"? ({exc})"
+    return f"{len(info.get('members', []))} nodes (leader {info.get('leader')})"
+
+
+def free_base_port(nodes: int) -> int:
+    """A base port whose node ports (AMQP, +10000 management, +20000 distribution) are all
+    free: not the cluster module's default, which a neighbour's run may be using."""
+    for base in range(5701, 6000, 10):
+        ports = [base + i + offset for i in range(nodes) for offset in (0, 10000, 20000)]
+        if all(port_free(port) for port in ports):
+            return base
+    raise BenchFailure("no free ports for a RabbitMQ cluster between 5701 and 6000")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def print_table(options: Options, columns: list[Column]) -> None:
@@ -349,6 +410,7 @@ async def amain(options: Options) -> int:
             "options": {**options.__dict__},
             "cells": [c for column in columns for c in column.cells],
             "failures": {c.name: c.failure for c in columns if c.failure},
+            "brokers": {c.name: c.broker for c in columns},
         }
         path.write_text(json.dumps(document, indent=2) + "\n")
         say(f"scaling: figures in {path.relative_to(REPO)}; took {document['elapsed_s']}s")
