@@ -20,13 +20,16 @@ same instant. The cluster column's processes get ``JOBRELAY_BROKER_URL`` = every
 comma-separated (node 1's alone if this jobrelay cannot connect with a list: the line
 ``scaling: the processes connect to …`` says which); the work queue is a quorum queue
 replicated on every node, so the cluster column over the single-node one is the cost of
-replication. Two shared cores bound the
-absolute figures; read the table for its shape. Each cell's machine-readable line
-(``scaling-cell: {json}``) has the cores used meanwhile: ``jobrelay`` (the cell's processes),
-``postgres`` (the benchmark database's backends and the server's writers), ``rabbitmq``
-(every Erlang VM on the machine), ``others`` (anything else: a neighbour's run makes that cell
-suspect) and ``total`` (the machine). Exit 1 on a functional failure (a quarantined or lost job,
-a process that died, a timeout); the table is printed with whatever was measured.
+replication. Two shared cores bound the absolute figures; read the table for its shape.
+
+Each cell's machine-readable line (``scaling-cell: {json}``) has the cores used meanwhile:
+``jobrelay`` (the cell's processes), ``postgres`` and ``rabbitmq`` (every PostgreSQL process
+and every Erlang VM on the machine), ``others`` (anything else, the largest by name: a
+neighbour's run makes that cell suspect) and ``total`` (the machine, interrupts included).
+The run ends with one ``scaling: single_relay_x1=… cluster3_drain_x4=…`` line and writes
+``bench-results/scaling-*.json``. Exit 1 on a functional failure (a quarantined or lost job, a
+process that died, a timeout, a cluster that would not start); the table is printed with
+whatever was measured.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import asyncio
 import contextlib
 import json
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,21 +49,19 @@ from typing import Any
 
 import asyncpg
 import bench_cpu
-import httpx
 from bench_app import noop
 from bench_env import BenchFailure, RoleProcess, Sandbox, run_command
 from bench_report import say
+from scaling_cluster import (
+    ClusterError,
+    RabbitCluster,
+    cluster_broker_url,
+    free_base_port,
+    queue_members,
+)
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from jobrelay.errors import TransportError
-from jobrelay.transport.rabbitmq import RabbitTransport
-from jobrelay.transport.topology import Topology, work_queue
-
-try:  # the cluster column needs it; a checkout without it skips that column
-    from jobrelay.chaos.rabbit_cluster import ClusterError, RabbitCluster
-except ImportError:  # pragma: no cover - depends on the checkout
-    RabbitCluster = None  # type: ignore[assignment,misc]
-    ClusterError = BenchFailure  # type: ignore[assignment,misc]
+from jobrelay.transport.topology import work_queue
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench-results"
@@ -211,15 +211,19 @@ class ColumnRun:
             await asyncio.sleep(POLL_SECONDS)
         seconds = time.perf_counter() - started
         used = bench_cpu.cores_used(before, bench_cpu.snapshot(running, postgres, None))
-        others = sum(v for k, v in used.items() if k.startswith("other: ") and "beam" not in k)
+        others = {
+            k: v
+            for k, v in used.items()
+            if k.startswith("other: ") and k not in ("other: beam.smp", "other: postgres")
+        }
         cores = {
             "jobrelay": sum(used.get(name, 0.0) for name in running),
-            "postgres": used.get("postgres", 0.0),
-            "rabbitmq": sum(v for k, v in used.items() if "beam" in k),
-            "others": others,
+            "postgres": used.get("postgres", 0.0) + used.get("other: postgres", 0.0),
+            "rabbitmq": used.get("other: beam.smp", 0.0),
+            "others": sum(others.values()),
             "total": used.get("total", 0.0),
         }
-        cores |= {k: v for k, v in used.items() if k.startswith("other: ") and v >= 0.05}
+        cores |= {k: v for k, v in others.items() if v >= 0.05}
         return seconds, {k: round(v, 2) for k, v in cores.items()}
 
     async def outbox_drained(self) -> bool:
@@ -303,50 +307,6 @@ async def measure_column(options: Options, column: Column, log_dir: Path) -> Non
         await run.clean_up()
         if cluster is not None:
             await asyncio.to_thread(cluster.stop)
-
-
-async def cluster_broker_url(cluster: Any) -> str:
-    """Every node's URL, comma-separated, when this jobrelay connects with that; else node
-    1's (clients on one node; the quorum queues are replicated on every node all the same)."""
-    every = str(cluster.broker_url())
-    transport = RabbitTransport(every, Topology(retry_delays=(5, 30), delivery_limit=5))
-    try:
-        await transport.ping()
-    except TransportError as exc:
-        say(f"scaling: this jobrelay does not take a list of broker URLs ({exc}); node 1 only")
-        return str(cluster.urls[0])
-    return every
-
-
-def queue_members(cluster: Any, queue: str) -> str:
-    """Leader and members of a quorum queue, from node 1's management API."""
-    url = str(cluster.management_urls()[0]).replace("guest:guest@", "")
-    try:
-        answer = httpx.get(f"{url}/api/queues/%2F/{queue}", auth=("guest", "guest"), timeout=5)
-        answer.raise_for_status()
-        info = answer.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        return f"? ({exc})"
-    return f"{len(info.get('members', []))} nodes (leader {info.get('leader')})"
-
-
-def free_base_port(nodes: int) -> int:
-    """A base port whose node ports (AMQP, +10000 management, +20000 distribution) are all
-    free: not the cluster module's default, which a neighbour's run may be using."""
-    for base in range(5701, 6000, 10):
-        ports = [base + i + offset for i in range(nodes) for offset in (0, 10000, 20000)]
-        if all(port_free(port) for port in ports):
-            return base
-    raise BenchFailure("no free ports for a RabbitMQ cluster between 5701 and 6000")
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def print_table(options: Options, columns: list[Column]) -> None:
