@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench-results"
 READY_TIMEOUT = 60.0
 DRAIN_TIMEOUT = 120.0  # after the last POST, for the jobs in flight
+WATCH_SECONDS = 2.0  # how often the ids sent are looked up (small batches, not a minute's)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class Soak:
         self.procs: list[RoleProcess] = []
         self.db: asyncpg.Connection | None = None
         self.pending: dict[str, float] = {}  # job id → when sent (s since the soak started)
+        self.done: list[float] = []  # accept → result_saved (s) of jobs seen succeeded lately
         self.sent = 0  # in the current interval
         self.total_sent = 0
         self.total_succeeded = 0
@@ -139,13 +141,15 @@ class Soak:
             self.started = time.monotonic()
             self.db_since = await self.db.fetchval("SELECT now()")
             sender = asyncio.create_task(self.send(port))
+            watcher = asyncio.create_task(self.watch())
             try:
                 await self.sample_until(sender)
+                await self.drain(watcher)
             finally:
-                sender.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sender
-            await self.drain()
+                for task in (sender, watcher):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
         warm_up = self.options.retention_minutes * 60 + 2 * self.options.reconcile_seconds
         self.verdict = soak_report.verdict(
             self.samples, warm_up, self.options.tolerance, self.rate, self.options.reconcile_seconds
@@ -218,28 +222,30 @@ class Soak:
     async def sample(self) -> Sample:
         assert self.db is not None
         self.check_alive()
+        at = time.monotonic() - self.started
         now = await self.db.fetchval("SELECT now()")
-        done = await soak_report.newly_succeeded(self.db, list(self.pending))
-        for job in done:
-            del self.pending[job]
-        self.total_succeeded += len(done)
+        done, self.done = self.done, []
         lags = await soak_report.relay_lags(self.db, self.db_since, now)
         self.db_since = now
-        e2e = [v for v in done.values() if v == v]  # without NaN (no result_saved event)
+        e2e = [v for v in done if v == v]  # without NaN (no result_saved event)
         backlog = await self.db.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
         bad = await self.db.fetch(
             "SELECT state, count(*) AS n FROM jobs WHERE state IN ('quarantined', 'cancelled')"
             " GROUP BY state"
         )
         sample = Sample(
-            at=time.monotonic() - self.started,
+            at=at,
             submitted=self.sent,
             succeeded=len(done),
             tables=await soak_report.read_tables(self.db),
             backlog=int(backlog),
             relay_p99_ms=_ms(soak_report.p99(lags)),
             e2e_p99_ms=_ms(soak_report.p99(e2e)),
-            extra={"in_flight": len(self.pending), "bad_states": {r["state"]: r["n"] for r in bad}},
+            extra={
+                "in_flight": len(self.pending),
+                "bad_states": {r["state"]: r["n"] for r in bad},
+                "sample_s": round(time.monotonic() - self.started - at, 3),
+            },
         )
         if bad:
             self.failures.append(f"jobs in bad states at {sample.at:.0f}s: {sample.extra}")
@@ -248,17 +254,29 @@ class Soak:
         say(soak_report.format_row(sample))
         return sample
 
-    async def drain(self) -> None:
+    async def watch(self) -> None:
+        """Every ``WATCH_SECONDS``, which of the ids sent are now succeeded (own connection)."""
+        db = await asyncpg.connect(self.sandbox.database_url)
+        try:
+            while True:
+                await asyncio.sleep(WATCH_SECONDS)
+                done = await soak_report.newly_succeeded(db, list(self.pending))
+                for job, seconds in done.items():
+                    del self.pending[job]
+                    self.done.append(seconds)
+                self.total_succeeded += len(done)
+        finally:
+            await db.close()
+
+    async def drain(self, watcher: asyncio.Task[None]) -> None:
         """After the last POST: wait for the jobs in flight; any left is lost (or stuck)."""
         deadline = time.monotonic() + DRAIN_TIMEOUT
         assert self.db is not None
-        while self.pending and time.monotonic() < deadline:
+        while self.pending and time.monotonic() < deadline and not watcher.done():
             self.check_alive()
-            done = await soak_report.newly_succeeded(self.db, list(self.pending))
-            for job in done:
-                del self.pending[job]
-            self.total_succeeded += len(done)
             await asyncio.sleep(0.5)
+        if watcher.done():
+            watcher.result()  # its failure, not a loss
         if self.pending:
             rows = await self.db.fetch(
                 "SELECT state, count(*) AS n FROM jobs WHERE id = ANY($1::text[]) GROUP BY state",
