@@ -58,6 +58,7 @@ from scaling_cluster import (
     cluster_broker_url,
     free_base_port,
     queue_members,
+    unavailable,
 )
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -348,8 +349,8 @@ async def amain(options: Options) -> int:
     started = time.monotonic()
     columns = [Column(SINGLE)]
     if options.cluster:
-        if RabbitCluster is None:
-            say("scaling: jobrelay.chaos.rabbit_cluster is not there yet: no cluster column")
+        if reason := unavailable():
+            say(f"scaling: no cluster column: {reason}")
         else:
             columns.append(Column(f"{options.cluster}-node cluster"))
     say(

@@ -25,6 +25,15 @@ except ImportError:  # pragma: no cover - depends on the checkout
     ClusterError = BenchFailure  # type: ignore[assignment,misc]
 
 
+def unavailable() -> str | None:
+    """Why no cluster can be started here (rabbitmq-server missing, not root…); None if it can."""
+    if RabbitCluster is None:
+        return "jobrelay.chaos.rabbit_cluster is not in this checkout"
+    from jobrelay.chaos.rabbit_cluster import available
+
+    return available()
+
+
 async def cluster_broker_url(cluster: Any) -> str:
     """Every node's URL, comma-separated, when this jobrelay connects with that; else node
     1's (clients on one node; the quorum queues are replicated on every node all the same)."""
@@ -76,4 +85,5 @@ __all__ = [
     "free_base_port",
     "port_free",
     "queue_members",
+    "unavailable",
 ]
