@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None) -> Options:
         "--reconcile-seconds", type=float, default=30.0, help="JOBRELAY_RECONCILE_SECONDS (30)"
     )
     parser.add_argument("--workers", type=int, default=2, help="worker processes (2)")
-    parser.add_argument("--concurrency", type=int, default=16, help="HTTP connections (16)")
+    parser.add_argument("--concurrency", type=int, default=32, help="HTTP connections (32)")
     parser.add_argument("--probe-jobs", type=int, default=500, help="burn-down for the rate")
     parser.add_argument("--tolerance", type=float, default=0.25, help="flat: within +25%%")
     a = parser.parse_args(argv)
@@ -114,6 +114,7 @@ class Soak:
         self.started = 0.0
         self.failures: list[str] = []
         self.verdict: soak_report.Verdict | None = None
+        self.autovacuum = "?"
 
     async def run(self) -> None:
         await self.sandbox.create()
@@ -122,6 +123,12 @@ class Soak:
             -1
         ]
         self.db = await asyncpg.connect(self.sandbox.database_url)
+        self.autovacuum = str(await self.db.fetchval("SHOW autovacuum"))
+        if self.autovacuum != "on":
+            say(
+                "soak: WARNING: autovacuum is off on this PostgreSQL: dead rows are never "
+                "reclaimed, so the sizes grow whatever the retention"
+            )
         port = free_port()
         api = self.spawn("api", ["api", "--host", "127.0.0.1", "--port", str(port)])
         relay = self.spawn("relay", ["relay"])
@@ -340,6 +347,7 @@ async def amain(options: Options) -> int:
             "started_at": stamp,
             "options": {**options.__dict__},
             "rate": soak.rate,
+            "autovacuum": soak.autovacuum,
             "sent": soak.total_sent,
             "succeeded": soak.total_succeeded,
             "samples": [s.as_dict() for s in soak.samples],
@@ -354,7 +362,10 @@ async def amain(options: Options) -> int:
         )
         for failure in soak.failures[:10]:
             say(f"soak: FAILED: {failure}")
-        say(f"soak: verdict {verdict.text if verdict else 'not judged: the run did not finish'}")
+        text = verdict.text if verdict else "not judged: the run did not finish"
+        if soak.autovacuum == "off":
+            text += " (autovacuum is off on this server)"
+        say(f"soak: verdict {text}")
     ok = verdict is not None and verdict.flat and not soak.failures and lost == 0
     return 0 if ok else 1
 
