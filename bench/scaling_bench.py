@@ -160,28 +160,33 @@ class ColumnRun:
                 await proc.wait_for_event("worker_started", READY_TIMEOUT)
         for proc in frozen:
             proc.popen.send_signal(signal.SIGSTOP)
+
+        async def thaw() -> None:
+            for proc in frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.popen.send_signal(signal.SIGCONT)
+
         try:
             publishing = [self.spawn(f"{tag}-relay-{k + 1}", "relay") for k in range(relays)]
             async with self.bounded(f"{relays} relays"):
                 for proc in publishing:
                     await proc.wait_for_event("relay_started", READY_TIMEOUT)
-                async with self.engine.begin() as conn:
+                async with self.engine.connect() as conn:
+                    transaction = await conn.begin()
                     for i in range(n):
                         await noop.enqueue(conn, {"n": self.total + i})
-                self.total += n
-                seconds, cores = await self.timed(self.outbox_drained)
+                    self.total += n
+                    # The clock starts when the N jobs commit: from then on relays see them.
+                    seconds, cores = await self.timed(self.outbox_drained, transaction.commit)
             self.record("relay", relays, n / seconds, seconds, cores)
             await self.stop(publishing)
+            if workers:
+                async with self.bounded(f"{workers} workers draining"):
+                    seconds, cores = await self.timed(self.all_succeeded, thaw)
+                self.record("drain", workers, n / seconds, seconds, cores)
+                await self.stop(frozen)
         finally:
-            for proc in frozen:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.popen.send_signal(signal.SIGCONT)
-        if not workers:
-            return
-        async with self.bounded(f"{workers} workers draining"):
-            seconds, cores = await self.timed(self.all_succeeded)
-        self.record("drain", workers, n / seconds, seconds, cores)
-        await self.stop(frozen)
+            await thaw()  # on a failure too: a frozen process would not stop on SIGTERM
 
     def spawn(self, name: str, role: str) -> RoleProcess:
         proc = RoleProcess.spawn(name, [role], self.env, self.log_dir, profile=False)
@@ -197,13 +202,17 @@ class ColumnRun:
             if complaints:
                 say(f"scaling: {self.column.name}: {proc.name} log complained: {complaints}")
 
-    async def timed(self, probe: Callable[[], Awaitable[bool]]) -> tuple[float, dict[str, float]]:
-        """Seconds until ``probe`` holds (from now), and the cores used meanwhile: ours
-        (jobrelay processes, PostgreSQL, the benchmark), others' and the machine's total."""
+    async def timed(
+        self, probe: Callable[[], Awaitable[bool]], start: Callable[[], Awaitable[None]]
+    ) -> tuple[float, dict[str, float]]:
+        """Seconds from ``start()`` returning until ``probe`` holds, and the cores used
+        meanwhile (counted from just before ``start``): the cell's processes, PostgreSQL,
+        RabbitMQ, others' and the machine's total."""
         assert self.db is not None
         running = {p.name: p.popen.pid for p in self.procs if p.exit_code is None}
         postgres = await bench_cpu.postgres_pids(self.db, self.sandbox.database)
         before = bench_cpu.snapshot(running, postgres, None)
+        await start()
         started = time.perf_counter()
         while not await probe():
             for proc in self.procs:
