@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import bench_cpu
 import soak_report
 from bench_client import Lane, api_client, request_for, submit, wait_ready
 from bench_env import BenchFailure, RoleProcess, Sandbox, free_port, run_command
@@ -146,6 +147,7 @@ class Soak:
             say(f"soak: {soak_report.LEGEND}")
             say(soak_report.HEADER)
             self.started = time.monotonic()
+            self.cpu_before = await self.cpu_snapshot()
             self.db_since = await self.db.fetchval("SELECT now()")
             sender = asyncio.create_task(self.send(port))
             watcher = asyncio.create_task(self.watch())
@@ -248,6 +250,7 @@ class Soak:
             backlog=int(backlog),
             relay_p99_ms=_ms(soak_report.p99(lags)),
             e2e_p99_ms=_ms(soak_report.p99(e2e)),
+            cores=await self.cores_since_last(),
             extra={
                 "in_flight": len(self.pending),
                 "bad_states": {r["state"]: r["n"] for r in bad},
@@ -260,6 +263,21 @@ class Soak:
         self.samples.append(sample)
         say(soak_report.format_row(sample))
         return sample
+
+    async def cpu_snapshot(self) -> bench_cpu.Snapshot:
+        assert self.db is not None
+        postgres = await bench_cpu.postgres_pids(self.db, self.sandbox.database)
+        return bench_cpu.snapshot({p.name: p.popen.pid for p in self.procs}, postgres, None)
+
+    async def cores_since_last(self) -> dict[str, float]:
+        """The machine's busy cores since the last sample, and those of processes not ours
+        (not jobrelay's, PostgreSQL's, an Erlang VM's or this script's): a neighbour's run."""
+        after = await self.cpu_snapshot()
+        used = bench_cpu.cores_used(self.cpu_before, after)
+        self.cpu_before = after
+        ours = ("other: postgres", "other: beam.smp")
+        others = sum(v for k, v in used.items() if k.startswith("other: ") and k not in ours)
+        return {"total": used.get("total", 0.0), "others": round(others, 2)}
 
     async def watch(self) -> None:
         """Every ``WATCH_SECONDS``, which of the ids sent are now succeeded (own connection)."""

@@ -38,6 +38,7 @@ class Sample:
     backlog: int
     relay_p99_ms: float | None
     e2e_p99_ms: float | None
+    cores: dict[str, float] = field(default_factory=dict)  # total, others
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,10 +92,14 @@ async def newly_succeeded(db: asyncpg.Connection, pending: list[str]) -> dict[st
 
 
 SHORT = {"job_events": "events", "effects_ledger": "effects", "local_messages": "local_msgs"}
-LEGEND = "per table: live rows / dead rows / MiB (table + indexes + TOAST)"
-HEADER = f"{'min':>5}{'sent':>7}{'done':>7}{'backlog':>8}{'relay p99':>10}{'e2e p99':>9}" + "".join(
-    f"{SHORT.get(name, name):>22}" for name in TABLES
+LEGEND = (
+    "cores: the machine's busy cores over the interval, others: of processes not the soak's; "
+    "per table: live rows / dead rows / MiB (table + indexes + TOAST)"
 )
+HEADER = (
+    f"{'min':>5}{'sent':>7}{'done':>7}{'backlog':>8}{'relay p99':>10}{'e2e p99':>9}"
+    f"{'cores':>6}{'others':>7}"
+) + "".join(f"{SHORT.get(name, name):>22}" for name in TABLES)
 
 
 def format_row(sample: Sample) -> str:
@@ -105,7 +110,8 @@ def format_row(sample: Sample) -> str:
     tables = "".join(f"{cell:>22}" for cell in cells)
     return (
         f"{sample.at / 60:>5.1f}{sample.submitted:>7}{sample.succeeded:>7}"
-        f"{sample.backlog:>8}{ms(sample.relay_p99_ms):>10}{ms(sample.e2e_p99_ms):>9}{tables}"
+        f"{sample.backlog:>8}{ms(sample.relay_p99_ms):>10}{ms(sample.e2e_p99_ms):>9}"
+        f"{sample.cores.get('total', 0):>6.2f}{sample.cores.get('others', 0):>7.2f}{tables}"
     )
 
 
