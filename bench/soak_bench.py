@@ -28,7 +28,7 @@ import json
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -79,17 +79,7 @@ def parse_args(argv: list[str] | None) -> Options:
     a = parser.parse_args(argv)
     if a.soak <= 0 or a.interval <= 0 or a.retention_minutes <= 0 or (a.rate or 1) <= 0:
         parser.error("--soak, --interval, --retention-minutes and --rate must be positive")
-    return Options(
-        a.soak,
-        a.rate,
-        a.interval,
-        a.retention_minutes,
-        a.reconcile_seconds,
-        a.workers,
-        a.concurrency,
-        a.probe_jobs,
-        a.tolerance,
-    )
+    return Options(**{f.name: getattr(a, f.name) for f in fields(Options)})
 
 
 class Soak:
