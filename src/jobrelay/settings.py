@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     # Leave result objects in place when their job is pruned (a bucket lifecycle rule
     # deletes them instead).
     retention_keep_results: bool = False
+    # When the PostgreSQL server runs without autovacuum, the reconciler leader vacuums
+    # jobrelay's churning tables after each prune (storage/vacuum.py); false: never.
+    self_vacuum: bool = True
     faults: str = ""
     log_level: str = "INFO"
     # S3-compatible endpoint for s3:// results (MinIO, Ceph, moto); unset means AWS itself.

@@ -350,3 +350,51 @@ async def test_a_prune_is_due_once_a_minute_or_at_once_after_a_capped_one(
     second = await pruner.run_if_due()  # capped: due again at once
     assert second is not None and second.jobs == 1 and not second.capped
     assert await pruner.run_if_due() is None  # done: not due for a minute
+
+
+async def _last_vacuum(rt: Runtime, table: str) -> datetime | None:
+    from sqlalchemy import text
+
+    async with rt.engine.connect() as conn:
+        await conn.execute(text("SELECT pg_stat_clear_snapshot()"))
+        row = await conn.execute(
+            text("SELECT last_vacuum FROM pg_stat_user_tables WHERE relname = :t"), {"t": table}
+        )
+        value = row.scalar_one_or_none()
+    return value if isinstance(value, datetime) else None
+
+
+async def test_without_autovacuum_the_leader_vacuums_jobrelays_tables(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's autovacuum off (as on this project's machine): after its prune, the
+    pruner vacuums the hot tables itself; with autovacuum on, or JOBRELAY_SELF_VACUUM off,
+    it leaves them to the server."""
+    if not runtime.store.is_postgres:
+        pytest.skip("VACUUM is PostgreSQL's; SQLite has nothing to reclaim this way")
+    import jobrelay.roles.prune as prune_role
+
+    monkeypatch.setattr(prune_role, "autovacuum_on", _constant(True))
+    assert await Pruner(runtime).vacuum_if_needed() is False
+    monkeypatch.setattr(prune_role, "autovacuum_on", _constant(False))
+    off = build_runtime_like(runtime, self_vacuum=False)
+    assert await Pruner(off).vacuum_if_needed() is False
+    assert await _last_vacuum(runtime, "outbox") is None
+
+    assert await Pruner(runtime).run_if_due() is not None
+    for table in ("outbox", "jobs", "job_events", "local_messages", "effects_ledger"):
+        await eventually(lambda t=table: _last_vacuum(runtime, t), what=f"{table} vacuumed")
+
+
+def _constant(value: bool) -> Any:
+    async def answer(engine: Any) -> bool:
+        return value
+
+    return answer
+
+
+def build_runtime_like(rt: Runtime, **settings: Any) -> Runtime:
+    """The same runtime with other settings (the pruner reads only settings and engine)."""
+    import dataclasses
+
+    return dataclasses.replace(rt, settings=rt.settings.model_copy(update=settings))

@@ -14,6 +14,7 @@ import time
 
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.retention import BATCH, MAX_ROWS, PruneCounts, Retention
+from jobrelay.storage.vacuum import autovacuum_on, vacuum_hot_tables
 
 log = logging.getLogger("jobrelay.retention")
 
@@ -40,6 +41,7 @@ class Pruner:
         self.every = every
         self._last: float | None = None  # monotonic time of the last prune
         self._capped = False
+        self._autovacuum: bool | None = None  # the server's setting, read once
 
     def due(self) -> bool:
         if self._last is None or self._capped:
@@ -47,10 +49,38 @@ class Pruner:
         return time.monotonic() - self._last >= self.every
 
     async def run_if_due(self) -> PruneCounts | None:
-        """Prune unless the last prune was less than ``every`` seconds ago (and finished)."""
+        """Prune unless the last prune was less than ``every`` seconds ago (and finished);
+        then vacuum jobrelay's tables if the server does not (``storage/vacuum.py``)."""
         if not self.due():
             return None
-        return await self.run_once()
+        counts = await self.run_once()
+        await self.vacuum_if_needed()
+        return counts
+
+    async def vacuum_if_needed(self) -> bool:
+        """VACUUM the hot tables when the server's autovacuum is off; whether it did."""
+        if not self.rt.settings.self_vacuum:
+            return False
+        if self._autovacuum is None:
+            self._autovacuum = await autovacuum_on(self.rt.engine)
+            if not self._autovacuum:
+                log.warning(
+                    "autovacuum is off on this PostgreSQL server: the reconciler leader "
+                    "vacuums jobrelay's tables itself after each prune; turn autovacuum on "
+                    "(docs/how-to/retention.md)",
+                    extra={"event": "autovacuum_off"},
+                )
+        if self._autovacuum:
+            return False
+        started = time.monotonic()
+        tables = await vacuum_hot_tables(self.rt.engine)
+        log.info(
+            "vacuumed %s in %.2fs",
+            ", ".join(tables),
+            time.monotonic() - started,
+            extra={"event": "vacuumed", "tables": tables},
+        )
+        return True
 
     async def run_once(self, *, days: float | None = None, dry_run: bool = False) -> PruneCounts:
         """Prune what is older than ``days`` (default: ``JOBRELAY_RETENTION_DAYS``)."""

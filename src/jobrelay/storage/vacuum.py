@@ -1,0 +1,40 @@
+"""Keeping jobrelay's own tables vacuumed when the PostgreSQL server's autovacuum is off.
+
+The outbox, the local queue, the jobs and their events churn: every publish, claim and
+completion leaves a dead row version, and retention deletes in bulk. With autovacuum on
+(PostgreSQL's default, and what an operator should run) the per-table settings of migration
+0005 keep them small. With it off, as on some CI and benchmark machines, nothing reclaims
+those rows and the tables and their indexes grow without bound, however short the
+retention. The reconciler leader then runs a plain ``VACUUM (ANALYZE)`` on these tables
+after each prune: it takes no lock that blocks reads or writes (only ``VACUUM FULL`` does),
+and on tables kept small by retention it is quick. ``JOBRELAY_SELF_VACUUM=false`` turns
+this off for operators who schedule their own.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobrelay.storage.tables import effects_ledger, job_events, jobs, local_messages, outbox
+
+# Fixed names from the schema (VACUUM takes no parameters), the busiest first.
+HOT_TABLES = tuple(t.name for t in (outbox, local_messages, jobs, job_events, effects_ledger))
+
+
+async def autovacuum_on(engine: AsyncEngine) -> bool:
+    """The server's ``autovacuum`` setting; True on SQLite (nothing to do there)."""
+    if engine.dialect.name != "postgresql":
+        return True
+    async with engine.connect() as conn:
+        value = (await conn.execute(text("SELECT current_setting('autovacuum')"))).scalar_one()
+    return str(value).lower() in {"on", "true", "1"}
+
+
+async def vacuum_hot_tables(engine: AsyncEngine) -> list[str]:
+    """VACUUM (ANALYZE) each hot table, outside a transaction as VACUUM requires."""
+    async with engine.connect() as conn:
+        auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
+        for name in HOT_TABLES:
+            await auto.execute(text(f'VACUUM (ANALYZE) "{name}"'))
+    return list(HOT_TABLES)
