@@ -16,11 +16,11 @@ uses ``RELAYS[i % len]`` relays and ``WORKERS[i]`` workers, so with the defaults
    They are then stopped (SIGTERM).
 
 So process start-up is never in a rate, and every process of a cell starts its work at the
-same instant. The cluster column's processes get ``JOBRELAY_BROKER_URL`` = every node's URL,
-comma-separated (node 1's alone if this jobrelay cannot connect with a list: the line
-``scaling: the processes connect to …`` says which); the work queue is a quorum queue
-replicated on every node, so the cluster column over the single-node one is the cost of
-replication. Two shared cores bound the absolute figures; read the table for its shape.
+same instant. The cluster column's processes get ``JOBRELAY_BROKER_URL`` = every node's
+URL, comma-separated (each connects to one node, starting at a random one); the work queue
+is a quorum queue replicated on every node, so the cluster column over the single-node one
+is the cost of replication. Two shared cores bound the absolute figures; read the table
+for its shape.
 
 Each cell's machine-readable line (``scaling-cell: {json}``) has the cores used meanwhile:
 ``jobrelay`` (the cell's processes), ``postgres`` and ``rabbitmq`` (every PostgreSQL process

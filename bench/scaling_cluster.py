@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 from bench_env import BenchFailure
-from bench_report import say
 
 from jobrelay.errors import TransportError
 from jobrelay.transport.rabbitmq import RabbitTransport
@@ -35,15 +34,14 @@ def unavailable() -> str | None:
 
 
 async def cluster_broker_url(cluster: Any) -> str:
-    """Every node's URL, comma-separated, when this jobrelay connects with that; else node
-    1's (clients on one node; the quorum queues are replicated on every node all the same)."""
+    """Every node's URL, comma-separated (each process connects to one of them, starting at
+    a random node, and fails over to the next), after checking that the cluster answers."""
     every = str(cluster.broker_url())
     transport = RabbitTransport(every, Topology(retry_delays=(5, 30), delivery_limit=5))
     try:
         await transport.ping()
     except TransportError as exc:
-        say(f"scaling: this jobrelay does not take a list of broker URLs ({exc}); node 1 only")
-        return str(cluster.urls[0])
+        raise BenchFailure(f"the cluster does not answer: {exc}") from None
     return every
 
 

@@ -25,17 +25,16 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import httpx
 from aiobotocore.session import get_session
 from rich.console import Console
-from rich.table import Table
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.chaos.broker_faults import NodeFaults
@@ -51,10 +50,12 @@ from jobrelay.chaos.plan import (
     make_plan,
 )
 from jobrelay.chaos.rabbit_cluster import ClusterError, RabbitCluster
+from jobrelay.chaos.report import FaultLog, object_versions, print_table
+from jobrelay.chaos.report import report as make_report
+from jobrelay.chaos.report import world as read_world
 from jobrelay.chaos.sandbox import ChaosSetupError, Sandbox, Services
 from jobrelay.chaos.sinks import MailServer, S3Server, free_port
-from jobrelay.chaos.verdict import Mail, Verdict, World, as_json, judge, summary_line
-from jobrelay.ops.quarantine_scan import browse_rabbitmq
+from jobrelay.chaos.verdict import Verdict, judge, summary_line
 from jobrelay.storage import audit
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.store import Store
@@ -115,19 +116,14 @@ class ChaosOptions:
         return ("api",), RELAYS, WORKERS
 
 
-@dataclass
-class FaultLog:
-    kind: str
-    target: str
-    point: str | None
-    at: float
-    took: float
-    result: str  # done | fired | missed
-    detail: str = ""
-
-
 async def run_chaos(opts: ChaosOptions) -> int:
     """The whole soak; the process exit code (0 clean, 1 a violation, 2 could not run)."""
+    # SIGTERM (and Ctrl-C) cancel the soak, so the ``finally`` below stops every process,
+    # the soak's RabbitMQ nodes and the scratch services on that exit path too.
+    me = asyncio.current_task()
+    if me is not None:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, me.cancel)
     started = time.monotonic()
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     root = (opts.out_dir / f"chaos-{opts.seed}-{stamp}").resolve()
@@ -190,25 +186,28 @@ async def run_chaos(opts: ChaosOptions) -> int:
         try:
             records, faults = await _soak(opts, plan, cluster, clients, sandbox, engine, nodes)
             quiet = await _settle(engine, sandbox, opts.settle_timeout)
-            world = await _world(s3, mail, sandbox, faults)
+            world = await read_world(s3, mail, sandbox, faults)
             facts = await audit.collect(Store(engine))
         finally:
             await engine.dispose()
         verdict = judge(records, facts, world)
         elapsed = time.monotonic() - started
         line = summary_line(opts.seed, verdict, elapsed, len(faults))
-        report = _report(opts, plan, sandbox, records, faults, cluster, verdict, quiet, elapsed)
-        report["versions"] = await _object_versions(s3.endpoint, sandbox.bucket)
+        report = make_report(opts, plan, sandbox, records, faults, cluster, verdict, quiet, elapsed)
+        report["versions"] = await object_versions(s3.endpoint, sandbox.bucket)
         report["summary"] = line
         report["rabbit_nodes"] = [n.name for n in rabbit.nodes] if rabbit else []
         report_path = root / "report.json"
         report_path.write_text(json.dumps(report, indent=2, default=str))
-        _print_table(verdict, faults, cluster, quiet)
+        print_table(verdict, faults, cluster, quiet)
         console.print(f"report: {report_path}")
         print(line, flush=True)
         return 0 if verdict.ok else 1
     except ChaosSetupError as exc:
         console.print(f"[red]chaos: could not run: {exc}[/red]")
+        return 2
+    except asyncio.CancelledError:
+        console.print("[red]chaos: stopped before a verdict (SIGTERM or Ctrl-C)[/red]")
         return 2
     finally:
         if cluster is not None:
@@ -413,108 +412,3 @@ async def _settle(engine: AsyncEngine, sandbox: Sandbox, timeout: float) -> floa
         await asyncio.sleep(1)  # polling the system's state, with a deadline
     console.print(f"[red]not quiet after {timeout:g}s[/red]")
     return None
-
-
-async def _world(s3: S3Server, mail: MailServer, sandbox: Sandbox, faults: list[FaultLog]) -> World:
-    keys: list[str] = []
-    async with get_session().create_client(
-        "s3", endpoint_url=s3.endpoint, region_name="us-east-1"
-    ) as client:
-        paginator = client.get_paginator("list_objects_v2")
-        async for page in paginator.paginate(Bucket=sandbox.bucket):
-            keys += [o["Key"] for o in page.get("Contents", [])]
-        uploads = await client.list_multipart_uploads(Bucket=sandbox.bucket)
-    mails = tuple(Mail(str(m.message["Message-ID"]), tuple(m.rcpt_tos)) for m in mail.messages)
-    depths = await sandbox.queue_depths()
-    dead = await browse_rabbitmq(sandbox.broker_url, limit=10_000)
-    missed = tuple(
-        f"{f.kind} {f.target} {f.point or ''}: {f.detail}".strip()
-        for f in faults
-        if f.result == "missed"
-    )
-    return World(
-        object_keys=tuple(keys),
-        open_uploads=len(uploads.get("Uploads", [])),
-        mails=mails,
-        queue_depths=depths,
-        dead_letters=tuple((d.job_id, d.reason) for d in dead),
-        faults_missed=missed,
-    )
-
-
-async def _object_versions(endpoint: str, bucket: str) -> dict[str, int]:
-    """How many times result objects were written: rewrites by retries are allowed, and shown."""
-    versions: dict[str, int] = {}
-    async with get_session().create_client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1"
-    ) as client:
-        paginator = client.get_paginator("list_object_versions")
-        async for page in paginator.paginate(Bucket=bucket):
-            for v in page.get("Versions", []):
-                versions[v["Key"]] = versions.get(v["Key"], 0) + 1
-    rewritten = {k: n for k, n in versions.items() if n > 1}
-    return {"objects": len(versions), "rewritten": len(rewritten), "writes": sum(versions.values())}
-
-
-def _report(
-    opts: ChaosOptions,
-    plan: Plan,
-    sandbox: Sandbox,
-    records: list[Record],
-    faults: list[FaultLog],
-    cluster: Cluster,
-    verdict: Verdict,
-    quiet: float | None,
-    elapsed: float,
-) -> dict[str, Any]:
-    return {
-        "seed": opts.seed,
-        "jobs": opts.jobs,
-        "profile": opts.profile,
-        "poison": opts.poison,
-        "run_id": sandbox.run_id,
-        "database": sandbox.database,
-        "elapsed_seconds": round(elapsed, 1),
-        "settled_after_seconds": None if quiet is None else round(quiet, 1),
-        "replay": f"jobrelay chaos --seed {opts.seed} --jobs {opts.jobs} --profile {opts.profile}"
-        + (f" --cluster {opts.cluster_nodes}" if opts.cluster_nodes else ""),
-        **as_json(verdict),
-        "faults": [asdict(f) for f in faults],
-        "exits": [asdict(e) for e in cluster.exits],
-        "unknown_requests": [
-            {"key": r.submission.key, **asdict(q)}
-            for r in records
-            for q in r.requests
-            if q.outcome != "ok"
-        ][:200],
-    }
-
-
-def _print_table(
-    verdict: Verdict, faults: list[FaultLog], cluster: Cluster, quiet: float | None
-) -> None:
-    table = Table(title="chaos: faults injected", show_edge=False)
-    for column in ("at", "fault", "target", "result", "detail"):
-        table.add_column(column)
-    for f in faults:
-        table.add_row(
-            f"{f.at:.1f}s", f.kind if not f.point else f"crash at {f.point}", f.target,
-            f.result, f.detail,
-        )  # fmt: skip
-    console.print(table)
-    exits: dict[str, int] = {}
-    for e in cluster.exits:
-        exits[e.cause] = exits.get(e.cause, 0) + 1
-    console.print(f"process exits by cause: {exits}; settled after: {quiet}")
-    checks = Table(title="chaos: checks", show_edge=False)
-    checks.add_column("check")
-    checks.add_column("value", justify="right")
-    checks.add_column("")
-    for name, value in verdict.violations.items():
-        checks.add_row(name, str(value), "ok" if value == 0 else "[red]VIOLATION[/red]")
-    for name, value in verdict.counts.items():
-        checks.add_row(name, str(value), "")
-    console.print(checks)
-    for kind, examples in verdict.examples.items():
-        for example in examples:
-            console.print(f"  {kind}: {example}")
