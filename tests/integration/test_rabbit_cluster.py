@@ -23,6 +23,7 @@ from jobrelay.transport.rabbitmq import RabbitTransport
 from jobrelay.transport.topology import QUARANTINE_QUEUE, WORK_QUEUE, Topology
 
 from ..conftest import _unavailable
+from .ops_fixtures import eventually
 from .transport_fixtures import Pump, body_of
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
@@ -135,3 +136,32 @@ async def test_a_stopped_node_moves_the_connection_and_nothing_is_lost(
             await delivery.ack()
     assert seen == sent
     await pump.stop()
+
+
+async def test_at_least_once_dead_lettering_keeps_a_message_while_its_target_is_missing(
+    cluster: RabbitCluster, transport: RabbitTransport
+) -> None:
+    """A rejected delivery whose quarantine queue does not exist stays in the work queue
+    (at-most-once dead-lettering would drop it) and reaches the quarantine queue once it is
+    declared again. The cluster's dead-letter worker retries every 5 s (RabbitMQ's default is
+    180 s, which is why the same test on the machine's broker is opt-in:
+    ``JOBRELAY_SLOW_BROKER_TESTS=1`` in test_transport_contract.py)."""
+    import aio_pika
+
+    from jobrelay.transport.rabbitmq import declare_topology
+
+    connection = await aio_pika.connect(cluster.urls[0])
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(QUARANTINE_QUEUE)
+    await transport.publish(_numbered(1))
+    pump = Pump(transport, prefetch=1)
+    delivery = await pump.get()
+    assert await delivery.reject()  # at-most-once would drop it right here
+    await pump.stop()
+    await declare_topology(cluster.broker_url(), TOPOLOGY)
+
+    async def arrived() -> bool:
+        return await transport.quarantine_depth() == 1
+
+    await eventually(arrived, timeout=60, what="the rejected message in the quarantine queue")
