@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     # Outgoing mail for notify.email jobs: smtp://[user:pass@]host[:port] or smtps://…
     smtp_url: str | None = None
     mail_from: str | None = Field(default=None, validate_default=True)
+    # The reverse proxies whose X-Forwarded-For/-Proto the API believes (comma-separated IPs
+    # or networks); none by default, so a client cannot claim another address or scheme.
+    trusted_proxies: str = ""
     # Where people reach the API; links in e-mails are built from it.
     public_url: str = "http://127.0.0.1:8000"
 
@@ -131,6 +134,23 @@ class Settings(BaseSettings):
         from jobrelay.transport.rabbit_nodes import split_broker_urls
 
         return ",".join(split_broker_urls(value))
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_proxies(cls, value: str) -> str:
+        import ipaddress
+
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        for part in parts:
+            if part == "*":
+                continue
+            try:
+                ipaddress.ip_network(part, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"expected comma-separated IP addresses or networks (or *), got {part!r}"
+                ) from None
+        return ",".join(parts)
 
     @field_validator("broker_management_url")
     @classmethod

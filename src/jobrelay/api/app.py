@@ -59,6 +59,10 @@ def create_app(settings: Settings, *, runtime: Runtime | None = None) -> FastAPI
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        # Starlette answers a path with a stray trailing slash with a 307 to the same path on
+        # the Host the caller sent (and keeps a POST body): an open redirect, before any auth.
+        # Such paths are a plain 404 problem instead.
+        redirect_slashes=False,
     )
     set_runtime(app, runtime)
     install_problem_handlers(app)

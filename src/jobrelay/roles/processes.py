@@ -37,6 +37,7 @@ def build_server(rt: Runtime, host: str, port: int) -> _Server:
     from jobrelay.api.app import create_app
 
     app = create_app(rt.settings, runtime=rt)
+    proxies = [p.strip() for p in rt.settings.trusted_proxies.split(",") if p.strip()]
     config = uvicorn.Config(
         app,
         host=host,
@@ -45,6 +46,10 @@ def build_server(rt: Runtime, host: str, port: int) -> _Server:
         access_log=False,
         lifespan="on",
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        # uvicorn believes X-Forwarded-* from 127.0.0.1 by default: only from the proxies
+        # the operator named (JOBRELAY_TRUSTED_PROXIES), and from nobody without one.
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies or None,
     )
     return _Server(config)
 
