@@ -8,7 +8,6 @@ variable, exit code 2, and nothing created. Long-running commands drain on SIGTE
 import asyncio
 import functools
 import inspect
-import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -16,7 +15,6 @@ from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 
-from jobrelay.api.schemas import ACCOUNT_PATTERN
 from jobrelay.errors import ConfigError, JobrelayError
 from jobrelay.observe import logs
 from jobrelay.settings import ENV_PREFIX, Settings, load_settings
@@ -319,28 +317,6 @@ def broker_declare_cmd(settings: Settings) -> None:
     typer.echo(run(declare_broker(settings)))
 
 
-@token_app.command("create")
-@with_settings
-def token_create_cmd(
-    settings: Settings,
-    account: Annotated[Optional[str], typer.Option(help="Account the token acts for.")] = None,  # noqa: UP045
-    admin: Annotated[bool, typer.Option(help="Operator token for every account.")] = False,
-    label: Annotated[Optional[str], typer.Option(help="A note on who holds it.")] = None,  # noqa: UP045
-) -> None:
-    """Create an API token; the token alone is printed on the last line."""
-    from jobrelay.roles.processes import create_token
-
-    if account is None and not admin:
-        raise fail("give --account ACCOUNT (or --admin)", 2)
-    if account is not None and not re.match(ACCOUNT_PATTERN, account):
-        raise fail(f"--account {account!r} is not a valid account id ({ACCOUNT_PATTERN})", 2)
-    token = run(create_token(settings, account, admin, label))
-    typer.echo(
-        f"created {'admin' if admin else 'account'} token for {account or 'all accounts'}", err=True
-    )
-    typer.echo(token)
-
-
 @app.command("seed")
 @with_settings
 def seed_cmd(
@@ -413,7 +389,7 @@ def jobs_list_cmd(
 
 # Operator actions, the reconciler and prune live in modules of their own; importing them
 # registers their commands.
-from jobrelay.cli import operator, retention  # noqa: E402, F401
+from jobrelay.cli import operator, retention, tokens  # noqa: E402, F401
 
 
 def main() -> None:

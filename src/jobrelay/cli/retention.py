@@ -28,14 +28,14 @@ _SECONDS = {"d": 86_400, "h": 3_600, "m": 60, "s": 1}
 PRUNED_EXIT = 2
 
 
-def parse_days(text: str) -> float:
+def parse_days(text: str, option: str = "--older-than") -> float:
     """``30d``, ``12h``, ``15m``, ``90s`` (a number and one unit) -> days; ValueError else."""
     match = _DURATION.fullmatch(text.strip())
     if match is None:
-        raise ValueError(f"--older-than {text!r}: expected a number and d, h, m or s, e.g. 30d")
+        raise ValueError(f"{option} {text!r}: expected a number and d, h, m or s, e.g. 30d")
     days = float(match[1]) * _SECONDS[match[2]] / 86_400
     if days <= 0:
-        raise ValueError(f"--older-than {text!r}: must be more than nothing")
+        raise ValueError(f"{option} {text!r}: must be more than nothing")
     return days
 
 

@@ -7,11 +7,12 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import uvicorn
 
-from jobrelay.roles.runtime import Runtime, open_runtime, schema_revision, topology_for, utc_now
+from jobrelay.roles.runtime import Runtime, open_runtime, schema_revision, topology_for
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import check_reachable, create_engine, upgrade_async
 
@@ -234,11 +235,17 @@ async def declare_broker(settings: Settings) -> str:
 
 
 async def create_token(
-    settings: Settings, account: str | None, admin: bool, label: str | None
+    settings: Settings,
+    account: str | None,
+    admin: bool,
+    label: str | None,
+    expires_in: timedelta | None = None,
 ) -> str:
     from jobrelay.api.auth import hash_token, new_token
 
     token = new_token()
     async with open_runtime(settings, connect_transport=False) as rt:
-        await rt.store.add_token(hash_token(token), account, admin, utc_now(), label)
+        now = await rt.store.db_now()
+        expires = None if expires_in is None else now + expires_in
+        await rt.store.add_token(hash_token(token), account, admin, now, label, expires)
     return token

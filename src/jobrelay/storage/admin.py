@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import exists, func, select, update
+from sqlalchemy import exists, func, or_, select, update
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
@@ -216,12 +216,19 @@ class AdminQueries:
         return trace_id((headers or {}).get("traceparent"))
 
     async def token_identity(self, token_hash: str) -> tuple[int, str | None] | None:
-        """A token's row id and label, to name who did an operator action (never the token)."""
+        """A valid token's row id and label, to name who did an operator action (never the
+        token). Read on every admin action, past the token cache: a revoked or expired admin
+        token can no longer act from the moment it is revoked."""
         async with self.store.reading() as conn:
             row = (
                 await conn.execute(
                     select(api_tokens.c.id, api_tokens.c.label).where(
-                        api_tokens.c.token_hash == token_hash
+                        api_tokens.c.token_hash == token_hash,
+                        api_tokens.c.revoked_at.is_(None),
+                        or_(
+                            api_tokens.c.expires_at.is_(None),
+                            api_tokens.c.expires_at > self.store.now_sql(),
+                        ),
                     )
                 )
             ).first()

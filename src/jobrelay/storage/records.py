@@ -141,6 +141,28 @@ class OutboxRow:
 class TokenRecord:
     account_id: str | None
     is_admin: bool
+    expires_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """What ``jobrelay token list`` shows of a token: everything but the secret."""
+
+    id: int
+    account_id: str | None
+    is_admin: bool
+    label: str | None
+    created_at: datetime
+    last_used_at: datetime | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+    def state(self, now: datetime) -> str:
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at is not None and self.expires_at <= now:
+            return "expired"
+        return "active"
 
 
 def job_record(row: Row[Any]) -> JobRecord:

@@ -140,6 +140,11 @@ api_tokens = Table(
     Column("is_admin", Boolean, nullable=False, server_default=text("false")),
     Column("label", String(255)),
     Column("created_at", UTCDateTime(), nullable=False),
+    # Unset: never expires / not revoked. A token is valid while both are unset or ahead.
+    Column("expires_at", UTCDateTime()),
+    Column("revoked_at", UTCDateTime()),
+    # Refreshed at most once a minute per API process (never a write per request).
+    Column("last_used_at", UTCDateTime()),
 )
 
 # The database-backed local transport (embedded default). One row per message in flight.

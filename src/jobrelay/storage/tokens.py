@@ -1,33 +1,31 @@
-"""API tokens, stored only as hashes.
+"""API tokens, stored only as hashes, with an expiry, a revocation and a last use.
 
-A token found is remembered by this process for ``TOKEN_CACHE_SECONDS``: the API then
-authenticates a busy client without a database round trip per request. A token whose row
-is deleted therefore keeps working for up to that long in each API process that saw it
-(the admin endpoints re-read it every time). Unknown tokens are never remembered: a token
-just created works at once.
+A token is valid while it is not revoked and its expiry (if any) is ahead, by the store's
+clock. A token found valid is remembered by this process for ``TOKEN_CACHE_SECONDS`` (or
+until it expires, if sooner): the API then authenticates a busy client without a database
+round trip per request. A token revoked (or deleted) therefore keeps working for up to that
+long in each API process that saw it, never longer; an expired one stops at its expiry.
+Unknown, revoked and expired tokens are never remembered, so a token just created works at
+once and a refused one is asked about again next time.
+
+``last_used_at`` is refreshed when a lookup finds it more than ``LAST_USED_PRECISION`` old:
+at most one small write a minute per token and process, never one per request.
 """
 
 from __future__ import annotations
 
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from sqlalchemy import (
-    insert,
-    select,
-)
+from sqlalchemy import ColumnElement, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.storage.base import StoreBase
-from jobrelay.storage.records import (
-    Clock,
-    TokenRecord,
-)
-from jobrelay.storage.tables import (
-    api_tokens,
-)
+from jobrelay.storage.records import Clock, TokenInfo, TokenRecord
+from jobrelay.storage.tables import api_tokens
 
 TOKEN_CACHE_SECONDS = 5.0
+LAST_USED_PRECISION = timedelta(minutes=1)
 _TOKEN_CACHE_SIZE = 10_000  # beyond that, start again (a flood of distinct tokens is rare)
 _monotonic = time.monotonic  # the cache's clock (tests move it)
 
@@ -44,40 +42,104 @@ class TokensStore(StoreBase):
         is_admin: bool,
         now: datetime,
         label: str | None = None,
-    ) -> None:
+        expires_at: datetime | None = None,
+    ) -> int:
+        """Store a new token's hash; its id (what ``token list`` and ``token revoke`` use)."""
         async with self.writing() as conn:
-            await conn.execute(
-                insert(api_tokens).values(
+            result = await conn.execute(
+                insert(api_tokens)
+                .values(
                     token_hash=token_hash,
                     account_id=account_id,
                     is_admin=is_admin,
                     label=label,
                     created_at=now,
+                    expires_at=expires_at,
                 )
+                .returning(api_tokens.c.id)
             )
+            return int(result.scalar_one())
 
     async def find_token(self, token_hash: str) -> TokenRecord | None:
-        """The token's record, from this process's memory if it was found lately."""
+        """The valid token's record, from this process's memory if it was found lately."""
         now = _monotonic()
         known = self._known_tokens.get(token_hash)
         if known is not None and known[0] > now:
             return known[1]
-        record = await self._read_token(token_hash)
-        if record is None:
+        found = await self._read_token(token_hash)
+        if found is None:
             self._known_tokens.pop(token_hash, None)
             return None
+        record, remaining = found
         if len(self._known_tokens) >= _TOKEN_CACHE_SIZE:
             self._known_tokens.clear()
-        self._known_tokens[token_hash] = (now + TOKEN_CACHE_SECONDS, record)
+        self._known_tokens[token_hash] = (now + min(TOKEN_CACHE_SECONDS, remaining), record)
         return record
 
-    async def _read_token(self, token_hash: str) -> TokenRecord | None:
+    def _valid(self) -> list[ColumnElement[bool]]:
+        return [
+            api_tokens.c.revoked_at.is_(None),
+            or_(api_tokens.c.expires_at.is_(None), api_tokens.c.expires_at > self.now_sql()),
+        ]
+
+    async def _read_token(self, token_hash: str) -> tuple[TokenRecord, float] | None:
+        """The record of a valid token and how many seconds it stays valid (inf: no expiry);
+        refreshes ``last_used_at`` when it is stale."""
         async with self.reading() as conn:
             row = (
                 await conn.execute(
-                    select(api_tokens.c.account_id, api_tokens.c.is_admin).where(
-                        api_tokens.c.token_hash == token_hash
-                    )
+                    select(
+                        api_tokens.c.id,
+                        api_tokens.c.account_id,
+                        api_tokens.c.is_admin,
+                        api_tokens.c.expires_at,
+                        api_tokens.c.last_used_at,
+                        self.now_sql().label("now"),
+                    ).where(api_tokens.c.token_hash == token_hash, *self._valid())
                 )
             ).first()
-        return TokenRecord(row.account_id, bool(row.is_admin)) if row else None
+        if row is None:
+            return None
+        now: datetime = row.now
+        if row.last_used_at is None or now - row.last_used_at > LAST_USED_PRECISION:
+            async with self.writing() as conn:
+                await conn.execute(
+                    update(api_tokens).where(api_tokens.c.id == row.id).values(last_used_at=now)
+                )
+        remaining = (
+            float("inf") if row.expires_at is None else (row.expires_at - now).total_seconds()
+        )
+        return TokenRecord(row.account_id, bool(row.is_admin), row.expires_at), remaining
+
+    async def list_tokens(self) -> list[TokenInfo]:
+        async with self.reading() as conn:
+            rows = (
+                await conn.execute(
+                    select(
+                        api_tokens.c.id,
+                        api_tokens.c.account_id,
+                        api_tokens.c.is_admin,
+                        api_tokens.c.label,
+                        api_tokens.c.created_at,
+                        api_tokens.c.last_used_at,
+                        api_tokens.c.expires_at,
+                        api_tokens.c.revoked_at,
+                    ).order_by(api_tokens.c.id)
+                )
+            ).all()
+        return [TokenInfo(**row._mapping) for row in rows]
+
+    async def revoke_token(self, token_id: int) -> TokenInfo | None:
+        """Revoke the token (once: a second revoke keeps the first time); None if no such id."""
+        async with self.writing() as conn:
+            await conn.execute(
+                update(api_tokens)
+                .where(api_tokens.c.id == token_id, api_tokens.c.revoked_at.is_(None))
+                .values(revoked_at=self.now_sql())
+            )
+        for info in await self.list_tokens():
+            if info.id == token_id:
+                # This process forgets it at once; other API processes within the cache time.
+                self._known_tokens.clear()
+                return info
+        return None
