@@ -109,6 +109,16 @@ def test_occurrence_faults_count_hits() -> None:
         ("\nx", "'\nx"),
         ("Refund #3", "Refund #3"),
         ("", ""),
+        ("  =1+1", "'  =1+1"),
+        ("\u00a0=HYPERLINK(x)", "'\u00a0=HYPERLINK(x)"),
+        ("\u200b@SUM(A1)", "'\u200b@SUM(A1)"),
+        ("\ufeff+1", "'\ufeff+1"),
+        (" \u2060 \u200d-2", "' \u2060 \u200d-2"),
+        ("\uff1d1+1", "'\uff1d1+1"),
+        ("EUR", "EUR"),
+        ("  plain text", "  plain text"),
+        ("\u200b", "\u200b"),
+        ("   ", "   "),
     ],
 )
 def test_defang(cell: str, expected: str) -> None:

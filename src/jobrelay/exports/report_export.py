@@ -37,6 +37,12 @@ ACCOUNT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 PERIOD_PATTERN = re.compile(r"^(19|2[0-9])[0-9]{2}-(0[1-9]|1[0-2])$")
 NOTIFY_PARAM = "notifyEmail"  # the parameter that asks for a notification
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n")
+# A spreadsheet skips these before it decides whether a cell is a formula, so "  =1+1" or
+# "\ufeff=1+1" is as dangerous as "=1+1": whitespace (str.isspace covers the no-break and
+# other Unicode spaces), the zero-width characters and the byte-order mark.
+_INVISIBLE = frozenset("\u200b\u200c\u200d\u2060\ufeff")
+# The full-width forms, which some spreadsheets read as the ASCII operators.
+_FORMULA_CHARS = frozenset("=+-@\uff1d\uff0b\uff0d\uff20")
 _ROWS_PER_CHUNK = 500
 _PROGRESS_EVERY_SECONDS = 0.5
 
@@ -67,8 +73,15 @@ def result_key(account_id: str, job_id: str) -> str:
 
 
 def defang(cell: str) -> str:
-    """Prefix a quote so spreadsheets show the text instead of evaluating it."""
-    return "'" + cell if cell.startswith(_FORMULA_START) else cell
+    """Prefix a quote so spreadsheets show the text instead of evaluating it: a cell that
+    starts with a formula character, a tab or a line break, or has a formula character after
+    leading spaces or invisible characters."""
+    if cell.startswith(_FORMULA_START):
+        return "'" + cell
+    visible = cell.lstrip()
+    while visible and visible[0] in _INVISIBLE:
+        visible = visible[1:].lstrip()
+    return "'" + cell if visible[:1] in _FORMULA_CHARS and visible else cell
 
 
 def download_name(job_id: str, params: Mapping[str, Any]) -> str:
@@ -110,7 +123,7 @@ async def run_export(
                             defang(row.description),
                             defang(row.counterparty),
                             f"{row.amount:.2f}",
-                            row.currency,
+                            defang(row.currency),
                         )
                     )
                     rows += 1
