@@ -38,6 +38,7 @@ from jobrelay.api.problems import (
     ValidationProblem,
     problem_openapi,
 )
+from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.routes import MAX_BODY_BYTES, read_body
 from jobrelay.api.schemas import (
     IDEMPOTENCY_KEY_PATTERN,
@@ -53,6 +54,7 @@ from jobrelay.observe.metrics import NEW as _NEW_JOB
 from jobrelay.roles.runtime import Runtime
 
 __all__ = [
+    "ACCEPT_RESPONSES",
     "AUTH_RESPONSES",
     "IDEMPOTENCY_CONFLICT",
     "IDEMPOTENCY_KEY_PATTERN",
@@ -83,6 +85,8 @@ AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: problem_openapi("No token, or not a valid one."),
     503: problem_openapi("The database is unavailable; nothing was changed."),
 }
+# What a route that accepts jobs (AcceptDep) may answer besides its own errors.
+ACCEPT_RESPONSES: dict[int | str, dict[str, Any]] = {**AUTH_RESPONSES, **RATE_LIMIT_RESPONSES}
 IdempotencyKey = Annotated[
     str | None,
     Header(
@@ -170,7 +174,9 @@ class Acceptor:
         return Admission(accepted_id, created)
 
 
-def _acceptor(runtime: RuntimeDep) -> Acceptor:
+def _acceptor(runtime: RuntimeDep, _caller: RateLimitedDep) -> Acceptor:
+    """An acceptor for a caller within its rate limit (``JOBRELAY_RATE_LIMIT``): every
+    route that accepts jobs is limited per token, before it reads its body."""
     return Acceptor(runtime)
 
 

@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     # The reverse proxies whose X-Forwarded-For/-Proto the API believes (comma-separated IPs
     # or networks); none by default, so a client cannot claim another address or scheme.
     trusted_proxies: str = ""
+    # Per token and API process, on job creation and admin actions: RATE/second|minute|hour
+    # with an optional :BURST (100/second:300); empty: no limit.
+    rate_limit: str = ""
     # Where people reach the API; links in e-mails are built from it.
     public_url: str = "http://127.0.0.1:8000"
 
@@ -134,6 +137,14 @@ class Settings(BaseSettings):
         from jobrelay.transport.rabbit_nodes import split_broker_urls
 
         return ",".join(split_broker_urls(value))
+
+    @field_validator("rate_limit")
+    @classmethod
+    def _check_rate_limit(cls, value: str) -> str:
+        from jobrelay.api.ratelimit import parse_limit
+
+        parse_limit(value)
+        return value.strip()
 
     @field_validator("trusted_proxies")
     @classmethod

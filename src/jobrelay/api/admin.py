@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, field_validator
 from jobrelay.api.auth import Principal, PrincipalDep, bearer_scheme, hash_token
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, problem_openapi
+from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.routes import PRUNED_RESPONSE, missing_job
 from jobrelay.api.schemas import JobOut, WireModel, canonical_job_id, valid_traceparent
 from jobrelay.domain.states import JobState
@@ -33,6 +34,7 @@ _NOT_FOUND = "no job with this id is visible to this token"
 router = APIRouter()
 
 _ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **RATE_LIMIT_RESPONSES,
     401: problem_openapi("No token, or not a valid one."),
     403: problem_openapi("Not an admin token."),
     503: problem_openapi("The database is unavailable; nothing was changed."),
@@ -92,7 +94,7 @@ class WhoAmI(WireModel):
 
 
 async def admin_actor(
-    principal: PrincipalDep,
+    principal: RateLimitedDep,
     runtime: RuntimeDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
 ) -> str:

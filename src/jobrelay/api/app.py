@@ -18,6 +18,7 @@ from jobrelay import __version__
 from jobrelay.api import admin, console, health, jobs, observability, routes
 from jobrelay.api.deps import set_runtime
 from jobrelay.api.problems import PROBLEM_MEDIA_TYPE, install_problem_handlers
+from jobrelay.api.ratelimit import RateLimiter, parse_limit
 from jobrelay.loader import load_app
 from jobrelay.roles.runtime import Runtime, open_runtime
 from jobrelay.settings import Settings
@@ -65,6 +66,7 @@ def create_app(settings: Settings, *, runtime: Runtime | None = None) -> FastAPI
         redirect_slashes=False,
     )
     set_runtime(app, runtime)
+    app.state.rate_limiter = RateLimiter(parse_limit(settings.rate_limit))
     install_problem_handlers(app)
     app.add_middleware(observability.RequestMiddleware)  # outermost: sees the final status
     job_app = runtime.job_app() if runtime is not None else load_app(settings.app)

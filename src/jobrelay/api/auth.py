@@ -49,6 +49,8 @@ class Principal:
 
     account_id: str | None
     is_admin: bool
+    # Identifies the token (its hash) for per-token limits; never the token itself.
+    key: str = ""
 
     def may_act_for(self, account_id: str | None) -> bool:
         """Admins act for any job; an account token only for its own account's (never for a
@@ -71,7 +73,8 @@ async def authenticate(
             "send an API token as 'Authorization: Bearer <token>'",
             headers={"WWW-Authenticate": _CHALLENGE},
         )
-    record = await runtime.store.find_token(hash_token(credentials.credentials))
+    token_hash = hash_token(credentials.credentials)
+    record = await runtime.store.find_token(token_hash)
     if record is None:
         log.info("unknown API token", extra={"event": "auth_rejected"})
         raise ProblemError(
@@ -79,7 +82,7 @@ async def authenticate(
             "the API token is not valid",
             headers={"WWW-Authenticate": f'{_CHALLENGE}, error="invalid_token"'},
         )
-    return Principal(account_id=record.account_id, is_admin=record.is_admin)
+    return Principal(account_id=record.account_id, is_admin=record.is_admin, key=token_hash)
 
 
 PrincipalDep = Annotated[Principal, Depends(authenticate)]

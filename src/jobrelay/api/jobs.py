@@ -15,7 +15,6 @@ from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ConfigDict, Field, ValidationError
 
-from jobrelay.api.auth import PrincipalDep
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import (
     IDEMPOTENCY_CONFLICT,
@@ -24,6 +23,7 @@ from jobrelay.api.problems import (
     ValidationProblem,
     problem_openapi,
 )
+from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.routes import MAX_BODY_BYTES, read_body
 from jobrelay.api.schemas import IDEMPOTENCY_KEY_PATTERN, Accepted, WireModel
 from jobrelay.errors import IdempotencyConflict, InvalidParams
@@ -59,6 +59,7 @@ class JobRequest(WireModel):
             "Invalid body or params, or a key reused with other params.", ValidationProblem
         ),
         503: problem_openapi("The database is unavailable; nothing was changed."),
+        **RATE_LIMIT_RESPONSES,
     },
     openapi_extra={
         "requestBody": {
@@ -68,7 +69,7 @@ class JobRequest(WireModel):
     },
 )
 async def create_job(
-    request: Request, response: Response, principal: PrincipalDep, runtime: RuntimeDep
+    request: Request, response: Response, principal: RateLimitedDep, runtime: RuntimeDep
 ) -> Accepted:
     body = _parse(await read_body(request))
     definition = runtime.app.jobs.get(body.type) if runtime.app is not None else None

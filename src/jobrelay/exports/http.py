@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from jobrelay.effects.notify_email import MAX_ADDRESS_LENGTH, check_address
 from jobrelay.http import (
-    AUTH_RESPONSES,
+    ACCEPT_RESPONSES,
     MAX_BODY_BYTES,
     AcceptDep,
     Accepted,
@@ -97,7 +97,7 @@ class ExportRequest(WireModel):
     response_model=Accepted,
     summary="Accept a report.export job",
     responses={
-        **AUTH_RESPONSES,
+        **ACCEPT_RESPONSES,
         403: problem_openapi("The token may not act for this accountId."),
         413: problem_openapi(f"The body is larger than {MAX_BODY_BYTES} bytes."),
         422: problem_openapi(
