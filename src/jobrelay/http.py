@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Header
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from jobrelay.api.auth import Principal as Caller
 from jobrelay.api.auth import PrincipalDep as CallerDep
+from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import (
     IDEMPOTENCY_CONFLICT,
@@ -39,7 +39,6 @@ from jobrelay.api.problems import (
     problem_openapi,
 )
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
-from jobrelay.api.routes import MAX_BODY_BYTES, read_body
 from jobrelay.api.schemas import (
     IDEMPOTENCY_KEY_PATTERN,
     Accepted,
@@ -99,18 +98,6 @@ TraceParent = Annotated[
     str | None,
     Header(description="W3C trace context; passed on to the job's message. Invalid is ignored."),
 ]
-
-
-def parse_body(model: type[M], raw: bytes) -> M:
-    """Validate a JSON body the way FastAPI would, so its 422 looks like any other."""
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        errors = [
-            {**error, "loc": ("body", *error["loc"])}
-            for error in exc.errors(include_url=False, include_input=False)
-        ]
-        raise RequestValidationError(errors) from None
 
 
 @dataclass(frozen=True)

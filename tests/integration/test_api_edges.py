@@ -79,3 +79,93 @@ def test_a_trusted_proxy_that_is_not_an_address_is_refused(value: str) -> None:
     with pytest.raises(ConfigError) as caught:
         load_settings(trusted_proxies=value)
     assert caught.value.variable == "JOBRELAY_TRUSTED_PROXIES"
+
+
+# --- bodies and encodings ------------------------------------------------------------------
+
+JOB = "0190c9a0-0000-7000-8000-000000000000"
+BODY_ROUTES = [
+    ("/v1/exports", False),
+    (f"/v1/jobs/{JOB}/cancel", True),
+    (f"/v1/jobs/{JOB}/replay", True),
+]
+
+
+async def _token(runtime: Runtime, admin: bool) -> dict[str, str]:
+    return bearer(await make_token(runtime, None if admin else "acme", admin=admin))
+
+
+@pytest.mark.parametrize(("path", "admin"), BODY_ROUTES)
+async def test_a_body_over_16_kib_is_413(
+    client: httpx.AsyncClient, runtime: Runtime, path: str, admin: bool
+) -> None:
+    body = b'{"reason": "' + b"x" * (16 * 1024) + b'"}'
+    response = await client.post(path, content=body, headers=await _token(runtime, admin))
+    assert response.status_code == 413
+    assert response.headers["content-type"].startswith(PROBLEM)
+
+
+@pytest.mark.parametrize(("path", "admin"), BODY_ROUTES)
+async def test_bytes_that_are_not_utf8_are_422_not_400(
+    client: httpx.AsyncClient, runtime: Runtime, path: str, admin: bool
+) -> None:
+    body = b'{"reason": "caf\xe9", "accountId": "acme", "period": "2020-05"}'
+    response = await client.post(path, content=body, headers=await _token(runtime, admin))
+    assert response.status_code == 422, response.text
+    assert "UTF-8" in response.text
+
+
+@pytest.mark.parametrize(("path", "admin"), BODY_ROUTES)
+async def test_a_duplicate_key_is_refused_not_last_wins(
+    client: httpx.AsyncClient, runtime: Runtime, path: str, admin: bool
+) -> None:
+    body = (
+        b'{"reason": "a", "reason": "b", "accountId": "acme", "accountId": "globex",'
+        b' "period": "2020-05"}'
+    )
+    response = await client.post(path, content=body, headers=await _token(runtime, admin))
+    assert response.status_code == 422, response.text
+    assert "appears twice" in response.text
+
+
+async def test_admin_bodies_are_json_whatever_the_content_type(
+    client: httpx.AsyncClient, runtime: Runtime
+) -> None:
+    """As /v1/exports does: the body is JSON even as text/plain (or with no type at all)."""
+    headers = {**await _token(runtime, True), "Content-Type": "text/plain"}
+    cancel = await client.post(
+        f"/v1/jobs/{JOB}/cancel", content=b'{"reason": "r"}', headers=headers
+    )
+    assert cancel.status_code == 404  # parsed, then: no such job
+    missing = await client.post(f"/v1/jobs/{JOB}/cancel", content=b"", headers=headers)
+    assert missing.status_code == 422  # cancel needs a reason
+    replay = await client.post(f"/v1/jobs/{JOB}/replay", content=b"", headers=headers)
+    assert replay.status_code == 404  # replay's body is optional
+
+
+async def test_the_openapi_schema_states_the_servers_limits(
+    client: httpx.AsyncClient, runtime: Runtime
+) -> None:
+    import re
+
+    schema = (await client.get("/openapi.json")).json()
+    export = schema["paths"]["/v1/exports"]["post"]
+    period = export["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    pattern = re.compile(period["period"]["pattern"])
+    for bad in ("0000-00", "2020-13", "1899-12", "3000-01", "2020-00"):
+        assert not pattern.match(bad), bad
+    for good in ("1900-01", "2020-05", "2999-12"):
+        assert pattern.match(good), good
+    acme = await _token(runtime, False)
+    refused = await client.post(
+        "/v1/exports", json={"accountId": "acme", "period": "0000-00"}, headers=acme
+    )
+    assert refused.status_code == 422
+    for path in ("/v1/jobs/{jobId}/cancel", "/v1/jobs/{jobId}/replay", "/v1/exports"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert {"413", "422", "429"} <= set(responses), (path, sorted(responses))
+    cancel = schema["paths"]["/v1/jobs/{jobId}/cancel"]["post"]["requestBody"]
+    assert cancel["required"] is True
+    assert (
+        cancel["content"]["application/json"]["schema"]["properties"]["reason"]["maxLength"] == 500
+    )

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Header, Path, Query
+from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jobrelay.api.auth import Principal, PrincipalDep, bearer_scheme, hash_token
+from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, problem_openapi
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
@@ -44,6 +45,7 @@ _ACTION_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: problem_openapi("No such job."),
     410: PRUNED_RESPONSE,
     409: problem_openapi("The job is in a state this action may not move it from."),
+    413: problem_openapi(f"The body is larger than {MAX_BODY_BYTES} bytes."),
     422: problem_openapi("Invalid body."),
 }
 JobIdPath = Annotated[str, Path(alias="jobId", description="The jobId returned by the 202.")]
@@ -150,23 +152,32 @@ async def list_jobs(
     return JobsOut(jobs=[JobSummary.from_job(j) for j in jobs])
 
 
+def _body_of(model: type[BaseModel], required: bool) -> dict[str, Any]:
+    """The request body as OpenAPI states it: parsed in the handler (after the token and the
+    rate limit), as JSON whatever the Content-Type, at most MAX_BODY_BYTES."""
+    schema = {"application/json": {"schema": model.model_json_schema()}}
+    return {"requestBody": {"required": required, "content": schema}}
+
+
 @router.post(
     "/v1/jobs/{jobId}/replay",
     response_model=ActionOut,
     summary="Replay a quarantined job (admin)",
     responses=_ACTION_RESPONSES,
+    openapi_extra=_body_of(ReplayRequest, required=False),
 )
 async def replay_job(
+    request: Request,
     job_id: JobIdPath,
     runtime: RuntimeDep,
     actor: AdminActor,
     principal: PrincipalDep,
-    body: Annotated[ReplayRequest | None, Body()] = None,
     traceparent: Annotated[str | None, Header()] = None,
 ) -> ActionOut:
     """``quarantined -> queued`` with a fresh attempt budget; a new message goes through the
-    outbox. The timeline gets a ``replayed`` event naming this token."""
-    reason = (body or ReplayRequest()).reason
+    outbox. The timeline gets a ``replayed`` event naming this token. The body is optional."""
+    raw = await read_body(request)
+    reason = (parse_body(ReplayRequest, raw) if raw.strip() else ReplayRequest()).reason
     trace = valid_traceparent(traceparent)
     return await _act(runtime, job_id, "replay", actor, reason, trace, principal)
 
@@ -176,16 +187,18 @@ async def replay_job(
     response_model=ActionOut,
     summary="Cancel a job that is not running or finished (admin)",
     responses=_ACTION_RESPONSES,
+    openapi_extra=_body_of(CancelRequest, required=True),
 )
 async def cancel_job(
+    request: Request,
     job_id: JobIdPath,
     runtime: RuntimeDep,
     actor: AdminActor,
     principal: PrincipalDep,
-    body: CancelRequest,
 ) -> ActionOut:
     """``queued | retry_wait | quarantined -> cancelled``; later deliveries are acked without
     work. The timeline gets a ``cancelled`` event naming this token."""
+    body = parse_body(CancelRequest, await read_body(request))
     return await _act(runtime, job_id, "cancel", actor, body.reason, None, principal)
 
 

@@ -12,9 +12,9 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.exceptions import RequestValidationError
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field
 
+from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import (
     IDEMPOTENCY_CONFLICT,
@@ -24,7 +24,6 @@ from jobrelay.api.problems import (
     problem_openapi,
 )
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
-from jobrelay.api.routes import MAX_BODY_BYTES, read_body
 from jobrelay.api.schemas import IDEMPOTENCY_KEY_PATTERN, Accepted, WireModel
 from jobrelay.errors import IdempotencyConflict, InvalidParams
 from jobrelay.storage.engine import statement_tx
@@ -71,7 +70,7 @@ class JobRequest(WireModel):
 async def create_job(
     request: Request, response: Response, principal: RateLimitedDep, runtime: RuntimeDep
 ) -> Accepted:
-    body = _parse(await read_body(request))
+    body = parse_body(JobRequest, await read_body(request))
     definition = runtime.app.jobs.get(body.type) if runtime.app is not None else None
     if definition is None or not definition.http:
         raise ProblemError(404, f"no job type {body.type!r} is exposed over HTTP")
@@ -105,14 +104,3 @@ async def create_job(
     status_url = f"/v1/jobs/{job_id}"
     response.headers["Location"] = status_url
     return Accepted(job_id=job_id, status_url=status_url)
-
-
-def _parse(raw: bytes) -> JobRequest:
-    try:
-        return JobRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        errors = [
-            {**error, "loc": ("body", *error["loc"])}
-            for error in exc.errors(include_url=False, include_input=False)
-        ]
-        raise RequestValidationError(errors) from None

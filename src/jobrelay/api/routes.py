@@ -16,7 +16,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Path, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
 
 from jobrelay.api.auth import Principal, PrincipalDep
@@ -45,7 +45,6 @@ from jobrelay.storage.store import JobRecord
 log = logging.getLogger("jobrelay.api")
 
 # An export request is two short strings; anything near this size is not one.
-MAX_BODY_BYTES = 16 * 1024
 _NOT_FOUND = "no job with this id is visible to this token"
 _UNSAFE_FILENAME = re.compile(r"[^A-Za-z0-9._-]")
 # Lifetime of a presigned result URL: long enough to follow a redirect and start a download
@@ -152,15 +151,6 @@ async def get_result(job_id: JobIdPath, principal: PrincipalDep, runtime: Runtim
         _stream(first, chunks),
         headers={"Content-Disposition": f'attachment; filename="{filename}"'},
     )
-
-
-async def read_body(request: Request) -> bytes:
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ProblemError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    return bytes(body)
 
 
 async def _visible_job(runtime: Runtime, principal: Principal, raw_id: str) -> JobRecord:

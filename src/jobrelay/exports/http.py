@@ -33,7 +33,9 @@ from jobrelay.http import (
 )
 
 ACCOUNT_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
-PERIOD_PATTERN = r"^[0-9]{4}-[0-9]{2}$"
+# The schema states the server's rule exactly (1900-01 to 2999-12), so a client generated
+# from the OpenAPI document refuses 0000-00 too.
+PERIOD_PATTERN = r"^(19[0-9]{2}|2[0-9]{3})-(0[1-9]|1[0-2])$"
 FIRST_PERIOD, LAST_PERIOD = (1900, 1), (2999, 12)
 
 router = APIRouter()
