@@ -89,6 +89,7 @@ class World_:
         unpublished: int = 0,
         depths: dict[str, int] | None = None,
         missed: tuple[str, ...] = (),
+        dead_lettering: dict[str, int] | None = None,
     ) -> dict[str, int]:
         facts = Facts(self.jobs, self.events, self.effects, unpublished)
         seen = World(
@@ -98,6 +99,7 @@ class World_:
             queue_depths=depths or {"jobrelay.work": 0},
             dead_letters=(),
             faults_missed=missed,
+            dead_lettering=dead_lettering or {},
         )
         verdict = judge(self.records, facts, seen)
         self.verdict = verdict
@@ -222,3 +224,16 @@ def test_leftover_messages_and_missed_faults_fail_the_run() -> None:
     )
     assert violations == {"broker_leftover": 2, "faults_missed": 1}
     assert summary_line(5, w.verdict, 1.0, 9).endswith("FAILED broker_leftover=2 faults_missed=1")
+
+
+def test_copies_held_by_the_brokers_dead_letter_worker_are_reported_not_leftover() -> None:
+    """Not deliverable (RabbitMQ 3.10 keeps them in messages_dlx after a leader change), so
+    no work is left in them; counted and shown, while a deliverable leftover still fails."""
+    w = World_(plan())
+    assert w.judge(depths={"jobrelay.retry.2s": 0}, dead_lettering={"jobrelay.retry.2s": 9}) == {}
+    assert w.verdict.counts["dead_lettering"] == 9
+    assert w.verdict.examples["dead_lettering"] == [
+        "jobrelay.retry.2s: 9 copies held by the broker's dead-letter worker"
+    ]
+    still = w.judge(depths={"jobrelay.retry.2s": 1}, dead_lettering={"jobrelay.retry.2s": 9})
+    assert still == {"broker_leftover": 1}

@@ -47,7 +47,7 @@ async def world(s3: S3Server, mail: MailServer, sandbox: Sandbox, faults: list[F
             keys += [o["Key"] for o in page.get("Contents", [])]
         uploads = await client.list_multipart_uploads(Bucket=sandbox.bucket)
     mails = tuple(Mail(str(m.message["Message-ID"]), tuple(m.rcpt_tos)) for m in mail.messages)
-    depths = await sandbox.queue_depths()
+    counts = await sandbox.queue_counts()
     dead = await browse_rabbitmq(sandbox.broker_url, limit=10_000)
     missed = tuple(
         f"{f.kind} {f.target} {f.point or ''}: {f.detail}".strip()
@@ -58,9 +58,10 @@ async def world(s3: S3Server, mail: MailServer, sandbox: Sandbox, faults: list[F
         object_keys=tuple(keys),
         open_uploads=len(uploads.get("Uploads", [])),
         mails=mails,
-        queue_depths=depths,
+        queue_depths={q: n for q, (n, _) in counts.items()},
         dead_letters=tuple((d.job_id, d.reason) for d in dead),
         faults_missed=missed,
+        dead_lettering={q: held for q, (_, held) in counts.items() if held},
     )
 
 

@@ -190,14 +190,25 @@ class Sandbox:
     async def destroy(self) -> list[str]:
         return await self.scratch.destroy()
 
-    async def queue_depths(self) -> dict[str, int]:
-        """Messages per queue (ready + unacknowledged), as the broker reports them."""
+    async def queue_counts(self) -> dict[str, tuple[int, int]]:
+        """Per queue: (deliverable, dead-lettering) messages, as the broker reports them.
+
+        Deliverable is ready + unacknowledged: what a consumer can still get. Dead-lettering is
+        the rest of a quorum queue's ``messages``: copies its at-least-once dead-letter worker
+        holds until the target queue confirms them (``messages_dlx``).
+        """
         out = await self.services.rabbitmqctl(
-            "list_queues", "-p", self.vhost, "--no-table-headers", "name", "messages"
-        )
-        depths: dict[str, int] = {}
+            "list_queues", "-p", self.vhost, "--no-table-headers",
+            "name", "messages", "messages_ready", "messages_unacknowledged",
+        )  # fmt: skip
+        counts: dict[str, tuple[int, int]] = {}
         for line in out.splitlines():
             parts = line.split()
-            if len(parts) == 2 and parts[1].isdigit():
-                depths[parts[0]] = int(parts[1])
-        return depths
+            if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
+                total, ready, unacked = (int(p) for p in parts[1:])
+                counts[parts[0]] = (ready + unacked, max(0, total - ready - unacked))
+        return counts
+
+    async def queue_depths(self) -> dict[str, int]:
+        """Deliverable messages per queue (ready + unacknowledged)."""
+        return {name: n for name, (n, _) in (await self.queue_counts()).items()}
