@@ -84,8 +84,8 @@ from jobrelay.roles.reconcile import LEASE_EXPIRED, Reconciler
 from jobrelay.roles.runtime import Runtime, topology_for
 from jobrelay.roles.worker import Worker
 from jobrelay.settings import Settings
-from jobrelay.storage.admin import RECONCILED_LEASE, RECONCILED_QUEUED, RECONCILED_RETRY
 from jobrelay.storage.engine import create_engine, upgrade
+from jobrelay.storage.repairs import RECONCILED_LEASE, RECONCILED_QUEUED, RECONCILED_RETRY
 from jobrelay.storage.store import WORK_DESTINATION, EventRecord, JobRecord, NewJob, Store
 from jobrelay.storage.tables import job_events, outbox
 from jobrelay.transport.topology import retry_seconds

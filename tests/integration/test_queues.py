@@ -33,6 +33,7 @@ from jobrelay.roles.worker import Worker
 from jobrelay.settings import Settings
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.engine import create_engine
+from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import EventRecord, Store
 from jobrelay.storage.tables import outbox
 from jobrelay.transport.local import LocalTransport
@@ -207,7 +208,7 @@ async def test_a_deferral_a_replay_and_a_reconciler_resend_go_to_the_jobs_own_qu
     # The reconciler's re-send of a job whose worker was lost goes there too.
     assert await rt.store.claim_job(job_id, "lost-worker", now, timedelta(seconds=1))
     later = now + timedelta(hours=1)
-    assert await AdminQueries(rt.store).requeue_expired_lease(
+    assert await RepairQueries(rt.store).requeue_expired_lease(
         job_id, "lost-worker", later, later, "reconciler"
     )
     async with rt.engine.connect() as conn:

@@ -35,6 +35,7 @@ from jobrelay.roles.reconcile import (
 )
 from jobrelay.roles.runtime import Runtime, utc_now
 from jobrelay.storage.admin import AdminQueries
+from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import Claim, Store
 from jobrelay.storage.tables import jobs, outbox
 from jobrelay.transport.base import OutgoingMessage
@@ -280,7 +281,7 @@ async def test_overdue_retry_with_its_message_still_in_the_outbox_is_an_outbox_f
 
 
 async def test_a_repair_that_loses_its_race_never_overwrites_the_job(runtime: Runtime) -> None:
-    queries = AdminQueries(runtime.store)
+    queries = RepairQueries(runtime.store)
     running = await job_in_state(runtime.store, S.RUNNING, T0, "2020-01")
     waiting = await job_in_state(runtime.store, S.RETRY_WAIT, T0, "2020-02")
     await mark_all_published(runtime)
@@ -292,7 +293,8 @@ async def test_a_repair_that_loses_its_race_never_overwrites_the_job(runtime: Ru
     # Between the find and the repair, the slow worker finishes and an operator cancels.
     claim = Claim(running, 1, WORKER)
     assert (await runtime.store.complete(claim, "exports/x.csv", {"rows": 1}, now)).won
-    assert (await queries.cancel(waiting, actor="op", reason="r", now=now)).done
+    cancel = AdminQueries(runtime.store).cancel(waiting, actor="op", reason="r", now=now)
+    assert (await cancel).done
     history = {j: await kinds(runtime, j) for j in (running, waiting)}
 
     assert not await queries.requeue_expired_lease(running, WORKER, before, now, "rec")
@@ -318,7 +320,7 @@ async def test_finished_jobs_are_never_findings(runtime: Runtime) -> None:
 async def test_a_renewed_lease_is_not_taken(runtime: Runtime) -> None:
     job_id = await job_in_state(runtime.store, S.RUNNING, T0)
     await mark_all_published(runtime)
-    queries = AdminQueries(runtime.store)
+    queries = RepairQueries(runtime.store)
     now = clock(runtime).advance(3600)
     before = now - timedelta(seconds=GRACE)
     [job] = await queries.expired_leases(before, 10)

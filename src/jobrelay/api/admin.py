@@ -105,7 +105,7 @@ async def admin_actor(
         raise ProblemError(
             403, "this endpoint needs an admin token (jobrelay token create --admin)"
         )
-    identity = await AdminQueries(runtime.store).token_identity(hash_token(credentials.credentials))
+    identity = await runtime.store.token_identity(hash_token(credentials.credentials))
     if identity is None:  # revoked between the two reads
         raise ProblemError(401, "the API token is not valid")
     token_id, label = identity

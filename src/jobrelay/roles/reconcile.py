@@ -57,7 +57,7 @@ from typing import Any
 from jobrelay.domain.states import JobState
 from jobrelay.roles.prune import Pruner
 from jobrelay.roles.runtime import Runtime
-from jobrelay.storage.admin import AdminQueries, WaitingJob
+from jobrelay.storage.repairs import RepairQueries, WaitingJob
 
 log = logging.getLogger("jobrelay.reconcile")
 
@@ -138,7 +138,7 @@ class Reconciler:
         self.pruner = pruner
         self.actor = actor or new_reconciler_id()
         self.batch = batch
-        self.queries = AdminQueries(rt.store)
+        self.queries = RepairQueries(rt.store)
         self._reported: set[tuple[str, str | None]] = set()
 
     async def run_once(self, *, dry_run: bool = False, scan_quarantine: bool = True) -> Report:

@@ -111,6 +111,20 @@ class TokensStore(StoreBase):
         )
         return TokenRecord(row.account_id, bool(row.is_admin), row.expires_at), remaining
 
+    async def token_identity(self, token_hash: str) -> tuple[int, str | None] | None:
+        """A valid token's row id and label, to name who did an operator action (never the
+        token). Read on every admin action, past the cache: a revoked or expired admin token
+        can no longer act from the moment it is revoked."""
+        async with self.reading() as conn:
+            row = (
+                await conn.execute(
+                    select(api_tokens.c.id, api_tokens.c.label).where(
+                        api_tokens.c.token_hash == token_hash, *self._valid()
+                    )
+                )
+            ).first()
+        return (int(row.id), row.label) if row is not None else None
+
     async def list_tokens(self) -> list[TokenInfo]:
         async with self.reading() as conn:
             rows = (

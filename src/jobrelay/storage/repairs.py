@@ -1,0 +1,292 @@
+"""The SQL of the reconciler's repairs: find what is overdue, and put it back on its way.
+
+The same rules as ``Store`` (whose transaction helpers this reuses) and the operator's
+actions (``admin.py``): every repair is a guarded ``UPDATE … WHERE state = :seen AND …``
+that writes its event in the same transaction, and a message it needs is an outbox row in
+that same transaction. A repair that loses its guard changes nothing and says so; a finished
+job is never overwritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import exists, func, select, update
+
+from jobrelay.domain.messages import JobMessage
+from jobrelay.domain.states import JobState
+from jobrelay.storage.records import work_destination
+from jobrelay.storage.store import JobRecord, Store, aware_time, job_record
+from jobrelay.storage.tables import job_events, jobs, outbox
+
+RECONCILED_LEASE = "reconciled_lease_expired"
+RECONCILED_RETRY = "reconciled_retry_overdue"
+RECONCILED_QUEUED = "reconciled_queued_unclaimed"
+
+
+@dataclass(frozen=True)
+class WaitingJob:
+    job: JobRecord
+    requeued_before: bool  # the reconciler already re-sent its message once in this wait
+    confirmed_at: datetime | None = None  # when the broker confirmed its newest message
+
+
+@dataclass(frozen=True)
+class StaleOutboxRow:
+    id: int
+    job_id: str
+    job_state: JobState
+    destination: str
+    created_at: datetime
+    publish_attempts: int
+    last_error: str | None
+    claimed_by: str | None
+
+
+class RepairQueries:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def states_of(self, job_ids: Iterable[str]) -> dict[str, JobState]:
+        ids = sorted(set(job_ids))
+        out: dict[str, JobState] = {}
+        async with self.store.reading() as conn:
+            for start in range(0, len(ids), 500):
+                rows = await conn.execute(
+                    select(jobs.c.id, jobs.c.state).where(jobs.c.id.in_(ids[start : start + 500]))
+                )
+                out.update({r.id: JobState(r.state) for r in rows})
+        return out
+
+    # --- reconciler: find -----------------------------------------------------------------
+
+    async def expired_leases(self, before: datetime, limit: int) -> list[JobRecord]:
+        """Jobs ``running`` whose lease ran out before ``before`` (its worker is presumed dead)."""
+        query = (
+            self.store.job_query()
+            .where(jobs.c.state == JobState.RUNNING.value, jobs.c.lease_expires_at < before)
+            .order_by(jobs.c.lease_expires_at)
+            .limit(limit)
+        )
+        async with self.store.reading() as conn:
+            rows = (await conn.execute(query)).all()
+        return [job_record(r) for r in rows]
+
+    async def overdue_retries(self, before: datetime, limit: int) -> list[WaitingJob]:
+        """Jobs in ``retry_wait`` due before ``before`` with no message waiting in the outbox."""
+        query = (
+            self.store.job_query()
+            .add_columns(_requeued_this_wait(RECONCILED_RETRY).label("requeued_before"))
+            .where(
+                jobs.c.state == JobState.RETRY_WAIT.value,
+                jobs.c.next_attempt_at < before,
+                ~_unpublished_row(),
+            )
+            .order_by(jobs.c.next_attempt_at)
+            .limit(limit)
+        )
+        async with self.store.reading() as conn:
+            rows = (await conn.execute(query)).all()
+        return [WaitingJob(job_record(r), bool(r.requeued_before)) for r in rows]
+
+    async def unclaimed_queued(self, before: datetime, limit: int) -> list[WaitingJob]:
+        """Jobs ``queued`` and unchanged since before ``before`` (never claimed in this wait),
+        with no message waiting in the outbox and the newest one confirmed before ``before``.
+
+        Either the broker no longer has the message (dead-lettered by its delivery limit after
+        repeated returns, or purged), or a worker holds it unclaimed (busy, prefetched), or it
+        still waits behind a backlog that took longer than that to drain. How deep the work
+        queue is does not decide: a lost message must be found on a busy system too.
+        """
+        confirmed = (
+            select(func.max(outbox.c.published_at))
+            .where(outbox.c.job_id == jobs.c.id)
+            .scalar_subquery()
+        )
+        query = (
+            self.store.job_query()
+            .add_columns(
+                _requeued_this_wait(RECONCILED_QUEUED).label("requeued_before"),
+                confirmed.label("confirmed_at"),
+            )
+            .where(
+                jobs.c.state == JobState.QUEUED.value,
+                jobs.c.updated_at < before,
+                ~_unpublished_row(),
+                ~exists().where(outbox.c.job_id == jobs.c.id, outbox.c.published_at >= before),
+            )
+            .order_by(jobs.c.updated_at)
+            .limit(limit)
+        )
+        async with self.store.reading() as conn:
+            rows = (await conn.execute(query)).all()
+        return [
+            WaitingJob(job_record(r), bool(r.requeued_before), aware_time(r.confirmed_at))
+            for r in rows
+        ]
+
+    async def stale_outbox(self, before: datetime, limit: int) -> list[StaleOutboxRow]:
+        """Outbox rows written before ``before`` and still not confirmed by a broker."""
+        query = (
+            select(outbox, jobs.c.state.label("job_state"))
+            .join(jobs, jobs.c.id == outbox.c.job_id)
+            .where(outbox.c.published_at.is_(None), outbox.c.created_at < before)
+            .order_by(outbox.c.id)
+            .limit(limit)
+        )
+        async with self.store.reading() as conn:
+            rows = (await conn.execute(query)).all()
+        return [
+            StaleOutboxRow(
+                id=r.id,
+                job_id=r.job_id,
+                job_state=JobState(r.job_state),
+                destination=r.destination,
+                created_at=r.created_at,
+                publish_attempts=r.publish_attempts,
+                last_error=r.last_error,
+                claimed_by=r.claimed_by,
+            )
+            for r in rows
+        ]
+
+    async def requeue_expired_lease(
+        self, job_id: str, owner: str | None, before: datetime, now: datetime, actor: str
+    ) -> bool:
+        """running (lease expired before ``before``, same owner) -> retry_wait, due now, with a
+        work message. The next delivery claims it, or quarantines it if no attempt is left."""
+        store = self.store
+        async with store.writing() as conn:
+            row = (
+                await conn.execute(
+                    select(
+                        jobs.c.type, jobs.c.queue, jobs.c.attempt, jobs.c.lease_expires_at
+                    ).where(jobs.c.id == job_id)
+                )
+            ).first()
+            if row is None:
+                return False
+            owner_guard = (
+                jobs.c.lease_owner.is_(None) if owner is None else jobs.c.lease_owner == owner
+            )
+            won = await store.transition(
+                conn,
+                job_id,
+                JobState.RETRY_WAIT,
+                now,
+                where=[owner_guard, jobs.c.lease_expires_at < before],
+                lease_owner=None,
+                lease_expires_at=None,
+                next_attempt_at=now,
+                last_error=f"lease of {owner} expired: the worker was presumed lost",
+            )
+            if not won:
+                return False
+            await store.add_message(
+                conn, job_id, JobMessage(job_id, row.type), work_destination(row.queue), now
+            )
+            await store.add_event(
+                conn,
+                job_id,
+                RECONCILED_LEASE,
+                now,
+                actor=actor,
+                worker=owner,
+                leaseExpiredAt=row.lease_expires_at,
+                attempt=row.attempt,
+            )
+        store.wake_relays()
+        return True
+
+    async def requeue_overdue_retry(
+        self, job_id: str, before: datetime, now: datetime, actor: str
+    ) -> bool:
+        """Re-send the retry of a ``retry_wait`` job that is overdue with no message waiting;
+        at most once per wait (the guard looks for this repair since the job last changed)."""
+        return await self._resend_once(
+            job_id,
+            JobState.RETRY_WAIT,
+            jobs.c.next_attempt_at < before,
+            RECONCILED_RETRY,
+            now,
+            actor,
+            lambda row: {"nextAttemptAt": row.next_attempt_at, "attempt": row.attempt},
+        )
+
+    async def requeue_unclaimed(
+        self, job_id: str, before: datetime, now: datetime, actor: str
+    ) -> bool:
+        """Re-send the work message of a job ``queued`` and unclaimed since before ``before``,
+        at most once while it stays queued. A surplus copy is harmless: the job's state
+        decides, and the later copy is deferred or acked as a duplicate."""
+        return await self._resend_once(
+            job_id, JobState.QUEUED, jobs.c.updated_at < before, RECONCILED_QUEUED, now, actor
+        )
+
+    async def _resend_once(
+        self,
+        job_id: str,
+        state: JobState,
+        overdue: Any,
+        kind: str,
+        now: datetime,
+        actor: str,
+        detail: Callable[[Any], dict[str, Any]] = lambda _: {},
+    ) -> bool:
+        """A work message and a ``kind`` event for a job still in ``state`` and ``overdue``,
+        with none waiting in the outbox and no ``kind`` repair since the job last changed."""
+        store = self.store
+        async with store.writing() as conn:
+            row = (
+                await conn.execute(
+                    select(jobs.c.type, jobs.c.queue, jobs.c.attempt, jobs.c.next_attempt_at).where(
+                        jobs.c.id == job_id
+                    )
+                )
+            ).first()
+            if row is None:
+                return False
+            result = await conn.execute(
+                update(jobs)
+                .where(
+                    jobs.c.id == job_id,
+                    jobs.c.state == state.value,
+                    overdue,
+                    ~_unpublished_row(),
+                    ~_requeued_this_wait(kind),
+                )
+                .values(updated_at=now)
+            )
+            if result.rowcount != 1:
+                return False
+            await store.add_message(
+                conn, job_id, JobMessage(job_id, row.type), work_destination(row.queue), now
+            )
+            await store.add_event(conn, job_id, kind, now, actor=actor, **detail(row))
+        store.wake_relays()
+        return True
+
+
+def _unpublished_row() -> Any:
+    return exists().where(outbox.c.job_id == jobs.c.id, outbox.c.published_at.is_(None))
+
+
+def _requeued_this_wait(kind: str) -> Any:
+    return exists().where(
+        job_events.c.job_id == jobs.c.id,
+        job_events.c.kind == kind,
+        job_events.c.at >= jobs.c.updated_at,
+    )
+
+
+__all__ = [
+    "RECONCILED_LEASE",
+    "RECONCILED_QUEUED",
+    "RECONCILED_RETRY",
+    "RepairQueries",
+    "StaleOutboxRow",
+    "WaitingJob",
+]
