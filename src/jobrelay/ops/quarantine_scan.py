@@ -50,27 +50,14 @@ async def scan_quarantine(rt: Runtime, limit: int) -> list[DeadLetter]:
 
 
 async def browse_rabbitmq(url: str, limit: int) -> list[DeadLetter]:
-    import aio_pika
-    import aiormq
-    from yarl import URL
+    from jobrelay.transport.rabbit_nodes import AMQP_ERRORS, connect_first, split_broker_urls
 
-    from jobrelay.transport.rabbit_nodes import split_broker_urls
-
-    errors = (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError, OSError)
-    nodes = split_broker_urls(url)
-    connection = aio_pika.Connection(URL(nodes[0]))
+    try:
+        connection = await connect_first(split_broker_urls(url))  # a node that answers
+    except TransportError as exc:
+        raise TransportError(f"cannot read {QUARANTINE_QUEUE}: {exc}") from exc
     found: list[DeadLetter] = []
     try:
-        for i, node in enumerate(nodes):  # the first node of the cluster that answers
-            try:
-                connection = aio_pika.Connection(URL(node))
-                await connection.connect(timeout=_TIMEOUT)
-                break
-            except errors:
-                with contextlib.suppress(*errors):
-                    await connection.close()
-                if i == len(nodes) - 1:
-                    raise
         channel = await connection.channel(publisher_confirms=False)
         try:
             queue = await channel.declare_queue(QUARANTINE_QUEUE, passive=True)
@@ -83,12 +70,12 @@ async def browse_rabbitmq(url: str, limit: int) -> list[DeadLetter]:
                 found.append(DeadLetter(_job_id(headers, message.body), _death_reason(headers)))
         finally:
             # Closing the channel with nothing acked gives every message back to the queue.
-            with contextlib.suppress(*errors):
+            with contextlib.suppress(*AMQP_ERRORS):
                 await channel.close()
-    except errors as exc:
+    except AMQP_ERRORS as exc:
         raise TransportError(f"cannot read {QUARANTINE_QUEUE}: {type(exc).__name__}") from exc
     finally:
-        with contextlib.suppress(*errors):
+        with contextlib.suppress(*AMQP_ERRORS):
             await connection.close()
     return found
 

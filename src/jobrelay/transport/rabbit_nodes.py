@@ -17,6 +17,7 @@ of that class, and the cluster tests fail if a new aio-pika changes it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,8 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aio_pika
+import aiormq
+from aio_pika.abc import AbstractConnection
 from aio_pika.exceptions import CONNECTION_EXCEPTIONS
 from yarl import URL
 
@@ -107,20 +110,47 @@ class FailoverConnection(aio_pika.RobustConnection):
         raise last
 
 
-_C = TypeVar("_C", bound=aio_pika.Connection)
+# Connecting, declaring and queue reads: independent of the (often tighter) confirm timeout.
+BROKER_TIMEOUT = 10.0
+# Library failures meaning "the broker, or our link to it, failed".
+AMQP_ERRORS = (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError, OSError)
+
+_C = TypeVar("_C", bound=AbstractConnection)
 
 
-async def connect_first(
-    urls: list[str], make: Callable[[URL], _C], opened: Callable[[_C, str], Awaitable[_C]]
-) -> _C:
+async def opened(connection: _C, url: str) -> _C:
+    """Connect, closing the half-made connection on failure.
+
+    ``aio_pika.connect*()`` leaves a failed connection object to its ``__del__``, which then
+    schedules ``close()`` on whatever loop is current, or none; so we build it ourselves.
+    """
+    try:
+        await connection.connect(timeout=BROKER_TIMEOUT)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            await connection.close()
+        if isinstance(exc, AMQP_ERRORS):
+            shown = ",".join(safe_url(u) for u in url.split(","))
+            raise TransportError(f"cannot connect to {shown}: {short(exc)}") from exc
+        raise
+    return connection
+
+
+async def connect_first(urls: list[str]) -> aio_pika.Connection:
     """A plain (not robust) connection to the first node that answers, for one-shot work."""
     errors: list[str] = []
     for url in urls:
         try:
-            return await opened(make(URL(url)), url)
+            return await opened(aio_pika.Connection(URL(url)), url)
         except TransportError as exc:
             errors.append(str(exc))
     raise TransportError("; ".join(errors))
+
+
+def short(exc: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 if not hasattr(aio_pika.RobustConnection, _ATTEMPT):  # pragma: no cover - version guard

@@ -1,6 +1,9 @@
-"""The RabbitMQ transport (aio-pika), and the declaration of jobrelay's topology.
+"""The RabbitMQ transport (aio-pika): publishing, consuming, settling.
 
-What each choice protects against:
+Its neighbours: ``rabbit_nodes.py`` connects to the nodes of a cluster and fails over between
+them; ``rabbit_declare.py`` declares the topology (quorum queues, at-least-once
+dead-lettering, retry tiers); ``rabbit_management.py`` reads where each queue lives. What
+each choice here protects against:
 
 - Publishing uses a channel with publisher confirms AND ``on_return_raises=True`` and
   publishes ``mandatory``: the broker sends ``basic.return`` before the confirm for a message
@@ -8,13 +11,6 @@ What each choice protects against:
 - aiormq matches a ``basic.return`` to its publish by ``message_id``; two publishes in flight
   with the same id can swap results and report an unroutable message as confirmed. Publishes
   sharing a message id therefore go out one at a time.
-- Several comma-separated URLs are the nodes of one cluster (``rabbit_nodes.py``): the
-  connection fails over between them. Every queue is a quorum queue whose initial group is
-  ``topology.quorum_size`` nodes (RabbitMQ takes fewer when the cluster is smaller), so it
-  keeps working while a minority of its members is down.
-- Queues are quorum queues that dead-letter ``at-least-once`` (which needs ``x-overflow:
-  reject-publish``): an expired retry or a rejected message stays in its queue until the
-  target queue confirms it, instead of being dropped when the target is missing.
 - The connection is robust (it reconnects and restores consumers), so a delivery received
   on a channel that has since closed must not be acked on its successor: its delivery tag
   means nothing there and the broker has already requeued the message. Such an ack or
@@ -26,7 +22,7 @@ What each choice protects against:
   one, or ``settle_grace_seconds`` later (``JOBRELAY_DRAIN_SECONDS`` in a process), or at
   ``close()``, and the broker requeues whatever is still unsettled then.
 
-No aio-pika or aiormq type or exception leaves this module; they become ``jobrelay.errors``.
+No aio-pika or aiormq type or exception leaves these modules; they become ``jobrelay.errors``.
 """
 
 from __future__ import annotations
@@ -37,13 +33,12 @@ import logging
 import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import aio_pika
 import aiormq
 from aio_pika.abc import (
     AbstractChannel,
-    AbstractConnection,
     AbstractExchange,
     AbstractIncomingMessage,
     AbstractRobustChannel,
@@ -52,129 +47,33 @@ from aio_pika.abc import (
 
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.transport.base import Delivery, OutgoingMessage
+from jobrelay.transport.rabbit_declare import (
+    declare,
+    declare_error,
+    declare_topology,
+    retry_queue_arguments,
+    work_queue_arguments,
+)
 from jobrelay.transport.rabbit_nodes import (
+    AMQP_ERRORS,
+    BROKER_TIMEOUT,
     FailoverConnection,
     connect_first,
-    safe_url,
+    opened,
+    short,
     split_broker_urls,
 )
 from jobrelay.transport.topology import (
-    DEAD_LETTER_EXCHANGE,
     DEFAULT_QUEUE,
     EXCHANGE,
     QUARANTINE_QUEUE,
-    QUARANTINE_ROUTING_KEY,
     Topology,
-    retry_queue,
-    retry_routing_key,
     work_queue,
-    work_routing_key,
 )
 
 log = logging.getLogger("jobrelay.transport.rabbitmq")
 
 _RECONNECT_INTERVAL = 2.0  # seconds between attempts while the broker is down
-# Connecting, declaring and queue reads: independent of the (often tighter) confirm timeout.
-_BROKER_TIMEOUT = 10.0
-# Library failures meaning "the broker, or our link to it, failed".
-_AMQP_ERRORS = (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError, OSError)
-_SAFE_DEAD_LETTERING = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
-
-
-_GROUP_SIZE = "x-quorum-initial-group-size"
-
-
-def _quorum(size: int) -> dict[str, Any]:
-    return {"x-queue-type": "quorum", _GROUP_SIZE: size}
-
-
-async def _declare_queue(
-    channel: AbstractChannel, name: str, arguments: dict[str, Any]
-) -> aio_pika.abc.AbstractQueue:
-    """Declare a queue; one declared by a version before the group size was set is kept.
-
-    RabbitMQ refuses a redeclaration with arguments the queue was not created with, and
-    queues made before jobrelay set ``x-quorum-initial-group-size`` have none. The argument
-    only matters at creation (membership changes with ``rabbitmq-queues add_member``), so
-    such a queue is declared as it is rather than failing every start after an upgrade.
-    """
-    try:
-        return await channel.declare_queue(name, durable=True, arguments=arguments)
-    except aiormq.exceptions.ChannelPreconditionFailed as exc:
-        if _GROUP_SIZE not in str(exc) or "current is none" not in str(exc):
-            raise
-    await channel.reopen()  # the refusal closed the channel
-    log.warning(
-        "queue %s predates the quorum group size setting; its membership is kept as it is",
-        name,
-        extra={"event": "queue_group_size_unset", "queue": name},
-    )
-    legacy = {k: v for k, v in arguments.items() if k != _GROUP_SIZE}
-    return await channel.declare_queue(name, durable=True, arguments=legacy)
-
-
-def work_queue_arguments(topology: Topology) -> dict[str, Any]:
-    return {
-        **_quorum(topology.quorum_size),
-        "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
-        "x-dead-letter-routing-key": QUARANTINE_ROUTING_KEY,
-        "x-delivery-limit": topology.delivery_limit,
-        **_SAFE_DEAD_LETTERING,
-    }
-
-
-def retry_queue_arguments(
-    seconds: int, queue: str = DEFAULT_QUEUE, *, quorum_size: int = Topology.quorum_size
-) -> dict[str, Any]:
-    # One fixed TTL per queue: every message expires in order, no head-of-line blocking.
-    # Expired messages go back to the work queue of the tier's own queue.
-    return {
-        **_quorum(quorum_size),
-        "x-message-ttl": seconds * 1000,
-        "x-dead-letter-exchange": EXCHANGE,
-        "x-dead-letter-routing-key": work_routing_key(queue),
-        **_SAFE_DEAD_LETTERING,
-    }
-
-
-async def _declare(channel: AbstractChannel, topology: Topology) -> None:
-    direct = aio_pika.ExchangeType.DIRECT
-    exchange = await channel.declare_exchange(EXCHANGE, direct, durable=True)
-    dlx = await channel.declare_exchange(DEAD_LETTER_EXCHANGE, direct, durable=True)
-    for name in topology.queues:
-        work = await _declare_queue(channel, work_queue(name), work_queue_arguments(topology))
-        await work.bind(exchange, work_routing_key(name))
-        for seconds in topology.tiers:
-            tier = await _declare_queue(
-                channel,
-                retry_queue(seconds, name),
-                retry_queue_arguments(seconds, name, quorum_size=topology.quorum_size),
-            )
-            await tier.bind(exchange, retry_routing_key(seconds, name))
-    quarantine = await _declare_queue(channel, QUARANTINE_QUEUE, _quorum(topology.quorum_size))
-    await quarantine.bind(dlx, QUARANTINE_ROUTING_KEY)
-
-
-def _declare_error(exc: BaseException) -> TransportError:
-    if isinstance(exc, aiormq.exceptions.ChannelPreconditionFailed):
-        return TransportError(
-            "topology mismatch: a jobrelay queue exists with other arguments (another delivery "
-            f"limit, or declared by an older version); delete it or align the settings: {exc}"
-        )
-    return TransportError(f"declaring the topology failed: {_short(exc)}")
-
-
-async def declare_topology(url: str, topology: Topology) -> None:
-    """Declare exchanges, queues and bindings; safe to run again with the same settings."""
-    connection = await connect_first(split_broker_urls(url), aio_pika.Connection, _opened)
-    try:
-        async with connection.channel(publisher_confirms=False) as channel:
-            await _declare(channel, topology)
-    except _AMQP_ERRORS as exc:
-        raise _declare_error(exc) from exc
-    finally:
-        with contextlib.suppress(*_AMQP_ERRORS):
-            await connection.close()
 
 
 @dataclass(eq=False)
@@ -270,12 +169,12 @@ class _RabbitDelivery:
                 await self._message.nack(requeue=True)
             else:
                 await self._message.reject(requeue=False)
-        except _AMQP_ERRORS as exc:
+        except AMQP_ERRORS as exc:
             log.warning(
                 "%s ignored: the channel this delivery came on is gone and the broker has "
                 "requeued it (%s)",
                 action,
-                _short(exc),
+                short(exc),
                 extra={"event": "settle_ignored", "action": action},
             )
             return False
@@ -318,7 +217,7 @@ class RabbitTransport:
     async def connect(self) -> None:
         """Connect (robustly) and declare the topology; calling it again only re-declares."""
         if self._connection is None or self._connection.is_closed:
-            self._connection = await _opened(
+            self._connection = await opened(
                 FailoverConnection(self._urls, reconnect_interval=_RECONNECT_INTERVAL),
                 ",".join(self._urls),
             )
@@ -328,12 +227,12 @@ class RabbitTransport:
             # broker that lost its definitions gets them back before consumers resume.
             if self._topology_channel is None:
                 self._topology_channel = await connection.channel(publisher_confirms=False)
-            await _declare(self._topology_channel, self._topology)
+            await declare(self._topology_channel, self._topology)
             if self._exchange is None:
                 await self._open_publisher(connection)
-        except _AMQP_ERRORS as exc:
+        except AMQP_ERRORS as exc:
             await self.close()
-            raise _declare_error(exc) from exc
+            raise declare_error(exc) from exc
 
     async def _open_publisher(self, connection: AbstractRobustConnection) -> None:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
@@ -355,8 +254,8 @@ class RabbitTransport:
             old = self._publishing
             try:
                 await self._open_publisher(self._connection)
-            except _AMQP_ERRORS as exc:
-                log.warning("cannot open a new publishing channel yet: %s", _short(exc))
+            except AMQP_ERRORS as exc:
+                log.warning("cannot open a new publishing channel yet: %s", short(exc))
                 return
         log.info(
             "publishing on a new channel after a nack",
@@ -384,19 +283,19 @@ class RabbitTransport:
             await self._message_count(work_queue())
             return
         try:
-            async with asyncio.timeout(_BROKER_TIMEOUT):
-                await (await connect_first(self._urls, aio_pika.Connection, _opened)).close()
+            async with asyncio.timeout(BROKER_TIMEOUT):
+                await (await connect_first(self._urls)).close()
         except TimeoutError as exc:
             raise TransportError("broker unreachable: no answer in time") from exc
 
     async def _message_count(self, queue_name: str) -> int:
         connection = self._require_connection()
         try:
-            async with asyncio.timeout(_BROKER_TIMEOUT):
+            async with asyncio.timeout(BROKER_TIMEOUT):
                 async with connection.channel(publisher_confirms=False) as channel:
                     queue = await channel.declare_queue(queue_name, passive=True, robust=False)
-        except _AMQP_ERRORS as exc:  # TimeoutError is an OSError
-            raise TransportError(f"cannot read queue {queue_name}: {_short(exc)}") from exc
+        except AMQP_ERRORS as exc:  # TimeoutError is an OSError
+            raise TransportError(f"cannot read queue {queue_name}: {short(exc)}") from exc
         return int(queue.declaration_result.message_count or 0)
 
     # --- publishing -----------------------------------------------------------------------
@@ -428,11 +327,11 @@ class RabbitTransport:
             await self._renew_publisher(exchange)
             raise PublishError(f"rejected by the broker: {exc}") from exc
         except aiormq.exceptions.ChannelNotFoundEntity as exc:  # exchange deleted
-            raise PublishError(f"unroutable: {_short(exc)}") from exc
+            raise PublishError(f"unroutable: {short(exc)}") from exc
         except TimeoutError as exc:
             raise PublishError(f"no confirm within {self._timeout:g}s", unknown=True) from exc
-        except _AMQP_ERRORS as exc:
-            raise PublishError(f"connection lost: {_short(exc)}", unknown=True) from exc
+        except AMQP_ERRORS as exc:
+            raise PublishError(f"connection lost: {short(exc)}", unknown=True) from exc
 
     @contextlib.asynccontextmanager
     async def _one_per_id(self, message_id: str | None) -> AsyncIterator[None]:
@@ -467,8 +366,8 @@ class RabbitTransport:
             await channel.set_qos(prefetch_count=prefetch)
             declared = await channel.declare_queue(name, passive=True)
             tag = await declared.consume(consumer.on_message, no_ack=False)
-        except _AMQP_ERRORS as exc:
-            raise TransportError(f"cannot consume from {name}: {_short(exc)}") from exc
+        except AMQP_ERRORS as exc:
+            raise TransportError(f"cannot consume from {name}: {short(exc)}") from exc
         self._consumers.add(consumer)
         try:
             while (message := await consumer.inbox.get()) is not None:
@@ -495,27 +394,6 @@ class RabbitTransport:
         return self._connection
 
 
-_C = TypeVar("_C", bound=AbstractConnection)
-
-
-async def _opened(connection: _C, url: str) -> _C:
-    """Connect, closing the half-made connection on failure.
-
-    ``aio_pika.connect*()`` leaves a failed connection object to its ``__del__``, which then
-    schedules ``close()`` on whatever loop is current, or none; so we build it ourselves.
-    """
-    try:
-        await connection.connect(timeout=_BROKER_TIMEOUT)
-    except BaseException as exc:
-        with contextlib.suppress(Exception):
-            await connection.close()
-        if isinstance(exc, _AMQP_ERRORS):
-            shown = ",".join(safe_url(u) for u in url.split(","))
-            raise TransportError(f"cannot connect to {shown}: {_short(exc)}") from exc
-        raise
-    return connection
-
-
 def _stale(message: AbstractIncomingMessage) -> bool:
     """True once the channel a message came on has closed (a delivery tag is per channel)."""
     try:
@@ -528,17 +406,12 @@ async def _quietly(operation: Any) -> None:
     """Await a best-effort broker call whose failure only means the channel is gone."""
     try:
         await operation
-    except _AMQP_ERRORS as exc:
-        log.debug("ignored broker error during cleanup: %s", _short(exc))
-
-
-def _short(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    except AMQP_ERRORS as exc:
+        log.debug("ignored broker error during cleanup: %s", short(exc))
 
 
 __all__ = [
-    "RabbitTransport",
+    "RabbitTransport",  # and, re-exported from rabbit_declare:
     "declare_topology",
     "retry_queue_arguments",
     "work_queue_arguments",
