@@ -10,11 +10,15 @@ make the broker alone fail, with a chosen exception.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
+
+from jobrelay.api import create_app
 from jobrelay.api.auth import hash_token, new_token
 from jobrelay.observe.faults import Faults
 from jobrelay.results.files import FileResults
@@ -133,3 +137,12 @@ async def finish_job(runtime: Runtime, job_id: str, csv: bytes) -> str:
     assert claim is not None
     assert (await runtime.store.complete(claim, key, {"rows": 2}, now)).won
     return key
+
+
+@contextlib.asynccontextmanager
+async def api_client(runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client for the API app on ``runtime``, in process (no server, no socket)."""
+    app = create_app(runtime.settings, runtime=runtime)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+        yield client

@@ -10,10 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jobrelay.api import create_app
 from jobrelay.roles.processes import build_server
 from jobrelay.roles.runtime import Runtime
-from tests.integration.api_fixtures import bearer, build_runtime, make_token
+from tests.integration.api_fixtures import api_client, bearer, build_runtime, make_token
 
 PROBLEM = "application/problem+json"
 
@@ -27,9 +26,7 @@ async def runtime(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
 
 @pytest.fixture
 async def client(runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(runtime.settings, runtime=runtime)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as c:
+    async with api_client(runtime) as c:
         yield c
 
 

@@ -14,11 +14,17 @@ from typing import Any
 import httpx
 import pytest
 
-from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
 from jobrelay.roles.prune import Pruner
 from jobrelay.roles.runtime import Runtime
-from tests.integration.api_fixtures import Clock, bearer, build_runtime, finish_job, make_token
+from tests.integration.api_fixtures import (
+    Clock,
+    api_client,
+    bearer,
+    build_runtime,
+    finish_job,
+    make_token,
+)
 
 BODY = {"accountId": "acme", "period": "2020-05"}
 PROBLEM = "application/problem+json"
@@ -34,9 +40,7 @@ async def runtime(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
 
 @pytest.fixture
 async def client(runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(runtime.settings, runtime=runtime)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as c:
+    async with api_client(runtime) as c:
         yield c
 
 

@@ -11,13 +11,12 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from jobrelay.api import create_app
 from jobrelay.api.ratelimit import Limit, RateLimiter, parse_limit
 from jobrelay.errors import ConfigError
 from jobrelay.roles.runtime import Runtime
 from jobrelay.settings import load_settings
 from jobrelay.storage.tables import jobs
-from tests.integration.api_fixtures import bearer, build_runtime, make_token
+from tests.integration.api_fixtures import api_client, bearer, build_runtime, make_token
 
 PROBLEM = "application/problem+json"
 
@@ -34,9 +33,7 @@ async def runtime(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
 
 @pytest.fixture
 async def client(runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(runtime.settings, runtime=runtime)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as c:
+    async with api_client(runtime) as c:
         yield c
 
 

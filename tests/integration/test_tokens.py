@@ -8,17 +8,15 @@ from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 
-import httpx
 import pytest
 from sqlalchemy import select
 
 import jobrelay.storage.tokens as tokens_module
-from jobrelay.api import create_app
 from jobrelay.api.auth import hash_token, new_token
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.tables import api_tokens
 from jobrelay.storage.tokens import TOKEN_CACHE_SECONDS
-from tests.integration.api_fixtures import Clock, bearer, build_runtime
+from tests.integration.api_fixtures import Clock, api_client, bearer, build_runtime
 
 
 class Monotonic:
@@ -54,9 +52,7 @@ async def add(rt: Runtime, expires_in: float | None = None) -> tuple[str, int]:
 
 
 async def status(rt: Runtime, token: str) -> int:
-    app = create_app(rt.settings, runtime=rt)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+    async with api_client(rt) as client:
         return (await client.get("/v1/whoami", headers=bearer(token))).status_code
 
 
@@ -149,9 +145,7 @@ async def test_a_revoked_admin_token_can_no_longer_act_at_once(
     """Admin actions re-read the token past the cache: revoked means refused, no 5 s."""
     token = new_token()
     token_id = await runtime.store.add_token(hash_token(token), None, True, runtime.clock(), "ops")
-    app = create_app(runtime.settings, runtime=runtime)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+    async with api_client(runtime) as client:
         job = "0190c9a0-0000-7000-8000-000000000000"
         before = await client.post(
             f"/v1/jobs/{job}/cancel", headers=bearer(token), json={"reason": "test"}

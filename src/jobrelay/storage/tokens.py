@@ -125,22 +125,22 @@ class TokensStore(StoreBase):
             ).first()
         return (int(row.id), row.label) if row is not None else None
 
-    async def list_tokens(self) -> list[TokenInfo]:
+    async def list_tokens(self, token_id: int | None = None) -> list[TokenInfo]:
+        """Every token (or the one with ``token_id``), oldest first, without its hash."""
+        query = select(
+            api_tokens.c.id,
+            api_tokens.c.account_id,
+            api_tokens.c.is_admin,
+            api_tokens.c.label,
+            api_tokens.c.created_at,
+            api_tokens.c.last_used_at,
+            api_tokens.c.expires_at,
+            api_tokens.c.revoked_at,
+        ).order_by(api_tokens.c.id)
+        if token_id is not None:
+            query = query.where(api_tokens.c.id == token_id)
         async with self.reading() as conn:
-            rows = (
-                await conn.execute(
-                    select(
-                        api_tokens.c.id,
-                        api_tokens.c.account_id,
-                        api_tokens.c.is_admin,
-                        api_tokens.c.label,
-                        api_tokens.c.created_at,
-                        api_tokens.c.last_used_at,
-                        api_tokens.c.expires_at,
-                        api_tokens.c.revoked_at,
-                    ).order_by(api_tokens.c.id)
-                )
-            ).all()
+            rows = (await conn.execute(query)).all()
         return [TokenInfo(**row._mapping) for row in rows]
 
     async def revoke_token(self, token_id: int) -> TokenInfo | None:
@@ -151,9 +151,7 @@ class TokensStore(StoreBase):
                 .where(api_tokens.c.id == token_id, api_tokens.c.revoked_at.is_(None))
                 .values(revoked_at=self.now_sql())
             )
-        for info in await self.list_tokens():
-            if info.id == token_id:
-                # This process forgets it at once; other API processes within the cache time.
-                self._known_tokens.clear()
-                return info
-        return None
+        # This process forgets it at once; other API processes within the cache time.
+        self._known_tokens.clear()
+        found = await self.list_tokens(token_id)
+        return found[0] if found else None
