@@ -304,7 +304,8 @@ async def test_explain_and_whoami_follow_the_read_rules(
     body = explained.json()
     assert body["state"] == "retry_wait" and body["attempts"][0]["outcome"] == "retry"
     assert body["attempts"][0]["error"] == "boom"
-    assert body["nextStep"].startswith("retry scheduled 0 s ago, outbox row not yet published")
+    # The account's next step is the customer's; the operator's names the outbox (and hosts).
+    assert body["nextStep"] == "waiting to retry (in 5 s), attempt 1 of 3 used after: boom"
     assert [e["kind"] for e in body["events"]][:2] == ["accepted", "claimed"]
     assert (await client.get(f"/v1/jobs/{job_id}/explain", headers=other)).status_code == 404
 
@@ -313,4 +314,9 @@ async def test_explain_and_whoami_follow_the_read_rules(
         "admin": False,
     }
     admin = await admin_headers(runtime)
+    operator_view = (await client.get(f"/v1/jobs/{job_id}/explain", headers=admin)).json()
+    assert operator_view["nextStep"].startswith(
+        "retry scheduled 0 s ago, outbox row not yet published"
+    )
+    assert operator_view["attempts"][0]["worker"] == "host-w:1:abcdef"
     assert (await client.get("/v1/whoami", headers=admin)).json()["admin"] is True

@@ -4,7 +4,8 @@ Replay and cancel are the same ``Operator`` actions as the CLI. The event they w
 the admin token that did it (``token#<id> (<label>)``), never the token itself. Account
 tokens get 403 on every admin endpoint, even for their own jobs: those actions are for
 operators. ``/explain`` follows the read rules of ``GET /v1/jobs/{jobId}`` (an account sees
-only its own jobs; another account's job is a 404).
+only its own jobs; another account's job is a 404), and an account token reads the account
+view (``ops.account_view``): the job's story without actors, hosts or operator notes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.routes import PRUNED_RESPONSE, missing_job
 from jobrelay.api.schemas import JobOut, WireModel, canonical_job_id, valid_traceparent
 from jobrelay.domain.states import JobState
+from jobrelay.ops.account_view import account_explain_document
 from jobrelay.ops.explain import explain_document
 from jobrelay.ops.operator import Operator, refusal
 from jobrelay.roles.runtime import Runtime
@@ -206,7 +208,13 @@ async def cancel_job(
     "/v1/jobs/{jobId}/explain",
     summary="A job explained: facts, attempts, timeline and where to look next",
     responses={
-        200: {"description": "The explanation (the JSON of `jobrelay job show --json`)."},
+        200: {
+            "description": (
+                "The explanation: for an admin token the JSON of `jobrelay job show --json`; "
+                "for an account token its account view (no workers, actors, operator notes "
+                "or endpoints)."
+            )
+        },
         401: problem_openapi("No token, or not a valid one."),
         404: problem_openapi("No such job, or it belongs to another account (not distinguished)."),
         410: PRUNED_RESPONSE,
@@ -223,7 +231,9 @@ async def explain_job(
     job = _visible(principal, found)
     events = await runtime.store.events(job.id)
     trace_id = await AdminQueries(runtime.store).trace_id(job.id)
-    return explain_document(job, events, runtime.clock(), trace_id)
+    if principal.is_admin:
+        return explain_document(job, events, runtime.clock(), trace_id)
+    return account_explain_document(job, events, runtime.clock(), trace_id)
 
 
 async def _act(

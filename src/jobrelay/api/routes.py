@@ -78,7 +78,8 @@ class CsvResponse(StreamingResponse):
     "/v1/jobs/{jobId}", response_model=JobOut, summary="A job's state", responses=_JOB_RESPONSES
 )
 async def get_job(job_id: JobIdPath, principal: PrincipalDep, runtime: RuntimeDep) -> JobOut:
-    return JobOut.from_record(await _visible_job(runtime, principal, job_id))
+    job = await _visible_job(runtime, principal, job_id)
+    return JobOut.from_record(job, admin=principal.is_admin)
 
 
 @router.get(
@@ -90,7 +91,7 @@ async def get_job(job_id: JobIdPath, principal: PrincipalDep, runtime: RuntimeDe
 async def get_events(job_id: JobIdPath, principal: PrincipalDep, runtime: RuntimeDep) -> EventsOut:
     job = await _visible_job(runtime, principal, job_id)
     events = await runtime.store.events(job.id)
-    return EventsOut(events=[EventOut.from_record(e) for e in events])
+    return EventsOut(events=[EventOut.from_record(e, admin=principal.is_admin) for e in events])
 
 
 @router.get(

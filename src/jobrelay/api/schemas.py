@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from jobrelay.domain.disclosure import account_detail, redact_optional
 from jobrelay.storage.store import EventRecord, JobRecord
 
 # An account id (tokens act for one): lowercase letters, digits, '_' and '-'; 1-64 characters.
@@ -57,7 +58,9 @@ class JobOut(WireModel):
     updated_at: datetime
 
     @classmethod
-    def from_record(cls, job: JobRecord) -> JobOut:
+    def from_record(cls, job: JobRecord, *, admin: bool = True) -> JobOut:
+        """``admin=False`` is an account token's view: ``lastError`` without the hosts and
+        endpoints an infrastructure error may quote (``domain.disclosure``)."""
         progress = None
         if job.progress_done is not None and job.progress_total is not None:
             progress = Progress(done=job.progress_done, total=job.progress_total)
@@ -71,7 +74,7 @@ class JobOut(WireModel):
             attempt=job.attempt,
             max_attempts=job.max_attempts,
             result_key=job.result_key,
-            last_error=job.last_error,
+            last_error=job.last_error if admin else redact_optional(job.last_error),
             next_attempt_at=job.next_attempt_at,
             progress=progress,
             created_at=job.created_at,
@@ -85,8 +88,10 @@ class EventOut(WireModel):
     detail: dict[str, Any]
 
     @classmethod
-    def from_record(cls, event: EventRecord) -> EventOut:
-        return cls(at=event.at, kind=event.kind, detail=event.detail)
+    def from_record(cls, event: EventRecord, *, admin: bool = True) -> EventOut:
+        """``admin=False``: only the detail an account may see (``domain.disclosure``)."""
+        detail = event.detail if admin else account_detail(event.kind, event.detail)
+        return cls(at=event.at, kind=event.kind, detail=detail)
 
 
 class EventsOut(WireModel):

@@ -29,7 +29,7 @@ from jobrelay.storage.store import EventRecord, JobRecord
 console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 
-def _ago(when: datetime | None, now: datetime) -> str:
+def ago(when: datetime | None, now: datetime) -> str:
     if when is None:
         return "-"
     seconds = int((now - when).total_seconds())
@@ -38,7 +38,7 @@ def _ago(when: datetime | None, now: datetime) -> str:
 
 
 def _span(when: datetime | None, now: datetime) -> str:
-    return _ago(when, now).removesuffix(" ago").removeprefix("in ")
+    return ago(when, now).removesuffix(" ago").removeprefix("in ")
 
 
 def next_step(job: JobRecord, now: datetime) -> str:
@@ -56,22 +56,22 @@ def next_step(job: JobRecord, now: datetime) -> str:
         if lease is not None and lease <= now:
             return (
                 f"running attempt {job.attempt}/{job.max_attempts}, but the lease of "
-                f"{job.lease_owner} expired {_ago(lease, now)}: that worker is presumed lost; "
+                f"{job.lease_owner} expired {ago(lease, now)}: that worker is presumed lost; "
                 "a redelivery or the reconciler takes the job over"
             )
         return (
             f"running attempt {job.attempt}/{job.max_attempts} on {job.lease_owner}, lease "
-            f"expires {_ago(lease, now)}; if that worker died the job is taken over when the "
+            f"expires {ago(lease, now)}; if that worker died the job is taken over when the "
             "lease expires"
         )
     if not job.published and job.unpublished_since is not None:
         hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
         if job.state is JobState.QUEUED and job.attempt == 0:
-            what = f"accepted {_ago(job.created_at, now)}"
+            what = f"accepted {ago(job.created_at, now)}"
         elif job.state is JobState.RETRY_WAIT:
-            what = f"retry scheduled {_ago(job.updated_at, now)}"
+            what = f"retry scheduled {ago(job.updated_at, now)}"
         else:
-            what = f"{job.state.value} since {_ago(job.updated_at, now)}"
+            what = f"{job.state.value} since {ago(job.updated_at, now)}"
         return (
             f"{what}, outbox row not yet published (waiting "
             f"{_span(job.unpublished_since, now)}): is a relay running?{hint}"
@@ -80,15 +80,15 @@ def next_step(job: JobRecord, now: datetime) -> str:
         due = job.next_attempt_at
         if due is not None and due <= now:
             return (
-                f"retry was due {_ago(due, now)} after: {job.last_error}; is a worker running "
+                f"retry was due {ago(due, now)} after: {job.last_error}; is a worker running "
                 "and consuming? (the reconciler re-sends an overdue retry)"
             )
         return (
-            f"waiting to retry ({_ago(due, now)}) after: {job.last_error}; "
+            f"waiting to retry ({ago(due, now)}) after: {job.last_error}; "
             "the retry message is in the delay route"
         )
     return (
-        f"published and waiting for a worker (accepted {_ago(job.created_at, now)}): "
+        f"published and waiting for a worker (accepted {ago(job.created_at, now)}): "
         "is a worker running and consuming?"
     )
 
@@ -205,7 +205,7 @@ def render_job(
         "published",
         "yes"
         if job.published
-        else f"no (an outbox row waits since {_ago(job.unpublished_since, now)})"
+        else f"no (an outbox row waits since {ago(job.unpublished_since, now)})"
         if job.unpublished_since is not None
         else "no",
     )
@@ -215,10 +215,10 @@ def render_job(
     facts.add_row("last error", job.last_error or "-")
     if job.quarantine_reason:
         facts.add_row("quarantined for", job.quarantine_reason)
-    facts.add_row("next attempt", _ago(job.next_attempt_at, now))
+    facts.add_row("next attempt", ago(job.next_attempt_at, now))
     facts.add_row(
         "lease",
-        f"{job.lease_owner} until {_ago(job.lease_expires_at, now)}" if job.lease_owner else "-",
+        f"{job.lease_owner} until {ago(job.lease_expires_at, now)}" if job.lease_owner else "-",
     )
     facts.add_row("result key", job.result_key or "-")
     if job.progress_total is not None:
@@ -226,7 +226,7 @@ def render_job(
     facts.add_row("params", str(job.params))
     facts.add_row("trace id", trace_id or "-")
     facts.add_row(
-        "accepted", f"{job.created_at.isoformat(timespec='seconds')} ({_ago(job.created_at, now)})"
+        "accepted", f"{job.created_at.isoformat(timespec='seconds')} ({ago(job.created_at, now)})"
     )
     console.print(facts)
     tried = attempts(job, events)
@@ -305,7 +305,7 @@ async def list_jobs(
             job.state.value,
             "yes" if job.published else "no",
             f"{job.attempt}/{job.max_attempts}",
-            _ago(job.updated_at, now),
+            ago(job.updated_at, now),
             (job.quarantine_reason or job.last_error or "")[:80],
         )
     console.print(table)

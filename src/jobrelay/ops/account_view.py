@@ -1,0 +1,86 @@
+"""The explanation of a job as its account's token sees it: the story without the operators.
+
+``explain_document`` is for operators: it names lease owners, workers and relays, shows the
+broker's publish errors and says which ``jobrelay`` command to run. An account token gets
+the same facts about its own job, built here field by field from the operator document (a
+field added there stays private until it is added here), with every error redacted by
+``domain.disclosure`` and a next step written for the customer.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from jobrelay.domain.disclosure import account_detail, redact, redact_optional
+from jobrelay.domain.states import JobState
+from jobrelay.ops.explain import ago, explain_document
+from jobrelay.storage.store import EventRecord, JobRecord
+
+# Top-level keys of the operator document an account may see. Left out: lastPublishError
+# (the broker's answer to the relay), leaseOwner and leaseExpiresAt (a worker's host).
+ACCOUNT_EXPLAIN_KEYS = (
+    "jobId",
+    "type",
+    "accountId",
+    "params",
+    "state",
+    "published",
+    "unpublishedSince",
+    "attempt",
+    "maxAttempts",
+    "lastError",
+    "quarantineReason",
+    "nextAttemptAt",
+    "resultKey",
+    "progress",
+    "traceId",
+    "createdAt",
+    "updatedAt",
+)
+_REDACTED_KEYS = frozenset({"lastError", "quarantineReason"})
+ACCOUNT_ATTEMPT_KEYS = ("attempt", "startedAt", "outcome", "error")  # not the worker
+
+
+def account_explain_document(
+    job: JobRecord, events: list[EventRecord], now: datetime, trace_id: str | None = None
+) -> dict[str, Any]:
+    full = explain_document(job, events, now, trace_id)
+    shown: dict[str, Any] = {}
+    for key in ACCOUNT_EXPLAIN_KEYS:
+        value = full[key]
+        shown[key] = redact_optional(value) if key in _REDACTED_KEYS else value
+    shown["attempts"] = [
+        {
+            key: (redact_optional(a[key]) if key == "error" else a[key])
+            for key in ACCOUNT_ATTEMPT_KEYS
+        }
+        for a in full["attempts"]
+    ]
+    shown["nextStep"] = account_next_step(job, now)
+    shown["events"] = [
+        {"at": e["at"], "kind": e["kind"], "detail": account_detail(e["kind"], e["detail"])}
+        for e in full["events"]
+    ]
+    return shown
+
+
+def account_next_step(job: JobRecord, now: datetime) -> str:
+    """What the customer can expect next, in their terms: no hosts, no commands."""
+    error = redact(job.last_error) if job.last_error else None
+    if job.state is JobState.SUCCEEDED:
+        return "done: the result is ready" if job.result_key else "done"
+    if job.state is JobState.QUARANTINED:
+        reason = redact(job.quarantine_reason or job.last_error or "no reason recorded")
+        return f"stopped: {reason}; it runs again only if an operator replays it"
+    if job.state is JobState.CANCELLED:
+        return "cancelled by an operator; it will not run"
+    if job.state is JobState.RUNNING:
+        return f"running (attempt {job.attempt} of {job.max_attempts})"
+    if job.state is JobState.RETRY_WAIT:
+        after = f" after: {error}" if error else ""
+        return (
+            f"waiting to retry ({ago(job.next_attempt_at, now)}), attempt {job.attempt} of "
+            f"{job.max_attempts} used{after}"
+        )
+    return f"accepted {ago(job.created_at, now)}, waiting for a worker"
