@@ -1,4 +1,5 @@
-"""CLI for operators: ``job replay``, ``job cancel``, ``jobs replay`` and ``reconcile``.
+"""CLI for operators: ``job replay``, ``job cancel``, ``jobs replay``, ``reconcile`` and
+``quarantine purge``.
 
 Registered on the ``jobrelay`` command by importing this module (``cli`` does). Each action
 is audited in the job's timeline with ``--actor`` (by default ``cli:<user>@<host>``). The
@@ -16,6 +17,7 @@ from jobrelay.cli.main import app, fail, job_app, jobs_app, run, with_settings
 from jobrelay.cli.retention import fail_missing
 from jobrelay.observe import logs
 from jobrelay.ops.operator import BulkReplay, Operator, cli_actor, refusal
+from jobrelay.ops.quarantine_purge import PurgeReport, purge_quarantine
 from jobrelay.roles.reconcile import Reconciler, Report
 from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
@@ -164,3 +166,41 @@ def reconcile_cmd(
     typer.echo(f"{label}: {counts}; {report.repaired} repaired; {scanned}")
     for finding in report.findings:
         typer.echo(f"{finding.kind:<20} {finding.job_id or '-':<36}  {finding.detail}")
+
+
+quarantine_app = typer.Typer(help="The quarantine queue.", no_args_is_help=True)
+app.add_typer(quarantine_app, name="quarantine")
+
+
+async def _purge(settings: Settings, limit: int, dry_run: bool) -> PurgeReport:
+    async with open_runtime(settings, connect_transport=False) as rt:
+        return await purge_quarantine(rt, limit=limit, dry_run=dry_run)
+
+
+@quarantine_app.command("purge")
+@with_settings
+def quarantine_purge_cmd(
+    settings: Settings,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List what would be removed, remove nothing.")
+    ] = False,
+    limit: Annotated[
+        int, typer.Option(min=1, max=100_000, help="Read at most this many messages.")
+    ] = 10_000,
+    as_json: Annotated[bool, typer.Option("--json", help="The report as JSON.")] = False,
+) -> None:
+    """Remove the stale copies of replayed, cancelled or pruned jobs from the quarantine queue.
+
+    Copies of jobs still quarantined, and messages naming no known job, are kept."""
+    report = run(_purge(settings, limit, dry_run))
+    if as_json:
+        typer.echo(json.dumps(report.as_dict(), indent=2))
+        return
+    verb = "would remove" if dry_run else "removed"
+    for purged in report.removed:
+        typer.echo(f"{verb}  {purged.job_id}  {purged.state:<12} {purged.reason or 'unknown'}")
+    typer.echo(
+        f"quarantine purge{' (dry run)' if dry_run else ''}: {report.scanned} message(s) read, "
+        f"{len(report.removed)} {verb}, {report.kept_quarantined} kept (job quarantined), "
+        f"{report.kept_unknown} kept (no known job)"
+    )

@@ -43,7 +43,7 @@ async def scan_quarantine(rt: Runtime, limit: int) -> list[DeadLetter]:
     if rt.settings.uses_local_broker:
         messages = await AdminQueries(rt.store).local_queue_messages(LOCAL_QUARANTINE, limit)
         return [
-            DeadLetter(_job_id(m.headers, m.body), _text(m.headers.get(LOCAL_REASON_HEADER)))
+            DeadLetter(job_id_of(m.headers, m.body), text_of(m.headers.get(LOCAL_REASON_HEADER)))
             for m in messages
         ]
     return await browse_rabbitmq(rt.settings.broker_url, limit)
@@ -67,7 +67,7 @@ async def browse_rabbitmq(url: str, limit: int) -> list[DeadLetter]:
                 if message is None:
                     break
                 headers = dict(message.headers or {})
-                found.append(DeadLetter(_job_id(headers, message.body), _death_reason(headers)))
+                found.append(DeadLetter(job_id_of(headers, message.body), death_reason(headers)))
         finally:
             # Closing the channel with nothing acked gives every message back to the queue.
             with contextlib.suppress(*AMQP_ERRORS):
@@ -80,8 +80,8 @@ async def browse_rabbitmq(url: str, limit: int) -> list[DeadLetter]:
     return found
 
 
-def _job_id(headers: Mapping[str, object], body: bytes) -> str | None:
-    from_header = _text(headers.get(JOB_ID_HEADER))
+def job_id_of(headers: Mapping[str, object], body: bytes) -> str | None:
+    from_header = text_of(headers.get(JOB_ID_HEADER))
     if from_header:
         return from_header
     try:
@@ -92,14 +92,14 @@ def _job_id(headers: Mapping[str, object], body: bytes) -> str | None:
     return job_id if isinstance(job_id, str) and len(job_id) == 36 else None
 
 
-def _death_reason(headers: Mapping[str, object]) -> str | None:
+def death_reason(headers: Mapping[str, object]) -> str | None:
     deaths = headers.get("x-death")
     if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
-        return _text(deaths[0].get("reason"))
-    return _text(headers.get("x-first-death-reason"))
+        return text_of(deaths[0].get("reason"))
+    return text_of(headers.get("x-first-death-reason"))
 
 
-def _text(value: object) -> str | None:
+def text_of(value: object) -> str | None:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return value if isinstance(value, str) else None

@@ -294,13 +294,14 @@ class Reconciler:
                 continue
             why = ", ".join(sorted({r or "unknown" for r in reasons}))
             copies = f"{len(reasons)} message(s) dead-lettered ({why})"
+            purge = "`jobrelay quarantine purge` removes them"
             if state in (JobState.SUCCEEDED, JobState.CANCELLED) or state is JobState.RUNNING:
-                advice = "stale copies, safe to purge from the quarantine queue"
+                advice = f"stale copies, safe to remove: {purge}"
             else:
                 advice = (
                     "if that was its only message, the reconciler re-sends it "
                     f"({QUEUED_UNCLAIMED} or {RETRY_OVERDUE}) once it has waited "
-                    "for the grace period"
+                    f"for the grace period; the copies are stale: {purge}"
                 )
             report.findings.append(
                 Finding(QUARANTINE_MISMATCH, job_id, f"job is {state.value} but {copies}; {advice}")

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.records import work_destination
 from jobrelay.storage.store import JobRecord, Store, aware_time, job_record
-from jobrelay.storage.tables import jobs, local_messages, outbox
+from jobrelay.storage.tables import jobs, local_messages, outbox, pruned_jobs
 
 OPERATOR = "operator"
 
@@ -39,6 +39,7 @@ class ActionOutcome:
 class QueuedMessage:
     headers: dict[str, Any]
     body: bytes
+    id: int = 0  # the local transport's row id
 
 
 class AdminQueries:
@@ -210,14 +211,37 @@ class AdminQueries:
     async def local_queue_messages(self, queue: str, limit: int) -> list[QueuedMessage]:
         """Messages in one queue of the database-backed local transport (read only)."""
         query = (
-            select(local_messages.c.headers, local_messages.c.body)
+            select(local_messages.c.id, local_messages.c.headers, local_messages.c.body)
             .where(local_messages.c.queue == queue)
             .order_by(local_messages.c.id)
             .limit(limit)
         )
         async with self.store.reading() as conn:
             rows = (await conn.execute(query)).all()
-        return [QueuedMessage(dict(r.headers or {}), str(r.body).encode()) for r in rows]
+        return [QueuedMessage(dict(r.headers or {}), str(r.body).encode(), r.id) for r in rows]
+
+    async def delete_local_messages(self, queue: str, ids: list[int]) -> int:
+        """Remove these rows of one local queue (the quarantine purge); rows gone already
+        (another purge) are not counted."""
+        if not ids:
+            return 0
+        async with self.store.writing() as conn:
+            result = await conn.execute(
+                delete(local_messages).where(
+                    local_messages.c.queue == queue, local_messages.c.id.in_(ids)
+                )
+            )
+        return int(result.rowcount or 0)
+
+    async def pruned_of(self, job_ids: list[str]) -> set[str]:
+        """Which of these jobs were deleted by retention (their tombstone is still kept)."""
+        if not job_ids:
+            return set()
+        async with self.store.reading() as conn:
+            rows = await conn.execute(
+                select(pruned_jobs.c.id).where(pruned_jobs.c.id.in_(sorted(set(job_ids))))
+            )
+            return {r.id for r in rows}
 
 
 __all__ = ["OPERATOR", "ActionOutcome", "AdminQueries", "QueuedMessage"]
