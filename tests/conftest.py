@@ -4,6 +4,12 @@ PostgreSQL: one migrated template database per session, cloned per test
 (``CREATE DATABASE … TEMPLATE``). RabbitMQ: a fresh vhost per test. SQLite: a migrated
 file copied per test.
 
+Least privilege: ``pg_app_url`` is the same cloned database reached as a role that is not a
+superuser and owns nothing, holding only the grants of ``jobrelay db grant`` (given once, in
+the template); ``amqp_app_url`` is a fresh vhost reached as a RabbitMQ user with no tags and
+permissions on that vhost alone, for ``jobrelay.*`` names only. The PostgreSQL + RabbitMQ
+pipeline tests run their processes through these two, as production should.
+
 With ``JOBRELAY_REQUIRE_SERVICES=1`` (CI) an unreachable service fails the run; otherwise
 tests that need it are skipped with the reason.
 """
@@ -16,6 +22,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -27,6 +34,10 @@ PG_ADMIN_URL = os.environ.get(
 AMQP_BASE = os.environ.get("JOBRELAY_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672")
 REQUIRE = os.environ.get("JOBRELAY_REQUIRE_SERVICES") == "1"
 RUN_ID = uuid.uuid4().hex[:8]
+APP_ROLE = f"jobrelay_app_{RUN_ID}"  # the least-privileged PostgreSQL role
+AMQP_APP_USER = f"jobrelay-app-{RUN_ID}"  # the vhost-limited RabbitMQ user
+AMQP_APP_PASSWORD = uuid.uuid4().hex
+AMQP_APP_PERMISSION = r"^jobrelay(\..*)?$"  # configure, write and read: jobrelay's names only
 
 
 def _unavailable(service: str, reason: str) -> None:
@@ -64,10 +75,25 @@ def pg_template() -> Iterator[str]:
     except Exception as exc:  # unreachable, refused, auth
         _unavailable("PostgreSQL", f"{type(exc).__name__}: {exc}")
     try:
-        upgrade(_with_db(PG_ADMIN_URL, name))
+        _admin_exec(f'CREATE ROLE "{APP_ROLE}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE')
+        _grant_app_role(_with_db(PG_ADMIN_URL, name))
         yield name
     finally:
         _admin_exec(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        _admin_exec(f'DROP ROLE IF EXISTS "{APP_ROLE}"')
+
+
+def _grant_app_role(url: str) -> None:
+    """What an operator does once, as the owner: ``jobrelay db upgrade`` (the schema and the
+    export app's tables), then ``jobrelay db grant``."""
+    import asyncio
+
+    from jobrelay.roles.processes import grant_role, upgrade_database
+    from jobrelay.settings import Settings
+
+    settings = Settings(database_url=url)
+    asyncio.run(upgrade_database(settings))
+    asyncio.run(grant_role(settings, APP_ROLE))
 
 
 @pytest.fixture
@@ -78,6 +104,13 @@ def pg_url(pg_template: str) -> Iterator[str]:
         yield _with_db(PG_ADMIN_URL, name)
     finally:
         _admin_exec(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_app_url(pg_url: str) -> str:
+    """``pg_url``'s database as the least-privileged role (DML grants only, owns nothing)."""
+    parts = urlsplit(pg_url)
+    return urlunsplit(parts._replace(netloc=f"{APP_ROLE}@{parts.hostname}:{parts.port}"))
 
 
 @pytest.fixture(scope="session")
@@ -123,5 +156,28 @@ def amqp_url(rabbitmq_available: None) -> Iterator[str]:
     _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
     try:
         yield f"{AMQP_BASE}/{vhost}"
+    finally:
+        _rabbitmqctl("delete_vhost", vhost)
+
+
+@pytest.fixture(scope="session")
+def amqp_app_user(rabbitmq_available: None) -> Iterator[str]:
+    _rabbitmqctl("add_user", AMQP_APP_USER, AMQP_APP_PASSWORD)
+    try:
+        yield AMQP_APP_USER
+    finally:
+        _rabbitmqctl("delete_user", AMQP_APP_USER)
+
+
+@pytest.fixture
+def amqp_app_url(amqp_app_user: str) -> Iterator[str]:
+    """A fresh vhost that only the vhost-limited user may use, and only for jobrelay.*."""
+    vhost = f"jobrelay-app-{RUN_ID}-{uuid.uuid4().hex[:8]}"
+    _rabbitmqctl("add_vhost", vhost)
+    permission = AMQP_APP_PERMISSION
+    _rabbitmqctl("set_permissions", "-p", vhost, amqp_app_user, permission, permission, permission)
+    host = urlsplit(AMQP_BASE).netloc.rpartition("@")[2]
+    try:
+        yield f"amqp://{amqp_app_user}:{AMQP_APP_PASSWORD}@{host}/{vhost}"
     finally:
         _rabbitmqctl("delete_vhost", vhost)

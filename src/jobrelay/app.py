@@ -339,6 +339,11 @@ class App:
         touch them; ``create_tables`` creates the missing ones."""
         self._tables.append(metadata)
 
+    @property
+    def table_metadata(self) -> tuple[MetaData, ...]:
+        """Every ``MetaData`` given to ``tables`` (what ``jobrelay db grant`` grants on)."""
+        return tuple(self._tables)
+
     async def create_tables(self, engine: AsyncEngine) -> None:
         """Create the application's missing tables (``checkfirst``); safe to run again and
         from several processes at once. Run by every jobrelay process that opens its runtime

@@ -139,8 +139,9 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, str]:
             "JOBRELAY_BROKER_URL": "local",
         }
     return {
-        "JOBRELAY_DATABASE_URL": str(request.getfixturevalue("pg_url")),
-        "JOBRELAY_BROKER_URL": str(request.getfixturevalue("amqp_url")),
+        # The processes run least-privileged (tests/conftest.py).
+        "JOBRELAY_DATABASE_URL": str(request.getfixturevalue("pg_app_url")),
+        "JOBRELAY_BROKER_URL": str(request.getfixturevalue("amqp_app_url")),
     }
 
 
@@ -364,13 +365,13 @@ def queue_counts(vhost: str, column: str = "messages") -> dict[str, int]:
 @pytest.mark.rabbitmq
 @pytest.mark.timeout(420)
 def test_database_outage_holds_deliveries_and_finishes_every_job_once(
-    pg_url: str, amqp_url: str, tmp_path: Path
+    pg_url: str, pg_app_url: str, amqp_app_url: str, tmp_path: Path
 ) -> None:
     exports = tmp_path / "exports"
-    vhost = urlsplit(amqp_url).path.lstrip("/")
+    vhost = urlsplit(amqp_app_url).path.lstrip("/")
     env = clean_env(
-        JOBRELAY_DATABASE_URL=pg_url,
-        JOBRELAY_BROKER_URL=amqp_url,
+        JOBRELAY_DATABASE_URL=pg_app_url,
+        JOBRELAY_BROKER_URL=amqp_app_url,
         JOBRELAY_RESULTS_URL=f"file://{exports}",
         JOBRELAY_MAX_ATTEMPTS="3",
         JOBRELAY_RETRY_DELAYS="1",

@@ -50,10 +50,11 @@ class Db:
 
 
 @pytest.fixture
-def env(pg_url: str, amqp_url: str, tmp_path: Path) -> dict[str, str]:
+def env(pg_app_url: str, amqp_app_url: str, tmp_path: Path) -> dict[str, str]:
+    # The processes run least-privileged (tests/conftest.py); the checks read as the owner.
     env = clean_env(
-        JOBRELAY_DATABASE_URL=pg_url,
-        JOBRELAY_BROKER_URL=amqp_url,
+        JOBRELAY_DATABASE_URL=pg_app_url,
+        JOBRELAY_BROKER_URL=amqp_app_url,
         JOBRELAY_RESULTS_URL=f"file://{tmp_path}/exports",
         **FAST_ENV,
     )

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -31,6 +32,7 @@ metadata = MetaData()
 orders = Table(
     "shop_orders", metadata, Column("id", Integer, primary_key=True), Column("item", String(64))
 )
+app.tables(metadata)  # created by `jobrelay db upgrade`, granted by `jobrelay db grant`
 
 
 class Receipt(BaseModel):
@@ -219,19 +221,24 @@ def test_own_app_under_jobrelay_up_on_the_embedded_default(tmp_path: Path) -> No
 @pytest.mark.rabbitmq
 @pytest.mark.timeout(300)
 def test_own_app_with_relay_and_one_worker_per_queue(
-    tmp_path: Path, pg_url: str, amqp_url: str
+    tmp_path: Path, pg_url: str, pg_app_url: str, amqp_app_url: str
 ) -> None:
     root = write_package(tmp_path / "outside")
     env = clean_env(
-        JOBRELAY_DATABASE_URL=pg_url,
-        JOBRELAY_BROKER_URL=amqp_url,
+        JOBRELAY_DATABASE_URL=pg_app_url,  # the processes and the app: least-privileged
+        JOBRELAY_BROKER_URL=amqp_app_url,
         JOBRELAY_RESULTS_URL=f"file://{tmp_path / 'results'}",
         JOBRELAY_APP="shopapp.jobs:app",
         **FAST_ENV,
     )
-    for command in (("db", "upgrade"), ("broker", "declare")):
-        done = run_cli(*command, env=env, cwd=root)
+    # The owner migrates, creating the app's own tables, and grants the runtime role on them.
+    owner = {**env, "JOBRELAY_DATABASE_URL": pg_url}
+    role = urlsplit(pg_app_url).username or ""
+    for command, as_env in ((("db", "upgrade"), owner), (("db", "grant", role), owner)):
+        done = run_cli(*command, env=as_env, cwd=root)
         assert done.returncode == 0, done.stderr
+    done = run_cli("broker", "declare", env=env, cwd=root)
+    assert done.returncode == 0, done.stderr
     port = free_port()
     with processes(tmp_path) as start:
         api = start("api", "api", "--port", str(port), env=env, cwd=root)

@@ -35,7 +35,8 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 def backend(request: pytest.FixtureRequest) -> tuple[str, str]:
     if request.param == "sqlite-local":
         return request.getfixturevalue("sqlite_url"), "local"
-    return request.getfixturevalue("pg_url"), request.getfixturevalue("amqp_url")
+    # The processes run least-privileged: a role with DML grants only, a vhost-limited user.
+    return request.getfixturevalue("pg_app_url"), request.getfixturevalue("amqp_app_url")
 
 
 @pytest.fixture

@@ -51,7 +51,8 @@ pytestmark = pytest.mark.timeout(90)
 def backend(request: pytest.FixtureRequest) -> tuple[str, str]:
     if request.param == "sqlite-local":
         return request.getfixturevalue("sqlite_url"), "local"
-    return request.getfixturevalue("pg_url"), request.getfixturevalue("amqp_url")
+    # The processes run least-privileged (see tests/conftest.py).
+    return request.getfixturevalue("pg_app_url"), request.getfixturevalue("amqp_app_url")
 
 
 @pytest.fixture

@@ -17,22 +17,25 @@ reconciler's scan (``quarantine_scan``).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from jobrelay.domain.states import JobState
-from jobrelay.errors import TransportError
-from jobrelay.ops.quarantine_scan import DeadLetter, death_reason, job_id_of, text_of
+from jobrelay.ops.quarantine_scan import (
+    DeadLetter,
+    death_reason,
+    job_id_of,
+    quarantine_channel,
+    take_all,
+    text_of,
+)
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.local_queue import QUARANTINE as LOCAL_QUARANTINE
 from jobrelay.storage.local_queue import REASON_HEADER as LOCAL_REASON_HEADER
 from jobrelay.storage.repairs import RepairQueries
 from jobrelay.transport.topology import QUARANTINE_QUEUE
-
-_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -110,41 +113,19 @@ async def _purge_local(rt: Runtime, limit: int, dry_run: bool, decide: Decide) -
 
 
 async def _purge_rabbitmq(url: str, limit: int, dry_run: bool, decide: Decide) -> None:
-    from jobrelay.transport.rabbit_nodes import AMQP_ERRORS, connect_first, split_broker_urls
-
-    try:
-        connection = await connect_first(split_broker_urls(url))
-    except TransportError as exc:
-        raise TransportError(f"cannot purge {QUARANTINE_QUEUE}: {exc}") from exc
-    try:
-        channel = await connection.channel(publisher_confirms=False)
-        try:
-            queue = await channel.declare_queue(QUARANTINE_QUEUE, passive=True)
-            waiting = int(queue.declaration_result.message_count or 0)
-            held = []
-            for _ in range(min(waiting, limit)):
-                message = await queue.get(no_ack=False, fail=False, timeout=_TIMEOUT)
-                if message is None:
-                    break
-                held.append(message)
-            letters = [
-                DeadLetter(job_id_of(dict(m.headers or {}), m.body), death_reason(m.headers or {}))
-                for m in held
-            ]
-            verdicts = await decide(letters)
-            if not dry_run:
-                for message, verdict in zip(held, verdicts, strict=True):
-                    if verdict is not None:
-                        await message.ack()
-                # A synchronous method after the acks: the broker handles a channel's frames
-                # in order, so once this answers every ack above has been applied.
-                await channel.declare_queue(QUARANTINE_QUEUE, passive=True)
-        finally:
-            # Everything not acked goes back to the queue.
-            with contextlib.suppress(*AMQP_ERRORS):
-                await channel.close()
-    except AMQP_ERRORS as exc:
-        raise TransportError(f"cannot purge {QUARANTINE_QUEUE}: {type(exc).__name__}") from exc
-    finally:
-        with contextlib.suppress(*AMQP_ERRORS):
-            await connection.close()
+    async with quarantine_channel(url, "purge") as (channel, queue):
+        held = await take_all(queue, limit)
+        letters = [
+            DeadLetter(job_id_of(dict(m.headers or {}), m.body), death_reason(m.headers or {}))
+            for m in held
+        ]
+        verdicts = await decide(letters)
+        if dry_run:
+            return
+        for message, verdict in zip(held, verdicts, strict=True):
+            if verdict is not None:
+                await message.ack()
+        # A synchronous method after the acks: the broker handles a channel's frames in
+        # order, so once this answers every ack above has been applied. The rest go back to
+        # the queue when the channel closes.
+        await channel.declare_queue(QUARANTINE_QUEUE, passive=True)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from jobrelay.errors import TransportError
 from jobrelay.roles.runtime import Runtime
@@ -49,35 +50,51 @@ async def scan_quarantine(rt: Runtime, limit: int) -> list[DeadLetter]:
     return await browse_rabbitmq(rt.settings.broker_url, limit)
 
 
-async def browse_rabbitmq(url: str, limit: int) -> list[DeadLetter]:
+@contextlib.asynccontextmanager
+async def quarantine_channel(url: str, action: str) -> AsyncIterator[tuple[Any, Any]]:
+    """A channel of its own on a node that answers, and the quarantine queue on it (passive).
+
+    Closing the channel, on the way out, gives every message taken and not acked back to the
+    queue. Broker errors become ``TransportError("cannot <action> jobrelay.quarantine: …")``.
+    """
     from jobrelay.transport.rabbit_nodes import AMQP_ERRORS, connect_first, split_broker_urls
 
     try:
         connection = await connect_first(split_broker_urls(url))  # a node that answers
     except TransportError as exc:
-        raise TransportError(f"cannot read {QUARANTINE_QUEUE}: {exc}") from exc
-    found: list[DeadLetter] = []
+        raise TransportError(f"cannot {action} {QUARANTINE_QUEUE}: {exc}") from exc
     try:
         channel = await connection.channel(publisher_confirms=False)
         try:
-            queue = await channel.declare_queue(QUARANTINE_QUEUE, passive=True)
-            waiting = int(queue.declaration_result.message_count or 0)
-            for _ in range(min(waiting, limit)):
-                message = await queue.get(no_ack=False, fail=False, timeout=_TIMEOUT)
-                if message is None:
-                    break
-                headers = dict(message.headers or {})
-                found.append(DeadLetter(job_id_of(headers, message.body), death_reason(headers)))
+            yield channel, await channel.declare_queue(QUARANTINE_QUEUE, passive=True)
         finally:
-            # Closing the channel with nothing acked gives every message back to the queue.
             with contextlib.suppress(*AMQP_ERRORS):
                 await channel.close()
     except AMQP_ERRORS as exc:
-        raise TransportError(f"cannot read {QUARANTINE_QUEUE}: {type(exc).__name__}") from exc
+        raise TransportError(f"cannot {action} {QUARANTINE_QUEUE}: {type(exc).__name__}") from exc
     finally:
         with contextlib.suppress(*AMQP_ERRORS):
             await connection.close()
-    return found
+
+
+async def take_all(queue: Any, limit: int) -> list[Any]:
+    """Up to ``limit`` of the messages waiting, unacked (``basic.get``)."""
+    waiting = int(queue.declaration_result.message_count or 0)
+    taken = []
+    for _ in range(min(waiting, limit)):
+        message = await queue.get(no_ack=False, fail=False, timeout=_TIMEOUT)
+        if message is None:
+            break
+        taken.append(message)
+    return taken
+
+
+async def browse_rabbitmq(url: str, limit: int) -> list[DeadLetter]:
+    async with quarantine_channel(url, "read") as (_, queue):
+        return [
+            DeadLetter(job_id_of(dict(m.headers or {}), m.body), death_reason(m.headers or {}))
+            for m in await take_all(queue, limit)
+        ]
 
 
 def job_id_of(headers: Mapping[str, object], body: bytes) -> str | None:

@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from jobrelay.roles.runtime import Runtime, open_runtime, schema_revision, topology_for
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import check_reachable, create_engine, upgrade_async
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from jobrelay.storage.grants import Granted
 
 log = logging.getLogger("jobrelay")
 
@@ -199,7 +204,10 @@ def _stop_if_dead(name: str, stop: asyncio.Event) -> Callable[[asyncio.Task[None
     return check
 
 
-async def upgrade_database(settings: Settings) -> str | None:
+@contextlib.asynccontextmanager
+async def _reachable_database(settings: Settings) -> AsyncIterator[AsyncEngine]:
+    """An engine on a database that answers (else the one-line JOBRELAY_DATABASE_URL error),
+    disposed afterwards: for the one-shot set-up commands."""
     from jobrelay.errors import ConfigError, StoreError
 
     engine = create_engine(settings.database_url)
@@ -208,10 +216,30 @@ async def upgrade_database(settings: Settings) -> str | None:
             await check_reachable(engine)
         except StoreError as exc:
             raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
-        await upgrade_async(settings.database_url)
-        return await schema_revision(engine)
+        yield engine
     finally:
         await engine.dispose()
+
+
+async def upgrade_database(settings: Settings) -> str | None:
+    from jobrelay.loader import load_app
+
+    app = load_app(settings.app)
+    async with _reachable_database(settings) as engine:
+        await upgrade_async(settings.database_url)
+        # The application's own tables too, as the owner: a least-privileged runtime role
+        # (``jobrelay db grant``) may not create them.
+        await app.create_tables(engine)
+        return await schema_revision(engine)
+
+
+async def grant_role(settings: Settings, role: str) -> Granted:
+    from jobrelay.loader import load_app
+    from jobrelay.storage.grants import grant_runtime_role
+
+    app = load_app(settings.app)
+    async with _reachable_database(settings) as engine:
+        return await grant_runtime_role(engine, role, app.table_metadata)
 
 
 async def declare_broker(settings: Settings) -> str:

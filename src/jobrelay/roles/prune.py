@@ -14,7 +14,7 @@ import time
 
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.retention import BATCH, MAX_ROWS, PruneCounts, Retention
-from jobrelay.storage.vacuum import autovacuum_on, vacuum_hot_tables
+from jobrelay.storage.vacuum import autovacuum_on, may_vacuum, vacuum_hot_tables
 
 log = logging.getLogger("jobrelay.retention")
 
@@ -63,7 +63,15 @@ class Pruner:
             return False
         if self._autovacuum is None:
             self._autovacuum = await autovacuum_on(self.rt.engine)
-            if not self._autovacuum:
+            if not self._autovacuum and not await may_vacuum(self.rt.engine):
+                self._autovacuum = True  # nothing this role can do: say so once, then stop
+                log.warning(
+                    "autovacuum is off on this PostgreSQL server and this role does not own "
+                    "jobrelay's tables, so it cannot vacuum them: turn autovacuum on, or "
+                    "VACUUM them as the owner (docs/how-to/retention.md)",
+                    extra={"event": "autovacuum_off_not_owner"},
+                )
+            elif not self._autovacuum:
                 log.warning(
                     "autovacuum is off on this PostgreSQL server: the reconciler leader "
                     "vacuums jobrelay's tables itself after each prune; turn autovacuum on "

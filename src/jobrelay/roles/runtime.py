@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.app import App
@@ -148,7 +149,15 @@ async def open_runtime(
         except StoreError as exc:
             raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
         await check_schema(settings, engine)
-        await app.create_tables(engine)
+        try:
+            await app.create_tables(engine)
+        except DBAPIError as exc:  # a least-privileged role (db grant) may not CREATE
+            first = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+            raise ConfigError(
+                "JOBRELAY_DATABASE_URL",
+                f"the application's tables are missing and cannot be created ({first}): "
+                "run `jobrelay db upgrade` as the schema's owner",
+            ) from None
         if connect_transport and settings.uses_local_broker:
             await _connect(transport)
         # Not probed here: an unreachable S3 endpoint is a transient failure of the jobs

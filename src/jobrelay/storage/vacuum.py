@@ -31,6 +31,25 @@ async def autovacuum_on(engine: AsyncEngine) -> bool:
     return str(value).lower() in {"on", "true", "1"}
 
 
+async def may_vacuum(engine: AsyncEngine) -> bool:
+    """Whether this role may VACUUM the hot tables: their owner, the database's owner or a
+    superuser. For anyone else (the least-privileged role of ``jobrelay db grant``)
+    PostgreSQL skips each table with only a warning, so it is checked, not tried."""
+    if engine.dialect.name != "postgresql":
+        return True
+    query = text(
+        "SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)"
+        " OR pg_has_role(current_user, (SELECT datdba FROM pg_database"
+        "                               WHERE datname = current_database()), 'USAGE')"
+        " OR coalesce((SELECT bool_and(pg_has_role(current_user, c.relowner, 'USAGE'))"
+        "              FROM pg_class c WHERE c.relname = ANY(:names) AND c.relkind = 'r'"
+        "              AND pg_table_is_visible(c.oid)), false)"
+    )
+    async with engine.connect() as conn:
+        allowed = (await conn.execute(query, {"names": list(HOT_TABLES)})).scalar_one()
+    return bool(allowed)
+
+
 async def vacuum_hot_tables(engine: AsyncEngine) -> list[str]:
     """VACUUM (ANALYZE) each hot table, outside a transaction as VACUUM requires."""
     async with engine.connect() as conn:

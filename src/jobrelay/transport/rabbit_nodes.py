@@ -150,6 +150,10 @@ async def connect_first(urls: list[str]) -> aio_pika.Connection:
 def short(exc: BaseException) -> str:
     """An exception in one line: its type and the first line of its message."""
     lines = str(exc).strip().splitlines()
+    if "Connection.OpenOk" in str(exc) and "Connection.Close" in str(exc):
+        # aiormq's report of a refused connection.open: the vhost does not exist, or this
+        # user has no permissions on it (RabbitMQ answers NOT_ALLOWED to both).
+        return "the broker refused the vhost: it does not exist or this user may not use it"
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 

@@ -1,0 +1,47 @@
+"""``jobrelay db grant ROLE``: the grants a least-privileged runtime role needs.
+
+Registered on ``jobrelay db`` by importing this module (``cli`` does). Run as the schema's
+owner, after ``jobrelay db upgrade``; then run the api, relays and workers as ``ROLE``. See
+docs/security.md.
+
+No ``from __future__ import annotations`` here: typer reads these annotations at run time.
+"""
+
+import re
+from typing import Annotated
+
+import typer
+
+from jobrelay.cli.main import db_app, fail, run, with_settings
+from jobrelay.settings import Settings
+
+# A plain PostgreSQL identifier (what CREATE ROLE takes unquoted), or a quoted one's text.
+_ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_$-]{0,62}$")
+
+
+@db_app.command("grant")
+@with_settings
+def db_grant_cmd(
+    settings: Settings,
+    role: Annotated[str, typer.Argument(help="An existing PostgreSQL role (NOSUPERUSER).")],
+) -> None:
+    """Grant ROLE what the api, relay and worker need: DML on jobrelay's and the app's tables.
+
+    Run as the owner after `jobrelay db upgrade`; ROLE then owns nothing and may not change
+    the schema."""
+    from jobrelay.roles.processes import grant_role
+
+    if not _ROLE.match(role):
+        raise fail(f"ROLE: not a role name: {role!r}", 2)
+    granted = run(grant_role(settings, role))
+    typer.echo(
+        f"granted SELECT, INSERT, UPDATE, DELETE on {len(granted.tables)} table(s), "
+        f"USAGE, SELECT on {len(granted.sequences)} sequence(s), SELECT on alembic_version "
+        f"and USAGE on schema {granted.schema} to {granted.role}"
+    )
+    typer.echo("tables: " + ", ".join(granted.tables))
+    if granted.superuser:
+        typer.echo(
+            f"note: {granted.role} is a superuser, so these grants restrict nothing; "
+            "use a role created with NOSUPERUSER (docs/security.md)"
+        )
