@@ -44,6 +44,8 @@ from jobrelay.transport.topology import DEFAULT_QUEUE, QUEUE_NAME
 if TYPE_CHECKING:
     from fastapi import APIRouter
 
+    from jobrelay.periodic import Schedule
+
 P = TypeVar("P", bound=BaseModel)
 JobFunction = Callable[[JobContext[P], P], Awaitable[Result | None]]
 AppCommand = Callable[..., int]
@@ -235,6 +237,7 @@ class App:
         self._routers: list[APIRouter] = []
         self._tables: list[MetaData] = []
         self._commands: dict[str, AppCommand] = {}
+        self._schedules: dict[str, Schedule] = {}
         self._engine: AsyncEngine | None = None
 
     @property
@@ -257,12 +260,18 @@ class App:
         queue: str = DEFAULT_QUEUE,
         http: bool = False,
         result_filename: Callable[[str, Mapping[str, Any]], str] | None = None,
+        schedule: str | None = None,
+        schedule_params: Mapping[str, Any] | None = None,
+        schedule_timezone: str = "UTC",
     ) -> Callable[[JobFunction[P]], JobDefinition[P]]:
         """Define job type ``name``; the decorated function runs it.
 
         ``result_filename(job_id, params)``: the result object of a succeeded job is
         downloadable at ``GET /v1/jobs/{jobId}/result`` (``text/csv``) under this file name
         (without the extension). Without it that route answers 404 for jobs of this type.
+
+        ``schedule``: a cron expression; the job also runs periodically with
+        ``schedule_params``, as the schedule named ``name`` (``App.schedule`` for more).
         """
         if not name or len(name) > _NAME_MAX or name in self._jobs or name in self._included_types:
             raise ConfigError("@app.job", f"job name {name!r} is empty, too long or taken")
@@ -285,10 +294,44 @@ class App:
                 http=http,
                 result_filename=result_filename,
             )
+            if schedule is not None:
+                self.schedule(
+                    definition, cron=schedule, params=schedule_params, timezone=schedule_timezone
+                )
             self._jobs[name] = definition
             return definition
 
         return define
+
+    def schedule(
+        self,
+        job: JobDefinition[Any],
+        *,
+        cron: str,
+        params: BaseModel | Mapping[str, Any] | None = None,
+        timezone: str = "UTC",
+        name: str | None = None,
+    ) -> Schedule:
+        """Enqueue ``job`` with ``params`` at every tick of ``cron`` in ``timezone``.
+
+        Every relay (and ``up``) runs a scheduler; each tick is one job, keyed by ``name``
+        (default: the job's type) and the tick's time, however many schedulers run. A
+        parameters model with a ``scheduled_at`` field gets the tick's time in it.
+        """
+        from jobrelay.periodic import define_schedule
+
+        given = params.model_dump(mode="json") if isinstance(params, BaseModel) else params
+        defined = define_schedule(
+            job, cron=cron, params=given, timezone=timezone, name=name, where="App.schedule"
+        )
+        if defined.name in self._schedules:
+            raise ConfigError("App.schedule", f"schedule name {defined.name!r} is taken")
+        self._schedules[defined.name] = defined
+        return defined
+
+    @property
+    def schedules(self) -> Mapping[str, Schedule]:
+        return dict(self._schedules)
 
     def include(self, factory: Callable[[Settings], Operation], *, type: str | None = None) -> None:
         """Add a job type written against the lower-level ``Operation`` port

@@ -70,6 +70,10 @@ class Settings(BaseSettings):
     # When the PostgreSQL server runs without autovacuum, the reconciler leader vacuums
     # jobrelay's churning tables after each prune (storage/vacuum.py); false: never.
     self_vacuum: bool = True
+    # Periodic jobs: which ticks missed while no scheduler ran are still enqueued when one
+    # comes back: "last" (only the latest), "all", or a window such as 15m, 2h or 1d. The
+    # others are skipped and recorded in an event (docs/how-to/periodic-jobs.md).
+    schedule_catchup: str = "last"
     faults: str = ""
     log_level: str = "INFO"
     # S3-compatible endpoint for s3:// results (MinIO, Ceph, moto); unset means AWS itself.
@@ -101,6 +105,14 @@ class Settings(BaseSettings):
         if any(d <= 0 for d in value):
             raise ValueError("delays must be positive whole seconds")
         return value
+
+    @field_validator("schedule_catchup")
+    @classmethod
+    def _check_catchup(cls, value: str) -> str:
+        from jobrelay.domain.schedules import Catchup
+
+        Catchup.parse(value)
+        return value.strip().lower()
 
     @field_validator("log_level")
     @classmethod

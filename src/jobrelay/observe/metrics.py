@@ -125,6 +125,33 @@ class Metrics:
             "1 while this process is the reconciler leader, else 0.",
             registry=r,
         )
+        self.schedule_ticks_enqueued = Counter(
+            "jobrelay_schedule_ticks_enqueued",
+            "Tick jobs of periodic schedules this scheduler wrote (a tick another scheduler "
+            "wrote first is not counted again).",
+            ["schedule"],
+            registry=r,
+        )
+        self.schedule_ticks_skipped = Counter(
+            "jobrelay_schedule_ticks_skipped",
+            "Ticks that came due and got no job, by reason (catchup: missed while no "
+            "scheduler ran, beyond JOBRELAY_SCHEDULE_CATCHUP; paused).",
+            ["schedule", "reason"],
+            registry=r,
+        )
+        self.schedule_ticks_late = Counter(
+            "jobrelay_schedule_ticks_late",
+            "Tick jobs written more than 5 s after their tick (caught up after an outage, or "
+            "a stalled scheduler).",
+            ["schedule"],
+            registry=r,
+        )
+        self.schedule_tick_delay = Histogram(
+            "jobrelay_schedule_tick_delay_seconds",
+            "From a tick's time to the pass that wrote its job (ticks this scheduler wrote).",
+            buckets=(*_LATENCY_BUCKETS, 30.0, 60.0, 300.0, 3600.0),
+            registry=r,
+        )
         self.http_requests = Counter(
             "jobrelay_http_requests",
             "HTTP requests answered by the API, by route template and status.",

@@ -103,13 +103,19 @@ class MetricsAddress:
 async def run_relay(
     settings: Settings, stop: asyncio.Event, metrics_at: MetricsAddress | None = None
 ) -> None:
-    """The relay, its reconciler (one leader at a time), and optionally a metrics port."""
+    """The relay, its reconciler (one leader at a time), the app's scheduler (every relay
+    runs one: a tick is one job by its key), and optionally a metrics port."""
     from jobrelay.observe.metrics import refresh_database_gauges
     from jobrelay.roles.reconcile import Reconciler
     from jobrelay.roles.relay import Relay
+    from jobrelay.roles.scheduler import Scheduler
 
     async with open_runtime(settings) as rt:
-        parts = {"relay": Relay(rt).run(stop), "reconciler": Reconciler(rt).run(stop)}
+        parts = {
+            "relay": Relay(rt).run(stop),
+            "reconciler": Reconciler(rt).run(stop),
+            "scheduler": Scheduler(rt).run(stop),
+        }
         if metrics_at is not None:
             parts["metrics"] = _metrics_server(rt, metrics_at, stop, refresh_database_gauges)
         await run_parts(parts, stop)
@@ -166,6 +172,7 @@ async def run_up(settings: Settings, host: str, port: int, stop: asyncio.Event) 
     """API, relay and worker sharing one runtime; the API stops first, then both drain."""
     from jobrelay.roles.reconcile import Reconciler
     from jobrelay.roles.relay import Relay
+    from jobrelay.roles.scheduler import Scheduler
     from jobrelay.roles.worker import Worker
 
     await upgrade_database(settings)
@@ -174,6 +181,7 @@ async def run_up(settings: Settings, host: str, port: int, stop: asyncio.Event) 
             "relay": asyncio.create_task(Relay(rt).run(stop)),
             "worker": asyncio.create_task(Worker(rt).run(stop)),
             "reconciler": asyncio.create_task(Reconciler(rt).run(stop)),
+            "scheduler": asyncio.create_task(Scheduler(rt).run(stop)),
         }
         for name, task in parts.items():
             task.add_done_callback(_stop_if_dead(name, stop))

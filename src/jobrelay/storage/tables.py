@@ -198,3 +198,43 @@ pruned_jobs = Table(
     Column("pruned_at", UTCDateTime(), nullable=False),
 )
 Index("ix_pruned_jobs_pruned_at", pruned_jobs.c.pruned_at)
+
+# One row per periodic job schedule (issue 14), written by the schedulers that run it (every
+# relay and `up`): its definition as the running app states it, and how far it got. Every tick
+# at or before ``cursor_at`` is handled: enqueued as a job, or skipped and recorded.
+schedules = Table(
+    "schedules",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("job_type", String(64), nullable=False),
+    Column("cron", String(128), nullable=False),
+    Column("timezone", String(64), nullable=False),
+    Column("cursor_at", UTCDateTime(), nullable=False),
+    Column("last_tick_at", UTCDateTime()),  # the latest tick enqueued, and its job
+    Column("last_job_id", String(36)),
+    Column("paused", Boolean, nullable=False, server_default=text("false")),
+    Column("paused_at", UTCDateTime()),
+    Column("paused_by", String(255)),
+    Column("paused_reason", Text),
+    # The ticks skipped during the current pause (Skipped.detail()), written at resume.
+    Column("paused_skipped", JSON),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("updated_at", UTCDateTime(), nullable=False),
+)
+
+# A schedule's own timeline: ticks skipped (catch-up, pause), paused, resumed.
+schedule_events = Table(
+    "schedule_events",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column(
+        "schedule",
+        String(128),
+        ForeignKey("schedules.name", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("at", UTCDateTime(), nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("detail", JSON, nullable=False),
+)
+Index("ix_schedule_events_schedule", schedule_events.c.schedule, schedule_events.c.id)
