@@ -26,7 +26,7 @@ from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.scheduler import Scheduler
 from jobrelay.storage.tables import job_events, jobs, schedule_events, schedules
 
-from .api_fixtures import T0, Clock, build_runtime
+from .api_fixtures import T0, Clock, api_client, bearer, build_runtime, make_token
 
 
 class Tick(BaseModel):
@@ -210,3 +210,59 @@ async def test_pausing_an_unknown_schedule_changes_nothing(runtime: tuple[Runtim
     async with rt.engine.connect() as conn:
         assert await conn.scalar(select(func.count()).select_from(schedule_events)) == 0
         assert await conn.scalar(select(func.count()).select_from(job_events)) == 0
+
+
+# --- the admin HTTP API -------------------------------------------------------------------
+
+
+async def test_http_lists_pauses_and_resumes_for_admin_tokens_only(
+    runtime: tuple[Runtime, Clock],
+) -> None:
+    rt, clock = runtime
+    scheduler = Scheduler(rt)
+    await scheduler.run_once()
+    clock.now = minute(1)
+    await scheduler.run_once()
+    admin = bearer(await make_token(rt, None, admin=True))
+    account = bearer(await make_token(rt, "acme"))
+    async with api_client(rt) as client:
+        assert (await client.get("/v1/schedules", headers=account)).status_code == 403
+        assert (await client.get("/v1/schedules")).status_code == 401
+        listed = (await client.get("/v1/schedules", headers=admin)).json()["schedules"]
+        (one,) = listed
+        job_id = (await tick_jobs(rt))[tick_key("minutely", minute(1))][0]
+        assert (one["name"], one["cron"], one["timezone"]) == ("minutely", "* * * * *", "UTC")
+        assert (one["lastTick"], one["lastJobId"], one["lastJobState"]) == (
+            minute(1).isoformat(),
+            job_id,
+            "queued",
+        )
+        assert one["nextTick"] == minute(2).isoformat() and one["paused"] is False
+
+        path = "/v1/schedules/minutely"
+        blank = await client.post(f"{path}/pause", headers=admin, json={"reason": " "})
+        assert blank.status_code == 422
+        assert blank.headers["content-type"] == "application/problem+json"
+        missing = await client.post("/v1/schedules/nope/pause", headers=admin, json={"reason": "x"})
+        assert missing.status_code == 404
+        assert (
+            await client.post(f"{path}/pause", headers=account, json={"reason": "x"})
+        ).status_code == 403
+        assert (await schedule_timeline(rt)) == []  # none of those changed anything
+
+        paused = await client.post(f"{path}/pause", headers=admin, json={"reason": "deploy"})
+        assert paused.status_code == 200 and paused.json()["paused"] is True
+        assert paused.json()["actor"].startswith("token#")
+        twice = await client.post(f"{path}/pause", headers=admin, json={"reason": "deploy"})
+        assert twice.status_code == 409
+        clock.now = minute(3)
+        await scheduler.run_once()
+        resumed = await client.post(f"{path}/resume", headers=admin, json={"reason": "done"})
+        assert resumed.status_code == 200 and resumed.json()["skipped"]["count"] == 2
+        shown = (await client.get(path, headers=admin)).json()
+        kinds = [e["kind"] for e in shown["events"]]
+        assert kinds == ["resumed", "ticks_skipped", "paused"]  # newest first
+        assert shown["events"][2]["detail"]["actor"] == paused.json()["actor"]
+        assert (await client.get("/v1/schedules/nope", headers=admin)).status_code == 404
+        spec = (await client.get("/openapi.json")).json()["paths"]
+        assert {"/v1/schedules", "/v1/schedules/{name}/pause"} <= set(spec)
