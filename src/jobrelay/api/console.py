@@ -3,8 +3,9 @@
 The page talks to the same ``/v1`` API as everyone else with the token the person pastes in
 (kept in the tab's ``sessionStorage`` only): look a job up (``/v1/jobs/{id}/explain``), list
 quarantined jobs with their reasons (``GET /v1/jobs``, admin), and replay or cancel
-(admin). The server adds nothing the API does not already allow. Files are read once from
-the package; a strict Content-Security-Policy allows only this origin's script and style,
+(admin); list the periodic schedules (``GET /v1/schedules``, admin) and pause or resume
+one. The server adds nothing the API does not already allow. Files are read once from the
+package; a strict Content-Security-Policy allows only this origin's script and style,
 and the script writes every value with ``textContent``, never as HTML.
 """
 

@@ -70,6 +70,7 @@
       $("whoami").dataset.admin = "false";
     }
     await loadQuarantined();
+    await loadSchedules();
     if (session.job) renderActions(session.job);
   }
 
@@ -227,6 +228,98 @@
     }
   }
 
+  // --- schedules --------------------------------------------------------------------------
+
+  function jobLink(jobId) {
+    const link = el("a", jobId);
+    link.href = "#job=" + encodeURIComponent(jobId);
+    link.addEventListener("click", (event) => {
+      event.preventDefault();
+      lookUp(jobId);
+    });
+    return link;
+  }
+
+  function skippedText(s) {
+    const parts = [];
+    if (s.skippedWhilePaused) parts.push(s.skippedWhilePaused.count + " while paused");
+    if (s.lastSkipped) parts.push(s.lastSkipped.count + " (" + s.lastSkipped.reason + ", " + s.lastSkipped.first + " .. " + s.lastSkipped.last + ")");
+    return parts.join("; ") || "-";
+  }
+
+  async function loadSchedules() {
+    const table = $("schedule-list");
+    const note = $("schedules-note");
+    const body = table.tBodies[0];
+    body.replaceChildren();
+    $("schedule-actions").hidden = true;
+    if (!session.admin) {
+      table.hidden = true;
+      note.textContent = "Listing schedules needs an admin token.";
+      return;
+    }
+    try {
+      const data = await api("GET", "/v1/schedules");
+      for (const s of data.schedules) {
+        const row = el("tr");
+        row.dataset.schedule = s.name;
+        row.dataset.paused = String(s.paused);
+        const last = el("td");
+        if (s.lastJobId) last.append(jobLink(s.lastJobId));
+        else last.textContent = "-";
+        const state = el("td", s.lastJobId ? s.lastJobState || "pruned" : "-", "state " + (s.lastJobState || ""));
+        const buttons = el("td");
+        const toggle = el("button", s.paused ? "Resume" : "Pause");
+        toggle.type = "button";
+        toggle.className = "schedule-toggle";
+        toggle.addEventListener("click", () => setPaused(s.name, !s.paused));
+        buttons.append(toggle);
+        row.append(
+          el("td", s.name),
+          el("td", s.cron),
+          el("td", s.timezone),
+          el("td", s.paused ? "-" : s.nextTick),
+          el("td", s.lastTick || "-"),
+          last,
+          state,
+          el("td", s.paused ? "paused by " + s.pausedBy + " (" + s.pausedReason + ")" : "no"),
+          el("td", skippedText(s), "reason"),
+          buttons,
+        );
+        body.append(row);
+      }
+      table.hidden = data.schedules.length === 0;
+      $("schedule-actions").hidden = data.schedules.length === 0;
+      note.textContent = data.schedules.length === 0
+        ? "No schedules yet (one appears once a relay or `up` has run it)."
+        : data.schedules.length + " schedule(s).";
+    } catch (error) {
+      table.hidden = true;
+      note.textContent = "Could not list schedules: " + error.message;
+    }
+  }
+
+  async function setPaused(name, pause) {
+    const action = pause ? "pause" : "resume";
+    const reason = $("schedule-reason").value.trim();
+    if (!reason) {
+      $("schedules-note").textContent = "give a reason to " + action + " (it is kept in the schedule's timeline)";
+      $("schedule-reason").focus();
+      return;
+    }
+    if (!window.confirm(action + " schedule " + name + "?")) return;
+    try {
+      const done = await api("POST", "/v1/schedules/" + encodeURIComponent(name) + "/" + action, { reason: reason });
+      $("schedule-reason").value = "";
+      await loadSchedules();
+      const skipped = done.skipped ? "; " + done.skipped.count + " tick(s) were skipped while paused" : "";
+      $("schedules-note").textContent = action + " done: " + done.name + (done.paused ? " is paused" : " runs again") + skipped;
+    } catch (error) {
+      await loadSchedules();
+      $("schedules-note").textContent = action + " refused: " + error.message;
+    }
+  }
+
   // --- wiring -----------------------------------------------------------------------------
 
   document.addEventListener("DOMContentLoaded", () => {
@@ -241,6 +334,7 @@
     $("replay").addEventListener("click", () => session.job && act("replay", session.job.jobId));
     $("cancel").addEventListener("click", () => session.job && act("cancel", session.job.jobId));
     $("refresh-quarantine").addEventListener("click", () => loadQuarantined());
+    $("refresh-schedules").addEventListener("click", () => loadSchedules());
     const fromHash = new URLSearchParams(location.hash.slice(1)).get("job");
     (async () => {
       if (session.token) {
