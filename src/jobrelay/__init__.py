@@ -14,6 +14,7 @@ from jobrelay.errors import (
     Permanent,
     Retry,
 )
+from jobrelay.periodic import Schedule
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.records import JobRecord as Job
@@ -30,6 +31,7 @@ __all__ = [
     "Permanent",
     "Result",
     "Retry",
+    "Schedule",
     "Settings",
     "create_engine",
 ]

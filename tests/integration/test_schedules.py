@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from pydantic import BaseModel
@@ -266,3 +267,59 @@ async def test_http_lists_pauses_and_resumes_for_admin_tokens_only(
         assert (await client.get("/v1/schedules/nope", headers=admin)).status_code == 404
         spec = (await client.get("/openapi.json")).json()["paths"]
         assert {"/v1/schedules", "/v1/schedules/{name}/pause"} <= set(spec)
+
+
+# --- DST through the whole scheduler, on a fixed clock ------------------------------------
+
+berlin = jobrelay.App()
+
+
+@berlin.job("ticks.berlin", params=Tick)
+async def berlin_note(ctx: jobrelay.JobContext[Tick], params: Tick) -> None:
+    return None
+
+
+berlin.schedule(berlin_note, cron="30 2 * * *", params={"label": "n"}, timezone="Europe/Berlin")
+berlin.schedule(
+    berlin_note, cron="0 * * * *", params={"label": "h"}, timezone="Europe/Berlin", name="hourly"
+)
+
+
+async def keyed(rt: Runtime, name: str) -> list[str]:
+    async with rt.engine.connect() as conn:
+        found = await conn.execute(
+            select(jobs.c.idempotency_key).where(jobs.c.idempotency_key.like(f"schedule:{name}:%"))
+        )
+        return sorted(k.removeprefix(f"schedule:{name}:") for (k,) in found)
+
+
+@pytest.mark.parametrize(
+    ("start", "nightly", "hourly_local"),
+    [
+        # Spring forward: 02:30 does not exist; the nightly job runs once, at 03:00 CEST, and
+        # the hourly one has no 02:00.
+        ("2026-03-28T22:00:00+00:00", ["2026-03-29T01:00:00+00:00"], [0, 1, 3, 4, 5]),
+        # Fall back: 02:30 happens twice; the nightly job runs once, at the first. The
+        # hourly one runs at both 02:00s (CEST, then CET).
+        ("2026-10-24T22:00:00+00:00", ["2026-10-25T00:30:00+00:00"], [1, 2, 2, 3, 4]),
+    ],
+)
+async def test_dst_nights_pass_through_the_scheduler_once(
+    database_url: str, tmp_path: Path, start: str, nightly: list[str], hourly_local: list[int]
+) -> None:
+    clock = Clock(datetime.fromisoformat(start))
+    rt = dataclasses.replace(build_runtime(database_url, tmp_path, clock=clock), app=berlin)
+    try:
+        scheduler = Scheduler(rt)
+        await scheduler.run_once()
+        for _ in range(5 * 12):  # five hours in five-minute steps, a pass at each
+            clock.advance(300)
+            await scheduler.run_once()
+        assert await keyed(rt, "ticks.berlin") == nightly
+        hours = [
+            datetime.fromisoformat(k).astimezone(ZoneInfo("Europe/Berlin")).hour
+            for k in await keyed(rt, "hourly")
+        ]
+        assert hours == hourly_local
+    finally:
+        await rt.engine.dispose()

@@ -81,6 +81,16 @@ def test_catch_up_across_a_transition_enqueues_each_instant_once() -> None:
     assert result.skipped is None and result.cursor == z("2026-10-25T02:30")
 
 
+def test_the_second_of_two_repeated_hours_is_due_on_time() -> None:
+    # A pass every five minutes through the fall-back night, catch-up "last": the tick at
+    # 02:00 CET (01:00Z) must be found as the latest due tick. (Rounding the pass's time up
+    # to the second in local wall-clock time lost the fold and found 02:00 CEST instead.)
+    cron = Cron("0 * * * *", BERLIN)
+    result = plan(cron, z("2026-10-25T00:55"), z("2026-10-25T01:00:00.5"), Catchup.parse("last"))
+    assert result.enqueue == (z("2026-10-25T01:00"),)
+    assert cron.last_before(z("2026-10-25T01:00:00.000001")) == z("2026-10-25T01:00")
+
+
 def test_utc_is_the_default_zone() -> None:
     assert Cron("30 2 * * *").next_after(SPRING) == z("2026-03-29T02:30")
 

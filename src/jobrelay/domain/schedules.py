@@ -82,9 +82,12 @@ class Cron:
 
     def last_before(self, before: datetime) -> datetime | None:
         """The latest tick strictly before ``before`` (None: none in the last ~year)."""
-        start = before.astimezone(zone(self.timezone))
-        if start.microsecond:
-            start = start.replace(microsecond=0) + timedelta(seconds=1)
+        # cronsim counts a start with microseconds as its first tick; round up to the second
+        # in UTC (local wall-clock arithmetic would lose the fold of a repeated hour).
+        instant = before.astimezone(UTC)
+        if instant.microsecond:
+            instant = instant.replace(microsecond=0) + timedelta(seconds=1)
+        start = instant.astimezone(zone(self.timezone))
         try:
             return next(iter(CronSim(self.expr, start, reverse=True))).astimezone(UTC)
         except (StopIteration, CronSimError):  # pragma: no cover - a cron that never matches
