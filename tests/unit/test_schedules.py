@@ -91,6 +91,14 @@ def test_the_second_of_two_repeated_hours_is_due_on_time() -> None:
     assert cron.last_before(z("2026-10-25T01:00:00.000001")) == z("2026-10-25T01:00")
 
 
+def test_from_inside_the_repeated_hour_the_next_tick_is_tomorrow() -> None:
+    # 02:45 CEST (00:45Z) ran; the cursor is at 02:30 CET (01:30Z), the second time round.
+    cron = Cron("45 2 * * *", BERLIN)
+    assert cron.next_after(z("2026-10-25T01:30")) == z("2026-10-26T01:45")
+    result = plan(cron, z("2026-10-25T01:30"), z("2026-10-25T01:50"), Catchup.parse("all"))
+    assert result.enqueue == () and result.skipped is None
+
+
 def test_utc_is_the_default_zone() -> None:
     assert Cron("30 2 * * *").next_after(SPRING) == z("2026-03-29T02:30")
 
