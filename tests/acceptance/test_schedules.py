@@ -119,6 +119,9 @@ def test_three_relays_on_postgres_make_one_job_per_tick(
         JOBRELAY_BROKER_URL=amqp_url,
         JOBRELAY_RESULTS_URL=f"file://{tmp_path / 'results'}",
         JOBRELAY_APP="tickapp.jobs:app",
+        # A window, not the default `last`: on a loaded machine all three could stall for
+        # over a second, and `last` would then (rightly, and recorded) skip a tick.
+        JOBRELAY_SCHEDULE_CATCHUP="1h",
         **FAST_ENV,
     )
     for command in (("db", "upgrade"), ("broker", "declare")):
@@ -154,8 +157,10 @@ def test_three_relays_on_postgres_make_one_job_per_tick(
     # Every tick from the first to the last is a job, except the paused ones, which are
     # recorded as skipped.
     assert sorted(found + skipped) == consecutive(found[0], found[-1])
-    # (The first paused tick may be the one due just before the pause reached the schedule.)
-    assert all(paused_at - timedelta(seconds=1.5) <= t <= resumed_at for t in skipped)
+    # One run of skipped ticks, ending before the resume. (It may start a little before the
+    # pause: the ticks due since the schedulers' last pass when the pause landed.)
+    assert sorted(skipped) == consecutive(min(skipped), max(skipped))
+    assert paused_at - timedelta(seconds=10) <= min(skipped) and max(skipped) <= resumed_at
     events = scheduled_events(pg_url)
     assert sorted(datetime.fromisoformat(e["tick"]) for e in events) == found  # written once
     shown = cli_json(env, root, "schedules", "show", NAME)
@@ -225,7 +230,7 @@ def test_a_scheduler_killed_and_restarted_loses_and_doubles_no_tick(
         # The ticks it missed are recorded, the latest one is enqueued: none are neither.
         assert skipped and not set(skipped) & set(found)
         assert sorted(found + skipped) == consecutive(found[0], found[-1])
-        assert set(outage) <= set(skipped)
+        assert len(set(outage) & set(found)) <= 1  # at most the latest, at the restart
     else:
         assert skipped == []
         assert found == consecutive(found[0], found[-1])  # the outage was caught up
