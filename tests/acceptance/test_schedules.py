@@ -240,3 +240,19 @@ def test_a_scheduler_killed_and_restarted_loses_and_doubles_no_tick(
             if e["delaySeconds"] >= 1.0
         }
         assert set(outage) <= late  # enqueued by the restarted scheduler, late
+
+
+def test_schedules_cli_refuses_bad_input_with_one_line(tmp_path: Path) -> None:
+    root = write_app(tmp_path / "outside")
+    url = f"sqlite:///{tmp_path / 'jobrelay.db'}"
+    env = clean_env(JOBRELAY_DATABASE_URL=url, JOBRELAY_APP="tickapp.jobs:app")
+    assert run_cli("db", "upgrade", env=env, cwd=root).returncode == 0
+    listed = run_cli("schedules", "list", env=env, cwd=root)
+    assert listed.returncode == 0 and "no schedules yet" in listed.stdout
+    blank = run_cli("schedules", "pause", NAME, "--reason", "  ", env=env, cwd=root)
+    assert (blank.returncode, blank.stderr) == (2, "jobrelay: error: --reason must not be empty\n")
+    unknown = run_cli("schedules", "resume", "nope", "--reason", "x", env=env, cwd=root)
+    assert unknown.returncode == 1 and unknown.stderr.startswith("jobrelay: error: no schedule")
+    bad = run_cli("schedules", "list", "--schedule-catchup", "soon", env=env, cwd=root)
+    assert bad.returncode == 2 and "JOBRELAY_SCHEDULE_CATCHUP" in bad.stderr
+    assert rows(url, "SELECT count(*) FROM schedule_events") == [(0,)]
