@@ -323,3 +323,27 @@ async def test_dst_nights_pass_through_the_scheduler_once(
         assert hours == hourly_local
     finally:
         await rt.engine.dispose()
+
+
+async def test_ticks_due_before_a_pause_are_caught_up_not_counted_as_paused(
+    runtime: tuple[Runtime, Clock],
+) -> None:
+    rt, clock = runtime
+    await Scheduler(rt).run_once()  # registered at 12:00; then no scheduler runs
+    clock.now = minute(5) + timedelta(seconds=30)
+    operator = ScheduleOperator(rt)
+    assert (await operator.set_paused("minutely", True, actor="ops", reason="x")).done
+    # Catch-up `last` at the pause: 12:05 enqueued, 12:01-12:04 skipped as catch-up.
+    assert sorted(await tick_jobs(rt)) == [tick_key("minutely", minute(5))]
+    clock.now = minute(7) + timedelta(seconds=30)
+    resumed = await operator.set_paused("minutely", False, actor="ops", reason="y")
+    assert resumed.skipped is not None
+    assert (resumed.skipped.count, resumed.skipped.first) == (2, minute(6))
+    timeline = await schedule_timeline(rt)
+    assert [(kind, d["reason"]) for kind, d in timeline] == [
+        ("ticks_skipped", "catchup"),
+        ("paused", "x"),
+        ("ticks_skipped", "paused"),
+        ("resumed", "y"),
+    ]
+    assert timeline[0][1]["count"] == 4

@@ -5,7 +5,9 @@ Pause and resume are audited like replay and cancel: each writes a ``paused`` / 
 event on the schedule's timeline with ``actor`` and ``reason``, and logs it. A paused schedule
 keeps its ticks coming due; the schedulers skip them and count them, and the resume writes
 them out as a ``ticks_skipped`` event (reason ``paused``). Resuming never catches up the
-paused ticks: the next tick after the resume is the first one enqueued.
+paused ticks: the next tick after the resume is the first one enqueued. A pause first brings
+the schedule up to date (one scheduler pass), so ticks that came due before it are not the
+pause's to skip.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class ScheduleOperator:
         return await self.queries.events(name, limit)
 
     async def set_paused(self, name: str, paused: bool, *, actor: str, reason: str) -> PauseOutcome:
+        if paused:
+            await self._bring_up_to_date(name)
         outcome = await self.queries.set_paused(name, paused, actor=actor, reason=reason)
         action = "pause" if paused else "resume"
         if outcome.done:
@@ -107,3 +111,14 @@ class ScheduleOperator:
                 extra={"event": f"schedule_{action}_refused", "schedule": name, "actor": actor},
             )
         return outcome
+
+    async def _bring_up_to_date(self, name: str) -> None:
+        """Before a pause, one scheduler pass over the schedule (when this process's app
+        defines it): ticks that came due before the pause but that no scheduler handled yet
+        (none was running) are enqueued or skipped as ``catchup`` says, not counted as
+        skipped by the pause."""
+        from jobrelay.roles.scheduler import Scheduler
+
+        schedule = self.rt.job_app().schedules.get(name)
+        if schedule is not None:
+            await Scheduler(self.rt).advance(schedule)
