@@ -76,6 +76,21 @@ FULL: dict[str, dict[str, Any]] = {
         "attempt": 1,
     },
     "reconciled_queued_unclaimed": {"actor": f"reconciler:{WORKER}"},
+    "scheduled": {
+        "schedule": "nightly",
+        "tick": "2026-01-01T02:00:00+00:00",
+        "delaySeconds": 0.2,
+        "scheduler": f"scheduler:{WORKER}",
+    },
+    "ticks_skipped": {
+        "schedule": "nightly",
+        "reason": "catchup",
+        "count": 2,
+        "countComplete": True,
+        "first": "2026-01-01T02:00:00+00:00",
+        "last": "2026-01-02T02:00:00+00:00",
+        "ticks": ["2026-01-01T02:00:00+00:00", "2026-01-02T02:00:00+00:00"],
+    },
 }
 
 ACCOUNT_SEES = {
@@ -104,6 +119,8 @@ ACCOUNT_SEES = {
     "effect_skipped": {"effect", "state", "messageId", "attempt"},
     "reconciled_retry_overdue": {"nextAttemptAt", "attempt"},
     "reconciled_queued_unclaimed": set(),
+    "scheduled": {"schedule", "tick", "delaySeconds"},
+    "ticks_skipped": {"schedule", "reason", "count", "countComplete", "first", "last", "ticks"},
 }
 
 

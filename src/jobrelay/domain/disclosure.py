@@ -61,6 +61,17 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
         "previous": _VALUE,
     },
     "effect_skipped": {"effect": _VALUE, "state": _VALUE, "messageId": _VALUE, "attempt": _VALUE},
+    # On a periodic tick's job (which is on no account today, so only admins read it).
+    "scheduled": {"schedule": _VALUE, "tick": _VALUE, "delaySeconds": _VALUE},  # not the host
+    "ticks_skipped": {
+        "schedule": _VALUE,
+        "reason": _VALUE,
+        "count": _VALUE,
+        "countComplete": _VALUE,
+        "first": _VALUE,
+        "last": _VALUE,
+        "ticks": _VALUE,
+    },
 }
 # result_saved: jobrelay's own keys are resultKey, worker and attempt; every other key is the
 # metadata the job returned about its result (rows, bytes, sha256 for report.export), which
