@@ -15,6 +15,7 @@ from jobrelay.errors import (
     Retry,
 )
 from jobrelay.periodic import Schedule
+from jobrelay.results.base import ResultWriter
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.records import JobRecord as Job
@@ -30,6 +31,7 @@ __all__ = [
     "JobrelayError",
     "Permanent",
     "Result",
+    "ResultWriter",
     "Retry",
     "Schedule",
     "Settings",

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.results.base import ResultSession, ResultStore
-from jobrelay.storage.engine import read_only
+from jobrelay.storage.engine import read_only, snapshot
 from jobrelay.storage.records import NewJob
 
 if TYPE_CHECKING:
@@ -112,6 +112,15 @@ class JobContext(Generic[P]):
         it begins DEFERRED, so a long read (a server-side cursor) never holds the write lock
         that jobrelay's own writes need."""
         return read_only(self.engine)
+
+    def snapshot(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        """``read_only``, and every read in it sees the same state of the database, fixed on
+        entry: on PostgreSQL ``REPEATABLE READ READ ONLY``, on SQLite a WAL read snapshot.
+        A count and the rows it counts then agree, whatever commits meanwhile. For driver
+        features (asyncpg's ``copy_from_query``, aiosqlite's cursors) use the driver's
+        connection, ``(await conn.get_raw_connection()).driver_connection``: it is in the
+        same transaction and snapshot."""
+        return snapshot(self.engine)
 
     async def fault_point(self, name: str) -> None:
         """A named point where ``JOBRELAY_FAULTS`` may inject a failure (tests, demos,

@@ -121,6 +121,30 @@ async def read_only(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
 
 
 @contextlib.asynccontextmanager
+async def snapshot(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A read-only transaction whose reads all see ONE state of the database, taken on entry.
+
+    PostgreSQL: ``REPEATABLE READ READ ONLY`` (the snapshot is the first statement's, so one
+    is run here: a ``COPY`` sent on the driver connection right after entry still reads it).
+    SQLite: a DEFERRED transaction, whose WAL read snapshot begins with its first read, so
+    one is made here too; it never waits for writers and writers never wait for it.
+    """
+    async with engine.connect() as conn:
+        options: dict[str, Any] = {READ_ONLY_OPTION: True}
+        if engine.dialect.name == "postgresql":
+            options.update(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+        await conn.execution_options(**options)
+        async with conn.begin():
+            postgres = engine.dialect.name == "postgresql"
+            await conn.execute(_SNAPSHOT_START_PG if postgres else _SNAPSHOT_START_SQLITE)
+            yield conn
+
+
+_SNAPSHOT_START_PG = text("SELECT 1")
+_SNAPSHOT_START_SQLITE = text("SELECT 1 FROM sqlite_master LIMIT 1")  # reads a page
+
+
+@contextlib.asynccontextmanager
 async def write_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnection]:
     """A write transaction whose driver errors surface as StoreError("<what> write failed")."""
     try:
