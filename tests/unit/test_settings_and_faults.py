@@ -8,7 +8,7 @@ import time
 import pytest
 
 from jobrelay.errors import ConfigError, PermanentError, TransientError
-from jobrelay.exports.report_export import defang
+from jobrelay.exports.defang import defang
 from jobrelay.observe.faults import Faults, parse
 from jobrelay.roles.runtime import build_transport
 from jobrelay.settings import load_settings

@@ -20,7 +20,14 @@ from jobrelay import App, Settings
 from jobrelay.effects.notify_email import NOTIFY_EMAIL, NotifyEmail
 from jobrelay.exports import ledger
 from jobrelay.exports.http import router
-from jobrelay.exports.report_export import TYPE, ExportParams, download_name, run_export
+from jobrelay.exports.report_export import (
+    ACCOUNT_PATTERN,
+    PERIOD_PATTERN,
+    TYPE,
+    ExportParams,
+    download_name,
+    run_export,
+)
 
 app = App()
 report_export = app.job(TYPE, params=ExportParams, result_filename=download_name)(run_export)
@@ -30,18 +37,47 @@ app.tables(ledger.metadata)
 
 
 @app.command("seed")
-def seed_command(settings: Settings, *, rows_per_month: int) -> int:
-    from jobrelay.exports.seed import seed_database
+def seed_command(
+    settings: Settings,
+    *,
+    rows_per_month: int,
+    account: str | None = None,
+    period: str | None = None,
+    rows: int | None = None,
+) -> int:
+    """The sample ledgers; or, with ``account``, ``period`` and ``rows``, one account-month
+    of ``rows`` generated rows (for measuring exports at size)."""
+    from jobrelay.exports.seed import seed_database, seed_month_database
 
+    one_month = (account, period, rows)
+    if any(v is not None for v in one_month):
+        problem = _month_problem(account, period, rows)
+        if problem:
+            print(f"jobrelay: error: {problem}", file=sys.stderr)
+            return 2
     try:
+        if account is not None and period is not None and rows is not None:
+            n = asyncio.run(seed_month_database(settings.database_url, account, period, rows))
+            typer.echo(f"{account} {period}: {n} ledger rows")
+            return 0
         counts = asyncio.run(seed_database(settings.database_url, rows_per_month))
     except (DBAPIError, OSError) as exc:
         lines = str(getattr(exc, "orig", exc)).strip().splitlines()
         print(f"jobrelay: error: seeding failed: {lines[0] if lines else exc!r}", file=sys.stderr)
         return 2
-    for account, n in counts.items():
-        typer.echo(f"{account}: {n} ledger rows")
+    for name, count in counts.items():
+        typer.echo(f"{name}: {count} ledger rows")
     return 0
+
+
+def _month_problem(account: str | None, period: str | None, rows: int | None) -> str | None:
+    if account is None or period is None or rows is None:
+        return "--account, --period and --rows go together"
+    if not ACCOUNT_PATTERN.fullmatch(account):
+        return f"--account {account!r}: expected {ACCOUNT_PATTERN.pattern}"
+    if not PERIOD_PATTERN.fullmatch(period):
+        return f"--period {period!r}: expected YYYY-MM (1900-01 to 2999-12)"
+    return None
 
 
 @app.command("demo")

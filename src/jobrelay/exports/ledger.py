@@ -8,31 +8,44 @@ this shape, and keeps working.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from decimal import Decimal
 from typing import Any
 from weakref import WeakSet
 
+import asyncpg
 from sqlalchemy import (
     BigInteger,
     Column,
+    ColumnElement,
     Date,
+    Dialect,
     Index,
     Integer,
     MetaData,
     Numeric,
-    Row,
+    Select,
     String,
     Table,
     Text,
+    and_,
+    case,
+    cast,
+    column,
     delete,
     func,
     insert,
+    literal,
+    or_,
     select,
 )
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 import jobrelay
+from jobrelay.exports import defang
 
 metadata = MetaData(naming_convention={"pk": "pk_%(table_name)s"})
 
@@ -84,26 +97,93 @@ async def count(conn: AsyncConnection, account_id: str, period: str) -> int:
     return int(n or 0)
 
 
-async def stream(
-    conn: AsyncConnection, account_id: str, period: str, batch: int = 1000
-) -> AsyncIterator[Row[Any, Any, Any, Any, Any, Any]]:
-    """Rows of one account and month, in id order, through a server-side cursor."""
-    query = (
-        select(
-            ledger_entries.c.id,
-            ledger_entries.c.booked_on,
-            ledger_entries.c.description,
-            ledger_entries.c.counterparty,
-            ledger_entries.c.amount,
-            ledger_entries.c.currency,
-        )
+def _defanged(col: ColumnElement[Any]) -> ColumnElement[Any]:
+    """``defang.defang`` in SQL: the regex (``defang.PG_PATTERN``) runs only for cells
+    whose first character could matter (``defang.FAST_LOW``, ``FAST_HIGH``)."""
+    first = func.ascii(col)
+    risky = or_(first <= defang.FAST_LOW, first >= defang.FAST_HIGH)
+    return case((and_(risky, col.regexp_match(defang.PG_PATTERN)), literal("'") + col), else_=col)
+
+
+def defanged_sql(value: str) -> Select[Any]:
+    """One text through the SQL defanging (the tests hold it equal to ``defang.defang``)."""
+    return select(_defanged(literal(value, Text)))
+
+
+def _month(account_id: str, period: str, *cells: ColumnElement[Any]) -> Select[Any]:
+    return (
+        select(*cells)
         .where(ledger_entries.c.account_id == account_id, ledger_entries.c.period == period)
         .order_by(ledger_entries.c.id)
-        .execution_options(yield_per=batch)
     )
-    result = await conn.stream(query)
-    async for row in result:
-        yield row
+
+
+def _positional(stmt: Select[Any], dialect: Dialect) -> tuple[str, list[Any]]:
+    """The statement as the driver takes it: SQL with $1/? placeholders and their values."""
+    compiled = stmt.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
+    return str(compiled), [compiled.params[name] for name in compiled.positiontup or ()]
+
+
+async def copy_month(
+    conn: AsyncConnection,
+    account_id: str,
+    period: str,
+    row_end: str,
+    output: Callable[[bytes], Awaitable[None]],
+) -> int:
+    """PostgreSQL: the month as CSV from ``COPY``, chunk by chunk into ``output``; the rows
+    ``COPY`` reported. Every cell is final: text defanged, and an empty text as NULL, which
+    ``COPY`` writes unquoted as Python's csv writes ``""`` (``COPY`` quotes an empty string,
+    to tell it from NULL); dates ISO (this transaction's ``DateStyle``); numeric(14,2) as
+    ``f"{amount:.2f}"`` prints it. Each row ends with one more cell holding ``row_end``,
+    which ``csv_format`` turns into the line end. ``conn`` must be in a transaction that has
+    run a statement (``ctx.snapshot()`` has), so the COPY reads the same snapshot.
+    """
+    c = ledger_entries.c
+    texts = [func.nullif(_defanged(col), "") for col in (c.description, c.counterparty, c.currency)]
+    stmt = _month(
+        account_id,
+        period,
+        *(c.id, c.booked_on, texts[0], texts[1], c.amount, texts[2]),
+        literal(row_end, Text),
+    )
+    sql, args = _positional(stmt, conn.dialect)
+    driver = (await conn.get_raw_connection()).driver_connection
+    assert driver is not None
+    try:
+        await driver.execute("SET LOCAL DateStyle = 'ISO, YMD'")  # this transaction only
+        status = await driver.copy_from_query(sql, *args, output=output, format="csv")
+    except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise read_failed(exc) from exc
+    return int(str(status).rsplit(" ", 1)[-1])
+
+
+async def fetch_month(
+    conn: AsyncConnection, account_id: str, period: str, batch: int
+) -> AsyncIterator[list[tuple[Any, ...]]]:
+    """SQLite: the month's raw rows (NULL text as ``""``), ``batch`` at a time, from the
+    driver's own cursor: one hop to aiosqlite's thread per batch and no SQLAlchemy row per
+    row (both cost more than the CSV). The next batch is fetched while the caller formats
+    this one."""
+    c = ledger_entries.c
+    texts = [func.coalesce(col, "") for col in (c.description, c.counterparty, c.currency)]
+    stmt = _month(account_id, period, c.id, c.booked_on, texts[0], texts[1], c.amount, texts[2])
+    sql, args = _positional(stmt, conn.dialect)
+    driver = (await conn.get_raw_connection()).driver_connection
+    assert driver is not None
+    try:
+        cursor = await driver.execute(sql, args)
+        ahead = asyncio.ensure_future(cursor.fetchmany(batch))
+        try:
+            while rows := await ahead:
+                ahead = asyncio.ensure_future(cursor.fetchmany(batch))
+                yield rows
+        finally:
+            with contextlib.suppress(BaseException):
+                await ahead
+            await cursor.close()
+    except sqlite3.Error as exc:
+        raise read_failed(exc) from exc
 
 
 async def replace(engine: AsyncEngine, account_id: str, rows: Sequence[dict[str, Any]]) -> None:
@@ -115,6 +195,61 @@ async def replace(engine: AsyncEngine, account_id: str, rows: Sequence[dict[str,
             await conn.execute(insert(ledger_entries), list(rows[start : start + _INSERT_BATCH]))
 
 
-def read_failed(exc: DBAPIError | OSError) -> jobrelay.Retry:
+async def fill_month(
+    engine: AsyncEngine,
+    account_id: str,
+    period: str,
+    rows: int,
+    *,
+    hostile: Sequence[str],
+    plain: Sequence[str],
+    counterparties: Sequence[str],
+) -> int:
+    """One account-month becomes ``rows`` generated rows, in one transaction and one
+    ``INSERT … SELECT`` over a series: row ``g`` is a function of ``g`` alone."""
+    year, month = (int(part) for part in period.split("-"))
+    if engine.dialect.name == "postgresql":
+        series: Any = (
+            func.generate_series(1, rows)
+            .table_valued(column("g", Integer))
+            .render_derived("series")
+        )
+        g = series.c.g
+        booked: ColumnElement[Any] = func.make_date(year, month, g % 28 + 1)
+    else:
+        start = select(literal(1).label("g")).cte("series", recursive=True)
+        series = start.union_all(select(start.c.g + 1).where(start.c.g < rows))
+        g = series.c.g
+        booked = func.date(f"{period}-01", func.printf("+%d days", g % 28))
+    ordinary = _pick(plain, g % len(plain)) + " #" + cast(g, String)
+    amount = case(
+        (g % 1000 == 7, literal(Decimal("987654321012.34"), Numeric(14, 2))),
+        (g % 1000 == 8, literal(Decimal("-987654321012.34"), Numeric(14, 2))),
+        else_=((g * 37) % 750001 - 250000) / literal(100.0),
+    )
+    generated = select(
+        literal(account_id, String),
+        booked,
+        literal(period, String),
+        case((g % 97 == 13, _pick(hostile, (g // 97) % len(hostile))), else_=ordinary),
+        _pick(counterparties, g % len(counterparties)),
+        amount,
+        literal("EUR", String),
+    ).select_from(series)
+    c = ledger_entries.c
+    columns = ["account_id", "booked_on", "period", "description", "counterparty", "amount"]
+    async with engine.begin() as conn:
+        await conn.execute(
+            delete(ledger_entries).where(c.account_id == account_id, c.period == period)
+        )
+        await conn.execute(insert(ledger_entries).from_select([*columns, "currency"], generated))
+    return rows
+
+
+def _pick(values: Sequence[str], index: ColumnElement[Any]) -> ColumnElement[Any]:
+    return case({i: literal(v, Text) for i, v in enumerate(values)}, value=index)
+
+
+def read_failed(exc: BaseException) -> jobrelay.Retry:
     lines = str(getattr(exc, "orig", exc)).strip().splitlines()
     return jobrelay.Retry(f"ledger read failed: {lines[0] if lines else type(exc).__name__}")

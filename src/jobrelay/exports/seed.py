@@ -79,3 +79,51 @@ async def seed_database(database_url: str, rows_per_month: int) -> dict[str, int
         return await seed(engine, rows_per_month)
     finally:
         await engine.dispose()
+
+
+# Cells a big month carries besides the plain ones: every kind of formula disguise the
+# defanging knows, and the CSV's hard cases (quotes, commas, line breaks, non-ASCII).
+MONTH_HOSTILE = (
+    '=HYPERLINK("http://example.invalid","click")',
+    "+1-555-0100",
+    "@SUM(A1:A9)",
+    "-2+3",
+    "  =1+1",
+    "\t=1+1",
+    "\u00a0=cmd|' /C calc'!A0",
+    "\u200b@SUM(A1)",
+    "\ufeff+1",
+    "\uff1d1+1",
+    'Say "hello", then leave',
+    "Line one\nline two",
+    "Carriage\rreturn",
+    "Crlf\r\ninside",
+    "Zürich café \u2013 東京 🚀",
+    ',"\r"\n',
+)
+
+
+async def seed_month(engine: AsyncEngine, account_id: str, period: str, rows: int) -> int:
+    """Replace one account-month with ``rows`` generated rows, in one set-based statement
+    (``generate_series`` on PostgreSQL, a recursive CTE on SQLite): the same rows on every
+    machine, every 97th description hostile, some amounts negative or near the column's
+    limit. For reproducing export figures at size (``jobrelay seed --rows``)."""
+    await ledger.ensure_table(engine)
+    return await ledger.fill_month(
+        engine,
+        account_id,
+        period,
+        rows,
+        hostile=MONTH_HOSTILE,
+        plain=_DESCRIPTIONS,
+        counterparties=_COUNTERPARTIES,
+    )
+
+
+async def seed_month_database(database_url: str, account_id: str, period: str, rows: int) -> int:
+    """``seed_month`` on a database of its own engine (``jobrelay seed --rows``)."""
+    engine = jobrelay.create_engine(database_url)
+    try:
+        return await seed_month(engine, account_id, period, rows)
+    finally:
+        await engine.dispose()
