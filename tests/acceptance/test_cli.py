@@ -103,3 +103,42 @@ def test_prune_counts_and_refuses_a_bad_age_in_one_line(sqlite_env: dict[str, st
     dry = run_cli("prune", "--dry-run", env=sqlite_env)
     assert dry.returncode == 0 and "nothing changed" in dry.stdout
     assert "jobs             0" in dry.stdout.splitlines()
+
+
+def test_seed_fills_one_account_month_and_refuses_bad_input(
+    sqlite_env: dict[str, str], tmp_path: Path
+) -> None:
+    import sqlite3
+
+    def month_rows() -> list[tuple[str, str, int]]:
+        with sqlite3.connect(tmp_path / "jr.db") as db:
+            return db.execute(
+                "SELECT account_id, period, count(*) FROM ledger_entries"
+                " GROUP BY account_id, period"
+            ).fetchall()
+
+    args = ("seed", "--account", "acme", "--period", "2021-06", "--rows", "5000")
+    for _ in range(2):  # a second run replaces the month: still 5000
+        done = run_cli(*args, env=sqlite_env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().splitlines()[-1] == "acme 2021-06: 5000 ledger rows"
+        assert month_rows() == [("acme", "2021-06", 5000)]
+    with sqlite3.connect(tmp_path / "jr.db") as db:
+        hostile = db.execute(
+            "SELECT count(*) FROM ledger_entries WHERE description LIKE '=HYPERLINK%'"
+        ).fetchone()
+    assert hostile is not None and hostile[0] > 0
+
+    for bad, named in [
+        (("--account", "acme", "--period", "2021-13", "--rows", "10"), "--period"),
+        (("--account", "Not An Account", "--period", "2021-06", "--rows", "10"), "--account"),
+        (("--account", "acme", "--period", "2021-06"), "--rows"),
+    ]:
+        refused = run_cli("seed", *bad, env=sqlite_env)
+        stderr = refused.stderr.strip()
+        assert refused.returncode == 2 and stderr.startswith("jobrelay: error: "), stderr
+        assert named in stderr and len(stderr.splitlines()) == 1
+        assert month_rows() == [("acme", "2021-06", 5000)]  # nothing changed
+
+    plain = run_cli("seed", "--rows-per-month", "2", env=sqlite_env)  # as before
+    assert plain.returncode == 0 and "acme: 72 ledger rows" in plain.stdout

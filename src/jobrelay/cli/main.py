@@ -322,10 +322,25 @@ def broker_declare_cmd(settings: Settings) -> None:
 def seed_cmd(
     settings: Settings,
     rows_per_month: Annotated[int, typer.Option(min=0, max=1_000_000)] = 300,
+    account: Annotated[
+        Optional[str],  # noqa: UP045 (typer needs it)
+        typer.Option(help="With --period and --rows: fill only this account-month."),
+    ] = None,
+    period: Annotated[
+        Optional[str],  # noqa: UP045 (typer needs it)
+        typer.Option(help="YYYY-MM, with --account and --rows."),
+    ] = None,
+    rows: Annotated[
+        Optional[int],  # noqa: UP045 (typer needs it)
+        typer.Option(min=1, max=20_000_000, help="Generated rows for that account-month."),
+    ] = None,
 ) -> None:
     """Fill the app's sample data (the export app: ledger_entries for acme, globex, initech;
-    2019-2021)."""
-    code = _app_command(settings, "seed")(settings, rows_per_month=rows_per_month)
+    2019-2021; or, with --account/--period/--rows, one account-month of N generated rows)."""
+    options: dict[str, Any] = {"rows_per_month": rows_per_month}
+    if (account, period, rows) != (None, None, None):
+        options.update(account=account, period=period, rows=rows)  # only the app's with them
+    code = _app_command(settings, "seed")(settings, **options)
     if code:
         raise typer.Exit(code)
 
