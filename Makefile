@@ -33,10 +33,12 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit
 
 ## bench: throughput through separate api / relay / worker processes (PostgreSQL + RabbitMQ):
-## the scaling table (1/2 relays, 1/2/4 workers; one node and a 3-node cluster), then
-## report.export, then the no-op job against the peers; ends with the `bench:` line
+## the scaling table (1/2 relays, 1/2/4 workers; one node and a 3-node cluster), then one
+## 1,000,000-row export against COPY (the `bench-export:` line), then report.export, then the
+## no-op job against the peers; ends with the `bench:` line
 bench: $(STAMP)
 	$(BIN)/python bench/scaling_bench.py --cluster 3 $(SCALING_ARGS)
+	$(BIN)/python bench/export_speed.py $(EXPORT_ARGS)
 	$(BIN)/python bench/pipeline_bench.py --job export --skip-peers $(BENCH_ARGS)
 	$(BIN)/python bench/pipeline_bench.py --job noop $(BENCH_ARGS)
 
