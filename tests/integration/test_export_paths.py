@@ -40,6 +40,7 @@ from sqlalchemy.dialects.postgresql import asyncpg as pg_asyncpg
 
 from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.states import JobState
+from jobrelay.errors import TransientError
 from jobrelay.exports import ledger, report_export
 from jobrelay.exports.app import report_export as export_job
 from jobrelay.exports.defang import FORMULA_CHARS, INVISIBLE, SPACES, defang
@@ -441,3 +442,70 @@ async def test_a_seeded_month_is_the_same_on_both_databases(
     on_pg, on_sqlite = exported
     assert on_pg.data == on_sqlite.data and on_pg.meta["rows"] == 2_000
     assert b"'=HYPERLINK" in on_pg.data and b'"Line one\nline two"' in on_pg.data
+
+
+class _FailingResults(_GatedResults):
+    """Writers that fail at their third chunk, as a store that went away mid-export."""
+
+    def writer(self, key: str, *, staged: bool = False) -> Any:
+        return _FailingSession(self, self._inner.writer(key, staged=staged))
+
+
+class _FailingSession(_GatedSession):
+    async def write(self, chunk: bytes) -> None:
+        self._chunks += 1
+        if self._chunks == 3:
+            raise TransientError("results store went away")
+        await self._writer.write(chunk)
+
+
+async def test_a_writer_failing_mid_copy_leaves_the_pool_usable(
+    database_url: str, tmp_path: Path
+) -> None:
+    settings = Settings(database_url=database_url, results_url=f"file://{tmp_path}/r")
+    async with open_runtime(settings, connect_transport=False) as rt:
+        await seed_month(rt.engine, "acme", PERIOD, 20_000)
+        params = {"accountId": "acme", "period": PERIOD}
+        job_id = job_id_for("acme", "report.export", params)
+        new = NewJob(
+            job_id,
+            "report.export",
+            "acme",
+            params,
+            request_hash("acme", "report.export", params),
+            max_attempts=2,
+        )
+        await rt.store.submit(new, rt.clock())
+        job = await rt.store.get_job(job_id)
+        assert job is not None
+
+        async def progress(done: int, total: int) -> None:
+            return None
+
+        def context(results: Any) -> OperationContext:
+            return OperationContext(
+                job=job,
+                attempt=1,
+                store=rt.store,
+                results=results,
+                faults=Faults(),
+                report_progress=progress,
+                clock=rt.clock,
+            )
+
+        failing = StagingResults(_FailingResults(rt.results, asyncio.Event()))
+        with pytest.raises(TransientError, match="went away"):
+            await export_job.run(context(failing))
+        leftovers = [p for p in (tmp_path / "r").rglob("*") if p.is_file()]
+        assert leftovers == []  # the staged file was removed with the error
+        # Every pooled connection still works: the next export, and a write, succeed.
+        for _ in range(3):
+            staging = StagingResults(rt.results)
+            result = await export_job.run(context(staging))
+            await staging.publish()
+            assert result.meta["rows"] == 20_000
+        async with rt.engine.begin() as conn:
+            await conn.execute(
+                insert(ledger.ledger_entries),
+                {**hostile_rows(1)[0], "id": 99_999_999, "booked_on": date(2020, 5, 1)},
+            )
