@@ -234,7 +234,7 @@ class App:
         self._jobs: dict[str, JobDefinition[Any]] = {}
         self._builtins: list[Callable[[Settings], Operation]] = []
         self._included_types: set[str] = set()
-        self._routers: list[APIRouter] = []
+        self._routers: list[APIRouter | Callable[[], APIRouter]] = []
         self._tables: list[MetaData] = []
         self._commands: dict[str, AppCommand] = {}
         self._schedules: dict[str, Schedule] = {}
@@ -349,16 +349,20 @@ class App:
 
     # --- what the application brings besides jobs ---------------------------------------------
 
-    def http_router(self, router: APIRouter) -> None:
+    def http_router(self, router: APIRouter | Callable[[], APIRouter]) -> None:
         """Serve ``router``'s routes from the API (``jobrelay api``/``up``), before the core's.
 
         Its handlers use ``jobrelay.http`` (the caller, accepting jobs, problem responses).
+        A function returning the router is called only when the API is built, so that a
+        worker importing the app does not import FastAPI and the routes' modules.
         """
         self._routers.append(router)
 
     @property
     def routers(self) -> tuple[APIRouter, ...]:
-        return tuple(self._routers)
+        from fastapi import APIRouter
+
+        return tuple(r if isinstance(r, APIRouter) else r() for r in self._routers)
 
     def command(self, name: str) -> Callable[[AppCommand], AppCommand]:
         """Provide the body of CLI command ``name`` (``jobrelay seed``, ``jobrelay demo``):

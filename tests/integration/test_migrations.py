@@ -141,3 +141,27 @@ def test_0005_keeps_every_row_and_tunes_autovacuum_on_postgres(
         assert "autovacuum_vacuum_scale_factor=0.02" in (options["jobs"] or [])
         assert "autovacuum_vacuum_scale_factor=0.02" in (options["job_events"] or [])
         assert "pruned_jobs" in options
+
+
+def test_the_schema_head_the_code_expects_is_the_newest_migration(tmp_path: Path) -> None:
+    """``SCHEMA_HEAD`` is what every process checks the database against at start-up (without
+    importing Alembic); it must be the head of the migration scripts, or every process would
+    refuse a freshly migrated database (or run on an old one)."""
+    from alembic.script import ScriptDirectory
+
+    from jobrelay.roles.runtime import schema_revision
+    from jobrelay.storage.engine import SCHEMA_HEAD
+
+    url = f"sqlite:///{tmp_path}/jr.db"
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    assert head == SCHEMA_HEAD
+    upgrade(url)
+
+    async def current() -> str | None:
+        engine = create_engine(url)
+        try:
+            return await schema_revision(engine)
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(current()) == SCHEMA_HEAD

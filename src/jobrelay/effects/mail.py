@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from email.message import EmailMessage
 from urllib.parse import unquote, urlsplit
 
-import aiosmtplib
-
 from jobrelay.errors import ConfigError, EffectOutcomeUnknown, PermanentError, TransientError
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
@@ -59,6 +57,8 @@ class Mailer:
 
     async def send(self, message: EmailMessage, *, sender: str, recipient: str) -> str:
         """Deliver ``message`` to exactly ``recipient``; returns the server's final reply."""
+        import aiosmtplib  # here: a worker that never sends mail does not carry it (14 MiB)
+
         target = self.target
         try:
             _, reply = await aiosmtplib.send(

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import TYPE_CHECKING
 
-import typer
 from sqlalchemy.exc import DBAPIError
 
 from jobrelay import App, Settings
 from jobrelay.effects.notify_email import NOTIFY_EMAIL, NotifyEmail
 from jobrelay.exports import ledger
-from jobrelay.exports.http import router
 from jobrelay.exports.report_export import (
     ACCOUNT_PATTERN,
     PERIOD_PATTERN,
@@ -29,10 +28,20 @@ from jobrelay.exports.report_export import (
     run_export,
 )
 
+if TYPE_CHECKING:
+    from fastapi import APIRouter
+
+
+def _router() -> APIRouter:
+    from jobrelay.exports.http import router  # FastAPI only in the processes that serve HTTP
+
+    return router
+
+
 app = App()
 report_export = app.job(TYPE, params=ExportParams, result_filename=download_name)(run_export)
 app.include(NotifyEmail, type=NOTIFY_EMAIL)
-app.http_router(router)
+app.http_router(_router)
 app.tables(ledger.metadata)
 
 
@@ -58,7 +67,7 @@ def seed_command(
     try:
         if account is not None and period is not None and rows is not None:
             n = asyncio.run(seed_month_database(settings.database_url, account, period, rows))
-            typer.echo(f"{account} {period}: {n} ledger rows")
+            print(f"{account} {period}: {n} ledger rows")
             return 0
         counts = asyncio.run(seed_database(settings.database_url, rows_per_month))
     except (DBAPIError, OSError) as exc:
@@ -66,7 +75,7 @@ def seed_command(
         print(f"jobrelay: error: seeding failed: {lines[0] if lines else exc!r}", file=sys.stderr)
         return 2
     for name, count in counts.items():
-        typer.echo(f"{name}: {count} ledger rows")
+        print(f"{name}: {count} ledger rows")
     return 0
 
 

@@ -12,10 +12,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError
@@ -24,7 +22,14 @@ from sqlalchemy.pool import StaticPool
 
 from jobrelay.errors import ConfigError, StoreError
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+# The newest migration's revision: what the code expects the database to be at. Bump it
+# with every new migration (tests/integration/test_migrations.py checks it is the head).
+SCHEMA_HEAD = "0007"
+VERSION_TABLE = "alembic_version"
 # Execution option marking a connection that only reads (SQLite then begins DEFERRED).
 READ_ONLY_OPTION = "jobrelay_read_only"
 
@@ -81,6 +86,10 @@ def _sqlite_engine(url: URL) -> AsyncEngine:
 
 
 def alembic_config(database_url: str) -> Config:
+    # Alembic is imported here, not at the top: only `db upgrade` and the tests migrate, and a
+    # worker should not carry Alembic and Mako in its memory for its whole life.
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.set_main_option("sqlalchemy.url", async_url(database_url).render_as_string(False))
@@ -89,6 +98,8 @@ def alembic_config(database_url: str) -> Config:
 
 def upgrade(database_url: str, revision: str = "head") -> None:
     """Apply migrations; safe to run again (Alembic records the version)."""
+    from alembic import command
+
     command.upgrade(alembic_config(database_url), revision)
 
 
