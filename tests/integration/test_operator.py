@@ -234,7 +234,10 @@ async def test_account_tokens_get_403_on_every_admin_endpoint(
     for method, path, body in [
         ("POST", f"/v1/jobs/{job_id}/replay", {}),
         ("POST", f"/v1/jobs/{job_id}/cancel", {"reason": "x"}),
-        ("GET", "/v1/jobs?state=quarantined", None),
+        ("GET", "/v1/jobs?state=quarantined&accountId=other", None),  # not its account
+        ("POST", "/v1/bulk/replay", {"reason": "x"}),
+        ("POST", "/v1/bulk/cancel", {"reason": "x"}),
+        ("GET", "/v1/overview", None),
     ]:
         response = await client.request(method, path, json=body, headers=acme)
         assert response.status_code == 403, (path, response.text)

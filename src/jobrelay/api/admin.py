@@ -1,4 +1,6 @@
-"""Operator endpoints: replay, cancel and list for admin tokens; explain and whoami for all.
+"""Operator endpoints: replay and cancel for admin tokens; explain and whoami for all.
+
+(The jobs list is ``job_search``, the bulk actions ``bulk``.)
 
 Replay and cancel are the same ``Operator`` actions as the CLI. The event they write names
 the admin token that did it (``token#<id> (<label>)``), never the token itself. Account
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from fastapi import APIRouter, Depends, Header, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -22,8 +24,7 @@ from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, problem_openapi
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.routes import PRUNED_RESPONSE, missing_job
-from jobrelay.api.schemas import JobOut, WireModel, canonical_job_id, valid_traceparent
-from jobrelay.domain.states import JobState
+from jobrelay.api.schemas import WireModel, canonical_job_id, valid_traceparent
 from jobrelay.ops.account_view import account_explain_document
 from jobrelay.ops.explain import explain_document
 from jobrelay.ops.operator import Operator, refusal
@@ -80,18 +81,6 @@ class ActionOut(WireModel):
     actor: str
 
 
-class JobSummary(JobOut):
-    quarantine_reason: str | None = None
-
-    @classmethod
-    def from_job(cls, job: JobRecord) -> JobSummary:
-        return cls(**JobOut.from_record(job).model_dump(), quarantine_reason=job.quarantine_reason)
-
-
-class JobsOut(WireModel):
-    jobs: list[JobSummary]
-
-
 class WhoAmI(WireModel):
     account_id: str | None
     admin: bool
@@ -130,31 +119,7 @@ async def whoami(principal: PrincipalDep) -> WhoAmI:
     return WhoAmI(account_id=principal.account_id, admin=principal.is_admin)
 
 
-@router.get(
-    "/v1/jobs",
-    response_model=JobsOut,
-    summary="List jobs (admin)",
-    responses={**_ADMIN_RESPONSES, 422: problem_openapi("An unknown state or a bad limit.")},
-)
-async def list_jobs(
-    runtime: RuntimeDep,
-    actor: AdminActor,
-    state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
-    reason: Annotated[
-        str | None,
-        Query(max_length=500, description="Part of the quarantine reason or last error."),
-    ] = None,
-    job_type: Annotated[str | None, Query(alias="type", max_length=64)] = None,
-    account_id: Annotated[str | None, Query(alias="accountId", max_length=64)] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-) -> JobsOut:
-    jobs = await AdminQueries(runtime.store).find_jobs(
-        state=state, reason=reason, job_type=job_type, account_id=account_id, limit=limit
-    )
-    return JobsOut(jobs=[JobSummary.from_job(j) for j in jobs])
-
-
-def _body_of(model: type[BaseModel], required: bool) -> dict[str, Any]:
+def body_of(model: type[BaseModel], required: bool) -> dict[str, Any]:
     """The request body as OpenAPI states it: parsed in the handler (after the token and the
     rate limit), as JSON whatever the Content-Type, at most MAX_BODY_BYTES."""
     schema = {"application/json": {"schema": model.model_json_schema()}}
@@ -166,7 +131,7 @@ def _body_of(model: type[BaseModel], required: bool) -> dict[str, Any]:
     response_model=ActionOut,
     summary="Replay a quarantined job (admin)",
     responses=_ACTION_RESPONSES,
-    openapi_extra=_body_of(ReplayRequest, required=False),
+    openapi_extra=body_of(ReplayRequest, required=False),
 )
 async def replay_job(
     request: Request,
@@ -189,7 +154,7 @@ async def replay_job(
     response_model=ActionOut,
     summary="Cancel a job that is not running or finished (admin)",
     responses=_ACTION_RESPONSES,
-    openapi_extra=_body_of(CancelRequest, required=True),
+    openapi_extra=body_of(CancelRequest, required=True),
 )
 async def cancel_job(
     request: Request,

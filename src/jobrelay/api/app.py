@@ -15,7 +15,18 @@ from typing import Any
 from fastapi import FastAPI
 
 from jobrelay import __version__
-from jobrelay.api import admin, console, health, jobs, observability, routes, schedules
+from jobrelay.api import (
+    admin,
+    bulk,
+    console,
+    health,
+    job_search,
+    jobs,
+    observability,
+    overview,
+    routes,
+    schedules,
+)
 from jobrelay.api.deps import set_runtime
 from jobrelay.api.problems import PROBLEM_MEDIA_TYPE, install_problem_handlers
 from jobrelay.api.ratelimit import RateLimiter, parse_limit
@@ -75,6 +86,9 @@ def create_app(settings: Settings, *, runtime: Runtime | None = None) -> FastAPI
     app.include_router(routes.router)
     app.include_router(jobs.router)
     app.include_router(admin.router)
+    app.include_router(job_search.router)
+    app.include_router(bulk.router)
+    app.include_router(overview.router)
     app.include_router(schedules.router)
     app.include_router(health.router)
     app.include_router(observability.router)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, insert, or_, select, update
+from sqlalchemy import and_, delete, func, insert, not_, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.storage.engine import read_only
@@ -236,6 +236,23 @@ async def count_ready(conn: AsyncConnection, now: datetime, queues: Sequence[str
     return int(n or 0)
 
 
+async def queue_depths(
+    conn: AsyncConnection, now: datetime, queues: Sequence[str]
+) -> dict[str, tuple[int, int]]:
+    """Per queue: (ready, in flight), where in flight is held by a consumer's live claim."""
+    held = and_(lm.c.consumer.is_not(None), lm.c.invisible_until > now)
+    rows = await conn.execute(
+        select(
+            lm.c.queue,
+            func.count().filter(and_(lm.c.available_at <= now, not_(held))),
+            func.count().filter(held),
+        )
+        .where(lm.c.queue.in_(list(queues)))
+        .group_by(lm.c.queue)
+    )
+    return {r[0]: (int(r[1] or 0), int(r[2] or 0)) for r in rows}
+
+
 __all__ = [
     "QUARANTINE",
     "REASON_HEADER",
@@ -249,6 +266,7 @@ __all__ = [
     "delete_claimed",
     "insert_messages",
     "quarantine_claimed",
+    "queue_depths",
     "reading",
     "release_claims",
     "renew_claims",

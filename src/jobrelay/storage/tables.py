@@ -130,6 +130,8 @@ job_events = Table(
     Column("detail", JSON, nullable=False),
 )
 Index("ix_job_events_job", job_events.c.job_id, job_events.c.id)
+# The overview's throughput reads the last hour of events by time (migration 0008).
+Index("ix_job_events_at", job_events.c.at)
 
 api_tokens = Table(
     "api_tokens",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from jobrelay.transport.topology import DEFAULT_QUEUE
 
@@ -127,3 +127,21 @@ class Transport(Protocol):
     async def work_ready(self) -> int:
         """Messages in the work queues not handed to any consumer yet (the backlog)."""
         ...
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """One work queue as the broker sees it; ``None`` is "unknown", never a guess."""
+
+    queue: str
+    ready: int | None
+    consumers: int | None
+    in_flight: int | None
+
+
+@runtime_checkable
+class ReportsQueues(Protocol):
+    """A transport that can say how deep each work queue is (both adapters; test fakes
+    need not)."""
+
+    async def queue_stats(self) -> list[QueueStats]: ...

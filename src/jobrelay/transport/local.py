@@ -41,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobrelay.batching import Batcher
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.storage import local_queue as q
-from jobrelay.transport.base import Delivery, OutgoingMessage
+from jobrelay.transport.base import Delivery, OutgoingMessage, QueueStats
 from jobrelay.transport.topology import (
     DEFAULT_QUEUE,
     Topology,
@@ -267,6 +267,20 @@ class LocalTransport:
                 return await q.count_ready(conn, self._clock(), queues)
         except _DB_ERRORS as exc:
             raise TransportError(f"local queue unreachable: {_short(exc)}") from exc
+
+    async def queue_stats(self) -> list[QueueStats]:
+        """Ready and in-flight rows per work queue; consumers are not registered anywhere
+        (a consumer is whoever claims next), so their number is unknown."""
+        names = {work_routing_key(name): name for name in self._topology.queues}
+        try:
+            async with q.reading(self._engine) as conn:
+                depths = await q.queue_depths(conn, self._clock(), list(names))
+        except _DB_ERRORS as exc:
+            raise TransportError(f"local queue unreachable: {_short(exc)}") from exc
+        return [
+            QueueStats(name, depths.get(key, (0, 0))[0], None, depths.get(key, (0, 0))[1])
+            for key, name in names.items()
+        ]
 
     # --- consuming ------------------------------------------------------------------------
 

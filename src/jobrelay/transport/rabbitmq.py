@@ -46,7 +46,7 @@ from aio_pika.abc import (
 )
 
 from jobrelay.errors import PublishError, TransportError
-from jobrelay.transport.base import Delivery, OutgoingMessage
+from jobrelay.transport.base import Delivery, OutgoingMessage, QueueStats
 from jobrelay.transport.rabbit_declare import (
     declare,
     declare_error,
@@ -289,6 +289,9 @@ class RabbitTransport:
             raise TransportError("broker unreachable: no answer in time") from exc
 
     async def _message_count(self, queue_name: str) -> int:
+        return int((await self._declared(queue_name)).message_count or 0)
+
+    async def _declared(self, queue_name: str) -> Any:
         connection = self._require_connection()
         try:
             async with asyncio.timeout(BROKER_TIMEOUT):
@@ -296,7 +299,7 @@ class RabbitTransport:
                     queue = await channel.declare_queue(queue_name, passive=True, robust=False)
         except AMQP_ERRORS as exc:  # TimeoutError is an OSError
             raise TransportError(f"cannot read queue {queue_name}: {short(exc)}") from exc
-        return int(queue.declaration_result.message_count or 0)
+        return queue.declaration_result
 
     # --- publishing -----------------------------------------------------------------------
 
@@ -349,6 +352,17 @@ class RabbitTransport:
     async def work_ready(self) -> int:
         # A passive declare counts ready messages only; every work queue of the topology.
         return sum([await self._message_count(work_queue(q)) for q in self._topology.queues])
+
+    async def queue_stats(self) -> list[QueueStats]:
+        """Ready messages and consumers per work queue (a passive declare); unacked messages
+        need the management API, so in flight is unknown here."""
+        out = []
+        for name in self._topology.queues:
+            result = await self._declared(work_queue(name))
+            out.append(
+                QueueStats(name, result.message_count or 0, result.consumer_count or 0, None)
+            )
+        return out
 
     # --- consuming ------------------------------------------------------------------------
 

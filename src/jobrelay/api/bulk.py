@@ -1,0 +1,142 @@
+"""Bulk replay and cancel: every job matching a filter, in bounded batches (admin).
+
+``POST /v1/bulk/replay`` and ``POST /v1/bulk/cancel`` take the jobs list's filter, a
+required reason and a ``limit``; with ``dryRun`` they only count. Each call acts on at most
+``limit`` matching jobs, each through the same ``Operator`` action as the single-job routes
+(one guarded transaction per job, a ``replayed``/``cancelled`` event naming the admin token
+and the reason), and answers how many it did, how many were refused because their state
+changed meanwhile, and how many still match. A caller repeats the call until ``remaining``
+is 0 (the console shows done/total while it does): a job done drops out of the filter, so
+an interrupted run is simply run again.
+
+The filter is kept to the action's legal source states (replay: ``quarantined``; cancel:
+``queued``, ``retry_wait``, ``quarantined``); asking for another state is a 422.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import ConfigDict, Field
+
+from jobrelay.api.admin import AdminActor, _Reasoned, body_of
+from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
+from jobrelay.api.deps import RuntimeDep
+from jobrelay.api.job_search import LIST_RESPONSES, invalid, job_filter
+from jobrelay.api.problems import ValidationProblem, problem_openapi
+from jobrelay.api.schemas import ACCOUNT_PATTERN, WireModel
+from jobrelay.domain.job_filter import JobFilter
+from jobrelay.domain.states import JobState
+from jobrelay.ops.operator import CANCELLABLE, REPLAYABLE, Operator
+from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.dashboard import count_jobs, search_jobs
+
+router = APIRouter()
+
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **LIST_RESPONSES,
+    403: problem_openapi("Not an admin token."),
+    413: problem_openapi(f"The body is larger than {MAX_BODY_BYTES} bytes."),
+    422: problem_openapi(
+        "Invalid body: no reason, a bad filter, or a state this action cannot move.",
+        ValidationProblem,
+    ),
+}
+
+
+class BulkFilter(WireModel):
+    model_config = ConfigDict(extra="forbid")
+
+    state: JobState | None = None
+    type: str | None = Field(default=None, min_length=1, max_length=64)
+    queue: str | None = Field(default=None, min_length=1, max_length=32)
+    account_id: str | None = Field(default=None, pattern=ACCOUNT_PATTERN)
+    reason: str | None = Field(default=None, max_length=500)
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+
+
+class BulkRequest(_Reasoned):
+    filter: BulkFilter = Field(default_factory=BulkFilter)
+    reason: str = Field(min_length=1, max_length=500, description="Kept in every job's timeline.")
+    dry_run: bool = Field(default=False, description="Only count what matches.")
+    limit: int = Field(default=100, ge=1, le=500, description="At most this many jobs per call.")
+
+
+class BulkOut(WireModel):
+    action: str
+    dry_run: bool
+    matched: int = Field(description="Jobs matching before this call.")
+    done: int
+    refused: int = Field(description="Matched, but their state changed before the action.")
+    remaining: int = Field(description="Jobs still matching after this call.")
+    job_ids: list[str] = Field(description="The jobs this call acted on.")
+    actor: str
+
+
+@router.post(
+    "/v1/bulk/replay",
+    response_model=BulkOut,
+    summary="Replay the quarantined jobs matching a filter, a batch at a time (admin)",
+    responses=_RESPONSES,
+    openapi_extra=body_of(BulkRequest, required=True),
+)
+async def bulk_replay(request: Request, runtime: RuntimeDep, actor: AdminActor) -> BulkOut:
+    body = parse_body(BulkRequest, await read_body(request))
+    return await _run(runtime, "replay", body, actor)
+
+
+@router.post(
+    "/v1/bulk/cancel",
+    response_model=BulkOut,
+    summary="Cancel the jobs matching a filter that are not running or finished (admin)",
+    responses=_RESPONSES,
+    openapi_extra=body_of(BulkRequest, required=True),
+)
+async def bulk_cancel(request: Request, runtime: RuntimeDep, actor: AdminActor) -> BulkOut:
+    body = parse_body(BulkRequest, await read_body(request))
+    return await _run(runtime, "cancel", body, actor)
+
+
+def _filter(action: str, body: BulkRequest) -> JobFilter:
+    f = body.filter
+    base = job_filter(
+        f.state, f.type, f.queue, f.account_id, f.reason, f.created_after, f.created_before
+    )
+    allowed = REPLAYABLE if action == "replay" else CANCELLABLE
+    if f.state is not None and f.state not in allowed:
+        legal = ", ".join(sorted(s.value for s in allowed))
+        raise invalid("filter.state", f"{action} moves only jobs in: {legal}")
+    return base.only(allowed)
+
+
+async def _run(runtime: Runtime, action: str, body: BulkRequest, actor: str) -> BulkOut:
+    f = _filter(action, body)
+    store = runtime.store
+    matched = await count_jobs(store, f)
+    done: list[str] = []
+    refused = 0
+    if not body.dry_run and matched:
+        operator = Operator(runtime)
+        for job in await search_jobs(store, f, limit=body.limit):
+            if action == "replay":
+                outcome = await operator.replay(job.id, actor=actor, reason=body.reason)
+            else:
+                outcome = await operator.cancel(job.id, actor=actor, reason=body.reason)
+            if outcome.done:
+                done.append(job.id)
+            else:
+                refused += 1
+    remaining = matched if body.dry_run else await count_jobs(store, f)
+    return BulkOut(
+        action=action,
+        dry_run=body.dry_run,
+        matched=matched,
+        done=len(done),
+        refused=refused,
+        remaining=remaining,
+        job_ids=done,
+        actor=actor,
+    )

@@ -1,0 +1,164 @@
+"""``GET /v1/jobs``: find jobs by state, type, queue, account, reason text and time, a keyset
+page at a time.
+
+Admin tokens list every account's jobs. An account token lists too, but only its own
+account's (the account filter is forced to it; asking for another account is a 403) and in
+the account view: ``lastError`` and ``quarantineReason`` redacted by ``domain.disclosure``,
+nothing of leases, workers or actors. Every filter is validated (422 problem+json naming
+the field); an unknown queue or type simply matches nothing.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from fastapi.exceptions import RequestValidationError
+
+from jobrelay.api.auth import Principal
+from jobrelay.api.deps import RuntimeDep
+from jobrelay.api.problems import ProblemError, ValidationProblem, problem_openapi
+from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
+from jobrelay.api.schemas import ACCOUNT_PATTERN, JobOut, WireModel
+from jobrelay.domain.disclosure import redact_optional
+from jobrelay.domain.job_filter import CursorError, JobFilter, PageKey, decode_cursor
+from jobrelay.domain.job_filter import encode_cursor as encode
+from jobrelay.domain.states import JobState
+from jobrelay.storage.dashboard import search_jobs
+from jobrelay.storage.store import JobRecord
+
+router = APIRouter()
+
+LIST_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **RATE_LIMIT_RESPONSES,
+    401: problem_openapi("No token, or not a valid one."),
+    403: problem_openapi("An account token asked for another account's jobs."),
+    422: problem_openapi(
+        "A filter is invalid (the field is named in `errors`).", ValidationProblem
+    ),
+    503: problem_openapi("The database is unavailable."),
+}
+
+
+class JobSummary(JobOut):
+    account_id: str | None  # type: ignore[assignment]  # a schedule's tick is on no account
+    queue: str
+    quarantine_reason: str | None = None
+
+    @classmethod
+    def from_job(cls, job: JobRecord, *, admin: bool = True) -> JobSummary:
+        reason = job.quarantine_reason if admin else redact_optional(job.quarantine_reason)
+        return cls(
+            **JobOut.from_record(job, admin=admin).model_dump(),
+            queue=job.queue,
+            quarantine_reason=reason,
+        )
+
+
+class JobsOut(WireModel):
+    jobs: list[JobSummary]
+    next_cursor: str | None = None
+
+
+def invalid(field: str, message: str) -> RequestValidationError:
+    """A 422 naming one query parameter, rendered like every other validation problem."""
+    error = {"type": "value_error", "loc": ("query", field), "msg": message}
+    return RequestValidationError([error])
+
+
+def aware(field: str, value: datetime | None) -> datetime | None:
+    if value is not None and value.tzinfo is None:
+        raise invalid(field, "give a time zone (e.g. 2026-12-01T18:00:00Z)")
+    return value
+
+
+def visible_filter(principal: Principal, f: JobFilter) -> JobFilter:
+    """``f`` as this token may ask it: an account token's account filter is its own."""
+    if principal.is_admin:
+        return f
+    if f.account_id is not None and f.account_id != principal.account_id:
+        raise ProblemError(403, "an account token lists only its own account's jobs")
+    return JobFilter(**{**f.__dict__, "account_id": principal.account_id or "\x00"})
+
+
+StateQ = Annotated[JobState | None, Query(description="Only jobs in this state.")]
+TypeQ = Annotated[str | None, Query(alias="type", min_length=1, max_length=64)]
+QueueQ = Annotated[str | None, Query(min_length=1, max_length=32)]
+AccountQ = Annotated[str | None, Query(alias="accountId", pattern=ACCOUNT_PATTERN)]
+ReasonQ = Annotated[
+    str | None,
+    Query(max_length=500, description="Part of the quarantine reason or last error (any case)."),
+]
+AfterQ = Annotated[
+    datetime | None,
+    Query(alias="createdAfter", description="Created at or after this time (with a zone)."),
+]
+BeforeQ = Annotated[
+    datetime | None,
+    Query(alias="createdBefore", description="Created before this time (with a zone)."),
+]
+
+
+def job_filter(
+    state: JobState | None,
+    job_type: str | None,
+    queue: str | None,
+    account_id: str | None,
+    reason: str | None,
+    created_after: datetime | None,
+    created_before: datetime | None,
+) -> JobFilter:
+    after = aware("createdAfter", created_after)
+    before = aware("createdBefore", created_before)
+    if after is not None and before is not None and after >= before:
+        raise invalid("createdBefore", "must be later than createdAfter")
+    return JobFilter(
+        states=None if state is None else (state,),
+        job_type=job_type,
+        queue=queue,
+        account_id=account_id,
+        reason=reason or None,
+        created_after=after,
+        created_before=before,
+    )
+
+
+@router.get(
+    "/v1/jobs",
+    response_model=JobsOut,
+    summary="List jobs, newest first (admin: all; account token: its own)",
+    responses=LIST_RESPONSES,
+)
+async def list_jobs(
+    runtime: RuntimeDep,
+    principal: RateLimitedDep,
+    state: StateQ = None,
+    reason: ReasonQ = None,
+    job_type: TypeQ = None,
+    queue: QueueQ = None,
+    account_id: AccountQ = None,
+    created_after: AfterQ = None,
+    created_before: BeforeQ = None,
+    cursor: Annotated[
+        str | None,
+        Query(max_length=200, description="`nextCursor` of the previous page."),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> JobsOut:
+    f = job_filter(state, job_type, queue, account_id, reason, created_after, created_before)
+    f = visible_filter(principal, f)
+    after: PageKey | None = None
+    if cursor:
+        try:
+            after = decode_cursor(cursor)
+        except CursorError as exc:
+            raise invalid("cursor", str(exc)) from None
+    page = await search_jobs(runtime.store, f, limit=limit + 1, after=after)
+    more = len(page) > limit
+    page = page[:limit]
+    next_cursor = encode(PageKey(page[-1].created_at, page[-1].id)) if more else None
+    return JobsOut(
+        jobs=[JobSummary.from_job(j, admin=principal.is_admin) for j in page],
+        next_cursor=next_cursor,
+    )

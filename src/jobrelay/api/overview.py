@@ -1,0 +1,125 @@
+"""``GET /v1/overview``: how the system is doing, in one read (admin).
+
+What the console's live overview draws, every few seconds: jobs per state, type and queue;
+the last hour's throughput per minute (``accepted``, ``succeeded`` = ``result_saved``,
+``retried`` = ``retry_scheduled``, ``quarantined`` events); the outbox backlog, its oldest
+row and the relay lag; and each work queue's depth as the broker reports it (RabbitMQ: a
+passive declare gives ready messages and consumers, in flight is unknown without the
+management API; the local transport: ready and in-flight rows, consumers unknown). A number
+the broker cannot give is ``null``, never a guess; a broker that does not answer leaves
+``queues`` empty with ``queuesError`` saying why, and the rest of the overview still comes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from fastapi import APIRouter
+from pydantic import Field
+
+from jobrelay.api.admin import AdminActor
+from jobrelay.api.deps import RuntimeDep
+from jobrelay.api.job_search import LIST_RESPONSES
+from jobrelay.api.problems import problem_openapi
+from jobrelay.api.schemas import WireModel
+from jobrelay.domain.job_filter import minute_series, window_start
+from jobrelay.errors import TransportError
+from jobrelay.storage.admin import AdminQueries
+from jobrelay.storage.dashboard import job_counts, relay_lag, throughput
+from jobrelay.transport.base import ReportsQueues
+
+router = APIRouter()
+
+WINDOW_MINUTES = 60
+
+
+class Counts(WireModel):
+    total: int
+    by_state: dict[str, int]
+    by_type: dict[str, int]
+    by_queue: dict[str, int]
+
+
+class Throughput(WireModel):
+    minutes: list[str] = Field(description="The start of each minute (UTC), oldest first.")
+    accepted: list[int]
+    succeeded: list[int]
+    retried: list[int]
+    quarantined: list[int]
+
+
+class Outbox(WireModel):
+    backlog: int = Field(description="Outbox rows not yet published.")
+    oldest_at: datetime | None
+    oldest_age_seconds: float | None
+    lag_sampled: int = Field(description="Latest published rows the lag is measured on.")
+    lag_median_seconds: float | None
+    lag_max_seconds: float | None
+    last_published_at: datetime | None
+
+
+class QueueOut(WireModel):
+    queue: str
+    ready: int | None
+    consumers: int | None
+    in_flight: int | None
+
+
+class OverviewOut(WireModel):
+    generated_at: datetime
+    counts: Counts
+    throughput: Throughput
+    outbox: Outbox
+    queues: list[QueueOut]
+    queues_error: str | None = None
+
+
+@router.get(
+    "/v1/overview",
+    response_model=OverviewOut,
+    summary="Counts, throughput, outbox and queue depths (admin)",
+    responses={
+        **{k: v for k, v in LIST_RESPONSES.items() if k != 422},
+        403: problem_openapi("Not an admin token."),
+    },
+)
+async def overview(runtime: RuntimeDep, actor: AdminActor) -> OverviewOut:
+    store = runtime.store
+    now = runtime.clock()
+    start = window_start(now, WINDOW_MINUTES)
+    counts = await job_counts(store)
+    series = minute_series(await throughput(store, start), start, WINDOW_MINUTES)
+    backlog, oldest = await AdminQueries(store).outbox_stats()
+    lag = await relay_lag(store)
+    queues: list[QueueOut] = []
+    error = None
+    transport = runtime.transport
+    if isinstance(transport, ReportsQueues):
+        try:
+            stats = await transport.queue_stats()
+            queues = [QueueOut(**s.__dict__) for s in stats]
+        except TransportError as exc:
+            error = str(exc)
+    else:
+        error = "this transport does not report its queues"
+    return OverviewOut(
+        generated_at=now,
+        counts=Counts(
+            total=counts.total,
+            by_state=counts.by_state,
+            by_type=counts.by_type,
+            by_queue=counts.by_queue,
+        ),
+        throughput=Throughput.model_validate(series),
+        outbox=Outbox(
+            backlog=backlog,
+            oldest_at=oldest,
+            oldest_age_seconds=(now - oldest).total_seconds() if oldest else None,
+            lag_sampled=lag.sampled,
+            lag_median_seconds=lag.median_seconds,
+            lag_max_seconds=lag.max_seconds,
+            last_published_at=lag.last_published_at,
+        ),
+        queues=queues,
+        queues_error=error,
+    )

@@ -1,0 +1,193 @@
+"""The dashboard's API: the jobs list's filters and keyset pages, the bulk actions and the
+overview, over HTTP on SQLite and PostgreSQL (``database_url``) with the local transport."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import insert
+
+from jobrelay.domain.states import JobState
+from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.tables import job_events
+from jobrelay.transport.base import OutgoingMessage
+from tests.integration.api_fixtures import T0, api_client, bearer, build_runtime, make_token
+
+from .ops_fixtures import WORKER, job_in_state, new_job
+
+pytestmark = pytest.mark.timeout(90)
+S = JobState
+
+
+@pytest.fixture
+async def runtime(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
+    rt = build_runtime(database_url, tmp_path, local_transport=True)
+    await rt.transport.connect()
+    yield rt
+    await rt.transport.close()
+    await rt.engine.dispose()
+
+
+@pytest.fixture
+async def client(runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]:
+    async with api_client(runtime) as c:
+        yield c
+
+
+@pytest.fixture
+async def admin(runtime: Runtime) -> dict[str, str]:
+    return bearer(await make_token(runtime, None, admin=True))
+
+
+async def quarantined_for(runtime: Runtime, period: str, reason: str, account: str) -> str:
+    store = runtime.store
+    job_id, _ = await store.submit(new_job(period, account=account), T0)
+    claim = await store.claim_job(job_id, WORKER, T0, timedelta(seconds=30))
+    assert claim is not None
+    assert await store.quarantine(job_id, reason, T0, claim=claim)
+    return job_id
+
+
+async def listed(client: httpx.AsyncClient, headers: dict[str, str], query: str) -> list[str]:
+    response = await client.get("/v1/jobs?" + query, headers=headers)
+    assert response.status_code == 200, response.text
+    return [j["jobId"] for j in response.json()["jobs"]]
+
+
+async def test_filters_narrow_the_list_and_pages_cover_it_once(
+    client: httpx.AsyncClient, runtime: Runtime, admin: dict[str, str]
+) -> None:
+    store = runtime.store
+    ids = {}
+    for i, (state, account) in enumerate(
+        [(S.QUEUED, "acme"), (S.QUARANTINED, "acme"), (S.SUCCEEDED, "globex"), (S.QUEUED, "acme")]
+    ):
+        at = T0 + timedelta(minutes=i)
+        ids[i] = await job_in_state(store, state, at, f"2020-0{i + 1}", account=account)
+    assert await listed(client, admin, "") == [ids[3], ids[2], ids[1], ids[0]]
+    assert await listed(client, admin, "state=queued") == [ids[3], ids[0]]
+    assert await listed(client, admin, "accountId=globex") == [ids[2]]
+    assert await listed(client, admin, "reason=PERIOD+2020-13") == [ids[1]]
+    assert await listed(client, admin, "type=report.export&queue=default&state=succeeded") == [
+        ids[2]
+    ]
+    assert await listed(client, admin, "queue=bulk") == []
+    window = "createdAfter=2026-01-01T12:01:00Z&createdBefore=2026-01-01T12:03:00%2B00:00"
+    assert await listed(client, admin, window) == [ids[2], ids[1]]
+
+    seen: list[str] = []
+    cursor = ""
+    for _ in range(5):
+        page = (await client.get(f"/v1/jobs?limit=3{cursor}", headers=admin)).json()
+        seen += [j["jobId"] for j in page["jobs"]]
+        if page["nextCursor"] is None:
+            break
+        cursor = "&cursor=" + page["nextCursor"]
+    assert seen == [ids[3], ids[2], ids[1], ids[0]]
+
+    for query, field in [
+        ("cursor=bm90LWEtY3Vyc29y", "cursor"),
+        ("createdAfter=2026-01-01T12:00:00", "createdAfter"),
+        ("createdAfter=2026-01-02T00:00:00Z&createdBefore=2026-01-01T00:00:00Z", "createdBefore"),
+        ("accountId=Not+An+Account", "accountId"),
+        ("state=sleeping", "state"),
+    ]:
+        bad = await client.get("/v1/jobs?" + query, headers=admin)
+        assert bad.status_code == 422, query
+        assert bad.headers["content-type"] == "application/problem+json"
+        assert [e["field"] for e in bad.json()["errors"]] == [field], query
+
+
+async def test_an_account_token_lists_only_its_own_jobs_in_the_account_view(
+    client: httpx.AsyncClient, runtime: Runtime
+) -> None:
+    store = runtime.store
+    mine = await quarantined_for(runtime, "2020-01", "db at 10.1.2.3:5432 refused", "acme")
+    await job_in_state(store, S.RUNNING, T0, "2020-02", account="globex")
+    acme = bearer(await make_token(runtime, "acme"))
+    response = await client.get("/v1/jobs", headers=acme)
+    [job] = response.json()["jobs"]
+    assert job["jobId"] == mine and job["accountId"] == "acme"
+    assert "10.1.2.3" not in response.text and "leaseOwner" not in job
+    assert await listed(client, acme, "accountId=acme") == [mine]
+    other = await client.get("/v1/jobs?accountId=globex", headers=acme)
+    assert other.status_code == 403
+    assert (await client.get("/v1/overview", headers=acme)).status_code == 403
+
+
+async def test_bulk_replay_by_reason_counts_first_then_works_in_batches(
+    client: httpx.AsyncClient, runtime: Runtime, admin: dict[str, str]
+) -> None:
+    store = runtime.store
+    broken = [
+        await quarantined_for(runtime, f"2020-0{i}", f"upstream TIMEOUT #{i}", "acme")
+        for i in (1, 2, 3)
+    ]
+    other = await quarantined_for(runtime, "2020-04", "invalid period", "acme")
+    body: dict[str, Any] = {"filter": {"reason": "timeout"}, "reason": "upstream fixed"}
+
+    for bad, field in [
+        ({"filter": {"reason": "timeout"}}, "reason"),
+        ({**body, "reason": "  "}, "reason"),
+        ({**body, "filter": {"state": "succeeded"}}, "filter.state"),
+        ({**body, "limit": 0}, "limit"),
+        ({**body, "filter": {"colour": "red"}}, "filter.colour"),
+    ]:
+        refused = await client.post("/v1/bulk/replay", json=bad, headers=admin)
+        assert refused.status_code == 422, bad
+        assert field in [e["field"] for e in refused.json()["errors"]], refused.text
+
+    dry = await client.post("/v1/bulk/replay", json={**body, "dryRun": True}, headers=admin)
+    assert dry.json()["matched"] == 3 and dry.json()["done"] == 0
+    assert {(await store.get_job(j)).state for j in broken} == {S.QUARANTINED}
+
+    first = (await client.post("/v1/bulk/replay", json={**body, "limit": 2}, headers=admin)).json()
+    assert (first["matched"], first["done"], first["refused"], first["remaining"]) == (3, 2, 0, 1)
+    second = (await client.post("/v1/bulk/replay", json={**body, "limit": 2}, headers=admin)).json()
+    assert (second["done"], second["remaining"]) == (1, 0)
+    assert sorted(first["jobIds"] + second["jobIds"]) == sorted(broken)
+    for job_id in broken:
+        assert (await store.get_job(job_id)).state is S.QUEUED
+        [event] = [e for e in await store.events(job_id) if e.kind == "replayed"]
+        assert event.detail["actor"] == first["actor"]
+        assert event.detail["reason"] == "upstream fixed"
+        assert first["actor"].startswith("token#")
+    assert (await store.get_job(other)).state is S.QUARANTINED
+
+    cancel = {"filter": {"accountId": "acme", "state": "queued"}, "reason": "duplicates"}
+    cancelled = (await client.post("/v1/bulk/cancel", json=cancel, headers=admin)).json()
+    assert (cancelled["done"], cancelled["remaining"]) == (3, 0)
+    assert {(await store.get_job(j)).state for j in broken} == {S.CANCELLED}
+    assert (await store.get_job(other)).state is S.QUARANTINED
+
+
+async def test_the_overview_counts_states_throughput_backlog_and_queues(
+    client: httpx.AsyncClient, runtime: Runtime, admin: dict[str, str]
+) -> None:
+    store = runtime.store
+    now = runtime.clock()
+    await job_in_state(store, S.QUEUED, now, "2020-01")
+    await job_in_state(store, S.SUCCEEDED, now, "2020-02", account="globex")
+    old = await job_in_state(store, S.QUARANTINED, now, "2020-03")
+    async with runtime.engine.begin() as conn:  # an event before the hour is not counted
+        at = now - timedelta(minutes=61)
+        await conn.execute(insert(job_events).values(job_id=old, at=at, kind="accepted", detail={}))
+    await runtime.transport.publish(OutgoingMessage("work", b"{}"))
+    response = await client.get("/v1/overview", headers=admin)
+    assert response.status_code == 200, response.text
+    view = response.json()
+    assert view["counts"]["byState"] == {"queued": 1, "succeeded": 1, "quarantined": 1}
+    assert view["counts"]["byType"] == {"report.export": 3}
+    assert view["counts"]["byQueue"] == {"default": 3} and view["counts"]["total"] == 3
+    flow = view["throughput"]
+    assert len(flow["minutes"]) == 60 and len(flow["accepted"]) == 60
+    assert (sum(flow["accepted"]), sum(flow["succeeded"]), sum(flow["quarantined"])) == (3, 1, 1)
+    assert view["outbox"]["backlog"] == 3 and view["outbox"]["oldestAgeSeconds"] >= 0
+    assert view["outbox"]["lagSampled"] == 0 and view["outbox"]["lagMaxSeconds"] is None
+    [default] = [q for q in view["queues"] if q["queue"] == "default"]
+    assert default == {"queue": "default", "ready": 1, "consumers": None, "inFlight": 0}
