@@ -14,6 +14,7 @@ from sqlalchemy import insert
 
 from jobrelay.domain.states import JobState
 from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.queue_pauses import paused_queues, queue_history
 from jobrelay.storage.tables import job_events
 from jobrelay.transport.base import OutgoingMessage
 from tests.integration.api_fixtures import T0, api_client, bearer, build_runtime, make_token
@@ -190,4 +191,55 @@ async def test_the_overview_counts_states_throughput_backlog_and_queues(
     assert view["outbox"]["backlog"] == 3 and view["outbox"]["oldestAgeSeconds"] >= 0
     assert view["outbox"]["lagSampled"] == 0 and view["outbox"]["lagMaxSeconds"] is None
     [default] = [q for q in view["queues"] if q["queue"] == "default"]
-    assert default == {"queue": "default", "ready": 1, "consumers": None, "inFlight": 0}
+    assert default == {
+        "queue": "default",
+        "ready": 1,
+        "consumers": None,
+        "inFlight": 0,
+        "paused": False,
+        "pausedAt": None,
+        "pausedBy": None,
+        "pausedReason": None,
+    }
+
+
+async def test_queues_pause_and_resume_over_http_audited(
+    client: httpx.AsyncClient, runtime: Runtime, admin: dict[str, str]
+) -> None:
+    queues = (await client.get("/v1/queues", headers=admin)).json()["queues"]
+    assert [q["queue"] for q in queues] == list(runtime.topology.queues)
+    assert not any(q["paused"] for q in queues)
+
+    for path, body, status in [
+        ("/v1/queues/default/pause", {}, 422),
+        ("/v1/queues/default/pause", {"reason": " "}, 422),
+        ("/v1/queues/nope/pause", {"reason": "x"}, 404),
+    ]:
+        response = await client.post(path, json=body, headers=admin)
+        assert response.status_code == status, (path, body, response.text)
+        assert response.headers["content-type"] == "application/problem+json"
+    assert await paused_queues(runtime.store) == set()
+
+    paused = await client.post("/v1/queues/default/pause", json={"reason": "deploy"}, headers=admin)
+    assert paused.status_code == 200, paused.text
+    row = paused.json()
+    assert row["paused"] and row["pausedReason"] == "deploy"
+    assert row["pausedBy"].startswith("token#")
+    assert await paused_queues(runtime.store) == {"default"}
+    again = await client.post("/v1/queues/default/pause", json={"reason": "x"}, headers=admin)
+    assert again.status_code == 409
+    view = (await client.get("/v1/overview", headers=admin)).json()
+    assert [q["paused"] for q in view["queues"] if q["queue"] == "default"] == [True]
+
+    resumed = await client.post("/v1/queues/default/resume", json={"reason": "ok"}, headers=admin)
+    assert resumed.status_code == 200 and not resumed.json()["paused"]
+    assert await paused_queues(runtime.store) == set()
+    history = await queue_history(runtime.store, "default")
+    assert [(e.kind, e.actor, e.reason) for e in history] == [
+        ("resumed", row["pausedBy"], "ok"),
+        ("paused", row["pausedBy"], "deploy"),
+    ]
+    acme = bearer(await make_token(runtime, "acme"))
+    for method, path in [("GET", "/v1/queues"), ("POST", "/v1/queues/default/pause")]:
+        response = await client.request(method, path, json={"reason": "x"}, headers=acme)
+        assert response.status_code == 403

@@ -24,6 +24,7 @@ from jobrelay.api import (
     jobs,
     observability,
     overview,
+    queues,
     routes,
     schedules,
 )
@@ -89,6 +90,7 @@ def create_app(settings: Settings, *, runtime: Runtime | None = None) -> FastAPI
     app.include_router(job_search.router)
     app.include_router(bulk.router)
     app.include_router(overview.router)
+    app.include_router(queues.router)
     app.include_router(schedules.router)
     app.include_router(health.router)
     app.include_router(observability.router)

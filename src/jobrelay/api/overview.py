@@ -5,9 +5,10 @@ the last hour's throughput per minute (``accepted``, ``succeeded`` = ``result_sa
 ``retried`` = ``retry_scheduled``, ``quarantined`` events); the outbox backlog, its oldest
 row and the relay lag; and each work queue's depth as the broker reports it (RabbitMQ: a
 passive declare gives ready messages and consumers, in flight is unknown without the
-management API; the local transport: ready and in-flight rows, consumers unknown). A number
+management API; the local transport: ready and in-flight rows, consumers unknown) with its
+pause flag (``api.queues``). A number
 the broker cannot give is ``null``, never a guess; a broker that does not answer leaves
-``queues`` empty with ``queuesError`` saying why, and the rest of the overview still comes.
+the counts ``null`` with ``queuesError`` saying why, and the rest of the overview still comes.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from jobrelay.api.admin import AdminActor
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.job_search import LIST_RESPONSES
 from jobrelay.api.problems import problem_openapi
+from jobrelay.api.queues import QueueOut, queue_rows
 from jobrelay.api.schemas import WireModel
 from jobrelay.domain.job_filter import minute_series, window_start
-from jobrelay.errors import TransportError
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.dashboard import job_counts, relay_lag, throughput
-from jobrelay.transport.base import ReportsQueues
 
 router = APIRouter()
 
@@ -58,13 +58,6 @@ class Outbox(WireModel):
     last_published_at: datetime | None
 
 
-class QueueOut(WireModel):
-    queue: str
-    ready: int | None
-    consumers: int | None
-    in_flight: int | None
-
-
 class OverviewOut(WireModel):
     generated_at: datetime
     counts: Counts
@@ -91,17 +84,7 @@ async def overview(runtime: RuntimeDep, actor: AdminActor) -> OverviewOut:
     series = minute_series(await throughput(store, start), start, WINDOW_MINUTES)
     backlog, oldest = await AdminQueries(store).outbox_stats()
     lag = await relay_lag(store)
-    queues: list[QueueOut] = []
-    error = None
-    transport = runtime.transport
-    if isinstance(transport, ReportsQueues):
-        try:
-            stats = await transport.queue_stats()
-            queues = [QueueOut(**s.__dict__) for s in stats]
-        except TransportError as exc:
-            error = str(exc)
-    else:
-        error = "this transport does not report its queues"
+    queues = await queue_rows(runtime)
     return OverviewOut(
         generated_at=now,
         counts=Counts(
@@ -120,6 +103,6 @@ async def overview(runtime: RuntimeDep, actor: AdminActor) -> OverviewOut:
             lag_max_seconds=lag.max_seconds,
             last_published_at=lag.last_published_at,
         ),
-        queues=queues,
-        queues_error=error,
+        queues=queues.queues,
+        queues_error=queues.queues_error,
     )

@@ -404,7 +404,14 @@ def jobs_list_cmd(
 
 # Operator actions, the reconciler and prune live in modules of their own; importing them
 # registers their commands.
-from jobrelay.cli import database, operator, retention, schedules, tokens  # noqa: E402, F401
+from jobrelay.cli import (  # noqa: E402, F401
+    database,
+    operator,
+    retention,
+    schedules,
+    tokens,
+    work_queues,
+)
 
 
 def main() -> None:

@@ -33,12 +33,15 @@ import socket
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from jobrelay.errors import ConfigError, StoreError
 from jobrelay.operations.base import Registry
 from jobrelay.roles.delivery import DeliveryHandler
+from jobrelay.roles.queue_gate import QueueGate
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.timeline import TimelineWriter
+from jobrelay.storage.queue_pauses import paused_queues
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
@@ -50,6 +53,17 @@ def _log_abandoned(task: asyncio.Task[None]) -> None:
     """A handler ended by something stronger than an Exception (a simulated crash, exit)."""
     if not task.cancelled() and task.exception() is not None:
         log.error("delivery abandoned: %r", task.exception(), extra={"event": "abandoned"})
+
+
+async def _acquire(slots: asyncio.Semaphore, leaving: asyncio.Future[Any]) -> bool:
+    """Take a slot (True), or give up once ``leaving`` is done first (False)."""
+    acquiring = asyncio.ensure_future(slots.acquire())
+    await asyncio.wait({acquiring, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    if not acquiring.done():
+        acquiring.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await acquiring
+    return not acquiring.cancelled()
 
 
 def new_worker_id() -> str:
@@ -91,6 +105,10 @@ class Worker:
         self._database_up.set()
         self._probe: asyncio.Task[None] | None = None
         self.timeline = TimelineWriter(rt.store)
+        # The operators' queue pauses (``jobrelay queues pause``), polled while running.
+        self.gate = QueueGate(
+            lambda: paused_queues(rt.store), self.queues, rt.settings.queue_pause_poll_seconds
+        )
         self.deliveries = DeliveryHandler(
             rt,
             registry,
@@ -123,6 +141,8 @@ class Worker:
         )
         halt = asyncio.Event()  # stop is set, or a consumer ended: every consumer stops
         self.timeline.start_batching()
+        await self.gate.refresh()
+        watching = asyncio.create_task(self.gate.watch())
         consumers = [
             asyncio.create_task(self._consume(queue, prefetch, halt, in_flight))
             for queue in self.queues
@@ -138,6 +158,7 @@ class Worker:
             raise
         finally:
             stopping.cancel()
+            watching.cancel()
             halt.set()
             # Each consumer stops first: what was prefetched but not started goes back to the
             # broker now, and the deliveries in flight stay settleable while they drain.
@@ -161,26 +182,52 @@ class Worker:
     async def _consume(
         self, queue: str, prefetch: int, halt: asyncio.Event, in_flight: set[asyncio.Task[None]]
     ) -> None:
-        """One queue's consumer: take deliveries while a slot of its own is free."""
+        """One queue's consumer, left while an operator has the queue paused and started
+        again on resume; its ``prefetch`` slots are shared by both, so work still in flight
+        from before a pause counts against the consumer after it."""
         slots = asyncio.Semaphore(prefetch)
+        while await self.gate.wait_running(queue, halt):
+            leave = asyncio.Event()
+            watcher = asyncio.create_task(self.gate.leave_when_paused(queue, halt, leave))
+            try:
+                ended = await self._session(queue, prefetch, slots, leave, in_flight)
+            finally:
+                watcher.cancel()
+            if ended:
+                return
+
+    async def _session(
+        self,
+        queue: str,
+        prefetch: int,
+        slots: asyncio.Semaphore,
+        leave: asyncio.Event,
+        in_flight: set[asyncio.Task[None]],
+    ) -> bool:
+        """Take deliveries while a slot is free, until ``leave``; True if the stream ended."""
         deliveries = self.rt.transport.consume(prefetch, queue=queue)
         iterator = deliveries.__aiter__()
-        halting = asyncio.ensure_future(halt.wait())
+        leaving = asyncio.ensure_future(leave.wait())
         receiving: asyncio.Future[Delivery] | None = None
         try:
-            while not halt.is_set():
-                await slots.acquire()
+            while not leave.is_set():
+                held = await _acquire(slots, leaving)
+                if leave.is_set():
+                    if held:
+                        slots.release()
+                    break
                 if not self._database_up.is_set():
                     # Paused: what we hold stays held; take nothing new until it is back.
                     waiting = asyncio.ensure_future(self._database_up.wait())
-                    await asyncio.wait({waiting, halting}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({waiting, leaving}, return_when=asyncio.FIRST_COMPLETED)
                     waiting.cancel()
-                    if halt.is_set():
+                    if leave.is_set():
                         slots.release()
                         break
                 receiving = asyncio.ensure_future(anext(iterator))
-                await asyncio.wait({receiving, halting}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({receiving, leaving}, return_when=asyncio.FIRST_COMPLETED)
                 if not receiving.done():
+                    slots.release()
                     break
                 delivery = receiving.result()
                 receiving = None
@@ -191,14 +238,16 @@ class Worker:
                 task.add_done_callback(lambda _: slots.release())
         except StopAsyncIteration:
             log.warning("delivery stream ended", extra={"event": "consume_ended", "queue": queue})
+            return True
         finally:
-            halting.cancel()
+            leaving.cancel()
             if receiving is not None and not receiving.done():
                 receiving.cancel()
                 with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                     await receiving
             with contextlib.suppress(Exception):
                 await deliveries.aclose()  # type: ignore[attr-defined]
+        return False
 
     async def _drain(self, in_flight: set[asyncio.Task[None]]) -> None:
         """Let in-flight work finish for up to ``drain_seconds``, then stop it unsettled.

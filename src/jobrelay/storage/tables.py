@@ -240,3 +240,28 @@ schedule_events = Table(
     Column("detail", JSON, nullable=False),
 )
 Index("ix_schedule_events_schedule", schedule_events.c.schedule, schedule_events.c.id)
+
+# One row per work queue an operator has paused or resumed (issue 15): workers poll it and
+# stop consuming a paused queue. Absent: never paused, so consumed.
+queue_pauses = Table(
+    "queue_pauses",
+    metadata,
+    Column("queue", String(32), primary_key=True),
+    Column("paused", Boolean, nullable=False),
+    Column("changed_at", UTCDateTime(), nullable=False),
+    Column("changed_by", String(255), nullable=False),
+    Column("reason", Text, nullable=False),
+)
+
+# The audit trail of queue pauses: who paused or resumed which queue, when and why.
+queue_events = Table(
+    "queue_events",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("queue", String(32), nullable=False),
+    Column("at", UTCDateTime(), nullable=False),
+    Column("kind", String(16), nullable=False),  # paused | resumed
+    Column("actor", String(255), nullable=False),
+    Column("reason", Text, nullable=False),
+)
+Index("ix_queue_events_queue", queue_events.c.queue, queue_events.c.id)

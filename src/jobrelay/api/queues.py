@@ -1,0 +1,150 @@
+"""Work queues: their depth and pause state, and pausing or resuming one (admin).
+
+``GET /v1/queues`` lists every queue of the app's topology with what the broker says of it
+(``null`` where it cannot say) and the operators' pause flag. ``POST
+/v1/queues/{queue}/pause`` and ``/resume`` set the flag, with a required reason, audited in
+``queue_events`` with the admin token's name; workers see it within
+``JOBRELAY_QUEUE_PAUSE_POLL_SECONDS`` and stop (or start) consuming that queue. Nothing is
+lost while a queue is paused: its messages wait in the broker.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Request
+from pydantic import Field
+
+from jobrelay.api.admin import AdminActor, _Reasoned, body_of
+from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
+from jobrelay.api.deps import RuntimeDep
+from jobrelay.api.problems import ProblemError, ValidationProblem, problem_openapi
+from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES
+from jobrelay.api.schemas import WireModel
+from jobrelay.errors import TransportError
+from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.queue_pauses import pauses, set_paused
+from jobrelay.transport.base import QueueStats, ReportsQueues
+
+router = APIRouter()
+
+_READ: dict[int | str, dict[str, Any]] = {
+    **RATE_LIMIT_RESPONSES,
+    401: problem_openapi("No token, or not a valid one."),
+    403: problem_openapi("Not an admin token."),
+    503: problem_openapi("The database is unavailable."),
+}
+_ACT: dict[int | str, dict[str, Any]] = {
+    **_READ,
+    404: problem_openapi("No such queue in this app's topology."),
+    409: problem_openapi("The queue is already paused (or already running)."),
+    413: problem_openapi(f"The body is larger than {MAX_BODY_BYTES} bytes."),
+    422: problem_openapi("Invalid body (a reason is required).", ValidationProblem),
+}
+QueuePath = Annotated[str, Path(max_length=64, description="A queue of the app's topology.")]
+
+
+class QueueReason(_Reasoned):
+    reason: str = Field(min_length=1, max_length=500, description="Why; kept in the audit.")
+
+
+class QueueOut(WireModel):
+    queue: str
+    ready: int | None = Field(description="Messages waiting; null: the broker cannot say.")
+    consumers: int | None
+    in_flight: int | None
+    paused: bool
+    paused_at: datetime | None = None
+    paused_by: str | None = None
+    paused_reason: str | None = None
+
+
+class QueuesOut(WireModel):
+    queues: list[QueueOut]
+    queues_error: str | None = None
+
+
+async def queue_rows(runtime: Runtime) -> QueuesOut:
+    """Every queue of the topology: broker counts (or why not) and the pause flag."""
+    stats: dict[str, QueueStats] = {}
+    error = None
+    transport = runtime.transport
+    if isinstance(transport, ReportsQueues):
+        try:
+            stats = {s.queue: s for s in await transport.queue_stats()}
+        except TransportError as exc:
+            error = str(exc)
+    else:
+        error = "this transport does not report its queues"
+    flags = await pauses(runtime.store)
+    rows = []
+    for name in runtime.topology.queues:
+        s = stats.get(name)
+        flag = flags.get(name)
+        paused = flag is not None and flag.paused
+        rows.append(
+            QueueOut(
+                queue=name,
+                ready=s.ready if s else None,
+                consumers=s.consumers if s else None,
+                in_flight=s.in_flight if s else None,
+                paused=paused,
+                paused_at=flag.changed_at if flag and paused else None,
+                paused_by=flag.changed_by if flag and paused else None,
+                paused_reason=flag.reason if flag and paused else None,
+            )
+        )
+    return QueuesOut(queues=rows, queues_error=error)
+
+
+@router.get(
+    "/v1/queues",
+    response_model=QueuesOut,
+    summary="Work queues: depth, consumers, in flight, paused (admin)",
+    responses=_READ,
+)
+async def list_queues(runtime: RuntimeDep, actor: AdminActor) -> QueuesOut:
+    return await queue_rows(runtime)
+
+
+async def _set(request: Request, runtime: Runtime, queue: str, paused: bool, actor: str) -> Any:
+    body = parse_body(QueueReason, await read_body(request))
+    if queue not in runtime.topology.queues:
+        known = ", ".join(runtime.topology.queues)
+        raise ProblemError(404, f"no queue {queue!r} in this app (its queues: {known})")
+    changed = await set_paused(
+        runtime.store, queue, paused, actor=actor, reason=body.reason, now=runtime.clock()
+    )
+    if not changed:
+        raise ProblemError(409, f"queue {queue} is already {'paused' if paused else 'running'}")
+    [row] = [q for q in (await queue_rows(runtime)).queues if q.queue == queue]
+    return row
+
+
+@router.post(
+    "/v1/queues/{queue}/pause",
+    response_model=QueueOut,
+    summary="Stop workers consuming a queue; its messages wait in the broker (admin)",
+    responses=_ACT,
+    openapi_extra=body_of(QueueReason, required=True),
+)
+async def pause_queue(
+    request: Request, queue: QueuePath, runtime: RuntimeDep, actor: AdminActor
+) -> QueueOut:
+    row: QueueOut = await _set(request, runtime, queue, True, actor)
+    return row
+
+
+@router.post(
+    "/v1/queues/{queue}/resume",
+    response_model=QueueOut,
+    summary="Let workers consume a paused queue again (admin)",
+    responses=_ACT,
+    openapi_extra=body_of(QueueReason, required=True),
+)
+async def resume_queue(
+    request: Request, queue: QueuePath, runtime: RuntimeDep, actor: AdminActor
+) -> QueueOut:
+    row: QueueOut = await _set(request, runtime, queue, False, actor)
+    return row
