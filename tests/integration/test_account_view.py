@@ -92,7 +92,7 @@ ACCOUNT_EXPLAIN_FIELDS = {
     "nextStep",
     "events",
 }
-ACCOUNT_ATTEMPT_FIELDS = {"attempt", "startedAt", "outcome", "error"}
+ACCOUNT_ATTEMPT_FIELDS = {"attempt", "startedAt", "outcome", "error", "endedAt", "durationSeconds"}
 ACCOUNT_EVENT_FIELDS = {
     "accepted": {"type"},
     "claimed": {"attempt"},  # the store's claim; a delivery adds redelivered (unit test)

@@ -106,6 +106,10 @@ def test_attempts_fold_the_timeline_with_each_outcome() -> None:
         (2, "w2", "lease lost", None),
         (3, "w3", "succeeded", None),
     ]
+    # Each attempt ends at its first outcome; the one whose worker was killed never did.
+    assert [a.ended_at for a in found] == [ago(97), ago(45), ago(40)]
+    document = explain_document(job(state=S.SUCCEEDED, attempt=3), timeline, NOW)
+    assert [a["durationSeconds"] for a in document["attempts"]] == [1.0, 45.0, 10.0]
 
 
 def test_attempts_show_a_running_one_a_reconciled_one_and_skip_delivery_decisions() -> None:

@@ -39,7 +39,8 @@ ACCOUNT_EXPLAIN_KEYS = (
     "updatedAt",
 )
 _REDACTED_KEYS = frozenset({"lastError", "quarantineReason"})
-ACCOUNT_ATTEMPT_KEYS = ("attempt", "startedAt", "outcome", "error")  # not the worker
+# Not the worker.
+ACCOUNT_ATTEMPT_KEYS = ("attempt", "startedAt", "outcome", "error", "endedAt", "durationSeconds")
 
 
 def account_explain_document(

@@ -100,6 +100,7 @@ class Attempt:
     worker: str | None
     outcome: str  # succeeded, retry, quarantined, lease lost, lost, running, no outcome
     error: str | None = None
+    ended_at: datetime | None = None  # the outcome's event; None while running or unknown
 
 
 _OUTCOME_EVENTS = {
@@ -138,7 +139,12 @@ def attempts(job: JobRecord, events: list[EventRecord]) -> list[Attempt]:
         if event.kind == "reconciled_lease_expired":
             error = f"worker {detail.get('worker')} stopped renewing its lease"
         found[number] = Attempt(
-            number, previous.started_at, previous.worker, outcome, str(error) if error else None
+            number,
+            previous.started_at,
+            previous.worker,
+            outcome,
+            str(error) if error else None,
+            event.at,
         )
     if job.state is JobState.RUNNING and job.attempt in found:
         last = found[job.attempt]
@@ -187,6 +193,10 @@ def explain_document(
                 "worker": a.worker,
                 "outcome": a.outcome,
                 "error": a.error,
+                "endedAt": iso(a.ended_at),
+                "durationSeconds": (
+                    (a.ended_at - a.started_at).total_seconds() if a.ended_at else None
+                ),
             }
             for a in attempts(job, events)
         ],
