@@ -1,25 +1,10 @@
-// jobrelay support console: plain JavaScript against the /v1 API, no build step.
-// Every value from the server is written with textContent, never parsed as HTML.
+// jobrelay console: the token, one job (its facts, lane, attempts and timeline), the
+// quarantined list and the schedules. The overview, queues and jobs list are overview.js
+// and jobs.js; what they share is common.js (window.JR).
 "use strict";
 
 (function () {
-  const TOKEN_KEY = "jobrelay.console.token";
-  const session = { token: sessionStorage.getItem(TOKEN_KEY) || "", admin: false, job: null };
-  const $ = (id) => document.getElementById(id);
-
-  function el(tag, text, className) {
-    const node = document.createElement(tag);
-    if (text !== undefined && text !== null) node.textContent = String(text);
-    if (className) node.className = className;
-    return node;
-  }
-
-  function ago(iso) {
-    if (!iso) return "-";
-    const seconds = Math.round((Date.now() - Date.parse(iso)) / 1000);
-    const span = Math.abs(seconds) < 120 ? Math.abs(seconds) + " s" : Math.round(Math.abs(seconds) / 60) + " min";
-    return seconds >= 0 ? span + " ago" : "in " + span;
-  }
+  const { session, $, el, ago, when, duration, api } = window.JR;
 
   function say(text, isError) {
     const message = $("message");
@@ -27,50 +12,31 @@
     message.className = isError ? "error" : "";
   }
 
-  async function api(method, path, body) {
-    const headers = { Accept: "application/json", Authorization: "Bearer " + session.token };
-    const init = { method: method, headers: headers };
-    if (body !== undefined) {
-      headers["Content-Type"] = "application/json";
-      init.body = JSON.stringify(body);
-    }
-    const response = await fetch(path, init);
-    let data = null;
-    try {
-      data = await response.json();
-    } catch (ignored) {
-      data = null;
-    }
-    if (!response.ok) {
-      const error = new Error((data && (data.detail || data.title)) || "HTTP " + response.status);
-      error.status = response.status;
-      throw error;
-    }
-    return data;
-  }
-
   // --- token ------------------------------------------------------------------------------
 
   async function useToken(token) {
     session.token = token.trim();
     session.admin = false;
+    session.accountId = null;
     if (!session.token) {
       $("whoami").textContent = "no token yet";
-      return;
+    } else {
+      try {
+        const me = await api("GET", "/v1/whoami");
+        session.admin = Boolean(me.admin);
+        session.accountId = me.accountId;
+        sessionStorage.setItem(window.JR.TOKEN_KEY, session.token);
+        $("whoami").textContent = me.admin ? "admin token" : "token for account " + me.accountId;
+      } catch (error) {
+        sessionStorage.removeItem(window.JR.TOKEN_KEY);
+        $("whoami").textContent = "token rejected: " + error.message;
+      }
     }
-    try {
-      const me = await api("GET", "/v1/whoami");
-      session.admin = Boolean(me.admin);
-      sessionStorage.setItem(TOKEN_KEY, session.token);
-      $("whoami").textContent = me.admin ? "admin token" : "token for account " + me.accountId;
-      $("whoami").dataset.admin = String(session.admin);
-    } catch (error) {
-      sessionStorage.removeItem(TOKEN_KEY);
-      $("whoami").textContent = "token rejected: " + error.message;
-      $("whoami").dataset.admin = "false";
-    }
+    $("whoami").dataset.admin = String(session.admin);
+    document.body.dataset.admin = String(session.admin);
     await loadQuarantined();
     await loadSchedules();
+    await window.JR.tokenChanged();
     if (session.job) renderActions(session.job);
   }
 
@@ -90,15 +56,72 @@
       renderJob(job);
       history.replaceState(null, "", "#job=" + encodeURIComponent(job.jobId));
       say("");
+      $("job-title").focus();
     } catch (error) {
       session.job = null;
       $("job").hidden = true;
       say(error.status === 404 ? "no job " + jobId + " visible to this token" : error.message, true);
     }
   }
+  window.JR.open = lookUp;
 
   function fact(list, name, value) {
-    list.append(el("dt", name), el("dd", value === null || value === undefined || value === "" ? "-" : value));
+    const shown = value === null || value === undefined || value === "" ? "-" : value;
+    list.append(el("dt", name), shown instanceof Node ? wrap("dd", shown) : el("dd", shown));
+  }
+
+  function wrap(tag, child) {
+    const node = el(tag);
+    node.append(child);
+    return node;
+  }
+
+  // The hand-offs of a job, in order; the lane shows how long each took and where it waits.
+  const STAGES = [
+    ["accepted", "accepted"],
+    ["published", "published"],
+    ["claimed", "claimed"],
+    ["result_saved", "saved"],
+    ["ack_sent", "acked"],
+  ];
+
+  function renderLane(job) {
+    const lane = $("lane");
+    lane.replaceChildren();
+    const firstAt = {};
+    for (const event of job.events) {
+      if (!(event.kind in firstAt)) firstAt[event.kind] = event.at;
+    }
+    // After a retry the latest claim is the one that counts.
+    const claims = job.events.filter((e) => e.kind === "claimed");
+    if (claims.length) firstAt.claimed = claims[claims.length - 1].at;
+    let previous = null;
+    let waiting = false;
+    for (const [kind, label] of STAGES) {
+      const at = firstAt[kind];
+      if (previous !== null) {
+        const gap = el("li", null, "gap");
+        if (at) {
+          const seconds = (Date.parse(at) - Date.parse(previous)) / 1000;
+          gap.textContent = "+" + duration(Math.max(0, seconds));
+          gap.classList.add(seconds >= 10 ? "slow" : seconds >= 1 ? "medium" : "fast");
+        } else if (!waiting && !["succeeded", "cancelled", "quarantined"].includes(job.state)) {
+          gap.textContent = "waiting " + ago(previous).replace(/ ago$/, "");
+          gap.classList.add("stuck");
+          waiting = true;
+        } else {
+          gap.textContent = "";
+        }
+        gap.setAttribute("aria-hidden", "true");
+        lane.append(gap);
+      }
+      const stage = el("li", null, "stage " + (at ? "reached" : "missing"));
+      stage.dataset.stage = kind;
+      stage.append(el("span", label, "name"));
+      stage.append(at ? when(at) : el("span", "not yet", "muted"));
+      lane.append(stage);
+      if (at) previous = at;
+    }
   }
 
   function renderJob(job) {
@@ -119,19 +142,27 @@
     fact(facts, "attempts", job.attempt + "/" + job.maxAttempts);
     fact(facts, "last error", job.lastError);
     if (job.quarantineReason) fact(facts, "quarantined for", job.quarantineReason);
-    fact(facts, "next attempt", job.nextAttemptAt ? job.nextAttemptAt + " (" + ago(job.nextAttemptAt) + ")" : null);
-    fact(facts, "lease", job.leaseOwner ? job.leaseOwner + " until " + ago(job.leaseExpiresAt) : null);
+    fact(facts, "next attempt", job.nextAttemptAt ? when(job.nextAttemptAt) : null);
+    if ("leaseOwner" in job) fact(facts, "lease", job.leaseOwner ? job.leaseOwner + " until " + ago(job.leaseExpiresAt) : null);
     fact(facts, "result key", job.resultKey);
     if (job.progress) fact(facts, "progress", job.progress.done + "/" + job.progress.total + " rows");
     fact(facts, "trace id", job.traceId);
-    fact(facts, "accepted", job.createdAt + " (" + ago(job.createdAt) + ")");
-    fact(facts, "updated", job.updatedAt + " (" + ago(job.updatedAt) + ")");
+    fact(facts, "accepted", when(job.createdAt));
+    fact(facts, "updated", when(job.updatedAt));
 
+    renderLane(job);
+    const admin = "leaseOwner" in job; // the operator document; the account view has no workers
+    $("attempts").classList.toggle("no-worker", !admin);
     const attempts = $("attempts").tBodies[0];
     attempts.replaceChildren();
     for (const a of job.attempts) {
       const row = el("tr");
-      row.append(el("td", a.attempt), el("td", a.startedAt), el("td", a.worker || "-"), el("td", a.outcome), el("td", a.error || "", "reason"));
+      const took = a.durationSeconds !== null && a.durationSeconds !== undefined
+        ? duration(a.durationSeconds)
+        : a.outcome === "running" ? duration((Date.now() - Date.parse(a.startedAt)) / 1000) + " so far" : "-";
+      row.append(el("td", a.attempt), wrap("td", when(a.startedAt)), el("td", took, "duration"));
+      if (admin) row.append(el("td", a.worker || "-"));
+      row.append(el("td", a.outcome), el("td", a.error || "", "reason"));
       attempts.append(row);
     }
 
@@ -144,7 +175,7 @@
         .join(", ");
       const row = el("tr");
       row.dataset.kind = event.kind;
-      row.append(el("td", event.at), el("td", event.kind), el("td", detail, "detail"));
+      row.append(wrap("td", when(event.at)), el("td", event.kind), el("td", detail, "detail"));
       timeline.append(row);
     }
     renderActions(job);
@@ -187,34 +218,26 @@
     body.replaceChildren();
     if (!session.admin) {
       table.hidden = true;
-      note.textContent = "Listing jobs needs an admin token.";
+      note.textContent = "Listing quarantined jobs needs an admin token.";
       return;
     }
     try {
       const data = await api("GET", "/v1/jobs?state=quarantined&limit=200");
       for (const job of data.jobs) {
-        const row = el("tr");
-        row.dataset.jobId = job.jobId;
-        const idCell = el("td");
-        const link = el("a", job.jobId);
-        link.href = "#job=" + encodeURIComponent(job.jobId);
-        link.addEventListener("click", (event) => {
-          event.preventDefault();
-          lookUp(job.jobId);
-        });
-        idCell.append(link);
+        const row = window.JR.jobRow(job.jobId, lookUp);
         const buttons = el("td");
         const replay = el("button", "Replay");
         replay.type = "button";
         replay.className = "replay-row";
+        replay.setAttribute("aria-label", "Replay job " + job.jobId);
         replay.addEventListener("click", () => act("replay", job.jobId));
         buttons.append(replay);
         row.append(
-          idCell,
+          wrap("td", window.JR.jobLink(job.jobId, lookUp)),
           el("td", job.accountId),
           el("td", job.type),
           el("td", job.attempt + "/" + job.maxAttempts),
-          el("td", ago(job.updatedAt)),
+          wrap("td", when(job.updatedAt)),
           el("td", job.quarantineReason || job.lastError || "", "reason"),
           buttons,
         );
@@ -227,18 +250,9 @@
       note.textContent = "Could not list quarantined jobs: " + error.message;
     }
   }
+  window.JR.reloadQuarantined = loadQuarantined;
 
   // --- schedules --------------------------------------------------------------------------
-
-  function jobLink(jobId) {
-    const link = el("a", jobId);
-    link.href = "#job=" + encodeURIComponent(jobId);
-    link.addEventListener("click", (event) => {
-      event.preventDefault();
-      lookUp(jobId);
-    });
-    return link;
-  }
 
   function skippedText(s) {
     const parts = [];
@@ -265,27 +279,29 @@
         row.dataset.schedule = s.name;
         row.dataset.paused = String(s.paused);
         const last = el("td");
-        if (s.lastJobId) last.append(jobLink(s.lastJobId));
+        if (s.lastJobId) last.append(window.JR.jobLink(s.lastJobId, lookUp));
         else last.textContent = "-";
         const state = el("td", s.lastJobId ? s.lastJobState || "pruned" : "-", "state " + (s.lastJobState || ""));
         const buttons = el("td");
         const toggle = el("button", s.paused ? "Resume" : "Pause");
         toggle.type = "button";
         toggle.className = "schedule-toggle";
+        toggle.setAttribute("aria-label", (s.paused ? "Resume" : "Pause") + " schedule " + s.name);
         toggle.addEventListener("click", () => setPaused(s.name, !s.paused));
         buttons.append(toggle);
         row.append(
-          el("td", s.name),
+          el("th", s.name),
           el("td", s.cron),
           el("td", s.timezone),
-          el("td", s.paused ? "-" : s.nextTick),
-          el("td", s.lastTick || "-"),
+          s.paused ? el("td", "-") : wrap("td", when(s.nextTick)),
+          s.lastTick ? wrap("td", when(s.lastTick)) : el("td", "-"),
           last,
           state,
           el("td", s.paused ? "paused by " + s.pausedBy + " (" + s.pausedReason + ")" : "no"),
           el("td", skippedText(s), "reason"),
           buttons,
         );
+        row.firstChild.scope = "row";
         body.append(row);
       }
       table.hidden = data.schedules.length === 0;

@@ -1,0 +1,312 @@
+"""The console as an operator's dashboard, in headless Chromium on a running pipeline.
+
+One ``jobrelay up`` (SQLite, local transport) serves every test of this module. Three of
+acme's jobs are quarantined by an injected fault on their first attempt, three more of acme's
+and one of globex's succeed. Through the page: the overview, jobs list, queues, schedules and
+job view render these real jobs; filters narrow the list; a bulk replay of the quarantined
+jobs by reason runs to the end (the database then shows a ``replayed`` event per job naming
+the admin token); pausing the default queue stops its deliveries (the jobs submitted meanwhile
+stay queued, published, unclaimed) and resuming drains them; an account token sees only its
+own account's jobs and no operator details. Each view is saved at 1280 and 390 px, light and
+dark, under test-artifacts/dashboard/.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from .procs import FAST_ENV, Proc, clean_env, free_port, poll, processes, run_cli, wait_http
+from .test_console import ARTIFACTS, TIMEOUT_MS, browser  # noqa: F401 (the module's browser)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+POISONED = ("2020-01", "2020-02", "2020-03")
+FINE = ("2020-04", "2020-05", "2020-06")
+SHOTS = ARTIFACTS / "dashboard"
+VIEWS = ("overview", "jobs", "queues", "schedules", "lookup")
+WIDE = {"width": 1280, "height": 900}
+
+
+@dataclass
+class Stack:
+    base: str
+    env: dict[str, str]
+    admin: str
+    acme: str
+    up: Proc
+    quarantined: list[str]
+    succeeded: list[str]
+    globex: str
+
+    def show(self, job_id: str) -> dict[str, Any]:
+        return explain(self.base, self.admin, job_id)
+
+
+def cli_ok(*args: str, env: dict[str, str]) -> str:
+    result = run_cli(*args, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def explain(base: str, admin: str, job_id: str) -> dict[str, Any]:
+    """What ``jobrelay job show --json`` prints, over HTTP (a CLI process per poll is slow)."""
+    response = httpx.get(
+        f"{base}/v1/jobs/{job_id}/explain",
+        headers={"Authorization": f"Bearer {admin}"},
+        timeout=10,
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def submit(stack_base: str, token: str, account: str, period: str) -> str:
+    response = httpx.post(
+        f"{stack_base}/v1/exports",
+        json={"accountId": account, "period": period},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+    )
+    assert response.status_code == 202, response.text
+    return str(response.json()["jobId"])
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("dashboard")
+    env = clean_env(
+        JOBRELAY_DATABASE_URL=f"sqlite:///{tmp}/jr.db",
+        JOBRELAY_RESULTS_URL=f"file://{tmp}/exports",
+        JOBRELAY_QUEUE_PAUSE_POLL_SECONDS="0.2",
+        **FAST_ENV,
+    )
+    cli_ok("db", "upgrade", env=env)
+    cli_ok("seed", "--rows-per-month", "20", env=env)
+    admin = cli_ok("token", "create", "--admin", "--label", "support-console", env=env)
+    tokens = {"admin": admin.strip().splitlines()[-1]}
+    for account in ("acme", "globex"):
+        made = cli_ok("token", "create", "--account", account, env=env)
+        tokens[account] = made.strip().splitlines()[-1]
+    faults = ",".join(f"export.run:invalid:1@period={p}" for p in POISONED)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with processes(tmp) as start:
+        up = start("up", "up", "--port", str(port), env={**env, "JOBRELAY_FAULTS": faults})
+        wait_http(base, up)
+        quarantined = [submit(base, tokens["acme"], "acme", p) for p in POISONED]
+        succeeded = [submit(base, tokens["acme"], "acme", p) for p in FINE]
+        globex = submit(base, tokens["globex"], "globex", "2020-07")
+        stack = Stack(
+            base, env, tokens["admin"], tokens["acme"], up, quarantined, succeeded, globex
+        )
+        for job_id in quarantined:
+            poll(lambda j=job_id: stack.show(j)["state"] == "quarantined", 60, "a quarantine")
+        for job_id in [*succeeded, globex]:
+            poll(lambda j=job_id: stack.show(j)["state"] == "succeeded", 60, "a success")
+        yield stack
+
+
+def open_console(browser: Any, stack: Stack, token: str, **context: Any) -> tuple[Any, list[str]]:  # noqa: F811
+    page = browser.new_context(**context).new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # A 404 the page did not mean (a missing asset); the browser's own favicon.ico is fine.
+    page.on(
+        "response",
+        lambda r: (
+            r.status == 404
+            and "/v1/" not in r.url
+            and not r.url.endswith("/favicon.ico")
+            and errors.append(f"404 {r.url}")
+        ),
+    )
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.goto(f"{stack.base}/console")
+    page.fill("#token", token)
+    page.click("#use-token")
+    return page, errors
+
+
+def test_every_view_renders_real_data_and_filters_narrow_the_list(
+    browser: Any,  # noqa: F811
+    stack: Stack,
+) -> None:
+    from playwright.sync_api import expect
+
+    page, errors = open_console(browser, stack, stack.admin, viewport=WIDE)
+    expect(page.locator("#whoami")).to_have_text("admin token")
+    expect(page.locator("#overview")).to_have_attribute("data-loaded", "true")
+    expect(page.locator('#state-counts [data-state="quarantined"] .big')).to_have_text("3")
+    expect(page.locator('#state-counts [data-state="succeeded"] .big')).to_have_text("4")
+    expect(page.locator('#type-counts tr[data-name="report.export"]')).to_contain_text("7")
+    expect(page.locator("#throughput-chart canvas")).to_have_count(1)
+    expect(page.locator("#throughput-summary")).to_contain_text("7 accepted")
+    expect(page.locator("#throughput-summary")).to_contain_text("3 quarantined")
+    expect(page.locator('#queue-list tr[data-queue="default"]')).to_contain_text("consuming")
+
+    rows = page.locator("#job-list tbody tr")
+    expect(rows).to_have_count(7)
+    page.select_option("#f-state", "quarantined")
+    page.click("#jobs-search")
+    expect(rows).to_have_count(3)
+    expect(page.locator('#job-list tr[data-state="quarantined"]')).to_have_count(3)
+    page.select_option("#f-state", "")
+    page.fill("#f-account", "globex")
+    page.click("#jobs-search")
+    expect(rows).to_have_count(1)
+    expect(page.locator(f'#job-list tr[data-job-id="{stack.globex}"]')).to_have_count(1)
+    page.fill("#f-account", "")
+    page.fill("#f-reason", "INJECTED")
+    page.click("#jobs-search")
+    expect(rows).to_have_count(3)
+
+    # Keyboard: Enter on a focused row opens the job view; its lane shows every hand-off.
+    page.locator(f'#job-list tr[data-job-id="{stack.quarantined[0]}"]').focus()
+    page.keyboard.press("Enter")
+    expect(page.locator("#job-state")).to_have_text("quarantined")
+    page.fill("#job-id", stack.succeeded[0])
+    page.click("#show-job")
+    expect(page.locator("#job-state")).to_have_text("succeeded")
+    for stage in ("accepted", "published", "claimed", "result_saved", "ack_sent"):
+        expect(page.locator(f'#lane [data-stage="{stage}"]')).to_have_class("stage reached")
+    expect(page.locator("#lane .gap")).to_have_count(4)
+    expect(page.locator("#attempts tbody td.duration")).not_to_have_text("-")
+    expect(page.locator("#attempts th.worker")).to_be_visible()
+    assert errors == []
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    for width in (1280, 390):
+        for scheme in ("light", "dark"):
+            shot, shot_errors = open_console(
+                browser,
+                stack,
+                stack.admin,
+                viewport={"width": width, "height": 900},
+                color_scheme=scheme,
+            )
+            expect(shot.locator("#overview")).to_have_attribute("data-loaded", "true")
+            expect(shot.locator("#job-list tbody tr")).to_have_count(7)
+            shot.fill("#job-id", stack.succeeded[0])
+            shot.click("#show-job")
+            expect(shot.locator("#job-state")).to_have_text("succeeded")
+            for view in VIEWS:
+                path = SHOTS / f"{view}-{width}-{scheme}.png"
+                shot.locator(f"#{view}").screenshot(path=str(path))
+                assert path.stat().st_size > 5_000, path
+            # Nothing wider than the window: every view is usable at this width.
+            overflow = shot.evaluate("document.documentElement.scrollWidth")
+            assert overflow <= width, (width, overflow)
+            assert shot_errors == []
+            shot.context.close()
+
+
+def test_an_account_token_sees_only_its_own_jobs_and_no_operator_details(
+    browser: Any,  # noqa: F811
+    stack: Stack,
+) -> None:
+    from playwright.sync_api import expect
+
+    page, errors = open_console(browser, stack, stack.acme, viewport=WIDE)
+    expect(page.locator("#whoami")).to_have_text("token for account acme")
+    rows = page.locator("#job-list tbody tr")
+    expect(rows).to_have_count(6)
+    expect(page.locator(f'#job-list tr[data-job-id="{stack.globex}"]')).to_have_count(0)
+    expect(page.locator("#overview-note")).to_be_visible()
+    expect(page.locator("#overview-body")).to_be_hidden()
+    expect(page.locator("#bulk")).to_be_hidden()
+    expect(page.locator("#queues-body")).to_be_hidden()
+    page.fill("#job-id", stack.globex)
+    page.click("#show-job")
+    expect(page.locator("#message")).to_contain_text("no job")
+    page.fill("#job-id", stack.succeeded[0])
+    page.click("#show-job")
+    expect(page.locator("#job-state")).to_have_text("succeeded")
+    expect(page.locator("#attempts th.worker")).to_be_hidden()
+    text = page.locator("main").inner_text()
+    assert socket.gethostname() not in text  # no worker or relay host anywhere
+    assert "token#" not in text and "support-console" not in text
+    assert errors == []
+    page.context.close()
+
+
+def test_pausing_a_queue_stops_deliveries_and_resuming_drains_them(
+    browser: Any,  # noqa: F811
+    stack: Stack,
+) -> None:
+    from playwright.sync_api import expect
+
+    page, errors = open_console(browser, stack, stack.admin, viewport=WIDE)
+    row = page.locator('#queue-list tr[data-queue="default"]')
+    expect(row).to_contain_text("consuming")
+    page.fill("#queue-reason", "deploying the exporter")
+    row.locator("button.queue-toggle").click()
+    expect(row).to_have_attribute("data-paused", "true")
+    expect(row).to_contain_text("deploying the exporter")
+    poll(lambda: '"queue_paused"' in stack.up.log(), 30, "the worker to leave the queue")
+
+    held = [submit(stack.base, stack.acme, "acme", f"2021-0{i}") for i in range(1, 4)]
+    poll(lambda: all(stack.show(j)["published"] for j in held), 30, "the publishes")
+    page.click("#refresh-overview")
+    expect(row.locator("td").nth(0)).to_have_text("3")  # ready in the local queue
+    for job_id in held:
+        doc = stack.show(job_id)
+        assert doc["state"] == "queued" and doc["attempt"] == 0, doc
+        assert "claimed" not in [e["kind"] for e in doc["events"]]
+
+    page.fill("#queue-reason", "exporter deployed")
+    row.locator("button.queue-toggle").click()
+    expect(row).to_have_attribute("data-paused", "false")
+    for job_id in held:
+        doc = poll(
+            lambda j=job_id: (d := stack.show(j))["state"] == "succeeded" and d,
+            60,
+            "the held jobs to succeed",
+        )
+        assert doc["attempt"] == 1
+        assert [e["kind"] for e in doc["events"]].count("result_saved") == 1
+    assert errors == []
+    page.context.close()
+
+
+def test_bulk_replay_of_quarantined_jobs_by_reason_runs_to_the_end(
+    browser: Any,  # noqa: F811
+    stack: Stack,
+) -> None:
+    from playwright.sync_api import expect
+
+    page, errors = open_console(browser, stack, stack.admin, viewport=WIDE)
+    expect(page.locator("#bulk")).to_be_visible()
+    page.select_option("#f-state", "quarantined")
+    page.fill("#f-reason", "injected")
+    page.click("#jobs-search")
+    expect(page.locator("#job-list tbody tr")).to_have_count(3)
+    page.click("#bulk-count")
+    expect(page.locator("#bulk-status")).to_contain_text("give a reason")
+    page.fill("#bulk-reason", "exporter fixed")
+    page.click("#bulk-count")
+    expect(page.locator("#bulk-status")).to_contain_text("Dry run: 3 job(s) match")
+    assert all(stack.show(j)["state"] == "quarantined" for j in stack.quarantined)
+    page.click("#bulk-run")
+    expect(page.locator("#bulk-status")).to_contain_text(
+        "replay finished: 3 done, 0 refused, 0 remaining"
+    )
+    expect(page.locator("#bulk-progress")).to_have_attribute("value", "3")
+    expect(page.locator("#jobs-note")).to_contain_text("No jobs match")
+    page.screenshot(path=str(SHOTS / "bulk-replay-1280-light.png"), full_page=True)
+    for job_id in stack.quarantined:
+        doc = poll(
+            lambda j=job_id: (d := stack.show(j))["state"] == "succeeded" and d,
+            60,
+            "the replayed jobs to succeed",
+        )
+        [replayed] = [e for e in doc["events"] if e["kind"] == "replayed"]
+        assert replayed["detail"]["reason"] == "exporter fixed"
+        assert replayed["detail"]["actor"].startswith("token#")
+        assert replayed["detail"]["actor"].endswith("(support-console)")
+    assert errors == []
+    page.context.close()
