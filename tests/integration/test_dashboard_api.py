@@ -3,6 +3,8 @@ overview, over HTTP on SQLite and PostgreSQL (``database_url``) with the local t
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -243,3 +245,13 @@ async def test_queues_pause_and_resume_over_http_audited(
     for method, path in [("GET", "/v1/queues"), ("POST", "/v1/queues/default/pause")]:
         response = await client.request(method, path, json={"reason": "x"}, headers=acme)
         assert response.status_code == 403
+
+
+async def test_a_job_on_no_account_lists_with_a_null_account(
+    client: httpx.AsyncClient, runtime: Runtime, admin: dict[str, str]
+) -> None:
+    job = dataclasses.replace(new_job("2020-09"), account_id=None, job_id=str(uuid.uuid4()))
+    job_id, _ = await runtime.store.submit(job, T0)
+    response = await client.get("/v1/jobs", headers=admin)
+    assert response.status_code == 200, response.text
+    assert [(j["jobId"], j["accountId"]) for j in response.json()["jobs"]] == [(job_id, None)]

@@ -42,7 +42,6 @@ LIST_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 class JobSummary(JobOut):
-    account_id: str | None  # type: ignore[assignment]  # a schedule's tick is on no account
     queue: str
     quarantine_reason: str | None = None
 

@@ -44,7 +44,8 @@ class Progress(WireModel):
 class JobOut(WireModel):
     job_id: str
     type: str
-    account_id: str
+    # None: enqueued on no account's behalf (a schedule's tick); only admins see such jobs.
+    account_id: str | None
     params: dict[str, Any]
     state: str
     published: bool = Field(description="Whether the job's latest message reached the broker.")
