@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     relay_poll_seconds: float = Field(default=1.0, gt=0)
     # How often a worker reads which queues an operator paused (``jobrelay queues pause``).
     queue_pause_poll_seconds: float = Field(default=2.0, gt=0, le=60)
+    # How often each worker and relay writes its heartbeat row (the overview's processes).
+    heartbeat_seconds: float = Field(default=5.0, gt=0, le=300)
     # How long a relay owns the outbox rows it claimed before another relay may take them.
     relay_claim_seconds: float = Field(default=30.0, gt=0)
     # Local transport: how long a delivery stays invisible to other consumers without a renewal.

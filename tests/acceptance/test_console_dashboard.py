@@ -148,6 +148,10 @@ def test_every_view_renders_real_data_and_filters_narrow_the_list(
     expect(page.locator("#throughput-summary")).to_contain_text("7 accepted")
     expect(page.locator("#throughput-summary")).to_contain_text("3 quarantined")
     expect(page.locator('#queue-list tr[data-queue="default"]')).to_contain_text("consuming")
+    expect(page.locator("#reconciler-summary")).to_have_text("Nothing fell between two hand-offs.")
+    expect(page.locator('#process-list tr[data-role="worker"]')).to_have_count(1)
+    expect(page.locator('#process-list tr[data-role="relay"]')).to_have_count(1)
+    expect(page.locator('#process-list tr[data-role="worker"]')).to_contain_text(str(stack.up.pid))
 
     rows = page.locator("#job-list tbody tr")
     expect(rows).to_have_count(7)

@@ -6,18 +6,19 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import insert, update
 
 from jobrelay.domain.states import JobState
 from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.heartbeats import ProcessBeat, beat, seen_since
 from jobrelay.storage.queue_pauses import paused_queues, queue_history
-from jobrelay.storage.tables import job_events
+from jobrelay.storage.tables import job_events, jobs
 from jobrelay.transport.base import OutgoingMessage
 from tests.integration.api_fixtures import T0, api_client, bearer, build_runtime, make_token
 
@@ -192,6 +193,7 @@ async def test_the_overview_counts_states_throughput_backlog_and_queues(
     assert (sum(flow["accepted"]), sum(flow["succeeded"]), sum(flow["quarantined"])) == (3, 1, 1)
     assert view["outbox"]["backlog"] == 3 and view["outbox"]["oldestAgeSeconds"] >= 0
     assert view["outbox"]["lagSampled"] == 0 and view["outbox"]["lagMaxSeconds"] is None
+    assert view["processes"] == []  # no worker or relay ran
     [default] = [q for q in view["queues"] if q["queue"] == "default"]
     assert default == {
         "queue": "default",
@@ -255,3 +257,45 @@ async def test_a_job_on_no_account_lists_with_a_null_account(
     response = await client.get("/v1/jobs", headers=admin)
     assert response.status_code == 200, response.text
     assert [(j["jobId"], j["accountId"]) for j in response.json()["jobs"]] == [(job_id, None)]
+
+
+async def test_the_overview_lists_processes_seen_lately_and_beats_prune_old_ones(
+    client: httpx.AsyncClient, runtime: Runtime, admin: dict[str, str]
+) -> None:
+    now = runtime.clock()
+    started = now - timedelta(minutes=30)
+
+    def process(name: str, role: str, queues: tuple[str, ...] = ()) -> ProcessBeat:
+        return ProcessBeat(name, role, "host-a", 41, queues, started, started)
+
+    await beat(runtime.store, process("gone", "worker"), now - timedelta(hours=2))
+    await beat(runtime.store, process("quiet", "relay"), now - timedelta(minutes=10))
+    await beat(runtime.store, process("w1", "worker", ("default",)), now - timedelta(minutes=1))
+    await beat(runtime.store, process("w1", "worker", ("default",)), now)  # the same row again
+    await beat(runtime.store, process("r1", "relay"), now)
+    view = (await client.get("/v1/overview", headers=admin)).json()
+    assert sorted((p["id"], p["role"], p["queues"]) for p in view["processes"]) == [
+        ("r1", "relay", []),
+        ("w1", "worker", ["default"]),
+    ]
+    [w1] = [p for p in view["processes"] if p["id"] == "w1"]
+    assert w1["host"] == "host-a" and w1["pid"] == 41
+    assert datetime.fromisoformat(w1["lastSeenAt"]) == now
+    assert datetime.fromisoformat(w1["startedAt"]) == started
+    older = await seen_since(runtime.store, now - timedelta(days=1))
+    assert {p.id for p in older} == {"w1", "r1", "quiet"}  # "gone" was pruned by a beat
+
+
+async def test_the_overview_shows_the_reconcilers_findings_without_repairing(
+    client: httpx.AsyncClient, runtime: Runtime, admin: dict[str, str]
+) -> None:
+    stuck = await job_in_state(runtime.store, S.RUNNING, T0)
+    async with runtime.engine.begin() as conn:  # its worker died: the lease ran out long ago
+        expired = T0 - timedelta(hours=1)
+        await conn.execute(update(jobs).values(lease_expires_at=expired).where(jobs.c.id == stuck))
+    view = (await client.get("/v1/overview", headers=admin)).json()
+    assert view["reconciler"]["counts"]["lease_expired"] == 1, view["reconciler"]
+    [finding] = [f for f in view["reconciler"]["findings"] if f["kind"] == "lease_expired"]
+    assert finding["jobId"] == stuck
+    assert (await runtime.store.get_job(stuck)).state is S.RUNNING  # a look, not a repair
+    assert "reconciled_lease_expired" not in [e.kind for e in await runtime.store.events(stuck)]

@@ -9,11 +9,17 @@ management API; the local transport: ready and in-flight rows, consumers unknown
 pause flag (``api.queues``). A number
 the broker cannot give is ``null``, never a guess; a broker that does not answer leaves
 the counts ``null`` with ``queuesError`` saying why, and the rest of the overview still comes.
+The processes are the workers and relays whose heartbeat (``roles.heartbeat``) is recent.
+
+The reconciler's current findings are a dry-run pass made for each read (``run_once(dry_run,
+scan_quarantine=False)``, at most 50 jobs of each kind): always current, never a repair,
+and without the quarantine scan, which reads the broker's quarantine queue and is too heavy
+for a page refreshed every few seconds.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from fastapi import APIRouter
 from pydantic import Field
@@ -25,12 +31,16 @@ from jobrelay.api.problems import problem_openapi
 from jobrelay.api.queues import QueueOut, queue_rows
 from jobrelay.api.schemas import WireModel
 from jobrelay.domain.job_filter import minute_series, window_start
+from jobrelay.roles.reconcile import Reconciler
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.dashboard import job_counts, relay_lag, throughput
+from jobrelay.storage.heartbeats import seen_since
 
 router = APIRouter()
 
 WINDOW_MINUTES = 60
+PROCESS_MINUTES = 5  # a process not seen for this long is left out of the overview
+FINDINGS_SHOWN = 20
 
 
 class Counts(WireModel):
@@ -58,6 +68,27 @@ class Outbox(WireModel):
     last_published_at: datetime | None
 
 
+class ProcessOut(WireModel):
+    id: str
+    role: str = Field(description="worker or relay")
+    host: str
+    pid: int
+    queues: list[str]
+    started_at: datetime
+    last_seen_at: datetime
+
+
+class FindingOut(WireModel):
+    kind: str
+    job_id: str | None
+    detail: str
+
+
+class ReconcilerOut(WireModel):
+    counts: dict[str, int] = Field(description="Findings per kind (at most 50 of each read).")
+    findings: list[FindingOut] = Field(description=f"The first {FINDINGS_SHOWN}.")
+
+
 class OverviewOut(WireModel):
     generated_at: datetime
     counts: Counts
@@ -65,6 +96,12 @@ class OverviewOut(WireModel):
     outbox: Outbox
     queues: list[QueueOut]
     queues_error: str | None = None
+    reconciler: ReconcilerOut = Field(
+        description="A dry-run reconciler pass made for this read, without the quarantine scan."
+    )
+    processes: list[ProcessOut] = Field(
+        description=f"Workers and relays whose heartbeat is under {PROCESS_MINUTES} min old."
+    )
 
 
 @router.get(
@@ -85,6 +122,9 @@ async def overview(runtime: RuntimeDep, actor: AdminActor) -> OverviewOut:
     backlog, oldest = await AdminQueries(store).outbox_stats()
     lag = await relay_lag(store)
     queues = await queue_rows(runtime)
+    processes = await seen_since(store, now - timedelta(minutes=PROCESS_MINUTES))
+    look = Reconciler(runtime, actor="overview", batch=50)
+    report = await look.run_once(dry_run=True, scan_quarantine=False, record=False)
     return OverviewOut(
         generated_at=now,
         counts=Counts(
@@ -105,4 +145,23 @@ async def overview(runtime: RuntimeDep, actor: AdminActor) -> OverviewOut:
         ),
         queues=queues.queues,
         queues_error=queues.queues_error,
+        reconciler=ReconcilerOut(
+            counts=report.counts(),
+            findings=[
+                FindingOut(kind=f.kind, job_id=f.job_id, detail=f.detail)
+                for f in report.findings[:FINDINGS_SHOWN]
+            ],
+        ),
+        processes=[
+            ProcessOut(
+                id=p.id,
+                role=p.role,
+                host=p.host,
+                pid=p.pid,
+                queues=list(p.queues),
+                started_at=p.started_at,
+                last_seen_at=p.last_seen_at,
+            )
+            for p in processes
+        ],
     )

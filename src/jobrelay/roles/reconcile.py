@@ -141,7 +141,11 @@ class Reconciler:
         self.queries = RepairQueries(rt.store)
         self._reported: set[tuple[str, str | None]] = set()
 
-    async def run_once(self, *, dry_run: bool = False, scan_quarantine: bool = True) -> Report:
+    async def run_once(
+        self, *, dry_run: bool = False, scan_quarantine: bool = True, record: bool = True
+    ) -> Report:
+        """One pass. ``record=False`` (the overview's on-demand dry run) leaves the metrics
+        and the log alone: a look is not a reconciler pass."""
         report = Report(dry_run=dry_run)
         # The database's clock, read once: every judgement and every write of this pass.
         now = await self.rt.store.db_now()
@@ -152,6 +156,8 @@ class Reconciler:
         await self._stale_outbox(report, before, now)
         if scan_quarantine:
             await self._quarantine_mismatches(report)
+        if not record:
+            return report
         metrics = self.rt.metrics
         for kind, n in report.counts().items():
             metrics.reconcile_findings.labels(finding=kind).set(n)

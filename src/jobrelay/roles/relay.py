@@ -23,6 +23,7 @@ from datetime import timedelta
 
 from jobrelay.errors import PublishError, StoreError, TransportError
 from jobrelay.observe import logs
+from jobrelay.roles.heartbeat import heartbeat
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.notify import OutboxListener
 from jobrelay.storage.store import OutboxRow
@@ -126,7 +127,7 @@ class Relay:
         poll = self.rt.settings.relay_poll_seconds
         log.info("relay started", extra={"event": "relay_started", "relay": self.relay_id})
         failures = 0  # store errors in a row, for the back-off
-        async with OutboxListener(self.rt.engine, wake):
+        async with OutboxListener(self.rt.engine, wake), heartbeat(self.rt, self.relay_id, "relay"):
             try:
                 while not stop.is_set():
                     wake.clear()

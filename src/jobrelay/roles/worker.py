@@ -38,6 +38,7 @@ from typing import Any
 from jobrelay.errors import ConfigError, StoreError
 from jobrelay.operations.base import Registry
 from jobrelay.roles.delivery import DeliveryHandler
+from jobrelay.roles.heartbeat import heartbeat
 from jobrelay.roles.queue_gate import QueueGate
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.timeline import TimelineWriter
@@ -143,6 +144,8 @@ class Worker:
         self.timeline.start_batching()
         await self.gate.refresh()
         watching = asyncio.create_task(self.gate.watch())
+        beating = contextlib.AsyncExitStack()
+        await beating.enter_async_context(heartbeat(self.rt, self.worker_id, "worker", self.queues))
         consumers = [
             asyncio.create_task(self._consume(queue, prefetch, halt, in_flight))
             for queue in self.queues
@@ -173,6 +176,7 @@ class Worker:
             if self._probe is not None:
                 self._probe.cancel()
             await self.timeline.close()
+            await beating.aclose()
             log.info("worker stopped", extra={"event": "worker_stopped", "handled": self.handled})
         for consumer in consumers:  # a consumer that failed fails the worker
             failure = None if consumer.cancelled() else consumer.exception()

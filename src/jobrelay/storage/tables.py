@@ -265,3 +265,18 @@ queue_events = Table(
     Column("reason", Text, nullable=False),
 )
 Index("ix_queue_events_queue", queue_events.c.queue, queue_events.c.id)
+
+# One row per worker or relay process, upserted every few seconds while it runs (issue 15):
+# the overview's "processes seen lately". Rows not seen for a while are pruned by the beats.
+process_heartbeats = Table(
+    "process_heartbeats",
+    metadata,
+    Column("id", String(128), primary_key=True),  # the worker or relay id
+    Column("role", String(16), nullable=False),  # worker | relay
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("queues", JSON, nullable=False),  # a worker's queues; [] for a relay
+    Column("started_at", UTCDateTime(), nullable=False),
+    Column("last_seen_at", UTCDateTime(), nullable=False),
+)
+Index("ix_process_heartbeats_last_seen", process_heartbeats.c.last_seen_at)

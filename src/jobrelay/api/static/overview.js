@@ -103,6 +103,43 @@
     $("queues-error").textContent = error ? "Broker counts unknown: " + error : "";
   }
 
+  function renderProcesses(processes) {
+    const body = $("process-list").tBodies[0];
+    body.replaceChildren();
+    for (const p of processes) {
+      const row = el("tr");
+      row.dataset.role = p.role;
+      const th = el("th", p.id);
+      th.scope = "row";
+      row.append(th, el("td", p.role), el("td", p.host), el("td", p.pid, "num"), el("td", p.queues.join(", ") || "-"), el("td", ago(p.startedAt)), el("td", ago(p.lastSeenAt)));
+      body.append(row);
+    }
+    if (!processes.length) {
+      const row = el("tr");
+      const td = el("td", "no worker or relay has been seen lately", "muted");
+      td.colSpan = 7;
+      row.append(td);
+      body.append(row);
+    }
+  }
+
+  function renderFindings(reconciler) {
+    const found = Object.entries(reconciler.counts).filter(([, n]) => n > 0);
+    $("reconciler-summary").textContent = found.length
+      ? found.map(([kind, n]) => n + " " + kind.replace("_", " ")).join(", ")
+      : "Nothing fell between two hand-offs.";
+    const list = $("reconciler-findings");
+    list.replaceChildren();
+    for (const f of reconciler.findings) {
+      const item = el("li");
+      item.dataset.kind = f.kind;
+      item.append(el("strong", f.kind + " "));
+      if (f.jobId) item.append(window.JR.jobLink(f.jobId, window.JR.open), " ");
+      item.append(el("span", f.detail, "reason"));
+      list.append(item);
+    }
+  }
+
   async function refresh() {
     if (!session.admin) return;
     try {
@@ -126,6 +163,8 @@
         ? duration(out.lagMedianSeconds) + " median, " + duration(out.lagMaxSeconds) + " max (last " + out.lagSampled + ")"
         : "nothing published yet";
       renderQueues(view.queues, view.queuesError);
+      renderProcesses(view.processes);
+      renderFindings(view.reconciler);
       $("overview-updated").textContent = "Updated " + new Date(view.generatedAt).toLocaleTimeString() + "; " + view.counts.total + " jobs in all.";
       $("overview").dataset.loaded = "true";
     } catch (error) {

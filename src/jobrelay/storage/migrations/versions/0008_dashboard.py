@@ -1,4 +1,4 @@
-"""dashboard: job_events.at index (the overview's throughput), queue pauses and their audit
+"""dashboard: job_events.at index, queue pauses and their audit, process heartbeats
 
 Revision ID: 0008
 Revises: 0007
@@ -48,9 +48,28 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_queue_events")),
     )
     op.create_index(op.f("ix_queue_events_queue"), "queue_events", ["queue", "id"], unique=False)
+    op.create_table(
+        "process_heartbeats",
+        sa.Column("id", sa.String(length=128), nullable=False),
+        sa.Column("role", sa.String(length=16), nullable=False),
+        sa.Column("host", sa.String(length=255), nullable=False),
+        sa.Column("pid", sa.Integer(), nullable=False),
+        sa.Column("queues", sa.JSON(), nullable=False),
+        sa.Column("started_at", utc(timezone=True), nullable=False),
+        sa.Column("last_seen_at", utc(timezone=True), nullable=False),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_process_heartbeats")),
+    )
+    op.create_index(
+        op.f("ix_process_heartbeats_last_seen"),
+        "process_heartbeats",
+        ["last_seen_at"],
+        unique=False,
+    )
 
 
 def downgrade() -> None:
+    op.drop_index(op.f("ix_process_heartbeats_last_seen"), table_name="process_heartbeats")
+    op.drop_table("process_heartbeats")
     op.drop_index(op.f("ix_queue_events_queue"), table_name="queue_events")
     op.drop_table("queue_events")
     op.drop_table("queue_pauses")
