@@ -122,8 +122,27 @@ async def whoami(principal: PrincipalDep) -> WhoAmI:
 def body_of(model: type[BaseModel], required: bool) -> dict[str, Any]:
     """The request body as OpenAPI states it: parsed in the handler (after the token and the
     rate limit), as JSON whatever the Content-Type, at most MAX_BODY_BYTES."""
-    schema = {"application/json": {"schema": model.model_json_schema()}}
+    schema = {"application/json": {"schema": _inlined(model.model_json_schema())}}
     return {"requestBody": {"required": required, "content": schema}}
+
+
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with its local ``#/$defs/…`` references replaced by what they name: in
+    the OpenAPI document they would point at its root, where there are no ``$defs``."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {key: walk(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        return node
+
+    out: dict[str, Any] = walk(schema)
+    return out
 
 
 @router.post(

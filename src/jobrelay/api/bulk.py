@@ -10,21 +10,22 @@ is 0 (the console shows done/total while it does): a job done drops out of the f
 an interrupted run is simply run again.
 
 The filter is kept to the action's legal source states (replay: ``quarantined``; cancel:
-``queued``, ``retry_wait``, ``quarantined``); asking for another state is a 422.
+``queued``, ``retry_wait``, ``quarantined``): each body's schema allows only those, so
+another state is a 422 like any other invalid body.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, StrictBool, field_validator
 
 from jobrelay.api.admin import AdminActor, _Reasoned, body_of
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
-from jobrelay.api.job_search import LIST_RESPONSES, invalid, job_filter
+from jobrelay.api.job_search import LIST_RESPONSES, job_filter
 from jobrelay.api.problems import ValidationProblem, problem_openapi
 from jobrelay.api.schemas import ACCOUNT_PATTERN, WireModel
 from jobrelay.domain.job_filter import JobFilter
@@ -46,23 +47,46 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-class BulkFilter(WireModel):
+class _Filter(WireModel):
     model_config = ConfigDict(extra="forbid")
 
-    state: JobState | None = None
     type: str | None = Field(default=None, min_length=1, max_length=64)
     queue: str | None = Field(default=None, min_length=1, max_length=32)
     account_id: str | None = Field(default=None, pattern=ACCOUNT_PATTERN)
     reason: str | None = Field(default=None, max_length=500)
-    created_after: datetime | None = None
-    created_before: datetime | None = None
+    # Strict: an ISO 8601 string only (lax mode would read a number as a Unix time).
+    created_after: datetime | None = Field(default=None, strict=True)
+    created_before: datetime | None = Field(default=None, strict=True)
 
 
-class BulkRequest(_Reasoned):
-    filter: BulkFilter = Field(default_factory=BulkFilter)
+class ReplayFilter(_Filter):
+    state: Literal["quarantined"] | None = None
+
+
+class CancelFilter(_Filter):
+    state: Literal["queued", "retry_wait", "quarantined"] | None = None
+
+
+class _Bulk(_Reasoned):
     reason: str = Field(min_length=1, max_length=500, description="Kept in every job's timeline.")
-    dry_run: bool = Field(default=False, description="Only count what matches.")
-    limit: int = Field(default=100, ge=1, le=500, description="At most this many jobs per call.")
+    dry_run: StrictBool = Field(default=False, description="Only count what matches.")
+    limit: int = Field(default=100, ge=1, le=500, description="At most this many per call.")
+
+    @field_validator("limit", mode="before")
+    @classmethod
+    def _json_integer(cls, value: object) -> object:
+        """A JSON integer (``82.0`` is one too), not a string or a boolean."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError("must be an integer")
+        return value
+
+
+class BulkReplayRequest(_Bulk):
+    filter: ReplayFilter = Field(default_factory=ReplayFilter)
+
+
+class BulkCancelRequest(_Bulk):
+    filter: CancelFilter = Field(default_factory=CancelFilter)
 
 
 class BulkOut(WireModel):
@@ -81,10 +105,10 @@ class BulkOut(WireModel):
     response_model=BulkOut,
     summary="Replay the quarantined jobs matching a filter, a batch at a time (admin)",
     responses=_RESPONSES,
-    openapi_extra=body_of(BulkRequest, required=True),
+    openapi_extra=body_of(BulkReplayRequest, required=True),
 )
 async def bulk_replay(request: Request, runtime: RuntimeDep, actor: AdminActor) -> BulkOut:
-    body = parse_body(BulkRequest, await read_body(request))
+    body = parse_body(BulkReplayRequest, await read_body(request))
     return await _run(runtime, "replay", body, actor)
 
 
@@ -93,26 +117,25 @@ async def bulk_replay(request: Request, runtime: RuntimeDep, actor: AdminActor) 
     response_model=BulkOut,
     summary="Cancel the jobs matching a filter that are not running or finished (admin)",
     responses=_RESPONSES,
-    openapi_extra=body_of(BulkRequest, required=True),
+    openapi_extra=body_of(BulkCancelRequest, required=True),
 )
 async def bulk_cancel(request: Request, runtime: RuntimeDep, actor: AdminActor) -> BulkOut:
-    body = parse_body(BulkRequest, await read_body(request))
+    body = parse_body(BulkCancelRequest, await read_body(request))
     return await _run(runtime, "cancel", body, actor)
 
 
-def _filter(action: str, body: BulkRequest) -> JobFilter:
+def _filter(action: str, body: BulkReplayRequest | BulkCancelRequest) -> JobFilter:
     f = body.filter
+    state = None if f.state is None else JobState(f.state)
     base = job_filter(
-        f.state, f.type, f.queue, f.account_id, f.reason, f.created_after, f.created_before
+        state, f.type, f.queue, f.account_id, f.reason, f.created_after, f.created_before
     )
-    allowed = REPLAYABLE if action == "replay" else CANCELLABLE
-    if f.state is not None and f.state not in allowed:
-        legal = ", ".join(sorted(s.value for s in allowed))
-        raise invalid("filter.state", f"{action} moves only jobs in: {legal}")
-    return base.only(allowed)
+    return base.only(REPLAYABLE if action == "replay" else CANCELLABLE)
 
 
-async def _run(runtime: Runtime, action: str, body: BulkRequest, actor: str) -> BulkOut:
+async def _run(
+    runtime: Runtime, action: str, body: BulkReplayRequest | BulkCancelRequest, actor: str
+) -> BulkOut:
     f = _filter(action, body)
     store = runtime.store
     matched = await count_jobs(store, f)

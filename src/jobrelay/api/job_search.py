@@ -108,10 +108,10 @@ def job_filter(
     created_after: datetime | None,
     created_before: datetime | None,
 ) -> JobFilter:
+    # An empty range (after >= before) is not an error: like an unknown queue, it matches
+    # nothing.
     after = aware("createdAfter", created_after)
     before = aware("createdBefore", created_before)
-    if after is not None and before is not None and after >= before:
-        raise invalid("createdBefore", "must be later than createdAfter")
     return JobFilter(
         states=None if state is None else (state,),
         job_type=job_type,
