@@ -199,7 +199,7 @@ async def test_the_overview_counts_states_throughput_backlog_and_queues(
     assert default == {
         "queue": "default",
         "ready": 1,
-        "consumers": None,
+        "consumers": 0,  # local transport: workers with a recent heartbeat (none ran)
         "inFlight": 0,
         "paused": False,
         "pausedAt": None,
@@ -285,6 +285,9 @@ async def test_the_overview_lists_processes_seen_lately_and_beats_prune_old_ones
     assert datetime.fromisoformat(w1["startedAt"]) == started
     older = await seen_since(runtime.store, now - timedelta(days=1))
     assert {p.id for p in older} == {"w1", "r1", "quiet"}  # "gone" was pruned by a beat
+    # On the local transport a queue's consumers are its workers with a recent heartbeat.
+    [default] = [q for q in view["queues"] if q["queue"] == "default"]
+    assert default["consumers"] == 1
 
 
 async def test_the_overview_shows_the_reconcilers_findings_without_repairing(

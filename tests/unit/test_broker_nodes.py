@@ -86,3 +86,32 @@ def test_node_faults_come_in_order_and_replace_the_broker_restart() -> None:
     plain = make_plan(1, 100, 3, PROFILES["full"], workers, relays)
     assert not any(f.kind.startswith("node_") for f in plain.faults)
     assert any(f.kind == "rabbitmq_restart" for f in plain.faults)
+
+
+async def test_unacked_reads_the_management_api_and_says_none_when_it_is_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In flight on RabbitMQ is the management API's ``messages_unacknowledged``; a node
+    without the plugin makes it unknown (None), never 0."""
+    import httpx
+
+    from jobrelay.transport import rabbit_management
+
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        if request.url.host == "down":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json={"messages_unacknowledged": 7})
+
+    real = httpx.AsyncClient
+
+    def client(**kwargs: object) -> httpx.AsyncClient:
+        return real(transport=httpx.MockTransport(answer), **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rabbit_management.httpx, "AsyncClient", client)
+    url = "amqp://u:p@down:5672/jobs,amqp://u:p@up:5672/jobs"
+    assert await rabbit_management.unacked(url, None, ["jobrelay.work"]) == {"jobrelay.work": 7}
+    assert seen[-1] == "http://up:15672/api/queues/jobs/jobrelay.work"
+    assert await rabbit_management.unacked("amqp://u:p@down:5672/", None, ["q"]) is None

@@ -4,9 +4,9 @@ What the console's live overview draws, every few seconds: jobs per state, type 
 the last hour's throughput per minute (``accepted``, ``succeeded`` = ``result_saved``,
 ``retried`` = ``retry_scheduled``, ``quarantined`` events); the outbox backlog, its oldest
 row and the relay lag; and each work queue's depth as the broker reports it (RabbitMQ: a
-passive declare gives ready messages and consumers, in flight is unknown without the
-management API; the local transport: ready and in-flight rows, consumers unknown) with its
-pause flag (``api.queues``). A number
+passive declare gives ready messages and consumers, in flight comes from the management API
+when it answers; the local transport: ready and in-flight rows, consumers from the workers'
+heartbeats) with its pause flag (``api.queues``). A number
 the broker cannot give is ``null``, never a guess; a broker that does not answer leaves
 the counts ``null`` with ``queuesError`` saying why, and the rest of the overview still comes.
 The processes are the workers and relays whose heartbeat (``roles.heartbeat``) is recent.

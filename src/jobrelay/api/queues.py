@@ -10,7 +10,8 @@ lost while a queue is paused: its messages wait in the broker.
 
 from __future__ import annotations
 
-from datetime import datetime
+from dataclasses import replace
+from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
@@ -24,6 +25,7 @@ from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES
 from jobrelay.api.schemas import WireModel
 from jobrelay.errors import TransportError
 from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.heartbeats import seen_since
 from jobrelay.storage.queue_pauses import pauses, set_paused
 from jobrelay.transport.base import QueueStats, ReportsQueues
 
@@ -77,6 +79,7 @@ async def queue_rows(runtime: Runtime) -> QueuesOut:
             error = str(exc)
     else:
         error = "this transport does not report its queues"
+    stats = await _fill_in(runtime, stats)
     flags = await pauses(runtime.store)
     rows = []
     for name in runtime.topology.queues:
@@ -87,7 +90,11 @@ async def queue_rows(runtime: Runtime) -> QueuesOut:
             QueueOut(
                 queue=name,
                 ready=s.ready if s else None,
-                consumers=s.consumers if s else None,
+                # The local transport's consumers are counted from heartbeats: a paused
+                # queue's workers have stopped consuming it.
+                consumers=(0 if paused and runtime.settings.uses_local_broker else s.consumers)
+                if s
+                else None,
                 in_flight=s.in_flight if s else None,
                 paused=paused,
                 paused_at=flag.changed_at if flag and paused else None,
@@ -148,3 +155,32 @@ async def resume_queue(
 ) -> QueueOut:
     row: QueueOut = await _set(request, runtime, queue, False, actor)
     return row
+
+
+async def _fill_in(runtime: Runtime, stats: dict[str, QueueStats]) -> dict[str, QueueStats]:
+    """What the transport itself cannot count, from where it is known: on RabbitMQ the
+    unacked (in-flight) messages from the management API when it answers; on the local
+    transport the consumers, as the workers serving the queue whose heartbeat is recent."""
+    if not stats:
+        return stats
+    settings = runtime.settings
+    if settings.uses_local_broker:
+        since = runtime.clock() - timedelta(seconds=3 * settings.heartbeat_seconds)
+        beats = [b for b in await seen_since(runtime.store, since) if b.role == "worker"]
+        return {
+            name: replace(s, consumers=sum(name in b.queues for b in beats))
+            if s.consumers is None
+            else s
+            for name, s in stats.items()
+        }
+    from jobrelay.transport.rabbit_management import unacked
+    from jobrelay.transport.topology import work_queue
+
+    names = {work_queue(name): name for name in stats}
+    counts = await unacked(settings.broker_url, settings.broker_management_url, list(names))
+    if counts is None:
+        return stats
+    return {
+        name: replace(s, in_flight=counts.get(work_queue(name))) if s.in_flight is None else s
+        for name, s in stats.items()
+    }

@@ -85,6 +85,28 @@ async def placements(
     )
 
 
+async def unacked(
+    broker_url: str, configured: str | None, queues: list[str], *, timeout: float = 2.0
+) -> dict[str, int] | None:
+    """Each queue's delivered-but-unacked messages (in flight), or None when the management
+    API does not answer: AMQP's passive declare counts only the ready ones."""
+    vhost = quote(_vhost(broker_url), safe="")
+    async with httpx.AsyncClient(timeout=timeout, auth=_credentials(broker_url)) as client:
+        for endpoint in management_urls(broker_url, configured):
+            try:
+                out = {}
+                for name in queues:
+                    answer = await client.get(
+                        f"{endpoint}/api/queues/{vhost}/{quote(name, safe='')}"
+                    )
+                    answer.raise_for_status()
+                    out[name] = int(answer.json().get("messages_unacknowledged") or 0)
+                return out
+            except (httpx.HTTPError, ValueError, TypeError):
+                continue
+    return None
+
+
 def render(found: list[Placement] | str) -> str:
     """The table `jobrelay broker declare` prints (or the reason there is none)."""
     if isinstance(found, str):
