@@ -46,8 +46,11 @@ def decode(body: bytes, known_types: frozenset[str]) -> JobMessage:
     """Parse and validate a body, or raise MessageDecodeError with the reason to record."""
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MessageDecodeError(f"malformed JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        # ValueError: not UTF-8, not JSON, or an integer longer than Python converts (4300
+        # digits); RecursionError: nested deeper than the parser recurses. Any body a broker
+        # hands over must end as a reason to quarantine, never as a crash on each delivery.
+        raise MessageDecodeError(f"malformed JSON: {_first_line(exc)}") from None
     if not isinstance(data, dict):
         raise MessageDecodeError("message is not a JSON object")
     job_id = data.get("jobId")
@@ -70,6 +73,10 @@ def decode(body: bytes, known_types: frozenset[str]) -> JobMessage:
             f"unsupported message version: {version}", readable_id, unknown=True
         )
     return JobMessage(job_id=readable_id, type=job_type, version=version)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _is_uuid(value: str) -> bool:

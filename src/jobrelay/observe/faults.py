@@ -111,7 +111,8 @@ def parse(spec: str) -> tuple[Fault, ...]:
             )
         n: int | None = None
         if rest:
-            if not rest[0].isdigit() or int(rest[0]) < 1:
+            # isascii: str.isdigit() also holds for "²", which int() refuses.
+            if not (rest[0].isascii() and rest[0].isdigit()) or int(rest[0]) < 1:
                 raise ConfigError("JOBRELAY_FAULTS", f"n must be a positive integer in {item!r}")
             n = int(rest[0])
         faults.append(Fault(point, action, n, match, seconds))
