@@ -1,5 +1,5 @@
 """``python -m jobrelay``: the same as the ``jobrelay`` command."""
 
-from jobrelay.cli.main import main
+from jobrelay.cli.entry import main
 
 main()

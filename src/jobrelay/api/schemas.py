@@ -8,7 +8,6 @@ the wire names of ARCHITECTURE.md's contract are spelled exactly once.
 from __future__ import annotations
 
 import re
-import uuid
 from datetime import datetime
 from typing import Any
 
@@ -16,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from jobrelay.domain.disclosure import account_detail, redact_optional
+
+# Re-exported: the routes read path ids with it; the CLI takes the same forms (domain.ids).
+from jobrelay.domain.ids import canonical_job_id as canonical_job_id
 from jobrelay.storage.store import EventRecord, JobRecord
 
 # An account id (tokens act for one): lowercase letters, digits, '_' and '-'; 1-64 characters.
@@ -107,19 +109,6 @@ class Ready(WireModel):
     status: str = "ready"
     database: str = "ok"
     broker: str = "ok"
-
-
-def canonical_job_id(raw: str) -> str | None:
-    """The canonical spelling of a path's jobId, or None unless it is a hyphenated UUID.
-
-    ``uuid.UUID`` also takes braces, ``urn:uuid:`` and bare hex; only the one form we hand
-    out is accepted (in either case), so each job has exactly one URL.
-    """
-    try:
-        canonical = str(uuid.UUID(raw))
-    except ValueError:
-        return None
-    return canonical if canonical == raw.lower() else None
 
 
 def valid_traceparent(raw: str | None) -> str | None:

@@ -1,5 +1,5 @@
 """The ``jobrelay`` command: the typer app and its operator commands."""
 
-from jobrelay.cli.main import main
+from jobrelay.cli.entry import main
 
 __all__ = ["main"]

@@ -9,7 +9,6 @@ import asyncio
 import functools
 import inspect
 import signal
-import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Annotated, Any, Optional, TypeVar
 
@@ -44,6 +43,37 @@ _SETTINGS_FIELDS = tuple(Settings.model_fields)
 def fail(message: str, code: int = 1) -> typer.Exit:
     typer.echo(f"jobrelay: error: {message}", err=True)
     return typer.Exit(code)
+
+
+def known_job_id(raw: str) -> str:
+    """``raw`` as the API reads a path's jobId (the hyphenated UUID, either case), or the
+    same one line as for a job that does not exist."""
+    from jobrelay.domain.ids import canonical_job_id
+
+    job_id = canonical_job_id(raw)
+    if job_id is None:
+        raise fail(f"no job {raw}")
+    return job_id
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from jobrelay import __version__
+
+        typer.echo(f"jobrelay {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+) -> None:
+    """Background jobs that never silently disappear and never silently happen twice."""
 
 
 def with_settings(func: F) -> F:
@@ -126,13 +156,15 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
 
 # --- processes -------------------------------------------------------------------------------
 
+Port = Annotated[int, typer.Option(min=1, max=65535, help="Port to bind.")]
+
 
 @app.command("api")
 @with_settings
 def api_cmd(
     settings: Settings,
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    port: Port = 8000,
 ) -> None:
     """Serve the HTTP API."""
     from jobrelay.roles.processes import serve_api
@@ -205,7 +237,7 @@ def worker_cmd(
 def up_cmd(
     settings: Settings,
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    port: Port = 8000,
 ) -> None:
     """API + relay + worker in one process (development and the embedded default)."""
     from jobrelay.roles.processes import run_up
@@ -218,7 +250,7 @@ def up_cmd(
 @with_settings
 def demo_cmd(settings: Settings) -> None:
     """Run the app's demo end to end on the configured (by default embedded) pipeline."""
-    demo = _app_command(settings, "demo")
+    demo = app_command(settings, "demo")
     logs.configure("demo", "ERROR")  # the demo narrates; faults it arms are announced
     raise typer.Exit(demo(settings))
 
@@ -295,57 +327,7 @@ def chaos_cmd(
     raise typer.Exit(run(run_chaos(options)))
 
 
-# --- set-up ----------------------------------------------------------------------------------
-
-
-@db_app.command("upgrade")
-@with_settings
-def db_upgrade_cmd(settings: Settings) -> None:
-    """Create or migrate the schema (idempotent)."""
-    from jobrelay.roles.processes import upgrade_database
-
-    revision = run(upgrade_database(settings))
-    typer.echo(f"database schema at revision {revision}")
-
-
-@broker_app.command("declare")
-@with_settings
-def broker_declare_cmd(settings: Settings) -> None:
-    """Declare exchanges and queues (idempotent)."""
-    from jobrelay.roles.processes import declare_broker
-
-    typer.echo(run(declare_broker(settings)))
-
-
-@app.command("seed")
-@with_settings
-def seed_cmd(
-    settings: Settings,
-    rows_per_month: Annotated[int, typer.Option(min=0, max=1_000_000)] = 300,
-    account: Annotated[
-        Optional[str],  # noqa: UP045 (typer needs it)
-        typer.Option(help="With --period and --rows: fill only this account-month."),
-    ] = None,
-    period: Annotated[
-        Optional[str],  # noqa: UP045 (typer needs it)
-        typer.Option(help="YYYY-MM, with --account and --rows."),
-    ] = None,
-    rows: Annotated[
-        Optional[int],  # noqa: UP045 (typer needs it)
-        typer.Option(min=1, max=20_000_000, help="Generated rows for that account-month."),
-    ] = None,
-) -> None:
-    """Fill the app's sample data (the export app: ledger_entries for acme, globex, initech;
-    2019-2021; or, with --account/--period/--rows, one account-month of N generated rows)."""
-    options: dict[str, Any] = {"rows_per_month": rows_per_month}
-    if (account, period, rows) != (None, None, None):
-        options.update(account=account, period=period, rows=rows)  # only the app's with them
-    code = _app_command(settings, "seed")(settings, **options)
-    if code:
-        raise typer.Exit(code)
-
-
-def _app_command(settings: Settings, name: str) -> Callable[..., int]:
+def app_command(settings: Settings, name: str) -> Callable[..., int]:
     """The body of command ``name`` from the app (``--app``/``JOBRELAY_APP``)."""
     from jobrelay.loader import load_app
 
@@ -371,6 +353,7 @@ def job_show_cmd(
     from jobrelay.cli.retention import fail_missing
     from jobrelay.ops.explain import show_job
 
+    job_id = known_job_id(job_id)
     if not run(show_job(settings, job_id, as_json=as_json)):
         raise fail_missing(settings, job_id, f"no job {job_id}")
 
@@ -402,20 +385,14 @@ def jobs_list_cmd(
     run(list_jobs(settings, wanted, limit, reason=reason, job_type=job_type))
 
 
-# Operator actions, the reconciler and prune live in modules of their own; importing them
-# registers their commands.
+# Set-up, operator actions, schedules, queues, the reconciler and prune live in modules of
+# their own; importing them registers their commands.
 from jobrelay.cli import (  # noqa: E402, F401
     database,
     operator,
+    provision,
     retention,
     schedules,
     tokens,
     work_queues,
 )
-
-
-def main() -> None:
-    try:
-        app()
-    except KeyboardInterrupt:  # pragma: no cover
-        sys.exit(130)

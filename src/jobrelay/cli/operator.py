@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from jobrelay.cli.main import app, fail, job_app, jobs_app, run, with_settings
+from jobrelay.cli.main import app, fail, job_app, jobs_app, known_job_id, run, with_settings
 from jobrelay.cli.retention import fail_missing
 from jobrelay.observe import logs
 from jobrelay.ops.operator import BulkReplay, Operator, cli_actor, refusal
@@ -50,6 +50,7 @@ def job_replay_cmd(
     actor: Actor = None,
 ) -> None:
     """Send a quarantined job back to queued, with a fresh attempt budget."""
+    job_id = known_job_id(job_id)
     outcome = run(_act(settings, "replay", job_id, actor or cli_actor(), reason))
     if outcome.state is None:
         raise fail_missing(settings, job_id, refusal("replay", outcome))
@@ -72,6 +73,7 @@ def job_cancel_cmd(
     """Cancel a queued, retry_wait or quarantined job; later deliveries are acked unworked."""
     if not reason.strip():
         raise fail("--reason must not be empty", 2)
+    job_id = known_job_id(job_id)
     outcome = run(_act(settings, "cancel", job_id, actor or cli_actor(), reason))
     if outcome.state is None:
         raise fail_missing(settings, job_id, refusal("cancel", outcome))

@@ -71,3 +71,18 @@ def follow_up_job_id(parent_job_id: str, job_type: str) -> str:
     """
     material = canonical_json({"parent": parent_job_id, "type": job_type})
     return str(uuid.uuid5(_NAMESPACE, material))
+
+
+def canonical_job_id(raw: str) -> str | None:
+    """The canonical spelling of a jobId given by a person, or None unless it is a
+    hyphenated UUID.
+
+    ``uuid.UUID`` also takes braces, ``urn:uuid:`` and bare hex; only the one form we hand
+    out is accepted (in either case), so each job has exactly one URL, and the CLI takes
+    exactly what the API takes.
+    """
+    try:
+        canonical = str(uuid.UUID(raw))
+    except ValueError:
+        return None
+    return canonical if canonical == raw.lower() else None

@@ -49,14 +49,16 @@ app.tables(ledger.metadata)
 def seed_command(
     settings: Settings,
     *,
-    rows_per_month: int,
+    rows_per_month: int | None,
+    replace: bool = False,
     account: str | None = None,
     period: str | None = None,
     rows: int | None = None,
 ) -> int:
-    """The sample ledgers; or, with ``account``, ``period`` and ``rows``, one account-month
-    of ``rows`` generated rows (for measuring exports at size)."""
-    from jobrelay.exports.seed import seed_database, seed_month_database
+    """The sample ledgers (kept when already there, unless ``replace``); or, with
+    ``account``, ``period`` and ``rows``, one account-month of ``rows`` generated rows (for
+    measuring exports at size)."""
+    from jobrelay.exports.seed import SeedRefused, seed_database, seed_month_database
 
     one_month = (account, period, rows)
     if any(v is not None for v in one_month):
@@ -69,12 +71,20 @@ def seed_command(
             n = asyncio.run(seed_month_database(settings.database_url, account, period, rows))
             print(f"{account} {period}: {n} ledger rows")
             return 0
-        counts = asyncio.run(seed_database(settings.database_url, rows_per_month))
+        seeded = asyncio.run(seed_database(settings.database_url, rows_per_month, replace=replace))
+    except SeedRefused as exc:
+        print(f"jobrelay: error: {exc}", file=sys.stderr)
+        return 2
     except (DBAPIError, OSError) as exc:
         lines = str(getattr(exc, "orig", exc)).strip().splitlines()
         print(f"jobrelay: error: seeding failed: {lines[0] if lines else exc!r}", file=sys.stderr)
         return 2
-    for name, count in counts.items():
+    if not seeded.changed:
+        print(
+            f"already seeded with {seeded.rows_per_month} rows per month "
+            f"({', '.join(seeded.counts)}); nothing changed"
+        )
+    for name, count in seeded.counts.items():
         print(f"{name}: {count} ledger rows")
     return 0
 

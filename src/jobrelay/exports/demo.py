@@ -64,7 +64,8 @@ async def run_demo(settings: Settings, *, timeout: float = 120.0) -> int:
     console.print(f"results   {settings.results_url}")
     revision = await upgrade_database(settings)
     console.print(f"schema    at revision {revision}")
-    counts = await seed_database(settings.database_url, DEMO_ROWS_PER_MONTH)
+    # The demo's own data, whatever was there: it is the demo's database.
+    counts = (await seed_database(settings.database_url, DEMO_ROWS_PER_MONTH, replace=True)).counts
     console.print(f"seeded    {sum(counts.values())} ledger rows for {', '.join(counts)}")
     token = await create_token(settings, None, True, "demo")
     console.print(f"[yellow]faults    armed on purpose for two demo jobs: {DEMO_FAULTS}[/yellow]")

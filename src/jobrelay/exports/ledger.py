@@ -89,6 +89,15 @@ async def ensure_table(engine: AsyncEngine) -> None:
     _ensured.add(engine.sync_engine)
 
 
+async def counts_by_account(engine: AsyncEngine) -> dict[str, int]:
+    """How many rows each account's ledger holds (the table is created when missing)."""
+    await ensure_table(engine)
+    query = select(ledger_entries.c.account_id, func.count()).group_by(ledger_entries.c.account_id)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).all()
+    return {str(account): int(n) for account, n in rows}
+
+
 async def count(conn: AsyncConnection, account_id: str, period: str) -> int:
     n = await conn.scalar(
         select(func.count())

@@ -7,6 +7,7 @@ are deliberately hostile (formula-like cells) so every export shows the defangin
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from datetime import date
 from decimal import Decimal
 from typing import Any
@@ -72,11 +73,51 @@ async def seed(engine: AsyncEngine, rows_per_month: int = DEFAULT_ROWS_PER_MONTH
     return counts
 
 
-async def seed_database(database_url: str, rows_per_month: int) -> dict[str, int]:
-    """``seed`` on a database of its own engine (``jobrelay seed``, ``jobrelay demo``)."""
+class SeedRefused(ValueError):
+    """The ledgers hold another sample (or other rows): replacing them needs ``--replace``."""
+
+
+@dataclass(frozen=True)
+class Seeded:
+    counts: dict[str, int]  # rows per account, as they are now
+    rows_per_month: int | None  # None: the ledgers hold rows that are not a sample
+    changed: bool
+
+
+def sample_size(counts: dict[str, int]) -> int | None:
+    """The rows per month of the sample the ledgers hold (0: empty), or None for other rows."""
+    months = len(periods())
+    sizes = {counts.get(account, 0) for account in ACCOUNTS}
+    if len(sizes) != 1 or set(counts) - set(ACCOUNTS):
+        return None
+    (size,) = sizes
+    return size // months if size % months == 0 else None
+
+
+async def seed_database(
+    database_url: str, rows_per_month: int | None = None, *, replace: bool = False
+) -> Seeded:
+    """``seed`` on a database of its own engine (``jobrelay seed``, ``jobrelay demo``).
+
+    Seeding is idempotent: ledgers that already hold the sample asked for (or any sample,
+    when no size is asked for) are kept as they are. Ledgers of another size, or rows that
+    are not the sample, are replaced only with ``replace``: ``jobrelay seed`` after
+    ``make demo`` must not silently swap the demo's 2,000 rows a month for 300.
+    """
     engine = jobrelay.create_engine(database_url)
     try:
-        return await seed(engine, rows_per_month)
+        held = await ledger.counts_by_account(engine)
+        size = sample_size(held)
+        wanted = rows_per_month if rows_per_month is not None else (size or DEFAULT_ROWS_PER_MONTH)
+        if not replace and size and size == wanted:
+            return Seeded(held, size, changed=False)
+        if not replace and size != 0:
+            what = f"{size} rows per month" if size is not None else "rows that are not the sample"
+            raise SeedRefused(
+                f"the ledgers already hold {sum(held.values())} rows ({what}); "
+                f"`jobrelay seed --rows-per-month {wanted} --replace` replaces them"
+            )
+        return Seeded(await seed(engine, wanted), wanted, changed=True)
     finally:
         await engine.dispose()
 

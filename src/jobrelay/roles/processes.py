@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from jobrelay.roles.database_files import new_database, require_database
+from jobrelay.roles.listen import listen_socket
 from jobrelay.roles.runtime import Runtime, open_runtime, schema_revision, topology_for
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import check_reachable, create_engine, upgrade_async
@@ -60,8 +63,14 @@ def build_server(rt: Runtime, host: str, port: int) -> _Server:
     return _Server(config)
 
 
-async def serve_until(server: _Server, stop: asyncio.Event) -> None:
-    task = asyncio.create_task(server.serve())
+async def serve_until(
+    server: _Server, stop: asyncio.Event, sock: socket.socket | None = None
+) -> None:
+    """Serve on ``sock`` (bound by ``listen_socket``; bound here when not given) until
+    ``stop``."""
+    if sock is None:
+        sock = listen_socket(server.config.host, server.config.port)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
     server.should_exit = True
@@ -75,9 +84,11 @@ async def serve_until(server: _Server, stop: asyncio.Event) -> None:
 
 
 async def serve_api(settings: Settings, host: str, port: int, stop: asyncio.Event) -> None:
-    async with open_runtime(settings) as rt:
-        await open_pool(rt)
-        await serve_until(build_server(rt, host, port), stop)
+    sock = listen_socket(host, port)  # a busy port fails before the database is touched
+    with sock:
+        async with open_runtime(settings) as rt:
+            await open_pool(rt)
+            await serve_until(build_server(rt, host, port), stop, sock)
 
 
 async def open_pool(rt: Runtime) -> None:
@@ -170,6 +181,14 @@ async def run_parts(parts: dict[str, Coroutine[Any, Any, None]], stop: asyncio.E
 
 async def run_up(settings: Settings, host: str, port: int, stop: asyncio.Event) -> None:
     """API, relay and worker sharing one runtime; the API stops first, then both drain."""
+    sock = listen_socket(host, port)  # before the schema, the relay and the worker
+    with sock:
+        await _run_up(settings, host, port, stop, sock)
+
+
+async def _run_up(
+    settings: Settings, host: str, port: int, stop: asyncio.Event, sock: socket.socket
+) -> None:
     from jobrelay.roles.reconcile import Reconciler
     from jobrelay.roles.relay import Relay
     from jobrelay.roles.scheduler import Scheduler
@@ -186,7 +205,7 @@ async def run_up(settings: Settings, host: str, port: int, stop: asyncio.Event) 
         for name, task in parts.items():
             task.add_done_callback(_stop_if_dead(name, stop))
         try:
-            await serve_until(build_server(rt, host, port), stop)
+            await serve_until(build_server(rt, host, port), stop, sock)
         finally:
             stop.set()
             await asyncio.gather(*parts.values(), return_exceptions=True)
@@ -233,12 +252,14 @@ async def upgrade_database(settings: Settings) -> str | None:
     from jobrelay.loader import load_app
 
     app = load_app(settings.app)
-    async with _reachable_database(settings) as engine:
-        await upgrade_async(settings.database_url)
-        # The application's own tables too, as the owner: a least-privileged runtime role
-        # (``jobrelay db grant``) may not create them.
-        await app.create_tables(engine)
-        return await schema_revision(engine)
+    # The file is created here if need be, and removed again if the upgrade fails.
+    with new_database(settings.database_url):
+        async with _reachable_database(settings) as engine:
+            await upgrade_async(settings.database_url)
+            # The application's own tables too, as the owner: a least-privileged runtime role
+            # (``jobrelay db grant``) may not create them.
+            await app.create_tables(engine)
+            return await schema_revision(engine)
 
 
 async def grant_role(settings: Settings, role: str) -> Granted:
@@ -246,6 +267,7 @@ async def grant_role(settings: Settings, role: str) -> Granted:
     from jobrelay.storage.grants import grant_runtime_role
 
     app = load_app(settings.app)
+    require_database(settings.database_url)  # grants go on a database db upgrade made
     async with _reachable_database(settings) as engine:
         return await grant_runtime_role(engine, role, app.table_metadata)
 

@@ -22,6 +22,7 @@ from jobrelay.observe.faults import Faults
 from jobrelay.observe.metrics import Metrics
 from jobrelay.results.base import ResultStore
 from jobrelay.results.files import FileResults
+from jobrelay.roles.database_files import require_database
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import SCHEMA_HEAD, VERSION_TABLE, check_reachable, create_engine
 from jobrelay.storage.store import Store
@@ -150,6 +151,7 @@ async def open_runtime(
         # is touched; the local transport lives in the database and must come after it.
         if connect_transport and not settings.uses_local_broker:
             await _connect(transport)
+        require_database(settings.database_url)  # before SQLite would create the file
         try:
             await check_reachable(engine)
         except StoreError as exc:

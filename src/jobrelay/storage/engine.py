@@ -55,10 +55,9 @@ def create_engine(database_url: str) -> AsyncEngine:
 
 
 def _sqlite_engine(url: URL) -> AsyncEngine:
+    # The file's directory is never created here: a mistyped path must fail, not leave
+    # directories behind (db upgrade's rule is in roles/database_files.py).
     memory = url.database in (None, "", ":memory:")
-    if not memory:
-        assert url.database is not None
-        Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = {"connect_args": {"timeout": 30}}
     if memory:
         kwargs["poolclass"] = StaticPool
