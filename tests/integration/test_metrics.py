@@ -161,12 +161,14 @@ async def test_metrics_port_serves_prometheus_text_even_when_refresh_fails(
             page = await client.get("/metrics")
             missing = await client.get("/nothing")
             health = await client.get("/healthz")
+            probe = await client.head("/healthz")
     finally:
         stop.set()
         await asyncio.wait_for(server, 10)
     assert page.status_code == 200 and page.headers["content-type"] == CONTENT_TYPE
     assert value(samples(page.text), "jobrelay_retries_total") == 1
     assert missing.status_code == 404 and health.status_code == 200
+    assert probe.status_code == 200 and probe.content == b""
 
 
 def test_every_metric_is_documented_and_every_documented_metric_exists() -> None:

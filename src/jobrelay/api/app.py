@@ -19,6 +19,7 @@ from jobrelay.api import (
     admin,
     bulk,
     console,
+    docs_ui,
     health,
     job_search,
     jobs,
@@ -76,6 +77,10 @@ def create_app(settings: Settings, *, runtime: Runtime | None = None) -> FastAPI
         # the Host the caller sent (and keeps a POST body): an open redirect, before any auth.
         # Such paths are a plain 404 problem instead.
         redirect_slashes=False,
+        # FastAPI's /docs and /redoc load their assets from CDNs: docs_ui serves /docs from
+        # the package instead, and there is no /redoc.
+        docs_url=None,
+        redoc_url=None,
     )
     set_runtime(app, runtime)
     app.state.rate_limiter = RateLimiter(parse_limit(settings.rate_limit))
@@ -95,6 +100,7 @@ def create_app(settings: Settings, *, runtime: Runtime | None = None) -> FastAPI
     app.include_router(health.router)
     app.include_router(observability.router)
     app.include_router(console.router)
+    app.include_router(docs_ui.router)
     return app
 
 

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter
+from fastapi.responses import Response
 
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import NOT_READY, NotReadyProblem, ProblemError, problem_openapi
@@ -29,6 +30,17 @@ router = APIRouter()
 @router.get("/healthz", response_model=Health, summary="The process is alive (no I/O)")
 async def healthz() -> Health:
     return Health()
+
+
+@router.head(
+    "/healthz",
+    response_class=Response,
+    summary="The same probe without a body",
+    responses={200: {"description": "The process is alive."}},
+)
+async def healthz_head() -> Response:
+    """Load balancers and uptime checks often probe with HEAD; a 405 reads as "down"."""
+    return Response(status_code=200)
 
 
 @router.get(

@@ -242,7 +242,7 @@ async def serve_metrics(
                     pass  # headers: not needed
             parts = request_line.decode("latin-1").split()
             method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("", "")
-            if method != "GET" or path not in ("/metrics", "/healthz"):
+            if method not in ("GET", "HEAD") or path not in ("/metrics", "/healthz"):
                 status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
             elif path == "/healthz":
                 status, body, ctype = "200 OK", b"ok\n", "text/plain"
@@ -259,7 +259,8 @@ async def serve_metrics(
                 f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             )
-            writer.write(head.encode("latin-1") + body)
+            # HEAD (load balancers, uptime checks): the same headers, no body.
+            writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else body))
             await writer.drain()
         except (TimeoutError, ConnectionError, UnicodeDecodeError):
             pass

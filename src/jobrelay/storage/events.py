@@ -21,7 +21,9 @@ class EventsStore(StoreBase):
                 await conn.execute(
                     select(job_events.c.at, job_events.c.kind, job_events.c.detail)
                     .where(job_events.c.job_id == job_id)
-                    .order_by(job_events.c.id)
+                    # By time: rows are not always written in time order (the worker
+                    # batches its ack_sent lines); the id breaks ties in write order.
+                    .order_by(job_events.c.at, job_events.c.id)
                 )
             ).all()
         return [EventRecord(at=r.at, kind=r.kind, detail=r.detail or {}) for r in rows]
