@@ -64,12 +64,20 @@ def busy_port() -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
-@pytest.mark.parametrize("command", ["api", "up"])
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [
+        ("api", "--port"),
+        ("up", "--port"),
+        ("worker", "--metrics-port"),
+        ("relay", "--metrics-port"),
+    ],
+)
 def test_a_port_in_use_is_one_line(
-    sqlite_env: dict[str, str], command: str, busy_port: int
+    sqlite_env: dict[str, str], command: str, option: str, busy_port: int
 ) -> None:
-    result = run_cli(command, "--port", str(busy_port), env=sqlite_env, timeout=30)
-    assert_one_line(result, "--port", f"127.0.0.1:{busy_port}", "in use")
+    result = run_cli(command, option, str(busy_port), env=sqlite_env, timeout=30)
+    assert_one_line(result, f"{option}: ", f"127.0.0.1:{busy_port}", "in use")
 
 
 def test_a_host_that_does_not_resolve_is_one_line(sqlite_env: dict[str, str]) -> None:

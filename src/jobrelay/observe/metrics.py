@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -227,6 +228,7 @@ async def serve_metrics(
     *,
     refresh: Refresh | None = None,
     started: asyncio.Event | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """Answer ``GET /metrics`` (and ``/healthz``) on ``host:port`` until ``stop`` is set.
 
@@ -269,7 +271,11 @@ async def serve_metrics(
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    server = await asyncio.start_server(handle, host, port)
+    # ``sock``: bound by the caller before start-up, so a port in use is a one-line error.
+    if sock is not None:
+        server = await asyncio.start_server(handle, sock=sock)
+    else:
+        server = await asyncio.start_server(handle, host, port)
     log.info(
         "metrics served on %s:%d", host, port, extra={"event": "metrics_started", "port": port}
     )

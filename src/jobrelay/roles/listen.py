@@ -17,15 +17,18 @@ from jobrelay.errors import ConfigError
 PORT_RANGE = (1, 65535)
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A bound TCP socket for ``host:port`` (uvicorn calls ``listen`` on it), or ConfigError."""
+def listen_socket(
+    host: str, port: int, *, host_option: str = "--host", port_option: str = "--port"
+) -> socket.socket:
+    """A bound TCP socket for ``host:port`` (its server calls ``listen``), or ConfigError
+    naming the option to change."""
     low, high = PORT_RANGE
     if not low <= port <= high:
-        raise ConfigError("--port", f"{port} is not a port ({low} to {high})")
+        raise ConfigError(port_option, f"{port} is not a port ({low} to {high})")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as exc:
-        raise ConfigError("--host", f"cannot listen on {host!r}: {_reason(exc)}") from None
+        raise ConfigError(host_option, f"cannot listen on {host!r}: {_reason(exc)}") from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -36,8 +39,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.close()
         where = f"{host}:{port}"
         if exc.errno == errno.EADDRINUSE:
-            raise ConfigError("--port", f"{where} is in use by another process") from None
-        option = "--port" if exc.errno == errno.EACCES else "--host"
+            raise ConfigError(port_option, f"{where} is in use by another process") from None
+        option = port_option if exc.errno == errno.EACCES else host_option
         raise ConfigError(option, f"cannot listen on {where}: {_reason(exc)}") from None
     sock.set_inheritable(True)
     return sock

@@ -110,6 +110,11 @@ class MetricsAddress:
     host: str
     port: int
 
+    def listen(self) -> socket.socket:
+        return listen_socket(
+            self.host, self.port, host_option="--metrics-host", port_option="--metrics-port"
+        )
+
 
 async def run_relay(
     settings: Settings, stop: asyncio.Event, metrics_at: MetricsAddress | None = None
@@ -121,14 +126,15 @@ async def run_relay(
     from jobrelay.roles.relay import Relay
     from jobrelay.roles.scheduler import Scheduler
 
+    sock = metrics_at.listen() if metrics_at is not None else None  # before connecting
     async with open_runtime(settings) as rt:
         parts = {
             "relay": Relay(rt).run(stop),
             "reconciler": Reconciler(rt).run(stop),
             "scheduler": Scheduler(rt).run(stop),
         }
-        if metrics_at is not None:
-            parts["metrics"] = _metrics_server(rt, metrics_at, stop, refresh_database_gauges)
+        if sock is not None:
+            parts["metrics"] = _metrics_server(rt, sock, stop, refresh_database_gauges)
         await run_parts(parts, stop)
 
 
@@ -144,23 +150,30 @@ async def run_worker(
 
     # Before connecting anywhere: a mistyped --queue is a usage error, not an outage.
     check_queues(queues, topology_for(settings, load_app(settings.app)).queues)
+    sock = metrics_at.listen() if metrics_at is not None else None
     async with open_runtime(settings) as rt:
         parts = {"worker": Worker(rt, queues=queues or None).run(stop)}
-        if metrics_at is not None:
-            parts["metrics"] = _metrics_server(rt, metrics_at, stop)
+        if sock is not None:
+            parts["metrics"] = _metrics_server(rt, sock, stop)
         await run_parts(parts, stop)
 
 
 def _metrics_server(
     rt: Runtime,
-    at: MetricsAddress,
+    sock: socket.socket,
     stop: asyncio.Event,
     refresh: Callable[[Runtime], Awaitable[None]] | None = None,
 ) -> Coroutine[Any, Any, None]:
     from jobrelay.observe.metrics import serve_metrics
 
+    host, port = sock.getsockname()[:2]
     return serve_metrics(
-        rt.metrics, at.host, at.port, stop, refresh=(lambda: refresh(rt)) if refresh else None
+        rt.metrics,
+        host,
+        port,
+        stop,
+        refresh=(lambda: refresh(rt)) if refresh else None,
+        sock=sock,
     )
 
 
