@@ -15,16 +15,13 @@ import typer
 
 from jobrelay.cli.main import app
 
-USAGE_EXIT = 2
-
 
 def main() -> None:
     try:
         code = app(standalone_mode=False)
     except typer.TyperException as exc:
-        if type(exc).__name__ == "NoArgsIsHelpError":  # `jobrelay db`: the group's help
-            typer.echo(exc.format_message(), err=True)
-        else:
+        # `jobrelay db` alone: typer has printed the group's help already.
+        if type(exc).__name__ != "NoArgsIsHelpError":
             typer.echo(f"jobrelay: error: {one_line(exc.format_message())}", err=True)
         sys.exit(exc.exit_code)
     except typer.Abort:
