@@ -62,6 +62,10 @@ def new_database(database_url: str) -> Iterator[None]:
     """Around ``db upgrade``: allow creating the file (in an existing directory), and remove
     what was created if the body fails."""
     path = sqlite_path(database_url)
+    if path is not None and path.exists() and not path.is_file():
+        # Refused before connecting: aiosqlite, failing to open it, leaves a thread behind
+        # that prints a traceback at exit.
+        raise ConfigError(VARIABLE, f"{path} is not a database file (a directory?): fix the path")
     if path is None or path.exists():
         yield
         return
