@@ -35,7 +35,7 @@ from jobrelay.storage.store import Store
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES_PER_OPERATION = 50
+EXAMPLES_PER_OPERATION = 40
 CHECKS = [
     st_checks.not_a_server_error,
     st_checks.status_code_conformance,
