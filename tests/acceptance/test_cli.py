@@ -140,5 +140,9 @@ def test_seed_fills_one_account_month_and_refuses_bad_input(
         assert named in stderr and len(stderr.splitlines()) == 1
         assert month_rows() == [("acme", "2021-06", 5000)]  # nothing changed
 
-    plain = run_cli("seed", "--rows-per-month", "2", env=sqlite_env)  # as before
+    # A month of other rows is not the sample: the plain seed keeps it unless --replace.
+    kept = run_cli("seed", "--rows-per-month", "2", env=sqlite_env)
+    assert kept.returncode == 2 and "--replace" in kept.stderr, kept.stderr
+    assert month_rows() == [("acme", "2021-06", 5000)]
+    plain = run_cli("seed", "--rows-per-month", "2", "--replace", env=sqlite_env)
     assert plain.returncode == 0 and "acme: 72 ledger rows" in plain.stdout
