@@ -324,7 +324,24 @@ class PipelineModel(RuleBasedStateMachine):
         return job
 
     def kinds(self, job_id: str) -> list[str]:
-        return [e.kind for e in self.run(self.store.events(job_id))]
+        return [e.kind for e in self.written(job_id)]
+
+    def written(self, job_id: str) -> list[EventRecord]:
+        """The job's events in the order they were written (by id). The timeline the API
+        serves is ordered by time, and a worker whose host clock is behind stamps its
+        settle events earlier than what came before them; "what this step wrote" is the
+        tail in write order."""
+
+        async def read() -> list[EventRecord]:
+            async with self.engine.connect() as conn:
+                rows = await conn.execute(
+                    select(job_events.c.at, job_events.c.kind, job_events.c.detail)
+                    .where(job_events.c.job_id == job_id)
+                    .order_by(job_events.c.id)
+                )
+                return [EventRecord(r.at, r.kind, r.detail or {}) for r in rows]
+
+        return self.run(read())
 
     # --- pipeline rules ------------------------------------------------------------------
 
@@ -406,7 +423,7 @@ class PipelineModel(RuleBasedStateMachine):
             message.unsettled += 1
         # With duplicate=True this was a second copy (a relay republish): the original stays.
 
-        new = self.run(self.store.events(before.id))[seen_events:]
+        new = self.written(before.id)[seen_events:]
         crashed_before_settling = fault == "worker.before_ack:crash"
         if before.state.is_terminal:
             # Later deliveries for a finished job are settled without work and without a new
@@ -504,7 +521,7 @@ class PipelineModel(RuleBasedStateMachine):
         self.in_flight.remove(message)  # both copies were settled (checked below)
 
         after = self.job(before.id)
-        new = self.run(self.store.events(before.id))[seen_events:]
+        new = self.written(before.id)[seen_events:]
         assert first.settles in (["ack"], ["reject"]), first.settles
         assert second.settles in (["ack"], ["reject"]), second.settles
         claims = [e.detail["attempt"] for e in new if e.kind == "claimed"]
