@@ -42,6 +42,7 @@ from jobrelay.batching import Batcher
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.storage import local_queue as q
 from jobrelay.transport.base import Delivery, OutgoingMessage, QueueStats
+from jobrelay.transport.local_delivery import DOORBELLS, LocalDelivery
 from jobrelay.transport.topology import (
     DEFAULT_QUEUE,
     Topology,
@@ -52,42 +53,6 @@ from jobrelay.transport.topology import (
 log = logging.getLogger("jobrelay.transport.local")
 _DB_ERRORS = (SQLAlchemyError, OSError)
 _MAX_BACKOFF_SECONDS = 5.0
-
-
-_Waiter = tuple[asyncio.AbstractEventLoop, asyncio.Event]
-
-
-class _Doorbells:
-    """Wakes this process's idle consumers of a database the moment a publish commits.
-
-    Process-wide on purpose: in ``jobrelay up`` the relay and the worker may hold different
-    transport objects on the same database. Other processes still find rows by polling.
-    """
-
-    def __init__(self) -> None:
-        self._waiting: dict[str, set[_Waiter]] = {}
-
-    def register(self, key: str, event: asyncio.Event) -> _Waiter:
-        waiter = (asyncio.get_running_loop(), event)
-        self._waiting.setdefault(key, set()).add(waiter)
-        return waiter
-
-    def unregister(self, key: str, waiter: _Waiter) -> None:
-        waiting = self._waiting.get(key, set())
-        waiting.discard(waiter)
-        if not waiting:
-            self._waiting.pop(key, None)
-
-    def ring(self, key: str) -> None:
-        current = asyncio.get_running_loop()
-        for loop, event in tuple(self._waiting.get(key, ())):
-            if loop is current:
-                event.set()
-            elif not loop.is_closed():
-                loop.call_soon_threadsafe(event.set)
-
-
-_DOORBELLS = _Doorbells()
 
 
 @dataclass(eq=False)
@@ -106,49 +71,6 @@ class _Hold:
     fence: int
     stream: _Stream
     settling: bool = False
-
-
-class _LocalDelivery:
-    def __init__(self, transport: LocalTransport, claim: q.Claimed) -> None:
-        self._transport = transport
-        self._claim = claim
-        self._settled = False
-
-    @property
-    def body(self) -> bytes:
-        return self._claim.body
-
-    @property
-    def headers(self) -> Mapping[str, object]:
-        return self._claim.headers
-
-    @property
-    def redelivered(self) -> bool:
-        return self._claim.delivery_count > 0
-
-    @property
-    def delivery_count(self) -> int:
-        return self._claim.delivery_count
-
-    async def ack(self) -> bool:
-        return await self._settle(reject=False)
-
-    async def reject(self) -> bool:
-        return await self._settle(reject=True)
-
-    async def release(self) -> None:
-        if self._settled:
-            log.warning("delivery already settled", extra={"event": "settle_ignored"})
-            return
-        self._settled = True
-        await self._transport._release(self._claim)
-
-    async def _settle(self, *, reject: bool) -> bool:
-        if self._settled:
-            log.warning("delivery already settled", extra={"event": "settle_ignored"})
-            return False
-        self._settled = True
-        return await self._transport._settle(self._claim, reject=reject)
 
 
 class LocalTransport:
@@ -236,7 +158,7 @@ class LocalTransport:
         except _DB_ERRORS as exc:
             # We cannot tell whether the commit happened; the relay will simply publish again.
             raise PublishError(f"database write failed: {_short(exc)}", unknown=True) from exc
-        _DOORBELLS.ring(self._bell)
+        DOORBELLS.ring(self._bell)
 
     async def _insert_many(self, rows: Sequence[dict[str, Any]]) -> list[None]:
         now = self._clock()
@@ -292,7 +214,7 @@ class LocalTransport:
         if queue not in self._topology.queues:
             raise TransportError(f"cannot consume from queue {queue!r}: not in the topology")
         stream = _Stream(prefetch, work_routing_key(queue))
-        bell = _DOORBELLS.register(self._bell, stream.wake)
+        bell = DOORBELLS.register(self._bell, stream.wake)
         self._streams.add(stream)
         self._start_renewer()
         backoff = self._poll
@@ -301,7 +223,7 @@ class LocalTransport:
                 if stream.buffer:
                     claim = stream.buffer.popleft()
                     stream.handed.add(claim.id)
-                    yield _LocalDelivery(self, claim)
+                    yield LocalDelivery(self, claim)
                     continue
                 stream.wake.clear()
                 wait: float | None = None  # prefetch full: sleep until a settle wakes us
@@ -320,7 +242,7 @@ class LocalTransport:
                     async with asyncio.timeout(wait):
                         await stream.wake.wait()
         finally:
-            _DOORBELLS.unregister(self._bell, bell)
+            DOORBELLS.unregister(self._bell, bell)
             self._streams.discard(stream)
             # Claimed but never handed out: given back now, under the fence of that claim (a
             # claim still running as close() gave back the rows can have taken them again).
