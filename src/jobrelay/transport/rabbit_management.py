@@ -9,6 +9,7 @@ enabled the answer is a reason, not an error.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 import httpx
@@ -49,40 +50,50 @@ def _vhost(broker_url: str) -> str:
     return unquote(path[1:]) if len(path) > 1 else "/"
 
 
+async def _queue_documents(
+    broker_url: str, configured: str | None, queues: list[str], timeout: float
+) -> tuple[list[dict[str, Any]] | None, list[str]]:
+    """``GET /api/queues/{vhost}/{name}`` for each queue, from the first endpoint that
+    answers them all; else None and why each endpoint did not."""
+    vhost = quote(_vhost(broker_url), safe="")
+    failures: list[str] = []
+    async with httpx.AsyncClient(timeout=timeout, auth=_credentials(broker_url)) as client:
+        for endpoint in management_urls(broker_url, configured):
+            try:
+                documents = []
+                for name in queues:
+                    answer = await client.get(
+                        f"{endpoint}/api/queues/{vhost}/{quote(name, safe='')}"
+                    )
+                    answer.raise_for_status()
+                    documents.append(dict(answer.json()))
+                return documents, failures
+            except (httpx.HTTPError, ValueError, TypeError) as exc:
+                bare = urlsplit(endpoint)
+                failures.append(f"{bare.scheme}://{bare.hostname}:{bare.port or ''}: {exc}")
+    return None, failures
+
+
 async def placements(
     broker_url: str, configured: str | None, queues: list[str]
 ) -> list[Placement] | str:
     """Each queue's leader and members, or why they cannot be known."""
-    endpoints = management_urls(broker_url, configured)
-    vhost = quote(_vhost(broker_url), safe="")
-    failures: list[str] = []
-    async with httpx.AsyncClient(timeout=_TIMEOUT, auth=_credentials(broker_url)) as client:
-        for endpoint in endpoints:
-            out: list[Placement] = []
-            try:
-                for name in queues:
-                    path = f"/api/queues/{vhost}/{quote(name, safe='')}"
-                    answer = await client.get(endpoint + path)
-                    answer.raise_for_status()
-                    data = answer.json()
-                    out.append(
-                        Placement(
-                            queue=name,
-                            leader=data.get("leader") or data.get("node"),
-                            members=tuple(data.get("members") or ()),
-                            online=tuple(data.get("online") or ()),
-                        )
-                    )
-            except (httpx.HTTPError, ValueError) as exc:
-                bare = urlsplit(endpoint)
-                failures.append(f"{bare.scheme}://{bare.hostname}:{bare.port or ''}: {exc}")
-                continue
-            return out
-    return (
-        "leaders and members unknown: the management API did not answer ("
-        + "; ".join(failures)
-        + "); enable rabbitmq_management or set JOBRELAY_BROKER_MANAGEMENT_URL"
-    )
+    documents, failures = await _queue_documents(broker_url, configured, queues, _TIMEOUT)
+    if documents is None:
+        return (
+            "leaders and members unknown: the management API did not answer ("
+            + "; ".join(failures)
+            + "); enable rabbitmq_management or set JOBRELAY_BROKER_MANAGEMENT_URL"
+        )
+    return [
+        Placement(
+            queue=name,
+            leader=data.get("leader") or data.get("node"),
+            members=tuple(data.get("members") or ()),
+            online=tuple(data.get("online") or ()),
+        )
+        for name, data in zip(queues, documents, strict=True)
+    ]
 
 
 async def unacked(
@@ -90,21 +101,16 @@ async def unacked(
 ) -> dict[str, int] | None:
     """Each queue's delivered-but-unacked messages (in flight), or None when the management
     API does not answer: AMQP's passive declare counts only the ready ones."""
-    vhost = quote(_vhost(broker_url), safe="")
-    async with httpx.AsyncClient(timeout=timeout, auth=_credentials(broker_url)) as client:
-        for endpoint in management_urls(broker_url, configured):
-            try:
-                out = {}
-                for name in queues:
-                    answer = await client.get(
-                        f"{endpoint}/api/queues/{vhost}/{quote(name, safe='')}"
-                    )
-                    answer.raise_for_status()
-                    out[name] = int(answer.json().get("messages_unacknowledged") or 0)
-                return out
-            except (httpx.HTTPError, ValueError, TypeError):
-                continue
-    return None
+    documents, _ = await _queue_documents(broker_url, configured, queues, timeout)
+    if documents is None:
+        return None
+    try:
+        return {
+            name: int(data.get("messages_unacknowledged") or 0)
+            for name, data in zip(queues, documents, strict=True)
+        }
+    except (TypeError, ValueError):  # not a count: unknown, never a guess
+        return None
 
 
 def render(found: list[Placement] | str) -> str:
