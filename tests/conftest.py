@@ -21,12 +21,19 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
 from jobrelay.storage.engine import upgrade
+
+from .own_servers import OwnPostgres
+
+if TYPE_CHECKING:
+    from jobrelay.chaos.rabbit_cluster import Node
 
 PG_ADMIN_URL = os.environ.get(
     "JOBRELAY_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -47,13 +54,13 @@ def _unavailable(service: str, reason: str) -> None:
     pytest.skip(message)
 
 
-def _admin_exec(sql: str) -> None:
+def _admin_exec(sql: str, admin_url: str = PG_ADMIN_URL) -> None:
     import asyncio
 
     import asyncpg
 
     async def run() -> None:
-        conn = await asyncpg.connect(PG_ADMIN_URL)
+        conn = await asyncpg.connect(admin_url)
         try:
             await conn.execute(sql)
         finally:
@@ -83,7 +90,7 @@ def pg_template() -> Iterator[str]:
         _admin_exec(f'DROP ROLE IF EXISTS "{APP_ROLE}"')
 
 
-def _grant_app_role(url: str) -> None:
+def _grant_app_role(url: str, role: str = APP_ROLE) -> None:
     """What an operator does once, as the owner: ``jobrelay db upgrade`` (the schema and the
     export app's tables), then ``jobrelay db grant``."""
     import asyncio
@@ -93,7 +100,7 @@ def _grant_app_role(url: str) -> None:
 
     settings = Settings(database_url=url)
     asyncio.run(upgrade_database(settings))
-    asyncio.run(grant_role(settings, APP_ROLE))
+    asyncio.run(grant_role(settings, role))
 
 
 @pytest.fixture
@@ -135,7 +142,64 @@ def database_url(request: pytest.FixtureRequest) -> str:
 
 
 def _rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
+    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=120)
+
+
+def _erl_binaries(names: list[str]) -> str:
+    return "[" + ", ".join(f'<<"{name}">>' for name in names) + "]"
+
+
+class VhostPool:
+    """Fresh vhosts for the tests, made and deleted in batches.
+
+    Every ``rabbitmqctl`` call boots an Erlang VM: about 1 s on a quiet machine, 6-9 s on a
+    loaded one, and a vhost per test took three calls (add, permissions, delete). Here one
+    ``rabbitmqctl eval`` makes a batch (each vhost with its one user's permissions) and one
+    deletes the used ones, so a test pays a fraction of a call. A vhost is handed out once;
+    a used one is deleted with the next batch, and whatever is left when the session ends.
+    """
+
+    BATCH = 8
+
+    def __init__(self, prefix: str, user: str, permission: str) -> None:
+        self._prefix, self._user, self._permission = prefix, user, permission
+        self._fresh: list[str] = []
+        self._used: list[str] = []
+
+    def take(self) -> str:
+        if not self._fresh:
+            self._delete_used()
+            names = [f"{self._prefix}-{uuid.uuid4().hex[:8]}" for _ in range(self.BATCH)]
+            escaped = self._permission.replace("\\", "\\\\")  # Erlang strings unescape
+            perm = f'<<"{escaped}">>'
+            _rabbitmqctl(
+                "eval",
+                '[begin ok = rabbit_vhost:add(V, <<"jobrelay-tests">>), '
+                f'ok = rabbit_auth_backend_internal:set_permissions(<<"{self._user}">>, V, '
+                f'{perm}, {perm}, {perm}, <<"jobrelay-tests">>) end '
+                f"|| V <- {_erl_binaries(names)}], ok.",
+            )
+            self._fresh = names
+        return self._fresh.pop()
+
+    def give_back(self, vhost: str) -> None:
+        self._used.append(vhost)
+        if len(self._used) >= self.BATCH:
+            self._delete_used()
+
+    def close(self) -> None:
+        self._used += self._fresh
+        self._fresh = []
+        self._delete_used()
+
+    def _delete_used(self) -> None:
+        if self._used:
+            names, self._used = self._used, []
+            _rabbitmqctl(
+                "eval",
+                f'[rabbit_vhost:delete(V, <<"jobrelay-tests">>) || V <- {_erl_binaries(names)}],'
+                " ok.",
+            )
 
 
 @pytest.fixture(scope="session")
@@ -148,16 +212,23 @@ def rabbitmq_available() -> None:
         _unavailable("RabbitMQ", f"{type(exc).__name__}: {exc}")
 
 
+@pytest.fixture(scope="session")
+def _guest_vhosts(rabbitmq_available: None) -> Iterator[VhostPool]:
+    pool = VhostPool(f"jobrelay-test-{RUN_ID}", "guest", ".*")
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture
-def amqp_url(rabbitmq_available: None) -> Iterator[str]:
+def amqp_url(_guest_vhosts: VhostPool) -> Iterator[str]:
     """A fresh vhost per test, so no test ever sees another's queues."""
-    vhost = f"jobrelay-test-{RUN_ID}-{uuid.uuid4().hex[:8]}"
-    _rabbitmqctl("add_vhost", vhost)
-    _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+    vhost = _guest_vhosts.take()
     try:
         yield f"{AMQP_BASE}/{vhost}"
     finally:
-        _rabbitmqctl("delete_vhost", vhost)
+        _guest_vhosts.give_back(vhost)
 
 
 @pytest.fixture(scope="session")
@@ -169,15 +240,97 @@ def amqp_app_user(rabbitmq_available: None) -> Iterator[str]:
         _rabbitmqctl("delete_user", AMQP_APP_USER)
 
 
+@pytest.fixture(scope="session")
+def _app_vhosts(amqp_app_user: str) -> Iterator[VhostPool]:
+    pool = VhostPool(f"jobrelay-app-{RUN_ID}", amqp_app_user, AMQP_APP_PERMISSION)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture
-def amqp_app_url(amqp_app_user: str) -> Iterator[str]:
+def amqp_app_url(amqp_app_user: str, _app_vhosts: VhostPool) -> Iterator[str]:
     """A fresh vhost that only the vhost-limited user may use, and only for jobrelay.*."""
-    vhost = f"jobrelay-app-{RUN_ID}-{uuid.uuid4().hex[:8]}"
-    _rabbitmqctl("add_vhost", vhost)
-    permission = AMQP_APP_PERMISSION
-    _rabbitmqctl("set_permissions", "-p", vhost, amqp_app_user, permission, permission, permission)
+    vhost = _app_vhosts.take()
     host = urlsplit(AMQP_BASE).netloc.rpartition("@")[2]
     try:
         yield f"amqp://{amqp_app_user}:{AMQP_APP_PASSWORD}@{host}/{vhost}"
     finally:
-        _rabbitmqctl("delete_vhost", vhost)
+        _app_vhosts.give_back(vhost)
+
+
+# --- servers a test owns (tests/own_servers.py): for the tests that stop or restart one ---
+
+
+@dataclass(frozen=True)
+class OwnDatabase:
+    """A migrated database on a throwaway cluster, as the owner and as the app role."""
+
+    server: OwnPostgres
+    url: str
+    app_url: str
+
+
+@pytest.fixture(scope="module")
+def own_postgres() -> Iterator[OwnPostgres]:
+    """A throwaway PostgreSQL cluster for the module: the test may stop and restart it; the
+    machine's server is never touched. Removed on every exit path (finalizer and atexit)."""
+    from .own_servers import OwnPostgresError, available
+
+    if reason := available():
+        _unavailable("a throwaway PostgreSQL", reason)
+    try:
+        server = OwnPostgres()
+    except OwnPostgresError as exc:
+        _unavailable("a throwaway PostgreSQL", str(exc))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture
+def own_pg(own_postgres: OwnPostgres) -> Iterator[OwnDatabase]:
+    """A fresh database on ``own_postgres``, migrated, with the least-privileged role's grants
+    (the same shape as ``pg_url`` / ``pg_app_url``)."""
+    if own_postgres.postmaster_pid() is None:  # a test before stopped it and failed
+        own_postgres.start()
+    admin = own_postgres.admin_url
+    name = f"jobrelay_own_{uuid.uuid4().hex[:8]}"
+    role = f"jobrelay_app_{RUN_ID}"
+    _admin_exec(f'CREATE DATABASE "{name}"', admin)
+    _admin_exec(
+        f'DO $$ BEGIN CREATE ROLE "{role}" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE; '
+        "EXCEPTION WHEN duplicate_object THEN NULL; END $$",
+        admin,
+    )
+    url = _with_db(admin, name)
+    _grant_app_role(url, role)
+    parts = urlsplit(url)
+    app_url = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port}"))
+    try:
+        yield OwnDatabase(own_postgres, url, app_url)
+    finally:
+        if own_postgres.postmaster_pid() is not None:
+            _admin_exec(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', admin)
+
+
+@pytest.fixture(scope="module")
+def own_rabbitmq() -> Iterator[Node]:
+    """A RabbitMQ node of the test's own (a cluster of one, on free ports): the test may stop
+    and restart its application; the machine's broker is never touched."""
+    from jobrelay.chaos.rabbit_cluster import ClusterError, RabbitCluster, available
+
+    if reason := available():
+        _unavailable("a RabbitMQ node of the tests' own", reason)
+    cluster = RabbitCluster(1, base_port=0)
+    try:
+        cluster.start()
+    except ClusterError as exc:
+        _unavailable("a RabbitMQ node of the tests' own", str(exc))
+    try:
+        yield cluster.nodes[0]
+    finally:
+        cluster.stop()

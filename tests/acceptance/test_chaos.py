@@ -3,9 +3,10 @@ kill -9, a crash at every fault point and restarts of both services, as CI's pro
 change. ``make chaos`` runs the same with 2,000 jobs and more faults.
 
 The seed is fixed so a failure here replays with the command in the report; set
-``JOBRELAY_CHAOS_SEED`` to try another. The soak restarts the machine's PostgreSQL and
-RabbitMQ, which every other test also uses: tests run one at a time, and the soak waits for
-both to be back before it checks anything.
+``JOBRELAY_CHAOS_SEED`` to try another. The soak restarts PostgreSQL and RabbitMQ: here they
+are the tests' own (a throwaway cluster and a RabbitMQ node, tests/own_servers.py), never the
+machine's, so the other tests (in parallel) are not disturbed. ``make chaos`` restarts the
+machine's by default.
 """
 
 from __future__ import annotations
@@ -13,25 +14,42 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+from ..own_servers import OwnPostgres
 from .procs import clean_env, run_cli
+
+if TYPE_CHECKING:
+    from jobrelay.chaos.rabbit_cluster import Node
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.rabbitmq]
 SEED = os.environ.get("JOBRELAY_CHAOS_SEED", "3")
 
 
+def own_services(postgres: OwnPostgres, rabbit: Node | None = None) -> list[str]:
+    """The soak's options for the tests' own servers: it restarts those, not the machine's."""
+    options = [
+        "--pg-server", postgres.server_url,
+        "--postgres-restart", shlex.join(postgres.restart_command()),
+    ]  # fmt: skip
+    if rabbit is not None:
+        options += ["--amqp-server", rabbit.url.rstrip("/"), "--rabbitmq-node", rabbit.name]
+    return options
+
+
 @pytest.mark.timeout(400)
 def test_short_soak_loses_nothing_and_does_nothing_twice(
-    tmp_path: Path, rabbitmq_available: None, pg_template: str
+    tmp_path: Path, own_postgres: OwnPostgres, own_rabbitmq: Node
 ) -> None:
     out = tmp_path / "chaos"
     result = run_cli(
         "chaos", "--jobs", "200", "--profile", "short", "--seed", SEED, "--out", str(out),
-        env=clean_env(), timeout=380,
+        *own_services(own_postgres, own_rabbitmq), env=clean_env(), timeout=380,
     )  # fmt: skip
     last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, f"{last}\n{result.stderr[-6000:]}"
@@ -74,7 +92,7 @@ def test_short_soak_loses_nothing_and_does_nothing_twice(
 
 @pytest.mark.timeout(500)
 def test_short_soak_on_a_rabbitmq_cluster_survives_the_work_queue_leader_stopping(
-    tmp_path: Path, rabbitmq_available: None, pg_template: str
+    tmp_path: Path, own_postgres: OwnPostgres
 ) -> None:
     """The soak on its own 3-node cluster: 2 apis, 3 relays and 4 workers given every node,
     the work queue's leader stopped under load (plus the kills, crashes and the PostgreSQL
@@ -88,7 +106,7 @@ def test_short_soak_on_a_rabbitmq_cluster_survives_the_work_queue_leader_stoppin
     out = tmp_path / "chaos"
     result = run_cli(
         "chaos", "--jobs", "200", "--profile", "short", "--seed", SEED, "--out", str(out),
-        "--cluster", "3", env=clean_env(), timeout=480,
+        "--cluster", "3", *own_services(own_postgres), env=clean_env(), timeout=480,
     )  # fmt: skip
     last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, f"{last}\n{result.stderr[-6000:]}"

@@ -8,8 +8,8 @@ write (``lease_lost``), and the object at the result key must stay the one the w
 committed. The outage test stops PostgreSQL for 40 s while two workers are busy: nothing may
 be released towards the broker's delivery limit, quarantined or done twice.
 
-Stopping PostgreSQL breaks every other test using it, so the outage test announces itself
-in ``/tmp/jobrelay-pg-outage.lock`` while the server is down, and always starts it again.
+The PostgreSQL the outage test stops is its own throwaway cluster (``own_pg``,
+tests/own_servers.py), never the machine's: other tests, in parallel, keep theirs.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from jobrelay.chaos.sandbox import default_postgres_restart
 from jobrelay.domain.states import JobState
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.store import EventRecord, JobRecord, Store
 from jobrelay.transport.topology import QUARANTINE_QUEUE, WORK_QUEUE
 
+from ..conftest import OwnDatabase
 from .procs import FAST_ENV, Proc, clean_env, free_port, poll, processes, run_cli, wait_http
 
 pytestmark = [pytest.mark.slow]
@@ -45,7 +45,6 @@ T = TypeVar("T")
 STALL_SECONDS = 30  # the zombie's first attempt: far longer than anything else in the test
 OUTAGE_SECONDS = 40
 OUTAGE_JOBS = 200
-OUTAGE_LOCK = Path("/tmp/jobrelay-pg-outage.lock")
 # A ledger row booked after the winner's export: in any CSV of this month written later.
 LATE_ROW = "Booked after the takeover"
 
@@ -332,23 +331,6 @@ def test_zombie_worker_loses_every_write_and_never_replaces_the_result(
     assert lost[0].detail["attempt"] == 1 and lost[0].detail["currentAttempt"] == 2
 
 
-def pg_ctl(action: str, *options: str) -> subprocess.CompletedProcess[str]:
-    """``pg_ctlcluster … main ACTION``, the command the soak restarts PostgreSQL with."""
-    command = [*default_postgres_restart()[:-1], action, *options]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-
-
-def stop_postgres() -> None:
-    done = pg_ctl("stop", "-m", "fast")
-    assert done.returncode == 0, done.stderr
-
-
-def start_postgres() -> None:
-    """Start it again; also on the way out of a failure, when it may never have stopped."""
-    done = pg_ctl("start")
-    assert done.returncode == 0 or "already running" in done.stderr, done.stderr
-
-
 def queue_counts(vhost: str, column: str = "messages") -> dict[str, int]:
     """One column of ``rabbitmqctl list_queues`` per queue (``messages``: ready + unacked)."""
     out = subprocess.run(
@@ -365,8 +347,9 @@ def queue_counts(vhost: str, column: str = "messages") -> dict[str, int]:
 @pytest.mark.rabbitmq
 @pytest.mark.timeout(420)
 def test_database_outage_holds_deliveries_and_finishes_every_job_once(
-    pg_url: str, pg_app_url: str, amqp_app_url: str, tmp_path: Path
+    own_pg: OwnDatabase, amqp_app_url: str, tmp_path: Path
 ) -> None:
+    pg_url, pg_app_url, server = own_pg.url, own_pg.app_url, own_pg.server
     exports = tmp_path / "exports"
     vhost = urlsplit(amqp_app_url).path.lstrip("/")
     env = clean_env(
@@ -412,27 +395,20 @@ def test_database_outage_holds_deliveries_and_finishes_every_job_once(
             done_before = db.scalar(succeeded)
             assert done_before < OUTAGE_JOBS - 50  # most of the work is still ahead
 
+            server.stop()
+            down_at = time.monotonic()
             try:
-                OUTAGE_LOCK.open("x").close()
-            except FileExistsError:
-                pytest.fail(f"{OUTAGE_LOCK} exists: another PostgreSQL outage is under way")
-            try:
-                stop_postgres()
-                down_at = time.monotonic()
-                try:
-                    poll(
-                        lambda: all('"event": "consumer_paused"' in w.log() for w in workers),
-                        OUTAGE_SECONDS,
-                        "both workers to notice the outage and pause",
-                    )
-                    time.sleep(max(0.0, down_at + OUTAGE_SECONDS - time.monotonic()))  # outage
-                    assert all(w.popen.poll() is None for w in [*workers, relay])
-                    # Still held at the end: neither acked nor given back to the queue.
-                    held = queue_counts(vhost, "messages_unacknowledged")[WORK_QUEUE]
-                finally:
-                    start_postgres()
+                poll(
+                    lambda: all('"event": "consumer_paused"' in w.log() for w in workers),
+                    OUTAGE_SECONDS,
+                    "both workers to notice the outage and pause",
+                )
+                time.sleep(max(0.0, down_at + OUTAGE_SECONDS - time.monotonic()))  # the outage
+                assert all(w.popen.poll() is None for w in [*workers, relay])
+                # Still held at the end: neither acked nor given back to the queue.
+                held = queue_counts(vhost, "messages_unacknowledged")[WORK_QUEUE]
             finally:
-                OUTAGE_LOCK.unlink(missing_ok=True)
+                server.start()
             poll(db.reachable, 60, "PostgreSQL to accept connections again")
 
             poll(

@@ -70,6 +70,9 @@ class Services:
     amqp_server: str = "amqp://guest:guest@127.0.0.1:5672"
     postgres_restart: list[str] = field(default_factory=default_postgres_restart)
     rabbitmq_down_seconds: float = 3.0
+    # The node ``rabbitmqctl`` speaks to (``-n``) when the broker is not the machine's default
+    # node: the tests' own node, so a soak in the tests restarts that one and no other.
+    rabbitmq_node: str | None = None
     # The soak's own RabbitMQ cluster (``--cluster N``), instead of the machine's broker.
     cluster: RabbitCluster | None = None
 
@@ -81,7 +84,8 @@ class Services:
 
     async def rabbitmqctl(self, *args: str, log: Path | None = None) -> str:
         if self.cluster is None:
-            return await run_command(["rabbitmqctl", "-q", *args], log=log)
+            node_option = ["-n", self.rabbitmq_node] if self.rabbitmq_node else []
+            return await run_command(["rabbitmqctl", "-q", *node_option, *args], log=log)
         node = self.cluster.live_node().name
         return await run_command(["rabbitmqctl", "-q", "-n", node, *args], log=log)
 

@@ -1,0 +1,189 @@
+"""Servers a test owns: a throwaway PostgreSQL cluster, so a test that stops or restarts
+PostgreSQL never touches the machine's.
+
+The machine's PostgreSQL and RabbitMQ are shared with whatever else runs there (other
+projects, other test runs); a test that kills them breaks those. So a test that needs an
+outage starts its own server from the installed binaries: ``initdb`` into a temporary
+directory, trust authentication on loopback, a free port, its own socket directory. PostgreSQL
+refuses to run as root, so as root the cluster belongs to the ``postgres`` user (``runuser``).
+
+Stopped and removed on every exit path: the fixture's finalizer, ``atexit`` for a run that
+ends abruptly, and the postmaster runs in its own process group, which ``stop`` kills if a
+fast shutdown does not answer. The RabbitMQ equivalent is ``jobrelay.chaos.rabbit_cluster``
+(one node is a cluster of one).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+_START_TIMEOUT = 60.0
+
+
+class OwnPostgresError(Exception):
+    """The throwaway cluster could not be made or started: not a verdict on jobrelay."""
+
+
+def postgres_bin() -> Path | None:
+    """The newest installed PostgreSQL's bin directory (Debian layout), or None."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=_version)
+    return Path(found[-1]).parent if found else None
+
+
+def _version(path: str) -> float:
+    try:
+        return float(Path(path).parent.parent.name)
+    except ValueError:
+        return 0.0
+
+
+def available() -> str | None:
+    """None when a throwaway cluster can be started here, else why not."""
+    if postgres_bin() is None:
+        return "no PostgreSQL server binaries (/usr/lib/postgresql/*/bin/initdb)"
+    if os.geteuid() == 0 and shutil.which("runuser") is None:
+        return "running as root and runuser is missing (initdb refuses root)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class OwnPostgres:
+    """One PostgreSQL cluster in a temporary directory; ``start``, ``stop``, ``restart``."""
+
+    def __init__(self) -> None:
+        bin_dir = postgres_bin()
+        if (reason := available()) or bin_dir is None:
+            raise OwnPostgresError(reason or "no PostgreSQL server binaries")
+        self.bin: Path = bin_dir
+        self.root = Path(tempfile.mkdtemp(prefix="jobrelay-pg-"))
+        self.root.chmod(0o755)
+        self.data = self.root / "data"
+        self.sockets = self.root / "sockets"
+        self.log = self.root / "server.log"
+        self.port = _free_port()
+        self._removed = False
+        self.sockets.mkdir()
+        if os.geteuid() == 0:
+            subprocess.run(["chown", "-R", "postgres:postgres", str(self.root)], check=True)
+        atexit.register(self.remove)
+        self._as_owner(
+            "initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust",
+            "--no-sync", "-E", "UTF8", "--locale=C.UTF-8",
+        )  # fmt: skip
+
+    @property
+    def server_url(self) -> str:
+        """The server without a database (``…/postgres`` is the admin database)."""
+        return f"postgresql://postgres@127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"{self.server_url}/postgres"
+
+    def pg_ctl(self, *args: str) -> list[str]:
+        """The ``pg_ctl`` command line for this cluster, as its owner, in a session of its own
+        (the postmaster it starts is its own process group), logging to the server's log (so
+        no pipe of the caller's stays open)."""
+        return [
+            "setsid", "-w", *self._owner_prefix(), str(self.bin / "pg_ctl"),
+            "-D", str(self.data), *args,
+        ]  # fmt: skip
+
+    def restart_command(self) -> list[str]:
+        """What the soak runs to restart this server (``--postgres-restart``)."""
+        return self.pg_ctl("restart", "-w", "-m", "fast", "-l", str(self.log))
+
+    def start(self) -> None:
+        options = (
+            f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1 "
+            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
+            "-c max_connections=200"
+        )
+        self._run(self.pg_ctl("start", "-w", "-t", str(int(_START_TIMEOUT)), "-l", str(self.log),
+                              "-o", options))  # fmt: skip
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server; if it does not stop, kill its process group."""
+        pid = self.postmaster_pid()
+        if pid is None:
+            return
+        try:
+            self._run(self.pg_ctl("stop", "-w", "-m", mode, "-t", "30"))
+        except OwnPostgresError:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                group = os.getpgid(pid)
+                if group == os.getpgrp():  # started from this run's own group: not the group
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    os.killpg(group, signal.SIGKILL)
+            self._wait_gone(pid)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def postmaster_pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def remove(self) -> None:
+        """Stop the server and delete its directory; safe to call again (atexit does)."""
+        if self._removed:
+            return
+        self._removed = True
+        with contextlib.suppress(Exception):
+            self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.remove)
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _owner_prefix(self) -> list[str]:
+        return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+    def _as_owner(self, tool: str, *args: str) -> None:
+        self._run([*self._owner_prefix(), str(self.bin / tool), *args])
+
+    def _run(self, argv: list[str]) -> None:
+        # Its own session: the postmaster it forks is in a process group of its own, which
+        # ``stop`` can kill whole, and a Ctrl-C of the test run does not reach it first.
+        done = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=_START_TIMEOUT + 30,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=self.root,
+        )
+        if done.returncode != 0:
+            detail = (done.stderr or done.stdout).strip()[-1500:]
+            raise OwnPostgresError(f"`{' '.join(argv)}` exited {done.returncode}: {detail}")
+
+    @staticmethod
+    def _wait_gone(pid: int) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
