@@ -144,27 +144,31 @@ def test_worker_crash_in_export_consumes_attempt_and_completes_once(
 def test_worker_sigkilled_mid_export_completes_once(
     env: dict[str, str], db: Db, tmp_path: Path
 ) -> None:
-    # A month big enough that the export is still streaming when we kill the worker.
-    _bulk_month(db, "2021-06", 400_000)
+    # The first attempt is held in the operation (a stall fault) until the SIGKILL: the kill
+    # lands mid-export however fast the machine is (a big month, at COPY speed, used to end
+    # before the poll saw it under way).
+    _bulk_month(db, "2021-06", 20_000)
     with processes(tmp_path) as start:
         start("relay", "relay", env=env)
         job_id = _submit(db, env, period="2021-06")
-        victim = start("worker", "worker", env=env)
+        victim = start("worker", "worker", env={**env, "JOBRELAY_FAULTS": "export.run:stall:120:1"})
         poll(
-            lambda: (j := db.job(job_id)) and (j.progress_done or 0) > 0,
+            lambda: '"event": "fault_fired"' in victim.log() and "stall" in victim.log(),
             60,
-            "the export to be under way",
+            "attempt 1 to be held in the export",
         )
+        running = db.job(job_id)
+        assert running is not None and running.state is JobState.RUNNING and running.attempt == 1
         victim.kill9()
-        assert db.job(job_id).state is JobState.RUNNING
+        assert db.job(job_id).state is JobState.RUNNING  # lease held by a dead worker
         start("worker", "worker", env=env)
         job = finished(db, job_id)
     assert job.state is JobState.SUCCEEDED and job.attempt == 2
-    assert job.result_meta["rows"] == 400020
+    assert job.result_meta["rows"] == 20_020
     assert db.kinds(job_id).count("result_saved") == 1
     assert results(tmp_path) == [tmp_path / "exports" / job.result_key]
     temps = list((tmp_path / "exports").rglob(".*.tmp"))
-    assert len(temps) <= 1  # the killed writer's partial file: hidden, removed once stale
+    assert len(temps) <= 1  # a killed writer's partial file: hidden, removed once stale
 
 
 def test_sigterm_drains_the_export_in_flight(env: dict[str, str], db: Db, tmp_path: Path) -> None:

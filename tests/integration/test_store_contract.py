@@ -109,17 +109,30 @@ async def test_submit_notifies_listening_relays_once_per_new_job(store: Store) -
     if not store.is_postgres:
         pytest.skip("NOTIFY is PostgreSQL's")
     heard: list[str] = []
-    listener = await asyncpg.connect(
-        store.engine.url.set(drivername="postgresql").render_as_string(False)
-    )
+    marker = asyncio.Event()
+
+    def hear(_conn: object, _pid: int, _channel: str, payload: str) -> None:
+        heard.append(payload)
+        if payload == "marker":
+            marker.set()
+
+    url = store.engine.url.set(drivername="postgresql").render_as_string(False)
+    listener = await asyncpg.connect(url)
     try:
-        await listener.add_listener(NOTIFY_CHANNEL, lambda *args: heard.append(args[2]))
+        await listener.add_listener(NOTIFY_CHANNEL, hear)
         await store.submit(new_job(), T0)
         await store.submit(new_job(), T0)  # the same request again: nothing written
-        await asyncio.sleep(0.2)
+        # Notifications arrive in commit order: once a marker sent after both submits is
+        # heard, whatever they sent has been heard too (no fixed wait for an absence).
+        sender = await asyncpg.connect(url)
+        try:
+            await sender.execute("SELECT pg_notify($1, 'marker')", NOTIFY_CHANNEL)
+        finally:
+            await sender.close()
+        await asyncio.wait_for(marker.wait(), 30)
     finally:
         await listener.close()
-    assert heard == [NOTIFY_CHANNEL]
+    assert heard == ["", "marker"]
 
 
 async def test_a_token_found_is_remembered_briefly_and_an_unknown_one_never(
