@@ -10,9 +10,14 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from jobrelay.app import App
 from jobrelay.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jobrelay.operations.base import Registry
+    from jobrelay.settings import Settings
 
 DEFAULT_APP = "jobrelay.exports.app:app"
 
@@ -42,3 +47,10 @@ def load_app(spec: str | None) -> App:
             "JOBRELAY_APP", f"{spec!r} is a {type(found).__name__}, not a jobrelay.App"
         )
     return found
+
+
+def default_registry(settings: Settings | None = None) -> Registry:
+    """The default app's job types (``DEFAULT_APP``), built with ``settings`` (else the app's
+    own, from the environment). Here, not in ``operations.base``: the port knows no app, the
+    loader knows them all."""
+    return load_app(None).registry(settings)

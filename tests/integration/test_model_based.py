@@ -70,14 +70,9 @@ from jobrelay.domain.ids import job_id_for, request_hash
 from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState, can_transition
 from jobrelay.exports.seed import seed
+from jobrelay.loader import default_registry
 from jobrelay.observe.faults import Faults
-from jobrelay.operations.base import (
-    Operation,
-    OperationContext,
-    OperationResult,
-    Registry,
-    default_registry,
-)
+from jobrelay.operations.base import Operation, OperationContext, OperationResult, Registry
 from jobrelay.ops.operator import Operator
 from jobrelay.results.files import FileResults
 from jobrelay.roles.reconcile import LEASE_EXPIRED, Reconciler

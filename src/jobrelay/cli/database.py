@@ -1,8 +1,8 @@
 """``jobrelay db grant ROLE``: the grants a least-privileged runtime role needs.
 
-Registered on ``jobrelay db`` by importing this module (``cli`` does). Run as the schema's
-owner, after ``jobrelay db upgrade``; then run the api, relays and workers as ``ROLE``. See
-docs/security.md.
+``db_app`` is ``jobrelay db``, mounted by ``cli.main`` (``db upgrade`` joins it from
+provision). Run as the schema's owner, after ``jobrelay db upgrade``; then run the api,
+relays and workers as ``ROLE``. See docs/security.md.
 
 No ``from __future__ import annotations`` here: typer reads these annotations at run time.
 """
@@ -12,8 +12,10 @@ from typing import Annotated
 
 import typer
 
-from jobrelay.cli.main import db_app, fail, run, with_settings
+from jobrelay.cli.common import fail, run, with_settings
 from jobrelay.settings import Settings
+
+db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 
 # A plain PostgreSQL identifier (what CREATE ROLE takes unquoted), or a quoted one's text.
 _ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_$-]{0,62}$")

@@ -5,18 +5,30 @@ Every command accepts every setting as ``--option`` (``--database-url``…) next
 variable, exit code 2, and nothing created. Long-running commands drain on SIGTERM/SIGINT.
 """
 
-import asyncio
-import functools
-import inspect
-import signal
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Annotated, Any, Optional, TypeVar
+from typing import Annotated, Any, Optional
 
 import typer
 
-from jobrelay.errors import ConfigError, JobrelayError
+from jobrelay.cli import (
+    database,
+    inspection,
+    operator,
+    provision,
+    retention,
+    schedules,
+    tokens,
+    work_queues,
+)
+from jobrelay.cli.common import (  # noqa: F401 (re-exported for the tests and the app loader)
+    app_command,
+    fail,
+    known_job_id,
+    run,
+    run_until_signalled,
+    with_settings,
+)
 from jobrelay.observe import logs
-from jobrelay.settings import ENV_PREFIX, Settings, load_settings
+from jobrelay.settings import Settings
 
 app = typer.Typer(
     name="jobrelay",
@@ -25,35 +37,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
-broker_app = typer.Typer(help="Broker topology.", no_args_is_help=True)
-token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
-job_app = typer.Typer(help="One job.", no_args_is_help=True)
-jobs_app = typer.Typer(help="Many jobs.", no_args_is_help=True)
-app.add_typer(db_app, name="db")
-app.add_typer(broker_app, name="broker")
-app.add_typer(token_app, name="token")
-app.add_typer(job_app, name="job")
-app.add_typer(jobs_app, name="jobs")
-
-F = TypeVar("F", bound=Callable[..., Any])
-_SETTINGS_FIELDS = tuple(Settings.model_fields)
-
-
-def fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"jobrelay: error: {message}", err=True)
-    return typer.Exit(code)
-
-
-def known_job_id(raw: str) -> str:
-    """``raw`` as the API reads a path's jobId (the hyphenated UUID, either case), or the
-    same one line as for a job that does not exist."""
-    from jobrelay.domain.ids import canonical_job_id
-
-    job_id = canonical_job_id(raw)
-    if job_id is None:
-        raise fail(f"no job {raw}")
-    return job_id
 
 
 def _print_version(value: bool) -> None:
@@ -74,84 +57,6 @@ def _root(
     ] = False,
 ) -> None:
     """Background jobs that never silently disappear and never silently happen twice."""
-
-
-def with_settings(func: F) -> F:
-    """Add one ``--option`` per setting to a command and hand it the loaded ``Settings``."""
-    signature = inspect.signature(func)
-    params = [p for p in signature.parameters.values() if p.name != "settings"]
-    for name in _SETTINGS_FIELDS:
-        option = typer.Option(
-            "--" + name.replace("_", "-"),
-            help=f"Overrides {ENV_PREFIX}{name.upper()}.",
-            show_default=False,
-            rich_help_panel="Settings",
-        )
-        params.append(
-            inspect.Parameter(
-                name,
-                inspect.Parameter.KEYWORD_ONLY,
-                default=None,
-                annotation=Annotated[Optional[str], option],  # noqa: UP045 (typer needs it)
-            )
-        )
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        overrides = {name: kwargs.pop(name) for name in _SETTINGS_FIELDS}
-        try:
-            settings = load_settings(**overrides)
-        except ConfigError as exc:
-            raise fail(str(exc), 2) from None
-        try:
-            return func(*args, settings=settings, **kwargs)
-        except ConfigError as exc:
-            raise fail(str(exc), 2) from None
-        except JobrelayError as exc:
-            raise fail(str(exc)) from None
-
-    wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-    wrapper.__annotations__ = {p.name: p.annotation for p in params}
-    return wrapper  # type: ignore[return-value]
-
-
-def run_until_signalled(
-    main: Callable[[asyncio.Event], Awaitable[None]], *, fast_loop: bool = False
-) -> None:
-    """Run ``main(stop)``; SIGTERM/SIGINT set ``stop`` so it can drain, a second one aborts.
-
-    ``fast_loop``: on uvloop when it is installed (the API, where the loop's socket work is
-    a large share of each request), else on asyncio's own loop.
-    """
-
-    async def runner() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def on_signal() -> None:
-            if stop.is_set():
-                raise SystemExit(130)
-            stop.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
-        await main(stop)
-
-    with asyncio.Runner(loop_factory=_fast_loop_factory() if fast_loop else None) as loop_runner:
-        loop_runner.run(runner())
-
-
-def _fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
-
-
-def run(coro: Coroutine[Any, Any, Any]) -> Any:
-    return asyncio.run(coro)
 
 
 # --- processes -------------------------------------------------------------------------------
@@ -283,6 +188,12 @@ def chaos_cmd(
         Optional[str],  # noqa: UP045 (typer needs it)
         typer.Option(help="Command that restarts PostgreSQL [default: pg_ctlcluster … restart]."),
     ] = None,
+    rabbitmq_node: Annotated[
+        Optional[str],  # noqa: UP045 (typer needs it)
+        typer.Option(
+            help="RabbitMQ node to restart (rabbitmqctl -n) [default: the machine's own node]."
+        ),
+    ] = None,
     cluster: Annotated[
         int,
         typer.Option(
@@ -293,7 +204,13 @@ def chaos_cmd(
         ),
     ] = 0,
 ) -> None:
-    """Soak PostgreSQL + RabbitMQ under kill -9 and restarts; check nothing lost or doubled."""
+    """Soak PostgreSQL + RabbitMQ under kill -9 and restarts; check nothing lost or doubled.
+
+    By default it restarts the machine's PostgreSQL (pg_ctlcluster) and RabbitMQ application:
+    every other client of those servers loses its connections. Point --pg-server,
+    --postgres-restart, --amqp-server and --rabbitmq-node at servers of your own (as the tests
+    do) to leave the machine's alone.
+    """
     import shlex
     from pathlib import Path
 
@@ -310,6 +227,7 @@ def chaos_cmd(
     services = Services(pg_server=pg_server.rstrip("/"), amqp_server=amqp_server.rstrip("/"))
     if postgres_restart:
         services.postgres_restart = shlex.split(postgres_restart)
+    services.rabbitmq_node = rabbitmq_node
     logs.configure("chaos", "WARNING")
     options = ChaosOptions(
         jobs=jobs,
@@ -327,72 +245,13 @@ def chaos_cmd(
     raise typer.Exit(run(run_chaos(options)))
 
 
-def app_command(settings: Settings, name: str) -> Callable[..., int]:
-    """The body of command ``name`` from the app (``--app``/``JOBRELAY_APP``)."""
-    from jobrelay.loader import load_app
-
-    command = load_app(settings.app).commands.get(name)
-    if command is None:
-        raise ConfigError(
-            "JOBRELAY_APP", f"the app {settings.app or 'default'!r} has no {name!r} command"
-        )
-    return command
-
-
-# --- inspection ------------------------------------------------------------------------------
-
-
-@job_app.command("show")
-@with_settings
-def job_show_cmd(
-    settings: Settings,
-    job_id: Annotated[str, typer.Argument()],
-    as_json: Annotated[bool, typer.Option("--json", help="The explanation as JSON.")] = False,
-) -> None:
-    """State, facts, attempts and timeline of one job, and where to look next."""
-    from jobrelay.cli.retention import fail_missing
-    from jobrelay.ops.explain import show_job
-
-    job_id = known_job_id(job_id)
-    if not run(show_job(settings, job_id, as_json=as_json)):
-        raise fail_missing(settings, job_id, f"no job {job_id}")
-
-
-@jobs_app.command("list")
-@with_settings
-def jobs_list_cmd(
-    settings: Settings,
-    state: Annotated[Optional[str], typer.Option(help="Only jobs in this state.")] = None,  # noqa: UP045
-    limit: Annotated[int, typer.Option(min=1, max=10_000)] = 50,
-    reason: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option(help="Only jobs whose quarantine reason or last error contains this."),
-    ] = None,
-    job_type: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option("--type", help="Only jobs of this type."),
-    ] = None,
-) -> None:
-    """Recent jobs, newest first."""
-    from jobrelay.domain.states import JobState
-    from jobrelay.ops.explain import list_jobs
-
-    try:
-        wanted = JobState(state) if state else None
-    except ValueError:
-        choices = ", ".join(s.value for s in JobState)
-        raise fail(f"--state must be one of {choices}", 2) from None
-    run(list_jobs(settings, wanted, limit, reason=reason, job_type=job_type))
-
-
 # Set-up, operator actions, schedules, queues, the reconciler and prune live in modules of
-# their own; importing them registers their commands.
-from jobrelay.cli import (  # noqa: E402, F401
-    database,
-    operator,
-    provision,
-    retention,
-    schedules,
-    tokens,
-    work_queues,
-)
+# their own, each with its own Typer app; main mounts them (the groups under their names,
+# the top-level commands of a module without one).
+app.add_typer(database.db_app, name="db")
+app.add_typer(provision.broker_app, name="broker")
+app.add_typer(tokens.token_app, name="token")
+app.add_typer(inspection.job_app, name="job")
+app.add_typer(inspection.jobs_app, name="jobs")
+for commands in (provision.app, operator.app, retention.app, schedules.app, work_queues.app):
+    app.add_typer(commands)

@@ -1,7 +1,7 @@
 """CLI for operators: ``job replay``, ``job cancel``, ``jobs replay``, ``reconcile`` and
 ``quarantine purge``.
 
-Registered on the ``jobrelay`` command by importing this module (``cli`` does). Each action
+Its Typer app is mounted on the ``jobrelay`` command by ``cli.main``. Each action
 is audited in the job's timeline with ``--actor`` (by default ``cli:<user>@<host>``). The
 commands read and write the database only; the relay publishes what they put in the outbox.
 
@@ -13,7 +13,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from jobrelay.cli.main import app, fail, job_app, jobs_app, known_job_id, run, with_settings
+from jobrelay.cli.common import fail, known_job_id, run, with_settings
+from jobrelay.cli.inspection import job_app, jobs_app
 from jobrelay.cli.retention import fail_missing
 from jobrelay.observe import logs
 from jobrelay.ops.operator import BulkReplay, Operator, cli_actor, refusal
@@ -22,6 +23,8 @@ from jobrelay.roles.reconcile import Reconciler, Report
 from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.admin import ActionOutcome
+
+app = typer.Typer()  # top-level commands, mounted by cli.main
 
 Actor = Annotated[
     Optional[str],  # noqa: UP045 (typer needs it)

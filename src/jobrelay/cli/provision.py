@@ -1,6 +1,6 @@
 """CLI for setting a deployment up: ``db upgrade``, ``broker declare`` and ``seed``.
 
-Registered on the ``jobrelay`` command by importing this module (``cli.main`` does).
+Its Typer apps are mounted on the ``jobrelay`` command by ``cli.main``.
 No ``from __future__ import annotations`` here: typer reads these annotations at run time.
 """
 
@@ -8,9 +8,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from jobrelay.cli.main import app, app_command, broker_app, db_app, run, with_settings
+from jobrelay.cli.common import app_command, run, with_settings
+from jobrelay.cli.database import db_app
 from jobrelay.roles.database_files import require_database
 from jobrelay.settings import Settings
+
+app = typer.Typer()  # top-level commands, mounted by cli.main
+broker_app = typer.Typer(help="Broker topology.", no_args_is_help=True)
 
 
 @db_app.command("upgrade")

@@ -1,7 +1,7 @@
 """CLI for retention: ``jobrelay prune [--dry-run] [--older-than 30d]``, and the one line the
 job commands print for a job that retention deleted.
 
-Registered on the ``jobrelay`` command by importing this module (``cli.main`` does). The
+Its Typer app is mounted on the ``jobrelay`` command by ``cli.main``. The
 prune is the one the reconciler leader runs (``roles/prune.py``), repeated until nothing
 older is left; ``--dry-run`` counts the same rows and changes nothing. A bad
 ``--older-than`` is one line on stderr and exit code 2, before the database is opened.
@@ -15,12 +15,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from jobrelay.cli.main import app, fail, run, with_settings
+from jobrelay.cli.common import fail, run, with_settings
 from jobrelay.observe import logs
 from jobrelay.roles.prune import Pruner
 from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.retention import PruneCounts, Retention
+
+app = typer.Typer()  # top-level commands, mounted by cli.main
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
 _SECONDS = {"d": 86_400, "h": 3_600, "m": 60, "s": 1}

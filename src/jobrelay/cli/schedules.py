@@ -1,6 +1,6 @@
 """CLI for periodic jobs: ``schedules list``, ``schedules show``, ``schedules pause|resume``.
 
-Registered on the ``jobrelay`` command by importing this module (``cli.main`` does). Pause and
+Its Typer app is mounted on the ``jobrelay`` command by ``cli.main``. Pause and
 resume are audited on the schedule's timeline with ``--actor`` (by default
 ``cli:<user>@<host>``) and a required ``--reason``, like ``job cancel``. The commands read and
 write the database only; the schedulers (every relay, ``up``) act on what they find there.
@@ -13,12 +13,14 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from jobrelay.cli.main import app, fail, run, with_settings
+from jobrelay.cli.common import fail, run, with_settings
 from jobrelay.ops.operator import cli_actor
 from jobrelay.ops.schedules import ScheduleOperator, ScheduleRow, pause_refusal
 from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.schedules import PauseOutcome
+
+app = typer.Typer()  # mounted by cli.main
 
 schedules_app = typer.Typer(help="Periodic jobs.", no_args_is_help=True)
 app.add_typer(schedules_app, name="schedules")

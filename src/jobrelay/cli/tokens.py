@@ -6,7 +6,7 @@ secret; ``revoke ID`` ends a token. An API process remembers a valid token for u
 (``storage/tokens.py``), so a revoked token is refused everywhere within 5 s, and at once by
 the processes that had not seen it lately; an expired one is refused from its expiry on.
 
-Registered on the ``jobrelay token`` group by importing this module (``cli.main`` does).
+``token_app`` is ``jobrelay token``, mounted by ``cli.main``.
 No ``from __future__ import annotations`` here: typer reads these annotations at run time.
 """
 
@@ -18,11 +18,13 @@ from typing import Annotated, Optional
 import typer
 
 from jobrelay.api.schemas import ACCOUNT_PATTERN
-from jobrelay.cli.main import fail, run, token_app, with_settings
+from jobrelay.cli.common import fail, run, with_settings
 from jobrelay.cli.retention import parse_days
 from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.records import TokenInfo
+
+token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
 
 
 @token_app.command("create")

@@ -1,6 +1,6 @@
 """CLI for work queues: ``queues list``, ``queues pause|resume``.
 
-Registered on the ``jobrelay`` command by importing this module (``cli.main`` does). Pause
+Its Typer app is mounted on the ``jobrelay`` command by ``cli.main``. Pause
 and resume write the durable flag the workers poll (``storage.queue_pauses``), audited with
 ``--actor`` (by default ``cli:<user>@<host>``) and a required ``--reason``, like
 ``schedules pause``. Workers stop consuming a paused queue within
@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from jobrelay.cli.main import app, fail, run, with_settings
+from jobrelay.cli.common import fail, run, with_settings
 from jobrelay.ops.operator import cli_actor
 from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.queue_pauses import set_paused
+
+app = typer.Typer()  # mounted by cli.main
 
 if TYPE_CHECKING:
     from jobrelay.api.queues import QueuesOut

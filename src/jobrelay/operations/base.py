@@ -12,14 +12,11 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from jobrelay.observe.faults import Faults
 from jobrelay.results.base import ResultStore
 from jobrelay.storage.store import JobRecord, NewJob, Store
-
-if TYPE_CHECKING:
-    from jobrelay.settings import Settings
 
 ProgressFn = Callable[[int, int], Awaitable[None]]
 
@@ -70,11 +67,3 @@ class Registry:
 
     def get(self, job_type: str) -> Operation | None:
         return self._by_type.get(job_type)
-
-
-def default_registry(settings: Settings | None = None) -> Registry:
-    """The default app's job types (``loader.DEFAULT_APP``), built with ``settings`` (else
-    the app's own, from the environment)."""
-    from jobrelay.loader import load_app
-
-    return load_app(None).registry(settings)
