@@ -3,40 +3,69 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+HASH := $(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# Two stamps: the demo needs only the runtime; the tests add the test extra (Playwright,
+# schemathesis, moto, mypy, ruff, xdist) on top.
+RUNTIME_STAMP := $(VENV)/.runtime-$(HASH)
+TEST_STAMP := $(VENV)/.test-$(HASH)
+# Parallel test processes (pytest-xdist). Most tests wait on subprocesses, PostgreSQL and
+# RabbitMQ rather than on the CPU, so more processes than the 2 cores pay.
+TEST_WORKERS ?= 3
+PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck unit bench bench-soak chaos clean
+.PHONY: demo test test-slow lint typecheck unit bench bench-soak chaos clean
 
-$(STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
-	@rm -f $(VENV)/.installed-*
-	@touch $(STAMP)
+	$(BIN)/python -m pip install --quiet -e .
+	@rm -f $(VENV)/.runtime-*
+	@touch $(RUNTIME_STAMP)
 
-## demo: run the main job end to end on the embedded default (SQLite + local transport)
-demo: $(STAMP)
+$(TEST_STAMP): $(RUNTIME_STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@rm -f $(VENV)/.test-*
+	@touch $(TEST_STAMP)
+
+## demo: run the main job end to end on the embedded default (SQLite + local transport);
+## installs the runtime only
+demo: $(RUNTIME_STAMP)
 	$(BIN)/jobrelay demo
 
-## test: lint, type-check and the whole suite (PostgreSQL + RabbitMQ tests included)
-test: $(STAMP) lint typecheck
-	$(BIN)/python -m pytest
+## test: lint, type-check and the suite in TEST_WORKERS parallel processes (PostgreSQL +
+## RabbitMQ tests included; the soaks are in test-slow). Needs PostgreSQL and RabbitMQ on
+## 127.0.0.1 and Chromium for the console tests; leaves those servers running as they were:
+## the tests that stop a server stop one of their own. Fault tests kept here, one per
+## hand-off at least (tests/acceptance/test_fault_recovery.py unless named):
+##   accept: test_api_killed_after_commit_job_is_still_delivered
+##   relay/publish: test_relay_killed_before_mark_republishes_without_second_result
+##   claim: test_worker_sigkilled_mid_export_completes_once, test_claim_fencing.py
+##   outcome/ack: test_worker_killed_after_commit_before_ack_does_not_redo
+##   retry: test_worker_crash_in_export_consumes_attempt_and_completes_once
+##   quarantine: test_crash_looping_job_ends_quarantined_while_healthy_jobs_flow
+test: $(TEST_STAMP) lint typecheck
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not soak" --durations=30 $(PYTEST_ARGS)
 
-lint: $(STAMP)
+## test-slow: the slow-by-nature lane (the short chaos soak and the cluster soak), on servers
+## of their own; CI runs it after `make test`
+test-slow: $(TEST_STAMP)
+	$(BIN)/python -m pytest -m soak --durations=30 $(PYTEST_ARGS)
+
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/ruff format --check src tests bench examples
 
-typecheck: $(STAMP)
+typecheck: $(TEST_STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: $(TEST_STAMP)
 	$(BIN)/python -m pytest tests/unit
 
 ## bench: throughput through separate api / relay / worker processes (PostgreSQL + RabbitMQ):
 ## the scaling table (1/2 relays, 1/2/4 workers; one node and a 3-node cluster), then one
 ## 1,000,000-row export against COPY (the `bench-export:` line), then report.export, then the
 ## no-op job against the peers; ends with the `bench:` line
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python bench/scaling_bench.py --cluster 3 $(SCALING_ARGS)
 	$(BIN)/python bench/export_speed.py $(EXPORT_ARGS)
 	$(BIN)/python bench/pipeline_bench.py --job export --skip-peers $(BENCH_ARGS)
@@ -46,11 +75,13 @@ bench: $(STAMP)
 ## maximum), retention a few minutes; a row a minute (rows, dead tuples and sizes per table, outbox
 ## backlog, relay and end-to-end p99); fails unless they stay flat and no job is lost
 SOAK ?= 600
-bench-soak: $(STAMP)
+bench-soak: $(TEST_STAMP)
 	$(BIN)/python bench/soak_bench.py --soak $(SOAK) $(SOAK_ARGS)
 
-## chaos: the fault proof: N exports under kill -9 and service restarts (PostgreSQL + RabbitMQ)
-chaos: $(STAMP)
+## chaos: the fault proof: N exports under kill -9 and service restarts (PostgreSQL + RabbitMQ).
+## It RESTARTS THE MACHINE'S PostgreSQL and RabbitMQ (every other client loses its
+## connections) unless CHAOS_ARGS points it at servers of your own (jobrelay chaos --help)
+chaos: $(TEST_STAMP)
 	$(BIN)/jobrelay chaos $(CHAOS_ARGS)
 
 clean:

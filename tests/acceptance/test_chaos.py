@@ -27,7 +27,7 @@ from .procs import clean_env, run_cli
 if TYPE_CHECKING:
     from jobrelay.chaos.rabbit_cluster import Node
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.rabbitmq]
+pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.postgres, pytest.mark.rabbitmq]
 SEED = os.environ.get("JOBRELAY_CHAOS_SEED", "3")
 
 

@@ -61,3 +61,7 @@ def test_make_demo_on_a_fresh_copy(tmp_path: Path) -> None:
     csvs = re.findall(r"CSV: (\S+\.csv)", out)
     assert len(csvs) == 4 and all(Path(c).is_file() for c in csvs)
     assert "curl -s -X POST localhost:8000/v1/exports" in out
+    # The demo installed the runtime only: none of the test extra (a newcomer's first
+    # command is as short as it can be).
+    site = list((repo / ".venv" / "lib").glob("python*/site-packages"))
+    assert site and not any((s / name).exists() for s in site for name in ("_pytest", "playwright"))
