@@ -22,6 +22,7 @@ FAST_ENV = {
     "JOBRELAY_VISIBILITY_SECONDS": "2",
     "JOBRELAY_RELAY_POLL_SECONDS": "0.1",
     "JOBRELAY_RELAY_CLAIM_SECONDS": "3",
+    "JOBRELAY_QUEUE_PAUSE_POLL_SECONDS": "0.2",  # the default 2 s is only waiting here
 }
 
 

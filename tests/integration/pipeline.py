@@ -37,6 +37,8 @@ FAST = {
     "confirm_timeout": "5",
     "prefetch": "4",
     "drain_seconds": "3",
+    # Workers look at the queue pauses every 2 s by default: a test waits a tenth of that.
+    "queue_pause_poll_seconds": "0.2",
 }
 
 
