@@ -22,13 +22,32 @@ from typing import TYPE_CHECKING
 import pytest
 
 from ..own_servers import OwnPostgres
-from .procs import clean_env, run_cli
+from .procs import JOBRELAY, clean_env
 
 if TYPE_CHECKING:
     from jobrelay.chaos.rabbit_cluster import Node
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.postgres, pytest.mark.rabbitmq]
 SEED = os.environ.get("JOBRELAY_CHAOS_SEED", "3")
+
+
+def run_soak(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``jobrelay chaos``; on a timeout (its own or the test's) it gets SIGTERM first, on
+    which it stops the processes and servers it started (each in a session of its own, out
+    of reach of a kill of its group), and SIGKILL only if it does not end within a minute."""
+    with subprocess.Popen(
+        [*JOBRELAY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as soak:
+        try:
+            out, err = soak.communicate(timeout=timeout)
+        except BaseException:
+            soak.terminate()
+            try:
+                soak.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                soak.kill()
+            raise
+    return subprocess.CompletedProcess(soak.args, soak.returncode, out, err)
 
 
 def own_services(postgres: OwnPostgres, rabbit: Node | None = None) -> list[str]:
@@ -42,14 +61,14 @@ def own_services(postgres: OwnPostgres, rabbit: Node | None = None) -> list[str]
     return options
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_short_soak_loses_nothing_and_does_nothing_twice(
     tmp_path: Path, own_postgres: OwnPostgres, own_rabbitmq: Node
 ) -> None:
     out = tmp_path / "chaos"
-    result = run_cli(
+    result = run_soak(
         "chaos", "--jobs", "200", "--profile", "short", "--seed", SEED, "--out", str(out),
-        *own_services(own_postgres, own_rabbitmq), env=clean_env(), timeout=380,
+        *own_services(own_postgres, own_rabbitmq), env=clean_env(), timeout=840,
     )  # fmt: skip
     last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, f"{last}\n{result.stderr[-6000:]}"
@@ -90,7 +109,7 @@ def test_short_soak_loses_nothing_and_does_nothing_twice(
     )
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(1000)
 def test_short_soak_on_a_rabbitmq_cluster_survives_the_work_queue_leader_stopping(
     tmp_path: Path, own_postgres: OwnPostgres
 ) -> None:
@@ -104,9 +123,9 @@ def test_short_soak_on_a_rabbitmq_cluster_survives_the_work_queue_leader_stoppin
     if reason := available():
         _unavailable("a RabbitMQ cluster", reason)
     out = tmp_path / "chaos"
-    result = run_cli(
+    result = run_soak(
         "chaos", "--jobs", "200", "--profile", "short", "--seed", SEED, "--out", str(out),
-        "--cluster", "3", *own_services(own_postgres), env=clean_env(), timeout=480,
+        "--cluster", "3", *own_services(own_postgres), env=clean_env(), timeout=940,
     )  # fmt: skip
     last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, f"{last}\n{result.stderr[-6000:]}"
