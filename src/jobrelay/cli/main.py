@@ -391,6 +391,7 @@ from jobrelay.cli import (  # noqa: E402, F401
     database,
     operator,
     provision,
+    resend,
     retention,
     schedules,
     tokens,
