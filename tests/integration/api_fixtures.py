@@ -67,7 +67,9 @@ class ProbeTransport:
     async def publish(self, message: OutgoingMessage) -> None:
         raise AssertionError(f"the API must not publish (got {message.destination})")
 
-    def consume(self, prefetch: int, queue: str = "default") -> AsyncIterator[Delivery]:
+    def consume(
+        self, prefetch: int, queue: str = "default", *, keep_in_flight: bool = False
+    ) -> AsyncIterator[Delivery]:
         raise AssertionError("the API must not consume")
 
     async def quarantine_depth(self) -> int:

@@ -371,7 +371,9 @@ class OneShotTransport:
     def __init__(self, deliveries: list[Delivery]) -> None:
         self._deliveries = deliveries
 
-    async def consume(self, prefetch: int, queue: str = "default") -> AsyncIterator[Delivery]:
+    async def consume(
+        self, prefetch: int, queue: str = "default", *, keep_in_flight: bool = False
+    ) -> AsyncIterator[Delivery]:
         for delivery in self._deliveries:
             yield delivery
         await asyncio.Event().wait()

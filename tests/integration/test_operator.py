@@ -323,3 +323,25 @@ async def test_explain_and_whoami_follow_the_read_rules(
     )
     assert operator_view["attempts"][0]["worker"] == "host-w:1:abcdef"
     assert (await client.get("/v1/whoami", headers=admin)).json()["admin"] is True
+
+
+async def test_admin_resends_a_stuck_queued_job_over_http(
+    client: httpx.AsyncClient, runtime: Runtime
+) -> None:
+    # Issue 21, item 4: the console's "Re-send message" on a queued job whose message was lost.
+    admin = await admin_headers(runtime)
+    acme = bearer(await make_token(runtime, "acme"))
+    queued = await job_in_state(runtime.store, S.QUEUED, T0, "2020-03")
+    done = await job_in_state(runtime.store, S.SUCCEEDED, T0, "2020-04")
+    path = f"/v1/jobs/{queued}/resend"
+    assert (await client.post(path, json={"reason": "x"}, headers=acme)).status_code == 403
+    assert (await client.post(path, json={}, headers=admin)).status_code == 422
+    sent = await client.post(path, json={"reason": "dead-lettered"}, headers=admin)
+    assert sent.status_code == 200, sent.text
+    assert (sent.json()["state"], sent.json()["previousState"]) == ("queued", "queued")
+    last = (await runtime.store.events(queued))[-1]
+    assert last.kind == "resent" and last.detail["reason"] == "dead-lettered"
+    assert "support-alice" in last.detail["actor"]
+    refused = await client.post(f"/v1/jobs/{done}/resend", json={"reason": "x"}, headers=admin)
+    assert refused.status_code == 409 and refused.json()["state"] == "succeeded"
+    assert refused.headers["content-type"] == "application/problem+json"

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from jobrelay.domain.states import JobState
+from jobrelay.errors import StoreError
+from jobrelay.roles.queue_gate import QueueGate
 from jobrelay.roles.runtime import build_transport
 from jobrelay.roles.worker import Worker
-from jobrelay.storage.queue_pauses import queue_history, set_paused
+from jobrelay.storage.queue_pauses import paused_queues, queue_history, set_paused
 from jobrelay.transport.base import ReportsQueues
 
 from .ops_fixtures import eventually
@@ -84,3 +86,55 @@ async def _zero_consumers(transport: Any) -> bool:
 
 async def _ready(transport: Any, n: int) -> bool:
     return bool((await default_queue(transport)).ready == n)
+
+
+async def test_a_worker_whose_first_pause_read_fails_does_not_consume_a_paused_queue(
+    make_pipeline: Any,
+) -> None:
+    # Issue 21, item 10: a failed first read used to leave every queue "running", so a
+    # worker starting during a database blip consumed a queue an operator had paused.
+    async with make_pipeline(queue_pause_poll_seconds="0.2") as p:
+        rt = p.rt
+        assert await set_paused(rt.store, "default", True, actor="t", reason="r", now=rt.clock())
+        p.start_relay()
+        job_id = await p.submit(period="2020-02")
+        await p.wait_for(job_id, lambda j: j.published)
+        transport = build_transport(rt.settings, rt.engine, rt.clock)
+        await transport.connect()
+        p.worker_transports.append(transport)
+        opened: list[str] = []
+        consume = transport.consume
+
+        def spy(prefetch: int, queue: str = "default", **options: Any) -> Any:
+            opened.append(queue)
+            return consume(prefetch, queue, **options)
+
+        transport.consume = spy  # type: ignore[method-assign]
+        reads = 0
+        second_read, answer = asyncio.Event(), asyncio.Event()
+
+        async def read() -> set[str]:
+            nonlocal reads
+            reads += 1
+            if reads == 1:
+                raise StoreError("database away for the first read")
+            if reads == 2:
+                second_read.set()
+                await answer.wait()
+            return await paused_queues(rt.store)
+
+        worker = Worker(dataclasses.replace(rt, transport=transport))
+        worker.gate = QueueGate(read, worker.queues, 0.2)
+        stop = asyncio.Event()
+        p.stops.append(stop)
+        p.workers.append(asyncio.create_task(worker.run(stop)))
+        await asyncio.wait_for(second_read.wait(), 20)
+        assert opened == [] and not worker.gate.is_known("default")  # unknown: not consumed
+        answer.set()
+        await eventually(lambda: asyncio.sleep(0, worker.gate.is_paused("default")), what="pause")
+        assert opened == []
+        job = await rt.store.get_job(job_id)
+        assert job.state is JobState.QUEUED and job.attempt == 0
+        assert await set_paused(rt.store, "default", False, actor="t", reason="r", now=rt.clock())
+        job = await p.wait_for(job_id, lambda j: j.state is JobState.SUCCEEDED)
+        assert job.attempt == 1 and opened == ["default"]

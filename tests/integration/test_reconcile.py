@@ -35,6 +35,7 @@ from jobrelay.roles.reconcile import (
 )
 from jobrelay.roles.runtime import Runtime, utc_now
 from jobrelay.storage.admin import AdminQueries
+from jobrelay.storage.queue_pauses import set_paused
 from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import Claim, Store
 from jobrelay.storage.tables import jobs, outbox
@@ -158,7 +159,7 @@ async def test_overdue_retry_is_resent_once_then_only_reported(runtime: Runtime)
 # --- queued, published, never claimed ---------------------------------------------------------
 
 
-async def test_queued_job_whose_message_is_gone_is_resent_once_then_only_reported(
+async def test_queued_job_whose_message_is_gone_is_resent_again_with_back_off(
     runtime: Runtime,
 ) -> None:
     job_id = await job_in_state(runtime.store, S.QUEUED, T0)
@@ -179,12 +180,27 @@ async def test_queued_job_whose_message_is_gone_is_resent_once_then_only_reporte
     assert event.kind == "reconciled_queued_unclaimed"
     assert event.detail["actor"] == "reconciler:test"
 
-    await mark_all_published(runtime)
+    # Lost again (issue 21, item 4: it used to stay queued for good). The next re-send waits
+    # twice the grace after the copy's confirm; until then the pass reports it.
+    await confirm_waiting(runtime)
     clock(runtime).advance(GRACE + 1)
     [still] = (await Reconciler(runtime).run_once(scan_quarantine=False)).findings
     assert (still.kind, still.repaired) == (QUEUED_UNCLAIMED, False)
-    assert "are workers consuming?" in still.detail
+    assert "re-sent 1 time(s) already: next re-send in 59 s" in still.detail, still.detail
     assert await outbox_count(runtime, job_id) == 2
+
+    clock(runtime).advance(GRACE)
+    [again] = (await Reconciler(runtime).run_once(scan_quarantine=False)).findings
+    assert (again.kind, again.repaired) == (QUEUED_UNCLAIMED, True), again.detail
+    assert await outbox_count(runtime, job_id) == 3
+    assert (await kinds(runtime, job_id)).count("reconciled_queued_unclaimed") == 2
+    await confirm_waiting(runtime)
+    clock(runtime).advance(3 * GRACE)  # the third waits four times the grace
+    [later] = (await Reconciler(runtime).run_once(scan_quarantine=False)).findings
+    assert not later.repaired and "re-sent 2 time(s)" in later.detail
+    clock(runtime).advance(GRACE + 1)
+    assert (await Reconciler(runtime).run_once(scan_quarantine=False)).repaired == 1
+    assert await outbox_count(runtime, job_id) == 4
 
 
 async def test_a_lost_message_is_resent_once_while_the_work_queue_is_busy(
@@ -219,7 +235,7 @@ async def test_a_lost_message_is_resent_once_while_the_work_queue_is_busy(
         assert await outbox_count(rt, job_id) == 2
         assert (await kinds(rt, job_id))[-1] == "reconciled_queued_unclaimed"
 
-        # Once per wait: the queue stays busy, the job stays queued, no second copy.
+        # Backed off: the queue stays busy, the job stays queued, no second copy yet.
         await confirm_waiting(rt)
         clock(rt).advance(GRACE + 1)
         [still] = (await Reconciler(rt).run_once(scan_quarantine=False)).findings
@@ -230,6 +246,28 @@ async def test_a_lost_message_is_resent_once_while_the_work_queue_is_busy(
     finally:
         await rt.transport.close()
         await rt.engine.dispose()
+
+
+async def test_jobs_of_a_paused_queue_are_left_to_wait_however_long_the_pause(
+    runtime: Runtime,
+) -> None:
+    # Issue 21, item 4: a pause longer than the grace used the one re-send, so a message lost
+    # later stayed lost. Paused, or resumed less than the grace ago: not a finding at all.
+    queued = await job_in_state(runtime.store, S.QUEUED, T0)
+    waiting = await job_in_state(runtime.store, S.RETRY_WAIT, T0, period="2020-06")
+    await mark_all_published(runtime)
+    assert await set_paused(runtime.store, "default", True, actor="t", reason="r", now=T0)
+    clock(runtime).advance(10 * GRACE)
+    report = await Reconciler(runtime).run_once(scan_quarantine=False)
+    assert report.findings == [] and await outbox_count(runtime, queued) == 1
+    resumed = clock(runtime).advance(0)
+    assert await set_paused(runtime.store, "default", False, actor="t", reason="r", now=resumed)
+    clock(runtime).advance(GRACE - 1)
+    assert (await Reconciler(runtime).run_once(scan_quarantine=False)).findings == []
+    clock(runtime).advance(2)  # still queued a grace after the resume: lost, re-sent
+    report = await Reconciler(runtime).run_once(scan_quarantine=False)
+    assert {(f.job_id, f.repaired) for f in report.findings} == {(queued, True), (waiting, True)}
+    assert "reconciled_queued_unclaimed" in await kinds(runtime, queued)
 
 
 async def test_a_queued_job_whose_message_was_confirmed_lately_is_left_to_wait(

@@ -208,6 +208,51 @@ async def test_closing_the_iterator_keeps_handed_out_deliveries_settleable(
     await other.expect_none(0.3)
 
 
+async def test_what_a_closed_iterator_never_handed_out_goes_back_uncounted(
+    backend: Backend,
+) -> None:
+    # A worker leaving a paused queue (or stopping) returns what it prefetched and never
+    # started. Counted, a message held by consumers that keep leaving was dead-lettered by
+    # the delivery limit (2 here) though nobody ever saw it (issue 21, item 4).
+    transport = await backend.connected(visibility_seconds=30, settle_grace_seconds=30)
+    await transport.publish(message({"n": 0}))
+    for n in range(1, TOPOLOGY.delivery_limit + 3):
+        await transport.publish(message({"n": n}))
+        iterator = transport.consume(2)
+        taken = await asyncio.wait_for(anext(iterator), 10)
+        assert taken.delivery_count == 0 and not taken.redelivered, body_of(taken)
+        await wait_until(lambda: _zero(transport.work_ready()))  # the other one is prefetched
+        await close_iterator(iterator)  # ... and given back, never handed out
+        assert await taken.ack() is True
+    last = backend.pump(transport)
+    rest = await last.get()
+    assert rest.delivery_count == 0 and not rest.redelivered, body_of(rest)
+    assert await rest.ack() is True
+    await last.expect_none(0.3)
+    assert await transport.quarantine_depth() == 0
+
+
+async def test_keep_in_flight_keeps_handed_out_deliveries_past_the_grace(
+    backend: Backend,
+) -> None:
+    # A paused queue's long jobs are still running after its consumer left: without a
+    # deadline, their deliveries are neither requeued nor handed to another consumer.
+    transport = await backend.connected()  # grace / visibility of LOCAL_VISIBILITY (1 s)
+    await transport.publish(message({"n": 1}))
+    iterator = transport.consume(1, keep_in_flight=True)
+    held = await asyncio.wait_for(anext(iterator), 10)
+    await close_iterator(iterator)
+    other = backend.pump(await backend.connected())
+    await other.expect_none(2.5)  # past the grace and the visibility timeout
+    assert await held.ack() is True
+    await transport.close()
+    await other.expect_none(0.3)
+
+
+async def _zero(count: Any) -> bool:
+    return bool(await count == 0)
+
+
 async def test_retry_tier_comes_back_after_its_delay(backend: Backend) -> None:
     transport = await backend.connected()
     pump = backend.pump(transport)

@@ -188,6 +188,26 @@ async def cancel_job(
     return await _act(runtime, job_id, "cancel", actor, body.reason, None, principal)
 
 
+@router.post(
+    "/v1/jobs/{jobId}/resend",
+    response_model=ActionOut,
+    summary="Send a stuck queued job's work message again (admin)",
+    responses=_ACTION_RESPONSES,
+    openapi_extra=body_of(CancelRequest, required=True),
+)
+async def resend_job(
+    request: Request,
+    job_id: JobIdPath,
+    runtime: RuntimeDep,
+    actor: AdminActor,
+    principal: PrincipalDep,
+) -> ActionOut:
+    """A ``queued`` job whose message was lost gets a new one through the outbox (no state
+    change). The timeline gets a ``resent`` event naming this token; 409 in any other state."""
+    body = parse_body(CancelRequest, await read_body(request))
+    return await _act(runtime, job_id, "resend", actor, body.reason, None, principal)
+
+
 @router.get(
     "/v1/jobs/{jobId}/explain",
     summary="A job explained: facts, attempts, timeline and where to look next",
@@ -237,6 +257,8 @@ async def _act(
     if action == "replay":
         headers = {"traceparent": trace} if trace else None
         outcome = await operator.replay(job_id, actor=actor, reason=reason, headers=headers)
+    elif action == "resend":
+        outcome = await operator.resend(job_id, actor=actor, reason=reason)
     else:
         outcome = await operator.cancel(job_id, actor=actor, reason=reason)
     if outcome.state is None:

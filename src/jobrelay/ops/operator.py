@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.admin import ActionOutcome, AdminQueries
+from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import JobRecord
 
 log = logging.getLogger("jobrelay.operator")
@@ -38,6 +39,8 @@ def refusal(action: str, outcome: ActionOutcome) -> str:
     """Why ``action`` did nothing, for a person."""
     if outcome.state is None:
         return f"no job {outcome.job_id}"
+    if action == "resend":
+        return f"job {outcome.job_id} is {outcome.state.value}; resend is allowed only from queued"
     allowed = ", ".join(
         sorted(s.value for s in (REPLAYABLE if action == "replay" else CANCELLABLE))
     )
@@ -107,6 +110,26 @@ class Operator:
             else:
                 result.skipped.append(outcome)
         return result
+
+    async def resend(self, job_id: str, *, actor: str, reason: str) -> ActionOutcome:
+        """Send a ``queued`` job's work message again (its message was lost or
+        dead-lettered): an outbox row and a ``resent`` event; refused in any other state."""
+        outcome = await RepairQueries(self.rt.store).resend_queued(
+            job_id, actor=actor, reason=reason, now=self.rt.clock()
+        )
+        if outcome.done:
+            self.rt.metrics.operator_actions.labels(action="resend").inc()
+        log.info(
+            "job resent by %s" if outcome.done else "resend refused by %s",
+            actor,
+            extra={
+                "event": "resent" if outcome.done else "resend_refused",
+                "jobId": job_id,
+                "actor": actor,
+                "reason": reason,
+            },
+        )
+        return outcome
 
     def _record(self, action: str, outcome: ActionOutcome, actor: str, reason: str) -> None:
         event = "replayed" if action == "replay" else "cancelled"

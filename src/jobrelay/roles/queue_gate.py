@@ -6,7 +6,9 @@ while it may not. Its consumer for a paused queue leaves (``basic.cancel`` on Ra
 claims given back on the local transport, so what was prefetched and not started goes back
 to the broker unacked, not failed); the work in flight finishes as usual; on resume a new
 consumer starts. A poll that fails (the database is away) keeps the last answer: the
-worker's own outage handling decides what happens then.
+worker's own outage handling decides what happens then. Until a first poll has succeeded
+there is no answer, and a queue with no answer counts as paused: a worker whose first read
+fails does not start consuming a queue an operator paused; it retries every poll.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ class QueueGate:
     ) -> None:
         self._read = read
         self._poll = poll
+        # Neither set: not known yet (no read has succeeded), so not consumed.
         self._running = {q: asyncio.Event() for q in queues}
         self._paused = {q: asyncio.Event() for q in queues}
-        for event in self._running.values():
-            event.set()
 
     async def refresh(self) -> None:
         try:
@@ -39,12 +40,14 @@ class QueueGate:
             log.debug("queue pauses unreadable, keeping the last: %s", exc)
             return
         for queue, running in self._running.items():
-            if queue in paused and running.is_set():
+            known = running.is_set() or self._paused[queue].is_set()
+            if queue in paused and not self._paused[queue].is_set():
                 log.info("queue %s paused: consumer leaves", queue, extra=_event("paused", queue))
                 running.clear()
                 self._paused[queue].set()
             elif queue not in paused and not running.is_set():
-                log.info("queue %s resumed: consuming", queue, extra=_event("resumed", queue))
+                if known:
+                    log.info("queue %s resumed: consuming", queue, extra=_event("resumed", queue))
                 self._paused[queue].clear()
                 running.set()
 
@@ -56,6 +59,10 @@ class QueueGate:
 
     def is_paused(self, queue: str) -> bool:
         return self._paused[queue].is_set()
+
+    def is_known(self, queue: str) -> bool:
+        """Whether a read has said if ``queue`` is paused (until then it is not consumed)."""
+        return self._running[queue].is_set() or self._paused[queue].is_set()
 
     async def wait_running(self, queue: str, halt: asyncio.Event) -> bool:
         """Until ``queue`` may be consumed (True) or ``halt`` is set (False)."""

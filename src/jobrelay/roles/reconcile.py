@@ -17,9 +17,15 @@ on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for five things, e
   broker no longer has it (its delivery limit dead-lettered it after repeated returns from
   killed workers, or someone purged the queue), or a busy worker sits on it, or, on a queue
   whose backlog takes longer than the grace period to drain, it is still waiting its turn.
-  Repair: re-send the work message, once per wait. A surplus copy costs one extra message,
-  never a second run: the worker acks it as a duplicate (or defers it while the job runs).
-  Still queued after that, the pass only reports it.
+  Repair: re-send the work message, as often as it stays lost, with back-off: the n-th
+  re-send of a wait once the copy before it was confirmed ``grace * 2^(n-1)`` ago (at most
+  an hour apart), so a message lost twice is sent a third time and a worker outage does
+  not pile up copies. A surplus copy costs one extra message, never a second run: the
+  worker acks it as a duplicate (or defers it while the job runs). Between re-sends the
+  pass reports it.
+- Jobs of a queue an operator has paused, or resumed less than the grace period ago, are
+  neither re-sent nor reported as ``retry_overdue`` or ``queued_unclaimed``: their messages
+  wait in the broker on purpose, and a long pause would otherwise look like a lost message.
 - ``outbox_stale``: an outbox row no broker has confirmed. Reported: the relay owns
   publishing, and the row says why it fails.
 - ``quarantine_mismatch``: a message in the quarantine queue whose job is not
@@ -55,8 +61,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobrelay.domain.states import JobState
+from jobrelay.roles.leadership import LOCK_KEY, Leadership
 from jobrelay.roles.prune import Pruner
 from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.queue_pauses import pauses
 from jobrelay.storage.repairs import RepairQueries, WaitingJob
 
 log = logging.getLogger("jobrelay.reconcile")
@@ -68,10 +76,10 @@ OUTBOX_STALE = "outbox_stale"
 QUARANTINE_MISMATCH = "quarantine_mismatch"
 FINDINGS = (LEASE_EXPIRED, RETRY_OVERDUE, QUEUED_UNCLAIMED, OUTBOX_STALE, QUARANTINE_MISMATCH)
 
-# "jrrecncl" as a big-endian 64-bit integer: the advisory lock only reconcilers take.
-LOCK_KEY = int.from_bytes(b"jrrecncl", "big")
 _BATCH = 500
 _MOVED = "left alone, the job moved on meanwhile"
+# The longest wait between two re-sends of a lost queued message, in seconds.
+RESEND_BACKOFF_MAX = 3600.0
 
 
 def new_reconciler_id() -> str:
@@ -151,8 +159,9 @@ class Reconciler:
         now = await self.rt.store.db_now()
         before = now - timedelta(seconds=self.rt.settings.reconcile_grace_seconds)
         await self._expired_leases(report, before, now)
-        await self._overdue_retries(report, before, now)
-        await self._unclaimed_queued(report, before, now)
+        held = await self._held_queues(before)
+        await self._overdue_retries(report, before, now, held)
+        await self._unclaimed_queued(report, before, now, held)
         await self._stale_outbox(report, before, now)
         if scan_quarantine:
             await self._quarantine_mismatches(report)
@@ -213,9 +222,21 @@ class Reconciler:
                 )
             )
 
-    async def _overdue_retries(self, report: Report, before: datetime, now: datetime) -> None:
+    async def _held_queues(self, before: datetime) -> set[str]:
+        """Queues paused now, or resumed since ``before``: their messages wait on purpose."""
+        return {
+            name
+            for name, pause in (await pauses(self.rt.store)).items()
+            if pause.paused or pause.changed_at >= before
+        }
+
+    async def _overdue_retries(
+        self, report: Report, before: datetime, now: datetime, held: set[str]
+    ) -> None:
         for overdue in await self.queries.overdue_retries(before, self.batch):
             job = overdue.job
+            if job.queue in held:
+                continue
             await self._resend_once(
                 report,
                 RETRY_OVERDUE,
@@ -227,18 +248,41 @@ class Reconciler:
                 now,
             )
 
-    async def _unclaimed_queued(self, report: Report, before: datetime, now: datetime) -> None:
+    async def _unclaimed_queued(
+        self, report: Report, before: datetime, now: datetime, held: set[str]
+    ) -> None:
+        grace = self.rt.settings.reconcile_grace_seconds
         for waiting in await self.queries.unclaimed_queued(before, self.batch):
-            await self._resend_once(
-                report,
-                QUEUED_UNCLAIMED,
-                waiting,
-                f"queued {_age(waiting.job.updated_at, now)}, its message confirmed "
-                f"{_age(waiting.confirmed_at, now)} ago and never claimed",
-                ": the broker lost or dead-lettered it, or a worker holds it",
-                self.queries.requeue_unclaimed,
-                before,
-                now,
+            job = waiting.job
+            if job.queue in held:
+                continue
+            what = (
+                f"queued {_age(job.updated_at, now)}, its message confirmed "
+                f"{_age(waiting.confirmed_at, now)} ago and never claimed"
+            )
+            if waiting.resends:
+                wait = min(grace * 2**waiting.resends, max(grace, RESEND_BACKOFF_MAX))
+                due = (waiting.confirmed_at or now) + timedelta(seconds=wait)
+                what += f", re-sent {waiting.resends} time(s) already"
+                if due > now:
+                    report.findings.append(
+                        Finding(
+                            QUEUED_UNCLAIMED,
+                            job.id,
+                            f"{what}: next re-send in {_age(now, due)} unless it is claimed "
+                            "(are workers consuming?)",
+                        )
+                    )
+                    continue
+            repaired = not report.dry_run and await self.queries.requeue_unclaimed(
+                job.id, before, now, self.actor
+            )
+            if repaired:
+                self.rt.metrics.reconcile_repairs.labels(finding=QUEUED_UNCLAIMED).inc()
+            action = "re-sent" if repaired else ("would re-send" if report.dry_run else _MOVED)
+            why = ": the broker lost or dead-lettered it, or a worker holds it"
+            report.findings.append(
+                Finding(QUEUED_UNCLAIMED, job.id, f"{what}{why}: {action}", repaired)
             )
 
     async def _resend_once(
@@ -344,72 +388,4 @@ class Reconciler:
                         await stop.wait()
 
 
-class Leadership:
-    """At most one reconciler leads: a session advisory lock on PostgreSQL, held on a
-    dedicated connection for as long as it leads; always the leader on SQLite."""
-
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
-        engine = rt.engine
-        self.enabled = engine.dialect.name == "postgresql"
-        self.dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        self._conn: Any = None
-
-    @property
-    def leading(self) -> bool:
-        return not self.enabled or self._conn is not None
-
-    async def __aenter__(self) -> Leadership:
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        await self.release()
-
-    async def check(self) -> bool:
-        """Still (or now) the leader? Never raises: a failure means not leading."""
-        if not self.enabled:
-            self.rt.metrics.reconcile_leader.set(1)
-            return True
-        if self._conn is not None:
-            try:
-                async with asyncio.timeout(5):
-                    await self._conn.fetchval("SELECT 1")
-                return True
-            except Exception as exc:
-                log.warning(
-                    "reconciler leadership lost: %s", exc, extra={"event": "reconcile_leader_lost"}
-                )
-                await self.release()
-        await self._try_acquire()
-        return self._conn is not None
-
-    async def _try_acquire(self) -> None:
-        import asyncpg
-
-        conn = None
-        try:
-            async with asyncio.timeout(10):
-                conn = await asyncpg.connect(self.dsn)
-                got = await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY)
-        except Exception as exc:
-            log.warning(
-                "reconciler leadership check failed: %s",
-                type(exc).__name__,
-                extra={"event": "reconcile_leader_failed"},
-            )
-            got = False
-        if got:
-            self._conn = conn
-            self.rt.metrics.reconcile_leader.set(1)
-            log.info("reconciler leading", extra={"event": "reconcile_leader"})
-        elif conn is not None:
-            with contextlib.suppress(Exception):
-                await conn.close()
-
-    async def release(self) -> None:
-        conn, self._conn = self._conn, None
-        self.rt.metrics.reconcile_leader.set(0)
-        if conn is not None:
-            # Closing the session releases the advisory lock.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(conn.close())
+__all__ = ["FINDINGS", "LOCK_KEY", "Finding", "Leadership", "Reconciler", "Report"]

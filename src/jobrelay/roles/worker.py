@@ -56,17 +56,6 @@ def _log_abandoned(task: asyncio.Task[None]) -> None:
         log.error("delivery abandoned: %r", task.exception(), extra={"event": "abandoned"})
 
 
-async def _acquire(slots: asyncio.Semaphore, leaving: asyncio.Future[Any]) -> bool:
-    """Take a slot (True), or give up once ``leaving`` is done first (False)."""
-    acquiring = asyncio.ensure_future(slots.acquire())
-    await asyncio.wait({acquiring, leaving}, return_when=asyncio.FIRST_COMPLETED)
-    if not acquiring.done():
-        acquiring.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await acquiring
-    return not acquiring.cancelled()
-
-
 def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
@@ -187,14 +176,14 @@ class Worker:
         self, queue: str, prefetch: int, halt: asyncio.Event, in_flight: set[asyncio.Task[None]]
     ) -> None:
         """One queue's consumer, left while an operator has the queue paused and started
-        again on resume; its ``prefetch`` slots are shared by both, so work still in flight
-        from before a pause counts against the consumer after it."""
-        slots = asyncio.Semaphore(prefetch)
+        again on resume. ``busy`` (this queue's deliveries in flight) outlives the sessions,
+        so work still running from before a pause keeps its slots after the resume."""
+        busy: set[asyncio.Task[None]] = set()
         while await self.gate.wait_running(queue, halt):
             leave = asyncio.Event()
             watcher = asyncio.create_task(self.gate.leave_when_paused(queue, halt, leave))
             try:
-                ended = await self._session(queue, prefetch, slots, leave, in_flight)
+                ended = await self._session(queue, prefetch, busy, leave, in_flight)
             finally:
                 watcher.cancel()
             if ended:
@@ -204,54 +193,100 @@ class Worker:
         self,
         queue: str,
         prefetch: int,
-        slots: asyncio.Semaphore,
+        busy: set[asyncio.Task[None]],
         leave: asyncio.Event,
         in_flight: set[asyncio.Task[None]],
     ) -> bool:
-        """Take deliveries while a slot is free, until ``leave``; True if the stream ended."""
-        deliveries = self.rt.transport.consume(prefetch, queue=queue)
-        iterator = deliveries.__aiter__()
+        """Take deliveries until ``leave``; True if a delivery stream ended.
+
+        The broker is asked only for free slots: the session starts with one consumer whose
+        prefetch is what the work from earlier sessions (``foreign``) leaves free, and adds a
+        consumer for the slots each of those frees as it ends (a consumer's prefetch cannot
+        grow on RabbitMQ). So after a resume it never holds messages it cannot start while
+        long jobs run, messages a next pause would have to give back. Its consumers keep
+        their deliveries in flight settleable after it ends (``keep_in_flight``).
+        """
+        foreign = set(busy)
+        changed = asyncio.Event()  # a foreign task ended: slots to ask the broker for
+
+        def foreign_ended(task: asyncio.Task[None]) -> None:
+            foreign.discard(task)
+            changed.set()
+
+        for task in foreign:
+            task.add_done_callback(foreign_ended)
+        inbox: asyncio.Queue[Delivery | BaseException] = asyncio.Queue()
+        feeds: list[asyncio.Task[None]] = []
+        granted = 0
         leaving = asyncio.ensure_future(leave.wait())
-        receiving: asyncio.Future[Delivery] | None = None
         try:
             while not leave.is_set():
-                held = await _acquire(slots, leaving)
-                if leave.is_set():
-                    if held:
-                        slots.release()
-                    break
-                if not self._database_up.is_set():
-                    # Paused: what we hold stays held; take nothing new until it is back.
-                    waiting = asyncio.ensure_future(self._database_up.wait())
-                    await asyncio.wait({waiting, leaving}, return_when=asyncio.FIRST_COMPLETED)
-                    waiting.cancel()
-                    if leave.is_set():
-                        slots.release()
-                        break
-                receiving = asyncio.ensure_future(anext(iterator))
-                await asyncio.wait({receiving, leaving}, return_when=asyncio.FIRST_COMPLETED)
-                if not receiving.done():
-                    slots.release()
-                    break
-                delivery = receiving.result()
-                receiving = None
-                task = asyncio.create_task(self._handle_safely(delivery))
-                in_flight.add(task)
-                task.add_done_callback(in_flight.discard)
-                task.add_done_callback(_log_abandoned)
-                task.add_done_callback(lambda _: slots.release())
-        except StopAsyncIteration:
-            log.warning("delivery stream ended", extra={"event": "consume_ended", "queue": queue})
-            return True
+                changed.clear()
+                if (free := prefetch - len(foreign) - granted) > 0:
+                    feeds.append(asyncio.create_task(self._feed(queue, free, inbox)))
+                    granted += free
+                waits: set[asyncio.Future[Any]] = {leaving, asyncio.ensure_future(changed.wait())}
+                getting: asyncio.Future[Any]
+                if self._database_up.is_set():
+                    getting = asyncio.ensure_future(inbox.get())
+                else:  # the outage pause: what we hold stays held; take nothing new
+                    getting = asyncio.ensure_future(self._database_up.wait())
+                waits.add(getting)
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiting in waits - {leaving}:
+                        waiting.cancel()
+                if not getting.done() or getting.cancelled():
+                    continue
+                item = getting.result()
+                if isinstance(item, StopAsyncIteration):
+                    log.warning(
+                        "delivery stream ended", extra={"event": "consume_ended", "queue": queue}
+                    )
+                    return True
+                if isinstance(item, BaseException):
+                    raise item
+                if item is not True:  # True: the database is back
+                    self._start(item, busy, in_flight)
         finally:
             leaving.cancel()
-            if receiving is not None and not receiving.done():
-                receiving.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await receiving
+            for task in foreign:
+                task.remove_done_callback(foreign_ended)
+            for feed in feeds:
+                feed.cancel()
+            await asyncio.gather(*feeds, return_exceptions=True)
+            # Handed out just as the session ended: started like the rest (handle() holds it
+            # while the database is away), never dropped.
+            while not inbox.empty():
+                if not isinstance(left := inbox.get_nowait(), BaseException):
+                    self._start(left, busy, in_flight)
+        return False
+
+    async def _feed(
+        self, queue: str, prefetch: int, inbox: asyncio.Queue[Delivery | BaseException]
+    ) -> None:
+        """One consumer of a session: its deliveries into ``inbox``, then how it ended."""
+        deliveries = self.rt.transport.consume(prefetch, queue=queue, keep_in_flight=True)
+        try:
+            async for delivery in deliveries:
+                inbox.put_nowait(delivery)
+        except Exception as exc:
+            inbox.put_nowait(exc)
+        else:
+            inbox.put_nowait(StopAsyncIteration())
+        finally:
             with contextlib.suppress(Exception):
                 await deliveries.aclose()  # type: ignore[attr-defined]
-        return False
+
+    def _start(
+        self, delivery: Delivery, busy: set[asyncio.Task[None]], in_flight: set[asyncio.Task[None]]
+    ) -> None:
+        task = asyncio.create_task(self._handle_safely(delivery))
+        for tracked in (in_flight, busy):
+            tracked.add(task)
+            task.add_done_callback(tracked.discard)
+        task.add_done_callback(_log_abandoned)
 
     async def _drain(self, in_flight: set[asyncio.Task[None]]) -> None:
         """Let in-flight work finish for up to ``drain_seconds``, then stop it unsettled.

@@ -200,18 +200,24 @@ async def quarantine_claimed(
     return bool(result.rowcount == 1)
 
 
-async def release_claims(conn: AsyncConnection, *, consumer: str, claims: Mapping[int, int]) -> int:
+async def release_claims(
+    conn: AsyncConnection, *, consumer: str, claims: Mapping[int, int], counted: bool = True
+) -> int:
     """Make held rows visible again at once (a consumer that stops cleanly gives them back).
 
     ``delivery_count`` stays bumped, so the next delivery says ``redelivered`` and the
-    delivery limit still counts the hand-out.
+    delivery limit still counts the hand-out. ``counted=False`` is for rows claimed but never
+    handed to the consumer's caller (prefetched, then the consumer left): the claim is undone,
+    count included. The next claim then reuses the fence, which is safe because no delivery
+    of the undone claim exists to settle with it.
     """
     released = 0
+    values: dict[str, Any] = {"consumer": None, "invisible_until": None}
+    if not counted:
+        values["delivery_count"] = lm.c.delivery_count - 1
     for message_id, fence in claims.items():
         result = await conn.execute(
-            update(lm)
-            .where(*_held(message_id, consumer, fence))
-            .values(consumer=None, invisible_until=None)
+            update(lm).where(*_held(message_id, consumer, fence)).values(**values)
         )
         released += result.rowcount
     return released

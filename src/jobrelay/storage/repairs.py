@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import exists, func, select, update
+from sqlalchemy import exists, func, or_, select, update
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
+from jobrelay.storage.admin import ActionOutcome
 from jobrelay.storage.records import work_destination
 from jobrelay.storage.store import JobRecord, Store, aware_time, job_record
 from jobrelay.storage.tables import job_events, jobs, outbox
@@ -25,6 +26,9 @@ from jobrelay.storage.tables import job_events, jobs, outbox
 RECONCILED_LEASE = "reconciled_lease_expired"
 RECONCILED_RETRY = "reconciled_retry_overdue"
 RECONCILED_QUEUED = "reconciled_queued_unclaimed"
+RESENT = "resent"  # an operator re-sent a queued job's message
+# The events with which a job's wait in ``queued`` begins.
+WAIT_BEGINS = ("accepted", "replayed")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class WaitingJob:
     job: JobRecord
     requeued_before: bool  # the reconciler already re-sent its message once in this wait
     confirmed_at: datetime | None = None  # when the broker confirmed its newest message
+    resends: int = 0  # how often the reconciler re-sent it in this wait (queued jobs)
 
 
 @dataclass(frozen=True)
@@ -106,11 +111,13 @@ class RepairQueries:
             .where(outbox.c.job_id == jobs.c.id)
             .scalar_subquery()
         )
+        resends = _resends_this_wait()
         query = (
             self.store.job_query()
             .add_columns(
-                _requeued_this_wait(RECONCILED_QUEUED).label("requeued_before"),
+                (resends > 0).label("requeued_before"),
                 confirmed.label("confirmed_at"),
+                resends.label("resends"),
             )
             .where(
                 jobs.c.state == JobState.QUEUED.value,
@@ -124,7 +131,12 @@ class RepairQueries:
         async with self.store.reading() as conn:
             rows = (await conn.execute(query)).all()
         return [
-            WaitingJob(job_record(r), bool(r.requeued_before), aware_time(r.confirmed_at))
+            WaitingJob(
+                job_record(r),
+                bool(r.requeued_before),
+                aware_time(r.confirmed_at),
+                int(r.resends or 0),
+            )
             for r in rows
         ]
 
@@ -219,12 +231,54 @@ class RepairQueries:
     async def requeue_unclaimed(
         self, job_id: str, before: datetime, now: datetime, actor: str
     ) -> bool:
-        """Re-send the work message of a job ``queued`` and unclaimed since before ``before``,
-        at most once while it stays queued. A surplus copy is harmless: the job's state
-        decides, and the later copy is deferred or acked as a duplicate."""
+        """Re-send the work message of a job ``queued`` and unclaimed since before ``before``.
+
+        As often as the reconciler finds it lost (it spaces the re-sends out); the guard
+        only keeps two reconcilers from sending the same copy: the repair moves
+        ``updated_at`` to ``now``. A surplus copy is harmless: the job's state decides, and
+        the later copy is deferred or acked as a duplicate."""
         return await self._resend_once(
-            job_id, JobState.QUEUED, jobs.c.updated_at < before, RECONCILED_QUEUED, now, actor
+            job_id,
+            JobState.QUEUED,
+            jobs.c.updated_at < before,
+            RECONCILED_QUEUED,
+            now,
+            actor,
+            once=False,
         )
+
+    async def resend_queued(
+        self, job_id: str, *, actor: str, reason: str, now: datetime
+    ) -> ActionOutcome:
+        """An operator's re-send of a ``queued`` job's work message (an outbox row and a
+        ``resent`` event in one transaction), whatever the reconciler's back-off says: a
+        person decided. Refused (nothing written) for a job in any other state."""
+        store = self.store
+        async with store.writing() as conn:
+            row = (
+                await conn.execute(
+                    select(jobs.c.state, jobs.c.type, jobs.c.queue, jobs.c.attempt)
+                    .where(jobs.c.id == job_id)
+                    .with_for_update()
+                )
+            ).first()
+            if row is None:
+                return ActionOutcome(job_id, False, None)
+            result = await conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id, jobs.c.state == JobState.QUEUED.value)
+                .values(updated_at=now)
+            )
+            if result.rowcount != 1:
+                return ActionOutcome(job_id, False, JobState(row.state))
+            await store.add_message(
+                conn, job_id, JobMessage(job_id, row.type), work_destination(row.queue), now
+            )
+            await store.add_event(
+                conn, job_id, RESENT, now, actor=actor, reason=reason, queue=row.queue
+            )
+        store.wake_relays()
+        return ActionOutcome(job_id, True, JobState.QUEUED, JobState.QUEUED)
 
     async def _resend_once(
         self,
@@ -235,9 +289,12 @@ class RepairQueries:
         now: datetime,
         actor: str,
         detail: Callable[[Any], dict[str, Any]] = lambda _: {},
+        *,
+        once: bool = True,
     ) -> bool:
         """A work message and a ``kind`` event for a job still in ``state`` and ``overdue``,
-        with none waiting in the outbox and no ``kind`` repair since the job last changed."""
+        with none waiting in the outbox and (``once``) no ``kind`` repair since the job last
+        changed."""
         store = self.store
         async with store.writing() as conn:
             row = (
@@ -256,7 +313,7 @@ class RepairQueries:
                     jobs.c.state == state.value,
                     overdue,
                     ~_unpublished_row(),
-                    ~_requeued_this_wait(kind),
+                    *([~_requeued_this_wait(kind)] if once else []),
                 )
                 .values(updated_at=now)
             )
@@ -274,6 +331,29 @@ def _unpublished_row() -> Any:
     return exists().where(outbox.c.job_id == jobs.c.id, outbox.c.published_at.is_(None))
 
 
+def _resends_this_wait() -> Any:
+    """How many times the reconciler re-sent a queued job since it last became queued
+    (accepted, or replayed by an operator)."""
+    marks = job_events.alias("wait_marks")  # not correlated with the events counted
+    began = (
+        select(func.max(marks.c.at))
+        .where(marks.c.job_id == jobs.c.id, marks.c.kind.in_(WAIT_BEGINS))
+        .correlate(jobs)
+        .scalar_subquery()
+    )
+    return (
+        select(func.count())
+        .select_from(job_events)
+        .where(
+            job_events.c.job_id == jobs.c.id,
+            job_events.c.kind == RECONCILED_QUEUED,
+            or_(began.is_(None), job_events.c.at >= began),
+        )
+        .correlate(jobs)
+        .scalar_subquery()
+    )
+
+
 def _requeued_this_wait(kind: str) -> Any:
     return exists().where(
         job_events.c.job_id == jobs.c.id,
@@ -286,6 +366,7 @@ __all__ = [
     "RECONCILED_LEASE",
     "RECONCILED_QUEUED",
     "RECONCILED_RETRY",
+    "RESENT",
     "RepairQueries",
     "StaleOutboxRow",
     "WaitingJob",

@@ -14,6 +14,10 @@ contract by one test suite (tests/integration/test_transport_contract.py):
   was gone: the message is, or will be, delivered again. On RabbitMQ ``True`` only means the
   frame was written on the open channel (``basic.ack`` has no reply).
 - ``release`` gives it back for redelivery now; it counts towards the delivery limit.
+- Closing a ``consume()`` iterator gives back what it prefetched but never handed out
+  *without* counting it towards the delivery limit (nobody started it); with
+  ``keep_in_flight=True`` what was handed out stays settleable, with no deadline, until it
+  is settled or the transport closes (a worker leaving a paused queue keeps its long jobs).
 - Destinations ``retry.<n>s`` come back to the work queue after n seconds, and
   ``retry.Q.<n>s`` to the work queue of queue Q (``work.Q``): a retry returns to its queue.
 - ``consume(prefetch, queue=Q)`` delivers only what was sent to Q.
@@ -112,11 +116,16 @@ class Transport(Protocol):
         """Return once confirmed; raise PublishError (nack, unroutable, timeout) otherwise."""
         ...
 
-    def consume(self, prefetch: int, queue: str = DEFAULT_QUEUE) -> AsyncIterator[Delivery]:
+    def consume(
+        self, prefetch: int, queue: str = DEFAULT_QUEUE, *, keep_in_flight: bool = False
+    ) -> AsyncIterator[Delivery]:
         """Deliveries from ``queue``'s work queue until the iterator is closed.
 
         Each call is a consumer of its own (a channel on RabbitMQ) with its own prefetch; a
-        queue not in the topology raises ``TransportError``.
+        queue not in the topology raises ``TransportError``. Closing the iterator returns the
+        prefetched rest uncounted; ``keep_in_flight`` keeps the deliveries handed out
+        settleable (RabbitMQ: their channel open; local: their claims renewed) until each is
+        settled or the transport closes, instead of for a grace period only.
         """
         ...
 

@@ -15,10 +15,13 @@ A message is a row (SQL in ``storage.local_queue``). What stands in for each bro
 - ``x-delivery-limit``: a row handed out more than ``topology.delivery_limit`` times is moved
   to the quarantine queue instead of out again.
 
-Closing the iterator stops consuming and gives back rows claimed but not yet handed out.
+Closing the iterator stops consuming and gives back rows claimed but not yet handed out,
+uncounted: their ``delivery_count`` goes back down, since no consumer ever saw them (a
+worker leaving a paused queue must not move its messages toward the delivery limit).
 Deliveries already handed out are no longer renewed: a draining worker can still settle
 them, and whatever it does not settle comes back after the visibility timeout, or at once
-on ``close()``.
+on ``close()``. With ``keep_in_flight`` they stay renewed until settled or ``close()``: a
+worker leaving a paused queue keeps its long jobs.
 """
 
 from __future__ import annotations
@@ -206,7 +209,9 @@ class LocalTransport:
 
     # --- consuming ------------------------------------------------------------------------
 
-    async def consume(self, prefetch: int, queue: str = DEFAULT_QUEUE) -> AsyncIterator[Delivery]:
+    async def consume(
+        self, prefetch: int, queue: str = DEFAULT_QUEUE, *, keep_in_flight: bool = False
+    ) -> AsyncIterator[Delivery]:
         if prefetch < 1:
             raise ValueError("prefetch must be at least 1")
         if self._closed:
@@ -246,21 +251,24 @@ class LocalTransport:
             self._streams.discard(stream)
             # Claimed but never handed out: given back now, under the fence of that claim (a
             # claim still running as close() gave back the rows can have taken them again).
-            leftover = {c.id: c.fence for c in stream.buffer}
+            unstarted = {c.id: c.fence for c in stream.buffer}
             stream.buffer = deque()
+            handed: dict[int, int] = {}
             for message_id in stream.handed:
-                hold = self._holds.pop(message_id, None)
-                if hold is None or message_id in leftover:
+                hold = self._holds.get(message_id)
+                if hold is None or message_id in unstarted:
                     continue
                 if self._closed:  # close() has run or is running: nobody settles these now
-                    leftover[message_id] = hold.fence
-                else:
+                    handed[message_id] = hold.fence
+                elif not keep_in_flight:
                     # No longer renewed, so they come back after the visibility timeout
                     # unless settled first (a draining worker still acks them).
                     self._orphans[message_id] = hold.fence
-            for message_id in leftover:
+                    del self._holds[message_id]
+            for message_id in (*unstarted, *handed):
                 self._holds.pop(message_id, None)
-            await asyncio.shield(self._give_back([], leftover))  # even if we are being cancelled
+            # Even if we are being cancelled: the unstarted uncounted, the rest counted.
+            await asyncio.shield(self._give_back([], handed, unstarted=unstarted))
 
     async def _claim_shielded(self, stream: _Stream) -> bool:
         """Claim into ``stream.buffer``; a cancelled caller still gets the rows given back.
@@ -367,19 +375,30 @@ class LocalTransport:
             hold.stream.handed.discard(message_id)
             hold.stream.wake.set()
 
-    async def _give_back(self, ids: list[int], orphans: Mapping[int, int] | None = None) -> None:
-        """Release claims now instead of waiting out the visibility timeout (best effort)."""
+    async def _give_back(
+        self,
+        ids: list[int],
+        orphans: Mapping[int, int] | None = None,
+        *,
+        unstarted: Mapping[int, int] | None = None,
+    ) -> None:
+        """Release claims now instead of waiting out the visibility timeout (best effort);
+        ``unstarted`` ones (never handed out) without counting their hand-out."""
         claims = {i: h.fence for i in ids if (h := self._holds.pop(i, None)) is not None}
         claims.update(orphans or {})
-        if not claims:
+        if not claims and not unstarted:
             return
         try:
             async with q.writing(self._engine) as conn:
                 await q.release_claims(conn, consumer=self._consumer, claims=claims)
+                if unstarted:
+                    await q.release_claims(
+                        conn, consumer=self._consumer, claims=unstarted, counted=False
+                    )
         except _DB_ERRORS as exc:
             log.warning(
                 "could not give back %d message(s); they return after the visibility timeout: %s",
-                len(claims),
+                len(claims) + len(unstarted or {}),
                 _short(exc),
                 extra={"event": "release_failed"},
             )

@@ -20,7 +20,15 @@ each choice here protects against:
   returns what was prefetched but not handed out. Deliveries already handed out stay
   settleable, so a draining worker can still ack them; the channel closes after the last
   one, or ``settle_grace_seconds`` later (``JOBRELAY_DRAIN_SECONDS`` in a process), or at
-  ``close()``, and the broker requeues whatever is still unsettled then.
+  ``close()``, and the broker requeues whatever is still unsettled then. With
+  ``keep_in_flight`` (a worker leaving a paused queue) there is no such deadline: its long
+  jobs are still running and must not be handed to another consumer.
+- What was prefetched and never handed out goes back uncounted: a quorum queue counts every
+  ``nack(requeue=True)`` in ``x-delivery-count`` towards its delivery limit, so a message
+  held by consumers that kept leaving (pauses, restarts) would be dead-lettered though no
+  worker ever started it. Instead a copy (same body, headers and message id) is published
+  with a confirm, and only then is the held one acked; a copy that cannot be confirmed falls
+  back to the counted nack. The copy starts the broker's count afresh.
 
 No aio-pika or aiormq type or exception leaves these modules; they become ``jobrelay.errors``.
 """
@@ -29,9 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +78,7 @@ from jobrelay.transport.topology import (
     QUARANTINE_QUEUE,
     Topology,
     work_queue,
+    work_routing_key,
 )
 
 log = logging.getLogger("jobrelay.transport.rabbitmq")
@@ -81,6 +91,7 @@ class _Consumer:
     """The state of one ``consume()`` call and its channel."""
 
     channel: AbstractChannel
+    give_back: Callable[[AbstractIncomingMessage], Awaitable[None]]
     inbox: asyncio.Queue[AbstractIncomingMessage | None] = field(default_factory=asyncio.Queue)
     unsettled: int = 0  # handed out, neither acked nor rejected yet
     stopping: bool = False
@@ -88,17 +99,18 @@ class _Consumer:
     closer: asyncio.Task[None] | None = None
 
     async def on_message(self, message: AbstractIncomingMessage) -> None:
-        if self.stopping:  # raced the basic.cancel: give it straight back
-            await _quietly(message.nack(requeue=True))
+        if self.stopping:  # raced the basic.cancel: give it straight back, uncounted
+            await self.give_back(message)
         else:
             self.inbox.put_nowait(message)
 
-    def stop(self, grace: float) -> None:
-        """Close the channel once nothing is unsettled, or after ``grace`` seconds at most."""
+    def stop(self, grace: float | None) -> None:
+        """Close the channel once nothing is unsettled, or after ``grace`` seconds at most
+        (``None``: no deadline, only the last settle or ``close()`` closes it)."""
         self.stopping = True
         if self.unsettled == 0:
             self.close_soon()
-        elif self.deadline is None:
+        elif self.deadline is None and grace is not None:
             self.deadline = asyncio.get_running_loop().call_later(grace, self.close_soon)
 
     def settled(self) -> None:
@@ -366,7 +378,9 @@ class RabbitTransport:
 
     # --- consuming ------------------------------------------------------------------------
 
-    async def consume(self, prefetch: int, queue: str = DEFAULT_QUEUE) -> AsyncIterator[Delivery]:
+    async def consume(
+        self, prefetch: int, queue: str = DEFAULT_QUEUE, *, keep_in_flight: bool = False
+    ) -> AsyncIterator[Delivery]:
         if prefetch < 1:
             raise ValueError("prefetch must be at least 1")
         if queue not in self._topology.queues:
@@ -376,7 +390,7 @@ class RabbitTransport:
         try:
             # A channel (and prefetch) of its own: one queue's slow jobs never hold another's.
             channel = await connection.channel(publisher_confirms=False)
-            consumer = _Consumer(channel)
+            consumer = _Consumer(channel, functools.partial(self._give_back, queue=queue))
             await channel.set_qos(prefetch_count=prefetch)
             declared = await channel.declare_queue(name, passive=True)
             tag = await declared.consume(consumer.on_message, no_ack=False)
@@ -390,17 +404,41 @@ class RabbitTransport:
                 consumer.unsettled += 1
                 yield _RabbitDelivery(message, consumer)
         finally:
-            if consumer.unsettled and self._connection is not None:
-                # Deliveries in flight stay settleable for a while (a draining worker acks
-                # them); only the prefetched rest goes back now.
+            consumer.stopping = True  # from here on a late delivery goes straight back
+            if self._connection is not None:
+                # Deliveries in flight stay settleable (a draining worker acks them); only
+                # the prefetched rest goes back now, before the channel can close on it.
                 await _quietly(declared.cancel(tag))
-                while not consumer.inbox.empty():
-                    if (left := consumer.inbox.get_nowait()) is not None:
-                        await _quietly(left.nack(requeue=True))
-            consumer.stop(self.settle_grace_seconds)
+            while not consumer.inbox.empty():
+                if (left := consumer.inbox.get_nowait()) is not None and not _stale(left):
+                    await self._give_back(left, queue=queue)
+            consumer.stop(None if keep_in_flight else self.settle_grace_seconds)
             if consumer.closer is not None:
                 self._consumers.discard(consumer)
                 await asyncio.shield(consumer.closer)
+
+    async def _give_back(self, message: AbstractIncomingMessage, *, queue: str) -> None:
+        """Return a message no one started without counting it towards the delivery limit:
+        a confirmed copy first, then the ack of the held one (a crash between the two leaves
+        a duplicate, which the job's state absorbs). Unconfirmed: the counted nack."""
+        headers = {k: v for k, v in (message.headers or {}).items() if k != "x-delivery-count"}
+        copy = OutgoingMessage(
+            work_routing_key(queue),
+            message.body,
+            headers,  # type: ignore[arg-type]  # AMQP field values, passed through as they came
+            message.message_id,
+        )
+        try:
+            await self.publish(copy)
+        except PublishError as exc:
+            log.warning(
+                "could not return a prefetched message uncounted (%s); requeued instead",
+                exc,
+                extra={"event": "give_back_counted"},
+            )
+            await _quietly(message.nack(requeue=True))
+            return
+        await _quietly(message.ack())
 
     def _require_connection(self) -> AbstractRobustConnection:
         if self._connection is None:

@@ -186,13 +186,19 @@
     const cancellable = ["queued", "retry_wait", "quarantined"].includes(job.state);
     $("replay").hidden = !(session.admin && replayable);
     $("cancel").hidden = !(session.admin && cancellable);
-    $("actions").hidden = $("replay").hidden && $("cancel").hidden;
+    renderResend(job);
+    $("actions").hidden = $("replay").hidden && $("cancel").hidden && $("resend").hidden;
+  }
+
+  // A queued job whose message was lost (dead-lettered, purged): an admin sends it again.
+  function renderResend(job) {
+    $("resend").hidden = !(session.admin && job.state === "queued");
   }
 
   async function act(action, jobId) {
     const reason = $("action-reason").value.trim();
-    if (action === "cancel" && !reason) {
-      say("give a reason to cancel (it is kept in the job's timeline)", true);
+    if ((action === "cancel" || action === "resend") && !reason) {
+      say("give a reason to " + action + " (it is kept in the job's timeline)", true);
       $("action-reason").focus();
       return;
     }
@@ -349,6 +355,7 @@
     });
     $("replay").addEventListener("click", () => session.job && act("replay", session.job.jobId));
     $("cancel").addEventListener("click", () => session.job && act("cancel", session.job.jobId));
+    $("resend").addEventListener("click", () => session.job && act("resend", session.job.jobId));
     $("refresh-quarantine").addEventListener("click", () => loadQuarantined());
     $("refresh-schedules").addEventListener("click", () => loadSchedules());
     const fromHash = new URLSearchParams(location.hash.slice(1)).get("job");
