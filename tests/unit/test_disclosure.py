@@ -68,6 +68,13 @@ FULL: dict[str, dict[str, Any]] = {
         "previous": "sending",
     },
     "effect_skipped": {"effect": "email", "state": "sent", "messageId": "<m@x>", "attempt": 2},
+    "effect_fenced": {
+        "effect": "email",
+        "attempt": 1,
+        "worker": WORKER,
+        "currentAttempt": 2,
+        "currentState": "running",
+    },
     "reconciled_retry_overdue": {
         "actor": f"reconciler:{WORKER}",
         "nextAttemptAt": "2026-01-01T12:00:05+00:00",
@@ -115,6 +122,7 @@ ACCOUNT_SEES = {
     "effect_refused": {"effect", "state", "error"},
     "possible_duplicate": {"effect", "messageId", "attempt", "previous"},
     "effect_skipped": {"effect", "state", "messageId", "attempt"},
+    "effect_fenced": {"effect", "attempt", "currentAttempt", "currentState"},
     "reconciled_retry_overdue": {"nextAttemptAt", "attempt"},
     "reconciled_queued_unclaimed": set(),
     "scheduled": {"schedule", "tick", "delaySeconds"},

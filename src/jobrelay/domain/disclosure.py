@@ -61,6 +61,12 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
         "previous": _VALUE,
     },
     "effect_skipped": {"effect": _VALUE, "state": _VALUE, "messageId": _VALUE, "attempt": _VALUE},
+    "effect_fenced": {  # not the worker
+        "effect": _VALUE,
+        "attempt": _VALUE,
+        "currentAttempt": _VALUE,
+        "currentState": _VALUE,
+    },
     # On a periodic tick's job (which is on no account today, so only admins read it).
     "scheduled": {"schedule": _VALUE, "tick": _VALUE, "delaySeconds": _VALUE},  # not the host
     "ticks_skipped": {
