@@ -11,7 +11,8 @@
     └── OperationError         raised by an operation while it runs
         ├── TransientError     worth retrying later (timeouts, unreachable services)
         │   ├── Retry          raised by a job to ask for a retry, with its reason
-        │   └── EffectOutcomeUnknown  an external effect may or may not have happened
+        │   ├── EffectOutcomeUnknown  an external effect may or may not have happened
+        │   └── AttemptSuperseded     this attempt's claim no longer holds the job: no effect
         └── PermanentError     retrying cannot help (invalid parameters, unknown type)
             └── Permanent      raised by a job to be quarantined at once, with its reason
 
@@ -103,6 +104,14 @@ class EffectOutcomeUnknown(TransientError):
     """
 
     code = "effect_outcome_unknown"
+
+
+class AttemptSuperseded(TransientError):
+    """The effects ledger refused to start an effect for an attempt whose claim no longer
+    holds the job (a takeover after its lease lapsed): the live attempt owns the effect, and
+    this one must stop before it sends anything."""
+
+    code = "attempt_superseded"
 
 
 class PermanentError(OperationError):

@@ -97,7 +97,7 @@ async def test_a_batch_completion_is_fenced_per_job(pg: Runtime) -> None:
     assert await job_state(pg, b) == (JobState.RUNNING, 1)
     assert await events_of(pg, b, "result_saved") == []
     saved = await events_of(pg, a, "result_saved")
-    assert [(e["resultKey"], e["rows"], e["worker"]) for e in saved] == [("ka", 1, "w-1")]
+    assert [(e["resultKey"], e["meta"]["rows"], e["worker"]) for e in saved] == [("ka", 1, "w-1")]
     job = await pg.store.get_job(a)
     assert job is not None and (job.result_key, job.progress_done) == ("ka", 1)
 

@@ -347,3 +347,27 @@ async def test_ticks_due_before_a_pause_are_caught_up_not_counted_as_paused(
         ("resumed", "y"),
     ]
     assert timeline[0][1]["count"] == 4
+
+
+async def test_one_failing_schedule_does_not_stop_the_others_in_a_pass(
+    runtime: tuple[Runtime, Clock],
+) -> None:
+    """Issue 21, item 10: a schedule whose tick job cannot be built (here: its params raise)
+    is logged and counted; the schedules after it in the same pass still get their ticks."""
+    rt, clock = runtime
+    scheduler = Scheduler(rt)
+    [good] = scheduler.schedules
+
+    def broken_params(tick: datetime) -> dict[str, Any]:
+        raise ValueError("this schedule's params cannot be built")
+
+    broken = dataclasses.replace(good, name="broken")
+    object.__setattr__(broken, "tick_params", broken_params)
+    scheduler.schedules = [broken, good]  # the broken one first: it must not stop the pass
+    await scheduler.run_once()  # registers
+    clock.now = minute(1) + timedelta(seconds=0.2)
+    pause = await scheduler.run_once()
+    assert list(await tick_jobs(rt)) == [tick_key("minutely", minute(1))]
+    assert rt.metrics.schedule_failures.labels(schedule="broken")._value.get() >= 1
+    assert rt.metrics.schedule_failures.labels(schedule="minutely")._value.get() == 0
+    assert pause <= 1.01  # it comes back soon (ERROR_SLEEP) for the broken one

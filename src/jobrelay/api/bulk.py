@@ -6,8 +6,15 @@ required reason and a ``limit``; with ``dryRun`` they only count. Each call acts
 (one guarded transaction per job, a ``replayed``/``cancelled`` event naming the admin token
 and the reason), and answers how many it did, how many were refused because their state
 changed meanwhile, and how many still match. A caller repeats the call until ``remaining``
-is 0 (the console shows done/total while it does): a job done drops out of the filter, so
-an interrupted run is simply run again.
+is 0 (the console shows done/total while it does).
+
+One operation is one set of jobs, fixed when it starts: every answer carries ``before``
+(the highest job event id when the operation's first call ran), and a caller passes it back
+on every later call of the same operation. Then only jobs that have not entered their state
+since match: a job replayed by this operation that fails again at once is quarantined anew,
+after ``before``, and is not replayed a second time (a re-run of the filter alone would
+replay it once per round); a job that arrived meanwhile is not swept in. A call without
+``before`` starts a new operation, so an interrupted run is run again by starting afresh.
 
 The filter is kept to the action's legal source states (replay: ``quarantined``; cancel:
 ``queued``, ``retry_wait``, ``quarantined``): each body's schema allows only those, so
@@ -20,7 +27,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import ConfigDict, Field, StrictBool, field_validator
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from jobrelay.api.admin import AdminActor, _Reasoned, body_of
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
@@ -32,7 +39,7 @@ from jobrelay.domain.job_filter import JobFilter
 from jobrelay.domain.states import JobState
 from jobrelay.ops.operator import CANCELLABLE, REPLAYABLE, Operator
 from jobrelay.roles.runtime import Runtime
-from jobrelay.storage.dashboard import count_jobs, search_jobs
+from jobrelay.storage.dashboard import count_jobs, event_ceiling, search_jobs
 
 router = APIRouter()
 
@@ -71,6 +78,13 @@ class _Bulk(_Reasoned):
     reason: str = Field(min_length=1, max_length=500, description="Kept in every job's timeline.")
     dry_run: StrictBool = Field(default=False, description="Only count what matches.")
     limit: int = Field(default=100, ge=1, le=500, description="At most this many per call.")
+    before: StrictInt | None = Field(
+        default=None,
+        ge=0,
+        le=2**63 - 1,
+        description="The `before` of this operation's first answer, on every later call: only "
+        "jobs that have not entered their state since match. Omit it to start an operation.",
+    )
 
     @field_validator("limit", mode="before")
     @classmethod
@@ -98,6 +112,10 @@ class BulkOut(WireModel):
     remaining: int = Field(description="Jobs still matching after this call.")
     job_ids: list[str] = Field(description="The jobs this call acted on.")
     actor: str
+    before: int = Field(
+        description="This operation's bound (the highest job event id when it started): pass "
+        "it on the operation's next call."
+    )
 
 
 @router.post(
@@ -136,8 +154,9 @@ def _filter(action: str, body: BulkReplayRequest | BulkCancelRequest) -> JobFilt
 async def _run(
     runtime: Runtime, action: str, body: BulkReplayRequest | BulkCancelRequest, actor: str
 ) -> BulkOut:
-    f = _filter(action, body)
     store = runtime.store
+    before = body.before if body.before is not None else await event_ceiling(store)
+    f = _filter(action, body).until(before)
     matched = await count_jobs(store, f)
     done: list[str] = []
     refused = 0
@@ -162,4 +181,5 @@ async def _run(
         remaining=remaining,
         job_ids=done,
         actor=actor,
+        before=before,
     )

@@ -28,6 +28,7 @@ _FILES = {
     "console.html": "text/html; charset=utf-8",
     "common.js": _JS,
     "console.js": _JS,
+    "lane.js": _JS,
     "overview.js": _JS,
     "jobs.js": _JS,
     "console.css": _CSS,

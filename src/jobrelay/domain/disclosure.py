@@ -29,7 +29,7 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
     "published": {},  # destination, outbox id and relay are the operators' business
     "claimed": {"attempt": _VALUE, "redelivered": _VALUE},
     # result_saved also carries the operation's own metadata (Result.meta): see below.
-    "result_saved": {"resultKey": _VALUE, "attempt": _VALUE},
+    "result_saved": {"resultKey": _VALUE, "attempt": _VALUE, "meta": _VALUE},
     "follow_up_accepted": {"jobId": _VALUE, "type": _VALUE},
     "retry_scheduled": {
         "error": _TEXT,
@@ -61,6 +61,12 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
         "previous": _VALUE,
     },
     "effect_skipped": {"effect": _VALUE, "state": _VALUE, "messageId": _VALUE, "attempt": _VALUE},
+    "effect_fenced": {  # not the worker
+        "effect": _VALUE,
+        "attempt": _VALUE,
+        "currentAttempt": _VALUE,
+        "currentState": _VALUE,
+    },
     # On a periodic tick's job (which is on no account today, so only admins read it).
     "scheduled": {"schedule": _VALUE, "tick": _VALUE, "delaySeconds": _VALUE},  # not the host
     "ticks_skipped": {
@@ -73,9 +79,10 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
         "ticks": _VALUE,
     },
 }
-# result_saved: jobrelay's own keys are resultKey, worker and attempt; every other key is the
-# metadata the job returned about its result (rows, bytes, sha256 for report.export), which
-# is the customer's. The worker is not.
+# result_saved: jobrelay's own keys are resultKey, worker and attempt; ``meta`` is the metadata
+# the job returned about its result (rows, bytes, sha256 for report.export), which is the
+# customer's. The worker is not. Events written before ``meta`` had the metadata beside
+# jobrelay's keys: every other key of those is the customer's too.
 _RESULT_PRIVATE = frozenset({"worker"})
 
 _REDACTIONS: tuple[tuple[re.Pattern[str], str], ...] = (

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -29,6 +30,17 @@ THROUGHPUT_KINDS: Mapping[str, str] = {
     "retry_scheduled": "retried",
     "quarantined": "quarantined",
 }
+
+
+# The events that put a job into a state a bulk action moves (queued, retry_wait, quarantined):
+# a job with one of them after an operation's ``event_ceiling`` entered its state since.
+STATE_ENTRY_KINDS: tuple[str, ...] = (
+    "accepted",
+    "replayed",
+    "retry_scheduled",
+    "reconciled_lease_expired",
+    "quarantined",
+)
 
 
 class CursorError(ValueError):
@@ -48,20 +60,17 @@ class JobFilter:
     reason: str | None = None
     created_after: datetime | None = None
     created_before: datetime | None = None
+    event_ceiling: int | None = None
 
     def only(self, allowed: Iterable[JobState]) -> JobFilter:
         """The same filter kept to ``allowed`` states (a bulk action's legal sources)."""
         allowed = tuple(sorted(allowed, key=lambda s: s.value))
         states = allowed if self.states is None else tuple(s for s in self.states if s in allowed)
-        return JobFilter(
-            states=states,
-            job_type=self.job_type,
-            queue=self.queue,
-            account_id=self.account_id,
-            reason=self.reason,
-            created_after=self.created_after,
-            created_before=self.created_before,
-        )
+        return dataclasses.replace(self, states=states)
+
+    def until(self, event_ceiling: int) -> JobFilter:
+        """The same filter kept to the jobs in their state since event ``event_ceiling``."""
+        return dataclasses.replace(self, event_ceiling=event_ceiling)
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ class NotifyEmail:
         message_id = str(message["Message-ID"])
         ledger = ctx.store.effects
         permit = await ledger.begin(
-            job.id, EFFECT_KIND, message_id, ctx.clock(), attempt=ctx.attempt
+            job.id, EFFECT_KIND, message_id, ctx.clock(), attempt=ctx.attempt, worker=ctx.worker
         )
         if not permit.send:  # an earlier attempt delivered it and recorded that
             return OperationResult(

@@ -201,8 +201,10 @@ async def _report(client: httpx.AsyncClient, results: Any, jobs: list[dict[str, 
         events = (await client.get(f"/v1/jobs/{job['jobId']}/events")).json()["events"]
         console.rule(f"{job['jobId']}  {job['account']} {job['period']}  [bold]{state['state']}")
         for event in events:
+            shown = {**event["detail"], **event["detail"].get("meta", {})}  # meta flattened
+            hidden = ("sha256", "meta")
             detail = ", ".join(
-                f"{k}={v}" for k, v in event["detail"].items() if v is not None and k != "sha256"
+                f"{k}={v}" for k, v in shown.items() if v is not None and k not in hidden
             )
             console.print(f"  {event['at']}  {event['kind']:<16} {detail}")
         if state["state"] == "succeeded":

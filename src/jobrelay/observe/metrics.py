@@ -140,6 +140,13 @@ class Metrics:
             ["schedule", "reason"],
             registry=r,
         )
+        self.schedule_failures = Counter(
+            "jobrelay_schedule_failures",
+            "Scheduler passes in which one schedule failed (logged as schedule_failed); the "
+            "pass went on with the other schedules.",
+            ["schedule"],
+            registry=r,
+        )
         self.schedule_ticks_late = Counter(
             "jobrelay_schedule_ticks_late",
             "Tick jobs written more than 5 s after their tick (caught up after an outage, or "

@@ -37,6 +37,9 @@ class OperationContext:
     clock: Callable[[], datetime] = _utc_now
     # Set when this attempt's lease is gone; the worker also cancels the operation then.
     lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
+    # The lease owner this attempt runs as: the effects ledger fences an effect on it (with
+    # ``attempt``), so a context without one may skip a delivered effect but not start one.
+    worker: str | None = None
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,7 @@ def render_job(
     for column in ("at", "event", "detail"):
         timeline.add_column(column)
     for event in events:
-        detail = ", ".join(f"{k}={v}" for k, v in event.detail.items() if v is not None)
+        detail = ", ".join(f"{k}={_shown(v)}" for k, v in event.detail.items() if v is not None)
         timeline.add_row(event.at.isoformat(timespec="milliseconds"), event.kind, detail)
     console.print(timeline)
     console.print(f"next: {next_step(job, now)}")
@@ -320,3 +320,8 @@ async def list_jobs(
         )
     console.print(table)
     console.print(f"{len(jobs)} job(s)")
+
+
+def _shown(value: Any) -> str:
+    """A detail value as the timeline prints it: nested ones (``meta``) as JSON."""
+    return json.dumps(value, default=str) if isinstance(value, dict | list) else str(value)

@@ -96,6 +96,7 @@ class AttemptRun:
             report_progress=progress,
             clock=self.rt.clock,
             lease_lost=lease_lost,
+            worker=self.worker_id,
         )
         observation: Observation
         result: Any = None

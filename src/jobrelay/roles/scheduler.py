@@ -64,10 +64,25 @@ class Scheduler:
                     await stop.wait()
 
     async def run_once(self) -> float:
-        """One pass over every schedule; returns the seconds until the next tick is due."""
+        """One pass over every schedule; returns the seconds until the next tick is due.
+
+        A schedule that fails (its tick's job cannot be built, a write of it fails) is
+        logged and counted and the pass goes on with the others: one broken schedule must not
+        starve the rest. The pass then comes back after ``ERROR_SLEEP`` to try it again.
+        """
         until: float = MAX_SLEEP
         for schedule in self.schedules:
-            result = await self.advance(schedule)
+            try:
+                result = await self.advance(schedule)
+            except Exception:
+                log.exception(
+                    "schedule %s failed in this pass; the others go on",
+                    schedule.name,
+                    extra={"event": "schedule_failed", "schedule": schedule.name},
+                )
+                self.rt.metrics.schedule_failures.labels(schedule=schedule.name).inc()
+                until = min(until, ERROR_SLEEP)
+                continue
             wait = (schedule.cron.next_after(result.now) - result.now).total_seconds()
             until = min(until, wait)
         # A little after the tick, so the store's clock has surely reached it.

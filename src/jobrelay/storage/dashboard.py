@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, exists, func, or_, select
 
-from jobrelay.domain.job_filter import THROUGHPUT_KINDS, JobFilter, PageKey
+from jobrelay.domain.job_filter import STATE_ENTRY_KINDS, THROUGHPUT_KINDS, JobFilter, PageKey
 from jobrelay.storage.store import JobRecord, Store, aware_time, job_record
 from jobrelay.storage.tables import job_events, jobs, outbox
 
@@ -56,7 +56,25 @@ def _where(query: Any, f: JobFilter) -> Any:
     if f.reason:
         text = func.lower(func.coalesce(jobs.c.quarantine_reason, jobs.c.last_error, ""))
         query = query.where(text.contains(f.reason.lower(), autoescape=True))
+    if f.event_ceiling is not None:
+        entered_since = select(job_events.c.id).where(
+            job_events.c.job_id == jobs.c.id,
+            job_events.c.id > f.event_ceiling,
+            job_events.c.kind.in_(STATE_ENTRY_KINDS),
+        )
+        query = query.where(~exists(entered_since))
     return query
+
+
+async def event_ceiling(store: Store) -> int:
+    """The highest job event id now: a bulk operation's start (``JobFilter.event_ceiling``).
+
+    Ids come from one sequence, taken when a row is inserted, so an event written after this
+    read (a replay of the operation, the failure after it) has a higher id.
+    """
+    async with store.reading() as conn:
+        top = await conn.scalar(select(func.max(job_events.c.id)))
+    return int(top or 0)
 
 
 async def search_jobs(

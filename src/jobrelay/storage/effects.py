@@ -6,6 +6,12 @@ one short transaction that reads the row (locked on PostgreSQL, under SQLite's w
 asks the pure rules in ``domain/effects.py`` for the next state, writes it, and writes the
 matching ``job_events`` row, so the job's timeline tells the same story as the ledger.
 
+``begin`` is fenced like every write of a run: in the same transaction it reads the job (locked
+on PostgreSQL, so a takeover's claim waits for it) and refuses an attempt whose claim no longer
+holds it (the job is not ``running``, or runs a later attempt, or under another lease owner).
+A superseded attempt, whose lease lapsed while it was slow and whose job another attempt now
+runs, gets ``AttemptSuperseded`` and never ``send=True``: it would race the live attempt.
+
 No transaction is held open while the effect itself happens: the SMTP conversation runs
 between ``begin`` and ``mark_sent``, and a process that dies there leaves ``sending`` behind,
 which is exactly the fact the next attempt needs.
@@ -27,9 +33,10 @@ from jobrelay.domain.effects import (
     state_after_send,
     state_before_send,
 )
-from jobrelay.errors import StoreError
+from jobrelay.domain.states import JobState
+from jobrelay.errors import AttemptSuperseded, StoreError
 from jobrelay.storage.engine import read_tx, write_tx
-from jobrelay.storage.tables import effects_ledger, job_events
+from jobrelay.storage.tables import effects_ledger, job_events, jobs
 
 
 @dataclass(frozen=True)
@@ -81,16 +88,46 @@ class EffectsLedger:
         async with read_tx(self.engine, "effects ledger") as conn:
             return await self._row(conn, job_id, kind)
 
+    async def _superseded(
+        self, conn: AsyncConnection, job_id: str, attempt: int, worker: str | None
+    ) -> dict[str, Any] | None:
+        """None while the claim (``attempt``, ``worker``) holds the job, else what holds it."""
+        query = select(jobs.c.state, jobs.c.attempt, jobs.c.lease_owner).where(jobs.c.id == job_id)
+        if self._lock_rows:
+            query = query.with_for_update()
+        row = (await conn.execute(query)).first()
+        if row is None:
+            return {"currentState": None, "currentAttempt": None}
+        if (
+            row.state == JobState.RUNNING.value
+            and row.attempt == attempt
+            and worker is not None
+            and row.lease_owner == worker
+        ):
+            return None
+        return {"currentState": row.state, "currentAttempt": row.attempt}
+
     async def begin(
-        self, job_id: str, kind: str, message_id: str, now: datetime, *, attempt: int
+        self,
+        job_id: str,
+        kind: str,
+        message_id: str,
+        now: datetime,
+        *,
+        attempt: int,
+        worker: str | None,
     ) -> SendPermit:
         """Record that attempt ``attempt`` is about to hand the effect over, or say it is done.
 
         A row left in ``sending`` by an earlier attempt means that attempt died with the
         outcome unknown: this one becomes ``possible_duplicate`` (and says so in the job's
-        timeline) before it sends again with the same ``message_id``.
+        timeline) before it sends again with the same ``message_id``. An effect the ledger
+        already records as delivered is skipped whoever asks; any other answer needs the
+        caller's claim (``attempt`` run by lease owner ``worker``) to hold the job, else
+        ``AttemptSuperseded`` (after an ``effect_fenced`` event, committed).
         """
         async with self._write() as conn:
+            holder = await self._superseded(conn, job_id, attempt, worker)
             current = await self._row(conn, job_id, kind)
             previous = current.state if current is not None else None
             already_sent = current is not None and current.sent_at is not None
@@ -108,40 +145,65 @@ class EffectsLedger:
                     attempt=attempt,
                 )
                 return SendPermit(send=False, record=current, previous=previous)
-            if current is None:
-                await conn.execute(
-                    insert(effects_ledger).values(
-                        job_id=job_id,
-                        kind=kind,
-                        state=target.value,
-                        message_id=message_id,
-                        attempts=1,
-                        created_at=now,
-                        updated_at=now,
-                    )
-                )
+            if holder is not None:
+                fenced = {"effect": kind, "attempt": attempt, "worker": worker, **holder}
+                await self._event(conn, job_id, "effect_fenced", now, **fenced)
             else:
-                await conn.execute(
-                    update(effects_ledger)
-                    .where(effects_ledger.c.job_id == job_id, effects_ledger.c.kind == kind)
-                    .values(
-                        state=target.value,
-                        message_id=message_id,
-                        attempts=effects_ledger.c.attempts + 1,
-                        updated_at=now,
-                    )
+                record = await self._permit(
+                    conn, job_id, kind, current, message_id, now, attempt, target
                 )
-            detail = {"effect": kind, "messageId": message_id, "attempt": attempt}
-            if target is EffectState.POSSIBLE_DUPLICATE:
-                assert previous is not None
-                await self._event(
-                    conn, job_id, "possible_duplicate", now, previous=previous.value, **detail
-                )
-            else:
-                await self._event(conn, job_id, "effect_sending", now, **detail)
-            record = await self._row(conn, job_id, kind)
-        assert record is not None
+        if holder is not None:
+            raise AttemptSuperseded(
+                f"attempt {attempt} no longer holds the job (it is {holder['currentState']}, "
+                f"attempt {holder['currentAttempt']}): {kind} not sent"
+            )
         return SendPermit(send=True, record=record, previous=previous)
+
+    async def _permit(
+        self,
+        conn: AsyncConnection,
+        job_id: str,
+        kind: str,
+        current: EffectRecord | None,
+        message_id: str,
+        now: datetime,
+        attempt: int,
+        target: EffectState,
+    ) -> EffectRecord:
+        """Write ``target`` (``sending`` or ``possible_duplicate``) and its event."""
+        if current is None:
+            await conn.execute(
+                insert(effects_ledger).values(
+                    job_id=job_id,
+                    kind=kind,
+                    state=target.value,
+                    message_id=message_id,
+                    attempts=1,
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
+        else:
+            await conn.execute(
+                update(effects_ledger)
+                .where(effects_ledger.c.job_id == job_id, effects_ledger.c.kind == kind)
+                .values(
+                    state=target.value,
+                    message_id=message_id,
+                    attempts=effects_ledger.c.attempts + 1,
+                    updated_at=now,
+                )
+            )
+        detail = {"effect": kind, "messageId": message_id, "attempt": attempt}
+        if target is EffectState.POSSIBLE_DUPLICATE:
+            assert current is not None
+            previous = current.state.value
+            await self._event(conn, job_id, "possible_duplicate", now, previous=previous, **detail)
+        else:
+            await self._event(conn, job_id, "effect_sending", now, **detail)
+        record = await self._row(conn, job_id, kind)
+        assert record is not None
+        return record
 
     async def mark_sent(self, job_id: str, kind: str, now: datetime) -> EffectRecord:
         """The other side accepted the effect: ``sent`` (or still ``possible_duplicate``)."""

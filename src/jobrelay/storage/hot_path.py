@@ -66,7 +66,16 @@ def claimed_detail(worker_id: str, detail: dict[str, Any]) -> dict[str, Any]:
 def result_saved_detail(
     claim: Claim, result_key: str | None, result_meta: dict[str, Any]
 ) -> dict[str, Any]:
-    return {"resultKey": result_key, "worker": claim.worker_id, **result_meta}
+    """jobrelay's own fields, and the operation's metadata under ``meta`` of its own, so a
+    job returning ``{"worker": …}`` cannot overwrite the event's (the worker merges the
+    attempt into ``result_meta``; the claim's is the one recorded)."""
+    meta = {key: value for key, value in result_meta.items() if key != "attempt"}
+    return {
+        "resultKey": result_key,
+        "worker": claim.worker_id,
+        "attempt": claim.attempt,
+        "meta": meta,
+    }
 
 
 class HotPathStore(ClaimsStore):

@@ -76,29 +76,14 @@
     return node;
   }
 
-  // The hand-offs of a job, in order; the lane shows how long each took and where it waits.
-  const STAGES = [
-    ["accepted", "accepted"],
-    ["published", "published"],
-    ["claimed", "claimed"],
-    ["result_saved", "saved"],
-    ["ack_sent", "acked"],
-  ];
-
+  // The hand-offs of the job's final attempt, in order (lane.js); the lane shows how long
+  // each took and where it waits.
   function renderLane(job) {
     const lane = $("lane");
     lane.replaceChildren();
-    const firstAt = {};
-    for (const event of job.events) {
-      if (!(event.kind in firstAt)) firstAt[event.kind] = event.at;
-    }
-    // After a retry the latest claim is the one that counts.
-    const claims = job.events.filter((e) => e.kind === "claimed");
-    if (claims.length) firstAt.claimed = claims[claims.length - 1].at;
     let previous = null;
     let waiting = false;
-    for (const [kind, label] of STAGES) {
-      const at = firstAt[kind];
+    for (const { kind, label, at } of window.JR.handoffLane(job.events)) {
       if (previous !== null) {
         const gap = el("li", null, "gap");
         if (at) {

@@ -73,13 +73,15 @@
 
   // --- bulk -------------------------------------------------------------------------------
 
-  function bulkBody(dryRun) {
+  function bulkBody(dryRun, before) {
     const f = filter();
     const bodyFilter = {};
     for (const key of ["state", "type", "queue", "accountId", "reason", "createdAfter", "createdBefore"]) {
       if (f[key]) bodyFilter[key] = f[key];
     }
-    return { filter: bodyFilter, reason: $("bulk-reason").value.trim(), dryRun: dryRun, limit: BATCH };
+    const body = { filter: bodyFilter, reason: $("bulk-reason").value.trim(), dryRun: dryRun, limit: BATCH };
+    if (before !== undefined && before !== null) body.before = before;
+    return body;
   }
 
   function status(text) {
@@ -99,6 +101,8 @@
       status("Dry run: " + dry.matched + " job(s) match; " + action + " would act on each of them.");
       $("bulk-run").disabled = dry.matched === 0;
       $("bulk-run").dataset.total = String(dry.matched);
+      // The run acts on the jobs this count saw: every round passes the count's bound.
+      $("bulk-run").dataset.before = String(dry.before);
       return dry.matched;
     } catch (error) {
       status("Refused: " + error.message);
@@ -109,6 +113,7 @@
   async function run() {
     const action = $("bulk-action").value;
     const total = Number($("bulk-run").dataset.total || "0");
+    const before = $("bulk-run").dataset.before ? Number($("bulk-run").dataset.before) : null;
     if (!window.confirm(action + " " + total + " job(s)?")) return;
     const progress = $("bulk-progress");
     progress.hidden = false;
@@ -119,10 +124,11 @@
     let refused = 0;
     let remaining = total;
     try {
-      // Batches until nothing matches: a job acted on leaves the filter, so this ends, and
-      // an interrupted run is the same run started again.
+      // Batches until nothing of the counted set matches: a job acted on leaves it for good
+      // (one that fails again entered its state after the bound), so this ends, and each job
+      // is acted on once. An interrupted run is counted and run again.
       for (let round = 0; round < 10000; round += 1) {
-        const batch = await api("POST", "/v1/bulk/" + action, bulkBody(false));
+        const batch = await api("POST", "/v1/bulk/" + action, bulkBody(false, before));
         done += batch.done;
         refused += batch.refused;
         remaining = batch.remaining;
