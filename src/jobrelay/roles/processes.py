@@ -162,18 +162,20 @@ def _metrics_server(
     rt: Runtime,
     sock: socket.socket,
     stop: asyncio.Event,
-    refresh: Callable[[Runtime], Awaitable[None]] | None = None,
+    refresh: Callable[[Runtime, float], Awaitable[None]] | None = None,
 ) -> Coroutine[Any, Any, None]:
     from jobrelay.observe.metrics import serve_metrics
 
     host, port = sock.getsockname()[:2]
+    max_age = rt.settings.metrics_cache_seconds
     return serve_metrics(
         rt.metrics,
         host,
         port,
         stop,
-        refresh=(lambda: refresh(rt)) if refresh else None,
+        refresh=(lambda: refresh(rt, max_age)) if refresh else None,
         sock=sock,
+        token=rt.settings.metrics_token,
     )
 
 
