@@ -100,6 +100,13 @@ class Settings(BaseSettings):
     # set, only a request with "Authorization: Bearer <it>" is served.
     metrics_cache_seconds: float = Field(default=5.0, ge=0, le=3600)
     metrics_token: str | None = None
+    # The API's HTTP server, before a request reaches the application (roles/http_guard.py):
+    # the most bytes of a request line and headers (431 beyond), how long a new connection,
+    # or a next request on a kept-alive one, has to send its whole head (closed after), and
+    # how many connections one API process holds at once (503 beyond).
+    api_max_head_bytes: int = Field(default=32 * 1024, ge=1024, le=1024 * 1024)
+    api_head_timeout_seconds: float = Field(default=10.0, gt=0, le=300)
+    api_max_connections: int = Field(default=1000, ge=1, le=100_000)
     # Where people reach the API; links in e-mails are built from it.
     public_url: str = "http://127.0.0.1:8000"
 
