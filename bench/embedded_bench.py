@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from bench_app import noop
-from bench_env import BenchFailure, RoleProcess, free_port, run_command
+from bench_env import LIFTED, BenchFailure, RoleProcess, free_port, run_command, say_lifted
 from sqlalchemy import create_engine
 
 READY_TIMEOUT = 60.0
@@ -41,7 +41,9 @@ async def embedded_drain(n: int, env: dict[str, str], log_dir: Path, timeout: fl
             "JOBRELAY_BROKER_URL": "local",
             "JOBRELAY_RESULTS_URL": f"file://{scratch}/results",
             "JOBRELAY_APP": "bench_app:app",
+            **LIFTED,
         }
+        say_lifted()
         await run_command(
             [sys.executable, "-m", "jobrelay", "db", "upgrade"], env=env, log=log_dir / "setup.log"
         )

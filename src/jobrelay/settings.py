@@ -90,8 +90,23 @@ class Settings(BaseSettings):
     # or networks); none by default, so a client cannot claim another address or scheme.
     trusted_proxies: str = ""
     # Per token and API process, on job creation and admin actions: RATE/second|minute|hour
-    # with an optional :BURST (100/second:300); empty: no limit.
-    rate_limit: str = ""
+    # with an optional :BURST (100/second:300), or off.
+    rate_limit: str = "10/second:100"
+    # Per client address and API process: requests whose token is not valid (each one a
+    # database lookup); the same form, or off.
+    auth_failure_limit: str = "1/second:30"
+    # /metrics: the database gauges (a GROUP BY over the jobs) are read at most once per
+    # this many seconds whatever the scrape rate (0: on every scrape); and, when a token is
+    # set, only a request with "Authorization: Bearer <it>" is served.
+    metrics_cache_seconds: float = Field(default=5.0, ge=0, le=3600)
+    metrics_token: str | None = None
+    # The API's HTTP server, before a request reaches the application (roles/http_guard.py):
+    # the most bytes of a request line and headers (431 beyond), how long a new connection,
+    # or a next request on a kept-alive one, has to send its whole head (closed after), and
+    # how many connections one API process holds at once (503 beyond).
+    api_max_head_bytes: int = Field(default=32 * 1024, ge=1024, le=1024 * 1024)
+    api_head_timeout_seconds: float = Field(default=10.0, gt=0, le=300)
+    api_max_connections: int = Field(default=1000, ge=1, le=100_000)
     # Where people reach the API; links in e-mails are built from it.
     public_url: str = "http://127.0.0.1:8000"
 
@@ -154,13 +169,20 @@ class Settings(BaseSettings):
 
         return ",".join(split_broker_urls(value))
 
-    @field_validator("rate_limit")
+    @field_validator("rate_limit", "auth_failure_limit")
     @classmethod
     def _check_rate_limit(cls, value: str) -> str:
-        from jobrelay.api.ratelimit import parse_limit
+        from jobrelay.api.buckets import parse_limit
 
         parse_limit(value)
         return value.strip()
+
+    @field_validator("metrics_token")
+    @classmethod
+    def _check_metrics_token(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) < 16 or not value.isprintable() or " " in value):
+            raise ValueError("expected at least 16 visible characters and no spaces")
+        return value
 
     @field_validator("trusted_proxies")
     @classmethod
@@ -260,8 +282,10 @@ class Settings(BaseSettings):
         return self.broker_url == "local"
 
     def redacted(self) -> dict[str, Any]:
-        """Settings safe to log: passwords in URLs replaced."""
+        """Settings safe to log: passwords in URLs and the metrics token replaced."""
         out = self.model_dump()
+        if out["metrics_token"] is not None:
+            out["metrics_token"] = "***"
         keys = ("database_url", "broker_url", "broker_management_url", "results_url")
         for key in (*keys, "s3_endpoint_url", "smtp_url"):
             if out[key] is not None:

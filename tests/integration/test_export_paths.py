@@ -56,6 +56,11 @@ from jobrelay.storage.store import NewJob
 pytestmark = pytest.mark.timeout(120)
 PERIOD = "2020-05"
 HOSTILE = [
+    "Refund;=cmd|' /C calc'!A0",
+    "Refund\t=cmd",
+    "Refund;\t\u00a0@SUM(A1)",
+    "a;;+1\r\n-2",
+    "\t;=1",
     "=1+1",
     "+3",
     "-2+3",
@@ -103,7 +108,7 @@ AMOUNTS = [
     Decimal("123456789012.34"),
     None,
 ]
-ALPHABET = list(SPACES + INVISIBLE + FORMULA_CHARS + "\t\r\n,\"'aZ09 é€😀?~@AB\x84\x86")
+ALPHABET = list(SPACES + INVISIBLE + FORMULA_CHARS + ";\t\r\n,\"'aZ09 é€😀?~@AB\x84\x86")
 
 
 def _nullable_table() -> Table:

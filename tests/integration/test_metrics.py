@@ -4,6 +4,7 @@ that docs/reference/metrics.md names exactly the metrics the code exposes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -174,3 +175,72 @@ async def test_metrics_port_serves_prometheus_text_even_when_refresh_fails(
 def test_every_metric_is_documented_and_every_documented_metric_exists() -> None:
     documented = set(re.findall(r"^\| `(jobrelay_[a-z_]+)`", DOCS.read_text(), re.MULTILINE))
     assert documented == set(Metrics().names())
+
+
+# --- cached figures, optionally behind a token (issue 25, item 7) --------------------------
+
+
+async def test_scrapes_read_the_database_gauges_at_most_once_per_cache_period(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads = 0
+    count = runtime.store.count_by_state
+
+    async def counted() -> dict[str, int]:
+        nonlocal reads
+        reads += 1
+        return await count()
+
+    monkeypatch.setattr(runtime.store, "count_by_state", counted)
+    assert runtime.settings.metrics_cache_seconds == 5.0  # the default
+    assert isinstance(runtime.clock, Clock)
+    app = create_app(runtime.settings, runtime=runtime)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+        pages = await asyncio.gather(*(client.get("/metrics") for _ in range(10)))
+        assert reads == 1  # ten concurrent scrapes, one GROUP BY
+        await job_in_state(runtime.store, JobState.QUEUED, T0, "2020-01")
+        runtime.clock.advance(4.9)
+        cached = await client.get("/metrics")
+        runtime.clock.advance(0.2)
+        fresh = await client.get("/metrics")
+    assert {p.status_code for p in pages} == {200}
+    assert value(samples(cached.text), "jobrelay_jobs", state="queued") == 0
+    assert value(samples(fresh.text), "jobrelay_jobs", state="queued") == 1
+    assert reads == 2
+
+
+async def test_a_metrics_token_guards_both_metrics_endpoints(
+    runtime: Runtime, unused_tcp_port: int
+) -> None:
+    secret = "m" * 32
+    settings = runtime.settings.model_copy(update={"metrics_token": secret})
+    app = create_app(settings, runtime=dataclasses.replace(runtime, settings=settings))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+        anonymous = await client.get("/metrics")
+        wrong = await client.get("/metrics", headers={"Authorization": "Bearer " + "n" * 32})
+        right = await client.get("/metrics", headers={"Authorization": f"Bearer {secret}"})
+    assert anonymous.status_code == 401 and wrong.status_code == 401
+    assert anonymous.headers["content-type"].startswith("application/problem+json")
+    assert right.status_code == 200 and "jobrelay_jobs" in right.text
+
+    stop, started = asyncio.Event(), asyncio.Event()
+    server = asyncio.create_task(
+        serve_metrics(
+            runtime.metrics, "127.0.0.1", unused_tcp_port, stop, started=started, token=secret
+        )
+    )
+    try:
+        await asyncio.wait_for(started.wait(), 10)
+        base = f"http://127.0.0.1:{unused_tcp_port}"
+        async with httpx.AsyncClient(base_url=base, timeout=5) as client:
+            port_anonymous = await client.get("/metrics")
+            port_right = await client.get("/metrics", headers={"Authorization": f"Bearer {secret}"})
+            port_health = await client.get("/healthz")
+    finally:
+        stop.set()
+        await asyncio.wait_for(server, 10)
+    assert port_anonymous.status_code == 401 and b"jobrelay_" not in port_anonymous.content
+    assert port_right.status_code == 200 and "jobrelay_jobs" in port_right.text
+    assert port_health.status_code == 200  # health checks need no token

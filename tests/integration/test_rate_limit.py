@@ -3,18 +3,23 @@ problem+json with ``Retry-After``, nothing written by a refused request, reads n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from sqlalchemy import func, select
 
+from jobrelay.api import create_app
 from jobrelay.api.ratelimit import Limit, RateLimiter, parse_limit
 from jobrelay.errors import ConfigError
 from jobrelay.roles.runtime import Runtime
-from jobrelay.settings import load_settings
+from jobrelay.settings import Settings, load_settings
 from jobrelay.storage.tables import jobs
 from tests.integration.api_fixtures import api_client, bearer, build_runtime, make_token
 
@@ -49,6 +54,7 @@ async def job_count(rt: Runtime) -> int:
         ("600/minute:50", Limit(10.0, 50.0)),
         ("1/hour", Limit(1 / 3600, 1.0)),
         ("", None),
+        ("off", None),
     ],
 )
 def test_the_limit_setting(text: str, limit: Limit | None) -> None:
@@ -109,3 +115,94 @@ async def test_admin_actions_are_limited_too(client: httpx.AsyncClient, runtime:
         for _ in range(5)
     ]
     assert codes == [404, 404, 404, 429, 429]
+
+
+# --- on by default, and failed authentication per client address (issue 25, item 7) -------
+
+
+@contextlib.asynccontextmanager
+async def frozen_app_client(
+    rt: Runtime, address: str = "198.51.100.7"
+) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
+    """A client of an app built from ``rt``'s settings whose buckets never refill: what a
+    burst allows is then exact, however slow the machine."""
+    app = create_app(rt.settings, runtime=rt)
+    for name in ("rate_limiter", "auth_failure_limiter"):
+        limit = getattr(app.state, name).limit
+        setattr(app.state, name, RateLimiter(limit, clock=lambda: 0.0))
+    transport = httpx.ASGITransport(app=app, client=(address, 40000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+        yield client, app
+
+
+def test_both_limits_are_on_by_default_and_can_be_turned_off() -> None:
+    defaults = Settings()
+    assert parse_limit(defaults.rate_limit) == Limit(per_second=10.0, burst=100.0)
+    assert parse_limit(defaults.auth_failure_limit) == Limit(per_second=1.0, burst=30.0)
+    off = load_settings(rate_limit="off", auth_failure_limit="OFF")
+    assert parse_limit(off.rate_limit) is None and parse_limit(off.auth_failure_limit) is None
+
+
+async def test_one_token_is_limited_by_default(database_url: str, tmp_path: Path) -> None:
+    rt = build_runtime(database_url, tmp_path)  # the default settings' limits
+    try:
+        acme = bearer(await make_token(rt, "acme"))
+        async with frozen_app_client(rt) as (client, _):
+            body = {"accountId": "acme", "period": "2020-01"}
+            codes = Counter(
+                [
+                    (await client.post("/v1/exports", json=body, headers=acme)).status_code
+                    for _ in range(102)
+                ]
+            )
+        assert codes == {202: 100, 429: 2}
+    finally:
+        await rt.engine.dispose()
+
+
+async def test_bad_tokens_are_limited_per_address_without_a_lookup_once_over(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rt = build_runtime(database_url, tmp_path)
+    try:
+        good = bearer(await make_token(rt, "acme"))
+        lookups = 0
+        find = rt.store.find_token
+
+        async def counted(token_hash: str) -> Any:
+            nonlocal lookups
+            lookups += 1
+            return await find(token_hash)
+
+        monkeypatch.setattr(rt.store, "find_token", counted)
+        bad = bearer("jr_" + "x" * 43)
+        async with frozen_app_client(rt) as (client, app):
+            codes = [
+                (await client.get("/v1/jobs/0190c9a0-0000-7000-8000-000000000000", headers=bad))
+                for _ in range(33)
+            ]
+            # The blocked address is refused whatever it sends, before any lookup.
+            blocked = await client.post(
+                "/v1/exports", json={"accountId": "acme", "period": "2020-01"}, headers=good
+            )
+            other_address = httpx.ASGITransport(app=app, client=("203.0.113.9", 40000))
+            async with httpx.AsyncClient(transport=other_address, base_url="http://t") as other:
+                elsewhere = await other.post(
+                    "/v1/exports", json={"accountId": "acme", "period": "2020-01"}, headers=good
+                )
+        assert [c.status_code for c in codes] == [401] * 30 + [429] * 3
+        assert all(c.headers["content-type"].startswith(PROBLEM) for c in codes)
+        assert int(codes[-1].headers["retry-after"]) >= 1
+        assert blocked.status_code == 429
+        assert elsewhere.status_code == 202  # another address has its own bucket
+        assert lookups == 30 + 1  # the 30 failures, and the other address's good token
+    finally:
+        await rt.engine.dispose()
+
+
+def test_the_openapi_document_declares_the_429_where_a_401_is() -> None:
+    app = create_app(Settings(database_url="sqlite:///unused.db"))
+    for path, item in app.openapi()["paths"].items():
+        for method, operation in item.items():
+            if "401" in operation["responses"]:
+                assert "429" in operation["responses"], (method, path)

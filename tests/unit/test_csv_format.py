@@ -101,3 +101,42 @@ def test_python_lines_defang_and_format() -> None:
         b'2,2020-05-02,,"say ""x""",-0.01,\'\xc2\xa0@\r\n'
         b'3,,"line\nbreak",,,\r\n'
     )
+
+
+# --- spreadsheets that split on ";" or tabs (issue 25, item 6) ------------------------------
+
+_SPLITTERS = (";", "\t", "\n", "\r")
+
+
+def _formula_parts(cell: str) -> list[str]:
+    """The pieces a spreadsheet that splits on ``;``, a tab or a line break (ignoring the
+    CSV's quotes, which only count at the start of a cell) would read as formulas."""
+    found = []
+    for splitter in _SPLITTERS:
+        for part in cell.split(splitter)[1:]:
+            visible = part.lstrip()
+            while visible and visible[0] in defang.INVISIBLE:
+                visible = visible[1:].lstrip()
+            if visible[:1] in set(defang.FORMULA_CHARS) and visible:
+                found.append(part)
+    return found
+
+
+def test_a_formula_after_a_semicolon_tab_or_line_break_is_defanged() -> None:
+    assert defang.defang("Refund;=cmd|' /C calc'!A0") == "Refund;'=cmd|' /C calc'!A0"
+    assert defang.defang("Refund\t=cmd") == "Refund\t'=cmd"
+    assert defang.defang("Refund;\t @SUM(A1)") == "Refund;\t' @SUM(A1)"
+    assert defang.defang("a\r\n+1") == "a\r\n'+1"
+    assert defang.defang("Refund; 20 EUR") == "Refund; 20 EUR"
+    # The whole-cell rule is decided on the cell as it came: both apply.
+    assert defang.defang("\t;=1") == "'\t;'=1"
+
+
+@given(st.text(st.sampled_from([*_SPLITTERS, " ", "\u00a0", "\ufeff", "=", "@", "a", "'"])))
+def test_no_split_of_a_defanged_cell_reads_as_a_formula(cell: str) -> None:
+    assert _formula_parts(defang.defang(cell)) == []
+
+
+def test_python_lines_defang_after_a_semicolon() -> None:
+    data = csv_format.python_lines([(1, "2020-05-01", "Refund;=cmd", "x\t-1", 1, "EUR;@x")])
+    assert data == b"1,2020-05-01,Refund;'=cmd,x\t'-1,1.00,EUR;'@x\r\n"

@@ -29,9 +29,9 @@ from jobrelay.api import (
     routes,
     schedules,
 )
+from jobrelay.api.buckets import RateLimiter, parse_limit
 from jobrelay.api.deps import set_runtime
 from jobrelay.api.problems import PROBLEM_MEDIA_TYPE, install_problem_handlers
-from jobrelay.api.ratelimit import RateLimiter, parse_limit
 from jobrelay.loader import load_app
 from jobrelay.roles.runtime import Runtime, open_runtime
 from jobrelay.settings import Settings
@@ -41,6 +41,12 @@ DESCRIPTION = (
     "job and its outbox message are committed; follow it at `/v1/jobs/{jobId}`. Every error "
     "is `application/problem+json` (RFC 9457)."
 )
+# Every route that may answer 401 may also answer this (api/auth.py).
+_AUTH_FAILURES_429 = {
+    "description": "Too many requests with a token that is not valid from this client address "
+    "(JOBRELAY_AUTH_FAILURE_LIMIT); Retry-After says when to try again. Nothing was changed.",
+    "content": {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+}
 # FastAPI's stock 422 schema; ours is ValidationProblem, declared where a 422 can happen.
 _STOCK_VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")
 
@@ -84,6 +90,7 @@ def create_app(settings: Settings, *, runtime: Runtime | None = None) -> FastAPI
     )
     set_runtime(app, runtime)
     app.state.rate_limiter = RateLimiter(parse_limit(settings.rate_limit))
+    app.state.auth_failure_limiter = RateLimiter(parse_limit(settings.auth_failure_limit))
     install_problem_handlers(app)
     app.add_middleware(observability.RequestMiddleware)  # outermost: sees the final status
     job_app = runtime.job_app() if runtime is not None else load_app(settings.app)
@@ -110,6 +117,8 @@ def _describe_problems(schema: dict[str, Any]) -> None:
     for path_item in schema.get("paths", {}).values():
         for operation in path_item.values():
             responses: dict[str, Any] = operation.get("responses", {})
+            if "401" in responses and "429" not in responses:
+                responses["429"] = _AUTH_FAILURES_429
             for code in list(responses):
                 response = responses[code]
                 content = response.get("content") or {}

@@ -6,19 +6,26 @@ hash is enough (no dictionary to precompute), and looking the hash up by equalit
 database avoids comparing secrets in Python at all.
 
 A token belongs to one account, or is an admin token that may act for every account.
+
+Every unknown token costs a database lookup, so failed authentications are limited per
+client address (``JOBRELAY_AUTH_FAILURE_LIMIT``): an address whose bucket is empty is
+answered ``429`` before its token is looked up, whatever the token, until the bucket refills.
+A token guessed is hopeless anyway (256 random bits); what this bounds is the load.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from jobrelay.api.buckets import RateLimiter
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError
 
@@ -58,7 +65,20 @@ class Principal:
         return self.is_admin or (self.account_id is not None and self.account_id == account_id)
 
 
+def failure_limiter_of(request: Request) -> RateLimiter:
+    limiter = getattr(request.app.state, "auth_failure_limiter", None)
+    if not isinstance(limiter, RateLimiter):  # an app built without create_app: no limit
+        limiter = request.app.state.auth_failure_limiter = RateLimiter(None)
+    return limiter
+
+
+def _client_address(request: Request) -> str:
+    # uvicorn's, after JOBRELAY_TRUSTED_PROXIES: a client cannot pick its own bucket.
+    return request.client.host if request.client is not None else "unknown"
+
+
 async def authenticate(
+    request: Request,
     runtime: RuntimeDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
 ) -> Principal:
@@ -73,9 +93,20 @@ async def authenticate(
             "send an API token as 'Authorization: Bearer <token>'",
             headers={"WWW-Authenticate": _CHALLENGE},
         )
+    failures, address = failure_limiter_of(request), _client_address(request)
+    wait = failures.empty(address)
+    if wait is not None:
+        seconds = max(1, math.ceil(wait))
+        raise ProblemError(
+            429,
+            f"too many requests with a token that is not valid from this address: try again "
+            f"in {seconds} s",
+            headers={"Retry-After": str(seconds)},
+        )
     token_hash = hash_token(credentials.credentials)
     record = await runtime.store.find_token(token_hash)
     if record is None:
+        failures.take(address)
         log.info("unknown API token", extra={"event": "auth_rejected"})
         raise ProblemError(
             401,

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobrelay.api.deps import RuntimeDep
+from jobrelay.api.problems import ProblemError
 from jobrelay.api.schemas import valid_traceparent
 from jobrelay.errors import StoreError
 from jobrelay.observe import logs
-from jobrelay.observe.metrics import CONTENT_TYPE, Metrics, refresh_database_gauges
+from jobrelay.observe.metrics import CONTENT_TYPE, Metrics, authorized, refresh_database_gauges
 from jobrelay.roles.runtime import Runtime
 
 log = logging.getLogger("jobrelay.api")
@@ -26,11 +27,20 @@ router = APIRouter()
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(runtime: RuntimeDep) -> Response:
-    """Prometheus text. The database gauges are skipped (kept at their last value) when the
-    database does not answer; the counters are always served."""
+async def metrics(runtime: RuntimeDep, request: Request) -> Response:
+    """Prometheus text. The database gauges are read at most once per
+    ``JOBRELAY_METRICS_CACHE_SECONDS``, and skipped (kept at their last value) when the
+    database does not answer; the counters are always served. With
+    ``JOBRELAY_METRICS_TOKEN``, only to ``Authorization: Bearer <it>``."""
+    settings = runtime.settings
+    if not authorized(settings.metrics_token, request.headers.get("authorization")):
+        raise ProblemError(
+            401,
+            "send the metrics token as 'Authorization: Bearer <token>'",
+            headers={"WWW-Authenticate": 'Bearer realm="jobrelay-metrics"'},
+        )
     try:
-        await refresh_database_gauges(runtime)
+        await refresh_database_gauges(runtime, settings.metrics_cache_seconds)
     except StoreError as exc:
         log.warning(
             "metrics: database gauges not refreshed: %s", exc, extra={"event": "metrics_refresh"}

@@ -1,8 +1,10 @@
 """Per-token rate limits on what writes: job creation and admin actions.
 
 ``JOBRELAY_RATE_LIMIT`` is ``RATE/UNIT`` (``100/second``, ``600/minute``), optionally with a
-burst, ``100/second:300``. Each token gets a token bucket of ``burst`` requests (default: one
-unit's worth) refilled at the rate; a request that finds it empty is answered ``429``
+burst, ``100/second:300``, or ``off``; it is on by default (``settings.py``), because
+one token creating jobs as fast as it can slows every other tenant's jobs (the same workers
+and database), and a deployment without a proxy has nothing else in front. Each token gets
+a token bucket (``api/buckets.py``); a request that finds it empty is answered ``429``
 problem+json with ``Retry-After`` (whole seconds until one request is available again),
 before its body is read, so a refused request changes nothing.
 
@@ -15,66 +17,15 @@ enforce a limit whose purpose is to stop a runaway client, not to bill it exactl
 from __future__ import annotations
 
 import math
-import re
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from jobrelay.api.auth import Principal, PrincipalDep
+from jobrelay.api.buckets import Limit, RateLimiter, parse_limit
 from jobrelay.api.problems import ProblemError, problem_openapi
 
-_SPEC = re.compile(r"\s*(\d+(?:\.\d+)?)\s*/\s*(second|minute|hour)s?\s*(?::\s*(\d+)\s*)?")
-_UNITS = {"second": 1.0, "minute": 60.0, "hour": 3600.0}
-_MAX_BUCKETS = 100_000  # distinct tokens remembered; beyond that, start again
-
-
-@dataclass(frozen=True)
-class Limit:
-    per_second: float
-    burst: float
-
-
-def parse_limit(text: str) -> Limit | None:
-    """``100/second[:burst]`` -> Limit; empty -> None (no limit); ValueError otherwise."""
-    if not text.strip():
-        return None
-    match = _SPEC.fullmatch(text)
-    if match is None:
-        raise ValueError(f"expected RATE/second|minute|hour[:BURST], e.g. 100/second, got {text!r}")
-    rate = float(match[1])
-    if rate <= 0:
-        raise ValueError(f"the rate must be positive, got {text!r}")
-    per_second = rate / _UNITS[match[2]]
-    burst = float(match[3]) if match[3] else max(rate, 1.0)
-    if burst < 1:
-        raise ValueError(f"the burst must be at least 1, got {text!r}")
-    return Limit(per_second, burst)
-
-
-class RateLimiter:
-    def __init__(self, limit: Limit | None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.limit = limit
-        self._clock = clock
-        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
-
-    def take(self, key: str) -> float | None:
-        """Take one request from ``key``'s bucket: None if allowed, else seconds to wait."""
-        limit = self.limit
-        if limit is None:
-            return None
-        now = self._clock()
-        tokens, at = self._buckets.get(key, (limit.burst, now))
-        tokens = min(limit.burst, tokens + (now - at) * limit.per_second)
-        if tokens >= 1:
-            if len(self._buckets) >= _MAX_BUCKETS and key not in self._buckets:
-                self._buckets.clear()
-            self._buckets[key] = (tokens - 1, now)
-            return None
-        self._buckets[key] = (tokens, now)
-        return (1 - tokens) / limit.per_second
+__all__ = ["RATE_LIMIT_RESPONSES", "Limit", "RateLimitedDep", "RateLimiter", "parse_limit"]
 
 
 def limiter_of(request: Request) -> RateLimiter:

@@ -86,6 +86,8 @@ TUNING = {
     "JOBRELAY_RECONCILE_SECONDS": "5",
     "JOBRELAY_RECONCILE_GRACE_SECONDS": "10",
     "JOBRELAY_LOG_LEVEL": "INFO",
+    # The clients submit as fast as the cluster accepts, from one token per account.
+    "JOBRELAY_RATE_LIMIT": "off",
 }
 
 

@@ -3,7 +3,8 @@
 The format is what Python's ``csv.writer`` writes with ``lineterminator="\\r\\n"`` and
 minimal quoting: UTF-8, a header line, lines ending in CRLF, a cell quoted only when it
 holds a comma, a quote, CR or LF (quotes doubled), an empty or NULL cell as nothing, dates
-ISO, amounts with two decimals, text cells defanged (``defang``).
+ISO, amounts with two decimals, text cells defanged (``defang``, also after a ``;``, a tab or
+a line break inside a cell).
 
 Two paths write it. On SQLite, ``python_lines`` defangs and formats raw rows and Python's
 csv writer makes the lines (the reference). On PostgreSQL,
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Iterable
 from typing import Any
 
-from jobrelay.exports.defang import FAST_HIGH, FAST_LOW, defang
+from jobrelay.exports.defang import FAST_HIGH, FAST_LOW, SEPARATOR_PATTERN, defang
 
 COLUMNS = ("entry_id", "booked_on", "description", "counterparty", "amount", "currency")
 HEADER = (",".join(COLUMNS) + "\r\n").encode()
@@ -31,6 +33,7 @@ ROW_END_CELL = "\r"  # the extra cell of every COPY row
 _COPY_ROW_END = b',"\r"\n'
 _LINE_END = b"\r\n"
 _LOW, _HIGH = chr(FAST_LOW), chr(FAST_HIGH)
+_SEPARATOR = re.compile(SEPARATOR_PATTERN).search
 
 
 def python_lines(rows: Iterable[tuple[Any, ...]]) -> bytes:
@@ -43,10 +46,16 @@ def python_lines(rows: Iterable[tuple[Any, ...]]) -> bytes:
             entry_id,
             booked if booked is None or booked.__class__ is str else booked.isoformat(),
             # defang's own first test, inline: most cells need no call at all
-            description if _LOW < description[:1] < _HIGH else defang(description),
-            counterparty if _LOW < counterparty[:1] < _HIGH else defang(counterparty),
+            description
+            if _LOW < description[:1] < _HIGH and not _SEPARATOR(description)
+            else defang(description),
+            counterparty
+            if _LOW < counterparty[:1] < _HIGH and not _SEPARATOR(counterparty)
+            else defang(counterparty),
             None if amount is None else f"{amount:.2f}",
-            currency if _LOW < currency[:1] < _HIGH else defang(currency),
+            currency
+            if _LOW < currency[:1] < _HIGH and not _SEPARATOR(currency)
+            else defang(currency),
         )
         for entry_id, booked, description, counterparty, amount, currency in rows
     )

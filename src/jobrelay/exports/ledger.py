@@ -109,10 +109,22 @@ async def count(conn: AsyncConnection, account_id: str, period: str) -> int:
 
 def _defanged(col: ColumnElement[Any]) -> ColumnElement[Any]:
     """``defang.defang`` in SQL: the regex (``defang.PG_PATTERN``) runs only for cells
-    whose first character could matter (``defang.FAST_LOW``, ``FAST_HIGH``)."""
+    whose first character could matter (``defang.FAST_LOW``, ``FAST_HIGH``), the
+    replacement after separators only for cells that hold one."""
     first = func.ascii(col)
     risky = or_(first <= defang.FAST_LOW, first >= defang.FAST_HIGH)
-    return case((and_(risky, col.regexp_match(defang.PG_PATTERN)), literal("'") + col), else_=col)
+    inner = case(
+        (
+            col.regexp_match(defang.SEPARATOR_PATTERN),
+            func.regexp_replace(
+                col, defang.SEPARATED_PATTERN, defang.SEPARATED_REPLACEMENT, "g", type_=Text
+            ),
+        ),
+        else_=col,
+    )
+    return case(
+        (and_(risky, col.regexp_match(defang.PG_PATTERN)), literal("'") + inner), else_=inner
+    )
 
 
 def defanged_sql(value: str) -> Select[Any]:

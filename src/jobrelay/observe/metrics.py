@@ -2,10 +2,12 @@
 
 Counters and histograms count what *this process* did (a worker's claims, a relay's
 publishes); Prometheus sums them across processes. The gauges read from the database
-(``jobrelay_jobs``, ``jobrelay_outbox_*``) describe the whole system and are refreshed on
-each scrape by the processes that serve them (the API and the relay): aggregate those with
-``max``, not ``sum``. Every name is documented in docs/reference/metrics.md; a test checks
-that the page and this module agree.
+(``jobrelay_jobs``, ``jobrelay_outbox_*``) describe the whole system and are refreshed by
+the processes that serve them (the API and the relay) when scraped, at most once per
+``JOBRELAY_METRICS_CACHE_SECONDS`` whatever the scrape rate (they are a ``GROUP BY`` over
+every job, which a scraper hammering ``/metrics`` would otherwise run each time): aggregate
+those with ``max``, not ``sum``. Every name is documented in docs/reference/metrics.md; a
+test checks that the page and this module agree.
 
 ``serve_metrics`` is the small HTTP server behind ``--metrics-port`` (relay, worker).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import socket
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -166,6 +169,10 @@ class Metrics:
             ["method", "route", "status"],
             registry=r,
         )
+        # When the database gauges were last read (``refresh_database_gauges``), and the
+        # lock that makes concurrent scrapes wait for one reading instead of each doing one.
+        self.gauges_read_at: datetime | None = None
+        self.gauges_lock = asyncio.Lock()
 
     # --- recording helpers (one line at each call site) -----------------------------------
 
@@ -213,13 +220,31 @@ def quarantine_cause(reason: str) -> str:
     return "permanent"
 
 
-async def refresh_database_gauges(rt: Runtime) -> None:
-    """Set the gauges read from the database: jobs by state, outbox backlog and its age."""
+async def refresh_database_gauges(rt: Runtime, max_age: float = 0.0) -> None:
+    """Set the gauges read from the database: jobs by state, outbox backlog and its age;
+    unless they were read (or tried) less than ``max_age`` seconds ago."""
     from jobrelay.storage.admin import AdminQueries
 
-    by_state = await rt.store.count_by_state()
-    unpublished, oldest = await AdminQueries(rt.store).outbox_stats()
-    rt.metrics.set_database_gauges(by_state, unpublished, oldest, rt.clock())
+    metrics = rt.metrics
+    async with metrics.gauges_lock:
+        now, last = rt.clock(), metrics.gauges_read_at
+        if last is not None and 0 <= (now - last).total_seconds() < max_age:
+            return
+        metrics.gauges_read_at = now  # a failing database is not asked on every scrape either
+        by_state = await rt.store.count_by_state()
+        unpublished, oldest = await AdminQueries(rt.store).outbox_stats()
+        metrics.set_database_gauges(by_state, unpublished, oldest, rt.clock())
+
+
+def authorized(token: str | None, authorization: str | None) -> bool:
+    """Whether a scrape may be served: no token configured, or ``Bearer <token>`` sent
+    (compared in constant time)."""
+    if token is None:
+        return True
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(
+        given.strip().encode(), token.encode()
+    )
 
 
 # --- the --metrics-port server ----------------------------------------------------------------
@@ -236,25 +261,36 @@ async def serve_metrics(
     refresh: Refresh | None = None,
     started: asyncio.Event | None = None,
     sock: socket.socket | None = None,
+    token: str | None = None,
 ) -> None:
     """Answer ``GET /metrics`` (and ``/healthz``) on ``host:port`` until ``stop`` is set.
 
     A deliberately tiny HTTP/1.0 server: one request per connection, no keep-alive, nothing
     but two paths. A failing ``refresh`` (the database is down) still serves the counters.
+    With ``token``, ``/metrics`` needs ``Authorization: Bearer <token>`` (else ``401``).
     """
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(10):
                 request_line = await reader.readline()
-                while (await reader.readline()).strip():
-                    pass  # headers: not needed
+                authorization = None
+                while line := (await reader.readline()).strip():
+                    name, _, value = line.decode("latin-1").partition(":")
+                    if name.strip().lower() == "authorization":
+                        authorization = value.strip()
             parts = request_line.decode("latin-1").split()
             method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("", "")
             if method not in ("GET", "HEAD") or path not in ("/metrics", "/healthz"):
                 status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
             elif path == "/healthz":
                 status, body, ctype = "200 OK", b"ok\n", "text/plain"
+            elif not authorized(token, authorization):
+                status, body, ctype = (
+                    "401 Unauthorized",
+                    b"a metrics token is needed\n",
+                    "text/plain",
+                )
             else:
                 if refresh is not None:
                     try:
@@ -271,7 +307,7 @@ async def serve_metrics(
             # HEAD (load balancers, uptime checks): the same headers, no body.
             writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else body))
             await writer.drain()
-        except (TimeoutError, ConnectionError, UnicodeDecodeError):
+        except (TimeoutError, ConnectionError, ValueError):  # ValueError: a line over 64 KiB
             pass
         finally:
             writer.close()

@@ -29,6 +29,10 @@ _CHUNK = 64 * 1024  # read size
 _WRITE_BUFFER = 1024 * 1024
 # A temp file untouched this long belongs to a writer that died (exports write continuously).
 STALE_TEMP_SECONDS = 600
+# Exports hold an account's ledger: readable by the service's own user only, whatever the
+# umask (a shared host's other users, a backup agent running as someone else).
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 
 
 def path_from_url(url: str) -> Path:
@@ -113,8 +117,8 @@ class _FileSession:
 
     async def __aenter__(self) -> ResultWriter:
         try:
-            await asyncio.to_thread(self.path.parent.mkdir, parents=True, exist_ok=True)
-            handle = await asyncio.to_thread(self.temp.open, "xb")
+            await asyncio.to_thread(make_private_dirs, self.path.parent)
+            handle = await asyncio.to_thread(_create_private, self.temp)
         except OSError as exc:
             raise TransientError(f"cannot open result file: {exc}") from exc
         self._writer = _FileWriter(handle)
@@ -178,6 +182,24 @@ class _FileSession:
         if self._result is None:
             raise RuntimeError("result not committed")
         return self._result
+
+
+def make_private_dirs(path: Path) -> None:
+    """``mkdir -p`` whose every created directory is ``DIR_MODE``: ``Path.mkdir`` gives the
+    parents it creates the default mode, whatever ``mode`` says. Existing ones are left."""
+    missing: list[Path] = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
+            directory.mkdir(mode=DIR_MODE)
+
+
+def _create_private(path: Path) -> IO[bytes]:
+    """A new file (never an existing one), created ``FILE_MODE`` from the first byte."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    return os.fdopen(fd, "wb")
 
 
 def _sync_and_close(handle: IO[bytes]) -> None:

@@ -10,6 +10,8 @@ a schema that is "at nothing". The rule:
 - ``db upgrade`` creates the file in a directory that exists, never the directory itself,
   except the embedded default's own ``./var``; and when the upgrade fails, it removes what
   it created (``new_database``), so a bad URL leaves nothing behind either.
+- what it creates is its owner's only: the file ``0600`` (created empty, before SQLite opens
+  it, which then gives its ``-wal`` and ``-journal`` the same mode) and ``./var`` ``0700``.
 
 PostgreSQL URLs and in-memory SQLite pass through untouched.
 """
@@ -17,6 +19,7 @@ PostgreSQL URLs and in-memory SQLite pass through untouched.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from jobrelay.errors import ConfigError
+from jobrelay.results.files import DIR_MODE, FILE_MODE
 from jobrelay.settings import Settings
 
 VARIABLE = "JOBRELAY_DATABASE_URL"
@@ -77,9 +81,11 @@ def new_database(database_url: str) -> Iterator[None]:
                 f"directory {path.parent} does not exist: `jobrelay db upgrade` creates the "
                 "database file, not its directory; create it, or fix the path",
             )
-        path.parent.mkdir(parents=True)
+        path.parent.mkdir(mode=DIR_MODE, parents=True)
         created_dir = path.parent
     try:
+        # SQLite takes an empty file as an empty database, and would create one 0644.
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
         yield
     except BaseException:
         for leftover in (path, *(Path(f"{path}{suffix}") for suffix in _COMPANIONS)):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from jobrelay.roles.database_files import new_database, require_database
+from jobrelay.roles.http_guard import HeadLimits, guarded_protocol
 from jobrelay.roles.listen import listen_socket
 from jobrelay.roles.runtime import Runtime, open_runtime, schema_revision, topology_for
 from jobrelay.settings import Settings
@@ -45,8 +46,14 @@ class _Server(uvicorn.Server):
 def build_server(rt: Runtime, host: str, port: int) -> _Server:
     from jobrelay.api.app import create_app
 
-    app = create_app(rt.settings, runtime=rt)
-    proxies = [p.strip() for p in rt.settings.trusted_proxies.split(",") if p.strip()]
+    settings = rt.settings
+    app = create_app(settings, runtime=rt)
+    proxies = [p.strip() for p in settings.trusted_proxies.split(",") if p.strip()]
+    limits = HeadLimits(
+        max_head_bytes=settings.api_max_head_bytes,
+        head_timeout=settings.api_head_timeout_seconds,
+        max_connections=settings.api_max_connections,
+    )
     config = uvicorn.Config(
         app,
         host=host,
@@ -54,6 +61,10 @@ def build_server(rt: Runtime, host: str, port: int) -> _Server:
         log_config=None,
         access_log=False,
         lifespan="on",
+        # httptools, with the head size, head deadline and connection cap it lacks.
+        http=guarded_protocol(limits),
+        # Which server and version answers is nobody's business but the operator's.
+        server_header=False,
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
         # uvicorn believes X-Forwarded-* from 127.0.0.1 by default: only from the proxies
         # the operator named (JOBRELAY_TRUSTED_PROXIES), and from nobody without one.
@@ -162,18 +173,20 @@ def _metrics_server(
     rt: Runtime,
     sock: socket.socket,
     stop: asyncio.Event,
-    refresh: Callable[[Runtime], Awaitable[None]] | None = None,
+    refresh: Callable[[Runtime, float], Awaitable[None]] | None = None,
 ) -> Coroutine[Any, Any, None]:
     from jobrelay.observe.metrics import serve_metrics
 
     host, port = sock.getsockname()[:2]
+    max_age = rt.settings.metrics_cache_seconds
     return serve_metrics(
         rt.metrics,
         host,
         port,
         stop,
-        refresh=(lambda: refresh(rt)) if refresh else None,
+        refresh=(lambda: refresh(rt, max_age)) if refresh else None,
         sock=sock,
+        token=rt.settings.metrics_token,
     )
 
 

@@ -1,0 +1,159 @@
+"""The API's connection limits, enforced in the HTTP protocol itself: no proxy is assumed.
+
+uvicorn's httptools protocol (the parser jobrelay runs, for its speed) bounds none of what a
+client controls before its request reaches the application. Measured against ``jobrelay
+api`` (tests/acceptance/test_server_limits.py): a 30 MB header was read whole and answered
+``200``, and the memory stayed with the process; a connection that sent nothing, or one
+header byte at a time, stayed open for as long as the client liked (uvicorn's keep-alive
+timer runs only after a response, and every byte received cancels it); and any number of
+connections were accepted. ``limit_concurrency`` only answers a *request* ``503``, after its
+head has arrived, so it bounds none of these; h11's ``max_incomplete_event_size`` would
+bound the head, but h11 alone would not bound time either, and it is the slower parser.
+
+So this subclass of the httptools protocol adds, per connection:
+
+- **a head size limit** (``JOBRELAY_API_MAX_HEAD_BYTES``): a request line and headers longer
+  than that are answered ``431`` and the connection closed, having buffered at most the limit
+  plus one read;
+- **a head deadline** (``JOBRELAY_API_HEAD_TIMEOUT_SECONDS``): from a new connection, or from
+  the first byte of a next request on a kept-alive one, the head must be complete in time,
+  else the connection is closed (``408`` when some of it came);
+- **a connection cap** (``JOBRELAY_API_MAX_CONNECTIONS``): a connection over it is answered
+  ``503`` with ``Retry-After`` at once and closed, before it can hold a slot.
+
+Idle kept-alive connections are closed by uvicorn's keep-alive timeout (``processes.py``).
+Refusals close "lingeringly": the answer is sent, the write side shut, and what the client
+still sends is read and dropped for a moment, so the client reads the answer instead of a
+reset. All of it is plain arithmetic per read: the accept path pays nothing measurable
+(docs/security.md has the figures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+_LINGER_SECONDS = 2.0  # how long a refused connection's remaining bytes are read and dropped
+_HEAD_END = b"\r\n\r\n"
+
+
+@dataclass(frozen=True)
+class HeadLimits:
+    max_head_bytes: int
+    head_timeout: float
+    max_connections: int
+
+
+def guarded_protocol(limits: HeadLimits) -> type[HttpToolsProtocol]:
+    """The protocol class for uvicorn's ``http=`` with these limits."""
+    return type("GuardedHttpToolsProtocol", (_Guarded,), {"limits": limits})
+
+
+class _Guarded(HttpToolsProtocol):
+    limits: HeadLimits
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # waiting for (the rest of) a request head
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(503, "too many connections: try again in a moment", retry_after=1)
+            return
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # lingering: read and dropped
+        if self._in_head:
+            if self._head_timer is None:  # the first byte of a next request
+                self._arm_head_timer()
+            before = self._head_bytes
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_head_bytes:
+                # Refused before parsing when the head's end is in this read and too far;
+                # when it is not here, the parser says after this read whether it ended.
+                end = data.find(_HEAD_END)
+                if end >= 0 and before + end + len(_HEAD_END) > self.limits.max_head_bytes:
+                    self._too_large()
+                    return
+        super().data_received(data)
+        if (
+            self._in_head
+            and self._head_bytes > self.limits.max_head_bytes
+            and not self.transport.is_closing()
+        ):
+            self._too_large()  # the head's end was not in this read: still over
+
+    # --- parser callbacks: where a head starts and ends ----------------------------------
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_head, self._head_bytes = True, 0  # a next request may follow
+
+    # --- the deadline and the refusals ---------------------------------------------------
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self.limits.head_timeout, self._head_too_slow)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or not self._in_head or self._refused:
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._arm_head_timer()  # a pipelined head waits for the response before it
+            return
+        if self._head_bytes == 0:
+            self.transport.close()  # nothing came: nothing to answer
+        else:
+            self._refuse(408, "the request head did not arrive in time")
+
+    def _too_large(self) -> None:
+        self._refuse(431, f"the request head is over {self.limits.max_head_bytes} bytes")
+
+    def _refuse(self, status: int, detail: str, retry_after: int | None = None) -> None:
+        self._refused = True
+        self._cancel_head_timer()
+        self.connections.discard(self)  # a refused connection no longer holds a slot
+        phrase = http.HTTPStatus(status).phrase
+        body = json.dumps(
+            {"type": "about:blank", "title": phrase, "status": status, "detail": detail}
+        ).encode()
+        head = [
+            f"HTTP/1.1 {status} {phrase}",
+            "content-type: application/problem+json",
+            f"content-length: {len(body)}",
+            "connection: close",
+        ]
+        if retry_after is not None:
+            head.append(f"retry-after: {retry_after}")
+        transport = self.transport
+        transport.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.loop.call_later(_LINGER_SECONDS, transport.close)
+        else:
+            transport.close()
