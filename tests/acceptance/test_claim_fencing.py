@@ -316,9 +316,9 @@ def test_zombie_worker_loses_every_write_and_never_replaces_the_result(
     now = result.stat()
     assert (now.st_ino, now.st_mtime_ns) == (committed.st_ino, committed.st_mtime_ns)
     data = result.read_bytes()
-    assert len(data) == job.result_meta["bytes"] == saved[0].detail["bytes"]
+    assert len(data) == job.result_meta["bytes"] == saved[0].detail["meta"]["bytes"]
     digest = hashlib.sha256(data).hexdigest()
-    assert digest == job.result_meta["sha256"] == saved[0].detail["sha256"]
+    assert digest == job.result_meta["sha256"] == saved[0].detail["meta"]["sha256"]
     assert LATE_ROW.encode() not in data
     assert len(data.splitlines()) == 1 + job.result_meta["rows"]  # header + the winner's rows
     assert served.status_code == 200 and served.content == data

@@ -14,7 +14,7 @@ from jobrelay.cli import (
     inspection,
     operator,
     provision,
-    resend,  # registers job resend on inspection.job_app
+    resend,  # noqa: F401 (registers job resend on inspection.job_app)
     retention,
     schedules,
     tokens,
