@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import time
 from datetime import UTC, datetime
@@ -50,6 +51,10 @@ class AcceptOnly(pipeline_bench.Bench):
 
 
 async def amain(options: pipeline_bench.Options, rounds: int) -> int:
+    task = asyncio.current_task()
+    assert task is not None
+    # SIGTERM (a `timeout` around the run) cancels, so the sandbox is still dropped.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     bench = AcceptOnly(options, stamp)
     bench.rounds = rounds
@@ -76,7 +81,11 @@ def main() -> int:
     options = pipeline_bench.parse_args(
         ["--jobs", str(args.jobs), "--concurrency", str(args.concurrency), "--skip-peers"]
     )
-    return asyncio.run(amain(options, args.rounds))
+    try:
+        return asyncio.run(amain(options, args.rounds))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("bench: interrupted; cleaned up", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
