@@ -360,6 +360,7 @@ def test_database_outage_holds_deliveries_and_finishes_every_job_once(
         JOBRELAY_RETRY_DELAYS="1",
         JOBRELAY_RELAY_POLL_SECONDS="0.1",
         JOBRELAY_RELAY_CLAIM_SECONDS="3",
+        JOBRELAY_RATE_LIMIT="off",  # 200 submits from one token, over the default burst
     )  # the default 30 s lease
     prepare(env)
     db = Db(pg_url)
