@@ -367,7 +367,7 @@ class PipelineModel(RuleBasedStateMachine):
         for row in rows:
             delay = retry_seconds(row.destination) or 0
             self.in_flight.append(Message(row.body, now + timedelta(seconds=delay)))
-        self.run(self.store.mark_published("relay", rows, now))
+        self.run(self.store.mark_published("relay", rows))
 
     def _in_states(self, *states: JobState) -> list[JobRecord]:
         return sorted((j for j in self.jobs.values() if j.state in states), key=lambda j: j.id)

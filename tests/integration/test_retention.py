@@ -28,7 +28,10 @@ from jobrelay.storage.tables import (
     outbox,
     pruned_jobs,
 )
+from jobrelay.transport.base import OutgoingMessage
+from jobrelay.transport.local import LocalTransport
 from tests.integration.api_fixtures import T0, Clock, build_runtime
+from tests.integration.transport_fixtures import Pump
 
 from .ops_fixtures import eventually, job_in_state
 
@@ -398,3 +401,46 @@ def build_runtime_like(rt: Runtime, **settings: Any) -> Runtime:
     import dataclasses
 
     return dataclasses.replace(rt, settings=rt.settings.model_copy(update=settings))
+
+
+async def test_a_dead_letter_is_kept_for_the_retention_period_after_it_was_dead_lettered(
+    runtime: Runtime,
+) -> None:
+    """Published a day ago, dead-lettered a minute ago: a prune with a retention of an hour
+    keeps it, and an hour later it goes. Both ways a local message reaches the quarantine
+    queue: a reject, and the delivery limit (issue 21, item 10)."""
+    transport = LocalTransport(
+        runtime.engine, runtime.topology, poll_seconds=0.01, clock=clock(runtime)
+    )
+    await transport.connect()
+    retention = Retention(runtime.store, runtime.results)
+    hour = 1 / 24
+    try:
+        await transport.publish(OutgoingMessage("work", b'{"n": 1}', {}))  # rejected, below
+        await transport.publish(OutgoingMessage("work", b'{"n": 2}', {}))  # past the limit
+        async with runtime.engine.begin() as conn:  # handed out to consumers that all died
+            await conn.execute(
+                update(local_messages)
+                .where(local_messages.c.body == '{"n": 2}')
+                .values(delivery_count=runtime.topology.delivery_limit + 1)
+            )
+        clock(runtime).advance(timedelta(days=1).total_seconds())
+        pump = Pump(transport, prefetch=2)
+        delivery = await pump.get()
+        assert delivery.body == b'{"n": 1}'
+        assert await delivery.reject()
+        await pump.stop()
+        quarantine = local_messages.c.queue == "quarantine"
+        assert await count(runtime, local_messages, quarantine) == 2
+
+        clock(runtime).advance(60)
+        assert (await retention.prune(await retention.cutoff(hour))).local_messages == 0
+        assert (await retention.count(await retention.cutoff(hour))).local_messages == 0
+        assert await count(runtime, local_messages, quarantine) == 2
+
+        clock(runtime).advance(3600)
+        assert (await retention.count(await retention.cutoff(hour))).local_messages == 2
+        assert (await retention.prune(await retention.cutoff(hour))).local_messages == 2
+        assert await count(runtime, local_messages) == 0
+    finally:
+        await transport.close()

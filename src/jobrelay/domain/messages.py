@@ -9,10 +9,26 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 SUPPORTED_VERSIONS = frozenset({1})
 CURRENT_VERSION = 1
+# The relay names the outbox row each message was sent from, so that what a delivery writes
+# can say which message it came from (the timeline orders it after that row's ``published``).
+OUTBOX_ID_HEADER = "x-jobrelay-outbox-id"
+
+
+def outbox_id_of(headers: Mapping[str, object]) -> int | None:
+    """The outbox row a delivered message was sent from; None when it does not say."""
+    value = headers.get(OUTBOX_ID_HEADER)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value >= 0 else None
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobrelay.batching import Batcher
-from jobrelay.domain.messages import JobMessage, MessageDecodeError, decode
+from jobrelay.domain.messages import JobMessage, MessageDecodeError, decode, outbox_id_of
 from jobrelay.domain.policy import (
     Action,
     Decision,
@@ -82,7 +82,15 @@ class DeliveryHandler:
             await self._handle(delivery)
 
     async def _handle(self, delivery: Delivery) -> None:
-        meta = {"redelivered": delivery.redelivered, "deliveryCount": delivery.delivery_count}
+        meta: dict[str, Any] = {
+            "redelivered": delivery.redelivered,
+            "deliveryCount": delivery.delivery_count,
+        }
+        # Which message this is: every event the delivery writes names it, and the timeline
+        # puts them after that message's ``published`` (domain/timeline.py).
+        outbox_id = outbox_id_of(delivery.headers)
+        if outbox_id is not None:
+            meta["outboxId"] = outbox_id
         try:
             message = decode(delivery.body, self.registry.types)
         except MessageDecodeError as exc:

@@ -2,7 +2,10 @@
 
 Each round claims a batch in a short transaction (the claim is a column with an expiry, so
 no transaction stays open while we wait for the broker), publishes the batch concurrently,
-awaits every confirm, and then marks the confirmed rows in a second short transaction.
+awaits every confirm, and then marks the confirmed rows in a second short transaction. The
+``published`` event is stamped with the claim's instant (by the store's clock), not the
+confirm's: RabbitMQ may hand the message to a worker, which claims the job, before the
+confirm reaches us, and the timeline must not show that claim before the publish.
 
 A relay killed between the confirm and the mark leaves rows that another relay republishes
 when the claim expires: that is the at-least-once half of the guarantee, and the worker's
@@ -21,6 +24,7 @@ import time
 import uuid
 from datetime import timedelta
 
+from jobrelay.domain.messages import OUTBOX_ID_HEADER
 from jobrelay.errors import PublishError, StoreError, TransportError
 from jobrelay.observe import logs
 from jobrelay.roles.heartbeat import heartbeat
@@ -49,7 +53,7 @@ class Relay:
     def message_for(self, row: OutboxRow) -> OutgoingMessage:
         headers = {str(k): str(v) for k, v in row.headers.items()}
         headers["x-jobrelay-job-id"] = row.job_id
-        headers["x-jobrelay-outbox-id"] = str(row.id)
+        headers[OUTBOX_ID_HEADER] = str(row.id)
         return OutgoingMessage(
             destination=row.destination,
             body=row.body,
@@ -69,7 +73,7 @@ class Relay:
         confirmed = [row for row, error in zip(rows, outcomes, strict=True) if error is None]
         self.rt.faults.hit("relay.before_mark")
         if confirmed:
-            await store.mark_published(self.relay_id, confirmed, self.rt.clock())
+            await store.mark_published(self.relay_id, confirmed)
             self.published += len(confirmed)
         for row, error in zip(rows, outcomes, strict=True):
             if error is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import JSON, String, bindparam, exists, insert, select
 
+from jobrelay.domain.timeline import causal_order
 from jobrelay.storage.base import StoreBase
 from jobrelay.storage.engine import statement_tx
 from jobrelay.storage.records import EventRecord, PendingEvent, jsonable
@@ -16,17 +17,24 @@ from jobrelay.storage.tables import UTCDateTime, job_events, jobs
 
 class EventsStore(StoreBase):
     async def events(self, job_id: str) -> list[EventRecord]:
+        """The timeline every reader shows (API, ``job show``, explain, the console).
+
+        By time: rows are not always written in time order (the worker batches its ack_sent
+        lines, the relay writes ``published`` after the confirm); the id breaks ties in write
+        order. Then causally (``domain.timeline``): a message's ``published`` before what its
+        deliveries wrote, whatever the writers' clocks said.
+        """
         async with self.reading() as conn:
             rows = (
                 await conn.execute(
                     select(job_events.c.at, job_events.c.kind, job_events.c.detail)
                     .where(job_events.c.job_id == job_id)
-                    # By time: rows are not always written in time order (the worker
-                    # batches its ack_sent lines); the id breaks ties in write order.
                     .order_by(job_events.c.at, job_events.c.id)
                 )
             ).all()
-        return [EventRecord(at=r.at, kind=r.kind, detail=r.detail or {}) for r in rows]
+        return causal_order(
+            [EventRecord(at=r.at, kind=r.kind, detail=r.detail or {}) for r in rows]
+        )
 
     async def record_event(self, job_id: str, kind: str, now: datetime, **detail: Any) -> None:
         """An event with no state change (ack_sent, duplicate_acked); ignored for unknown jobs."""

@@ -75,7 +75,13 @@ async def insert_messages(
     await conn.execute(
         insert(lm),
         [
-            {**row, "headers": dict(row["headers"]), "delivery_count": 0, "created_at": now}
+            {
+                **row,
+                "headers": dict(row["headers"]),
+                "delivery_count": 0,
+                "created_at": now,
+                "dead_lettered_at": now if row["queue"] == QUARANTINE else None,
+            }
             for row in rows
         ],
     )
@@ -116,7 +122,13 @@ async def claim_messages(
         await conn.execute(
             update(lm)
             .where(lm.c.id == row.id)
-            .values(queue=QUARANTINE, consumer=None, invisible_until=None, headers=headers)
+            .values(
+                queue=QUARANTINE,
+                consumer=None,
+                invisible_until=None,
+                headers=headers,
+                dead_lettered_at=now,
+            )
         )
     fresh = [r for r in rows if r.delivery_count <= delivery_limit]
     if fresh:
@@ -185,8 +197,12 @@ async def quarantine_claimed(
     consumer: str,
     fence: int,
     headers: Mapping[str, Any],
+    now: datetime,
 ) -> bool:
-    """The reject: move the row (body kept) to the quarantine queue, if still held."""
+    """The reject: move the row (body kept) to the quarantine queue, if still held.
+
+    ``now`` is kept as ``dead_lettered_at``: retention counts the dead letter's age from it.
+    """
     result = await conn.execute(
         update(lm)
         .where(*_held(message_id, consumer, fence))
@@ -195,6 +211,7 @@ async def quarantine_claimed(
             consumer=None,
             invisible_until=None,
             headers={**headers, REASON_HEADER: "rejected"},
+            dead_lettered_at=now,
         )
     )
     return bool(result.rowcount == 1)

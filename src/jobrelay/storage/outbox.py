@@ -5,7 +5,7 @@ or release them with the reason.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from sqlalchemy import (
     func,
@@ -45,11 +45,15 @@ class OutboxStore(StoreBase):
         so the relay can publish with no transaction open. Order is by id only as a fairness
         hint: a lower id may commit after a higher one, and is still found later because the
         filter is on per-row state, never on an id watermark.
+
+        Each row carries the claim's instant by the store's clock (``taken_at``): the relay
+        sends right after, so it is the hand-off's time, and it precedes any claim a worker
+        makes of the message (the confirm, and the mark, may come after that claim).
         """
         async with self.writing() as conn:
             rows = (
                 await conn.execute(
-                    select(outbox)
+                    select(outbox, self.now_sql().label("taken_at"))
                     .where(
                         outbox.c.published_at.is_(None),
                         or_(
@@ -82,14 +86,21 @@ class OutboxStore(StoreBase):
                 body=r.body.encode(),
                 headers=dict(r.headers or {}),
                 publish_attempts=r.publish_attempts + 1,
+                taken_at=r.taken_at,
             )
             for r in rows
         ]
 
-    async def mark_published(self, relay_id: str, rows: Sequence[OutboxRow], now: datetime) -> int:
-        """Set ``published_at`` for confirmed rows this relay still owns; one event each."""
+    async def mark_published(self, relay_id: str, rows: Sequence[OutboxRow]) -> int:
+        """Set ``published_at`` for confirmed rows not yet marked; one event each.
+
+        ``published_at`` is when the confirm was recorded (the reconciler judges by it); the
+        ``published`` event is stamped ``taken_at``, when the message was sent, so that a
+        worker that claimed it before the confirm came back still reads after it.
+        """
         if not rows:
             return 0
+        taken = {r.id: r.taken_at for r in rows}
         async with self.writing() as conn:
             done = await conn.execute(
                 update(outbox)
@@ -107,7 +118,7 @@ class OutboxStore(StoreBase):
                     [
                         {
                             "job_id": m.job_id,
-                            "at": now,
+                            "at": taken[m.id],
                             "kind": "published",
                             "detail": {
                                 "destination": m.destination,

@@ -135,6 +135,9 @@ class OutboxRow:
     body: bytes
     headers: dict[str, Any]
     publish_attempts: int
+    # When the relay took the row to send it, by the store's clock: before any worker could
+    # receive the message, so its ``published`` event is stamped with this, not the confirm.
+    taken_at: datetime
 
 
 @dataclass(frozen=True)

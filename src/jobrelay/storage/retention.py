@@ -14,7 +14,9 @@ clock, as every other judgement by time):
   still says whether the job's latest message was published (``JobRecord.published``) and
   when the broker confirmed it (the reconciler's ``queued_unclaimed`` judges by it).
 - ``local_messages`` in the quarantine queue (dead-lettered: settled by a reject or by the
-  delivery limit). Rows of the work queues are waiting or in flight and are never touched;
+  delivery limit), by when they were dead-lettered (``dead_lettered_at``), not when they were
+  first published: a message sent long ago and rejected a minute ago stays for a whole
+  retention period. Rows of the work queues are waiting or in flight and are never touched;
   an acked row is already gone (the ack deletes it).
 - ``pruned_jobs`` tombstones older than the cutoff: a pruned job answers 410 for one more
   retention period, then 404 like an id that never existed.
@@ -147,7 +149,10 @@ class Retention:
 
     @staticmethod
     def _dead_letters_before(cutoff: datetime) -> list[Any]:
-        return [local_messages.c.queue == QUARANTINE, local_messages.c.created_at < cutoff]
+        # By when it was dead-lettered; a row a process older than migration 0009 moved
+        # aside has no such time, and counts from its first publish as before.
+        dead_since = func.coalesce(local_messages.c.dead_lettered_at, local_messages.c.created_at)
+        return [local_messages.c.queue == QUARANTINE, dead_since < cutoff]
 
     # --- prune ----------------------------------------------------------------------------
 

@@ -162,6 +162,9 @@ local_messages = Table(
     Column("consumer", String(128)),
     Column("invisible_until", UTCDateTime()),
     Column("created_at", UTCDateTime(), nullable=False),
+    # When it reached the quarantine queue (a reject, the delivery limit): retention counts
+    # a dead letter's age from here, not from its first publish (migration 0009).
+    Column("dead_lettered_at", UTCDateTime()),
 )
 Index(
     "ix_local_messages_ready",

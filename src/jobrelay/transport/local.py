@@ -343,6 +343,7 @@ class LocalTransport:
                         consumer=self._consumer,
                         fence=claim.fence,
                         headers=claim.headers,
+                        now=self._clock(),
                     )
                 return await q.delete_claimed(
                     conn, message_id=claim.id, consumer=self._consumer, fence=claim.fence
