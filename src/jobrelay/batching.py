@@ -6,6 +6,11 @@ batch's statement runs, the requests of the other deliveries queue up and leave 
 the next. Under load a batch is as large as the work in flight, at most ``max_size``. Two
 requests for the same key never share a batch: the later one waits for the next (a claim of
 two copies of one job must be two guarded statements, one of which loses).
+
+A batch is never failed for one request's fault: when its statement fails for a reason
+``alone_on`` accepts (a data error, not an outage), each request is sent again alone, so
+the one that cannot be stored fails by itself and its neighbours get their own answers. An
+outage fails every waiter of the batch: each holds its delivery and retries.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ class Batcher(Generic[Req, Res]):
         key: Callable[[Req], Hashable],
         *,
         max_size: int = 100,
+        alone_on: Callable[[Exception], bool] = lambda _: False,
     ) -> None:
         self._run = run
         self._key = key
         self._max = max_size
+        self._alone_on = alone_on
         self._pending: list[tuple[Req, asyncio.Future[Res]]] = []
         self._flushing: asyncio.Task[None] | None = None
         self.batches = 0  # for tests and metrics: how many statements were sent
@@ -64,11 +71,32 @@ class Batcher(Generic[Req, Res]):
                     future.cancel()
                 self._pending = []
                 raise
-            except Exception as exc:  # every waiter of this batch gets the failure
-                for _, future in batch:
+            except Exception as exc:
+                if len(batch) > 1 and self._alone_on(exc):
+                    await self._one_by_one(batch)
+                    continue
+                for _, future in batch:  # an outage: every waiter of this batch gets it
                     if not future.done():
                         future.set_exception(exc)
                 continue
             for (_, future), result in zip(batch, results, strict=True):
                 if not future.done():
                     future.set_result(result)
+
+    async def _one_by_one(self, batch: list[tuple[Req, asyncio.Future[Res]]]) -> None:
+        """Each request of a failed batch in a statement of its own: its own answer or error."""
+        for request, future in batch:
+            self.batches += 1
+            try:
+                [result] = await self._run([request])
+            except asyncio.CancelledError:
+                for _, waiting in batch + self._pending:
+                    waiting.cancel()
+                self._pending = []
+                raise
+            except Exception as exc:
+                if not future.done():
+                    future.set_exception(exc)
+                continue
+            if not future.done():
+                future.set_result(result)

@@ -3,6 +3,7 @@
     JobrelayError
     ├── ConfigError            a setting is malformed or points at nothing (names the variable)
     ├── StoreError             the database failed or is unreachable
+    │   └── StoreDataError     the database refused the data itself: retrying it cannot help
     ├── TransportError         the broker failed or is unreachable
     │   └── PublishError       a message was not confirmed (nack, basic.return, timeout)
     ├── IdempotencyConflict    the same Idempotency-Key came with a different body
@@ -38,6 +39,12 @@ class ConfigError(JobrelayError):
 
 class StoreError(JobrelayError):
     """The database failed; the caller's transaction did not commit."""
+
+
+class StoreDataError(StoreError):
+    """The database refused this write's data (a NUL byte in text, a value out of range, a
+    constraint, a value that is not JSON): unlike an outage, the same write can never succeed,
+    so it is not retried as it is. The caller stores something else (the reason) instead."""
 
 
 class TransportError(JobrelayError):

@@ -81,3 +81,42 @@ async def test_a_cancelled_waiter_does_not_cancel_the_batch_of_the_others() -> N
     recorder.release.set()
     assert await staying == "done:b"
     assert recorder.batches == [["a", "b"]]
+
+
+class Refused(Exception):
+    """Stands in for a refusal of one request's data (not an outage)."""
+
+
+async def test_a_batch_refused_for_one_request_is_sent_again_one_by_one() -> None:
+    calls: list[list[str]] = []
+
+    async def picky(requests: Sequence[str]) -> list[str]:
+        calls.append(list(requests))
+        if "bad" in requests:
+            raise Refused("bad row")
+        return [f"done:{r}" for r in requests]
+
+    batcher: Batcher[str, str] = Batcher(
+        picky, key=lambda r: r, alone_on=lambda exc: isinstance(exc, Refused)
+    )
+    results = await asyncio.gather(
+        batcher.submit("a"), batcher.submit("bad"), batcher.submit("c"), return_exceptions=True
+    )
+    assert results[0] == "done:a" and results[2] == "done:c"
+    assert isinstance(results[1], Refused)
+    assert calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"]]
+
+
+async def test_an_outage_is_not_retried_one_by_one() -> None:
+    calls: list[list[str]] = []
+
+    async def down(requests: Sequence[str]) -> list[str]:
+        calls.append(list(requests))
+        raise RuntimeError("database went away")
+
+    batcher: Batcher[str, str] = Batcher(
+        down, key=lambda r: r, alone_on=lambda exc: isinstance(exc, Refused)
+    )
+    results = await asyncio.gather(batcher.submit("a"), batcher.submit("b"), return_exceptions=True)
+    assert [type(r) for r in results] == [RuntimeError, RuntimeError]
+    assert calls == [["a", "b"]]

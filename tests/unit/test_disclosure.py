@@ -44,6 +44,7 @@ FULL: dict[str, dict[str, Any]] = {
     "ack_sent": {"attempt": 1},
     "rejected": {"attempt": 1},
     "settle_lost": {"attempt": 1, "action": "ack_sent"},
+    "released": {"reason": "RuntimeError: boom", "worker": "host:1:abc", "deliveryCount": 2},
     "replayed": {
         "actor": ACTOR,
         "reason": "operator note",
@@ -114,6 +115,7 @@ ACCOUNT_SEES = {
     "ack_sent": {"attempt"},
     "rejected": {"attempt"},
     "settle_lost": {"attempt"},
+    "released": {"reason"},
     "replayed": {"previousReason", "attempt", "maxAttempts"},
     "cancelled": {"previousState"},
     "reconciled_lease_expired": {"leaseExpiredAt", "attempt"},

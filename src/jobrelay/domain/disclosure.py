@@ -46,6 +46,7 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
     "ack_sent": {"attempt": _VALUE},
     "rejected": {"attempt": _VALUE},
     "settle_lost": {"attempt": _VALUE},
+    "released": {"reason": _TEXT},  # which worker, and its delivery count, are operators'
     "replayed": {"previousReason": _TEXT, "attempt": _VALUE, "maxAttempts": _VALUE},
     "cancelled": {"previousState": _VALUE},  # not who, not why: that is the operator's note
     "reconciled_lease_expired": {"leaseExpiredAt": _VALUE, "attempt": _VALUE},

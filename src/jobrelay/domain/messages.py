@@ -91,6 +91,16 @@ def decode(body: bytes, known_types: frozenset[str]) -> JobMessage:
     return JobMessage(job_id=readable_id, type=job_type, version=version)
 
 
+def peek_job_id(body: bytes) -> str | None:
+    """The job id a body names, if it names one, whatever else is wrong with it: for a
+    timeline line about a delivery that could not be handled (never to decide anything)."""
+    try:
+        decode(body, frozenset())
+    except MessageDecodeError as exc:
+        return exc.job_id
+    return None  # pragma: no cover: no type is known, so decode always raises
+
+
 def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 

@@ -14,6 +14,10 @@ Points and actions:
   stalls; the synchronous ``Faults.hit`` ignores stall faults.
 - ``notify.after_send:crash[:n]`` — after the SMTP server accepted a notification, before the
   effects ledger says ``sent``; n is the notify job's attempt, as for ``export.run``.
+- ``claim.after_commit:drop[:n]`` — a worker's claim statement committed, then its answer
+  is lost: the worker sees ``StoreError`` as if the connection had dropped (it then retries,
+  finds its own claim and runs it). n means the n-th claim this process makes; without n,
+  every claim (which then never gets past the recovery of its own claim: for tests only).
 - ``worker.before_ack:crash[:n]``, ``relay.before_mark:crash[:n]``,
   ``api.before_response:crash[:n]`` — n means the n-th time this process reaches the point;
   without n, every time.
@@ -38,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
-from jobrelay.errors import ConfigError, PermanentError, TransientError
+from jobrelay.errors import ConfigError, PermanentError, StoreError, TransientError
 
 log = logging.getLogger("jobrelay.faults")
 
@@ -48,6 +52,7 @@ POINTS: dict[str, frozenset[str]] = {
     "relay.before_mark": frozenset({"crash"}),
     "api.before_response": frozenset({"crash"}),
     "notify.after_send": frozenset({"crash"}),
+    "claim.after_commit": frozenset({"drop"}),
 }
 # Points that know the job's parameters, where an ``@k=v`` selector can apply.
 _SELECTABLE_POINTS = frozenset({"export.run", "api.before_response", "notify.after_send"})
@@ -232,6 +237,8 @@ class Faults:
             raise TransientError(f"injected transient failure at {point} (attempt {count})")
         if fault.action == "invalid":
             raise PermanentError(f"injected invalid payload at {point} (attempt {count})")
+        if fault.action == "drop":
+            raise StoreError(f"database write failed: injected connection drop at {point}")
 
 
 NO_FAULTS = Faults()

@@ -5,7 +5,12 @@ renewals of the heartbeat, progress, the outcome and the publication of the stag
 When the heartbeat (or a progress report) finds the claim gone, or cannot renew it before the
 lease would end, the operation is cancelled; the run then tries to record a transient
 failure, which loses (``lease_lost``) if another claim holds the job. A database outage while
-the outcome is written holds the delivery and retries the same fenced write.
+the outcome is written holds the delivery and retries the same fenced write, with a growing
+pause between tries, and the heartbeat keeps renewing the lease until that write has
+committed: a result computed before an outage is not lost to a takeover while the database
+answers renewals. A write the database refuses for its data (``StoreDataError``: a NUL
+byte, a value that is not JSON) is never retried as it is: the job is quarantined with the
+reason instead, and only that job (batched neighbours are answered alone).
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from jobrelay.domain.policy import (
     decide,
 )
 from jobrelay.domain.states import JobState
-from jobrelay.errors import OperationError, PermanentError, StoreError
+from jobrelay.errors import OperationError, PermanentError, StoreDataError, StoreError
 from jobrelay.operations.base import OperationContext, Registry
 from jobrelay.results.staging import StagingResults
+from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, NewJob
 from jobrelay.transport.base import Delivery
 
@@ -40,6 +47,8 @@ log = logging.getLogger("jobrelay.worker")
 Settle = Callable[[Delivery, str, Action, int], Awaitable[None]]
 # A completion with nothing to publish and no follow-ups, sent with others (see batching).
 Complete = Callable[[CompleteRequest], Awaitable[bool]]
+# Stored instead when even the quarantine with the refusal's reason was refused.
+_UNSTORABLE = "the outcome could not be stored (the database refused its data)"
 
 
 class AttemptRun:
@@ -63,6 +72,8 @@ class AttemptRun:
         self._settle = settle
         self._wait_for_database = wait_for_database
         self._complete = complete
+        self._committed = False  # the outcome is written: the heartbeat has nothing to keep
+        self._renewing: asyncio.Task[None] | None = None
 
     async def run(self, delivery: Delivery, job: JobRecord, claim: Claim) -> None:
         """Run the operation under the claim, then commit its outcome and settle."""
@@ -102,38 +113,49 @@ class AttemptRun:
         result: Any = None
         started = time.monotonic()
         work = asyncio.create_task(operation.run(context))
-        heartbeat = asyncio.create_task(self._heartbeat(claim, granted, work, lease_lost))
+        # The heartbeat outlives the operation: it renews the lease until the outcome is
+        # committed (``_commit_outcome`` stops it then), however long that write is held.
+        self._renewing = asyncio.create_task(self._heartbeat(claim, granted, work, lease_lost))
         try:
-            result = await work
-            observation = ResultSaved(result.result_key)
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if (current is not None and current.cancelling()) or not lease_lost.is_set():
+            try:
+                result = await work
+                observation = ResultSaved(result.result_key)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if (current is not None and current.cancelling()) or not lease_lost.is_set():
+                    await results.discard()
+                    raise  # we are being stopped: leave the delivery unsettled
+                observation = self._transient(job, claim.attempt, "lease lost: the run was stopped")
+            except PermanentError as exc:
+                observation = PermanentFailure(str(exc))
+            except (OperationError, StoreError) as exc:
+                observation = self._transient(job, claim.attempt, str(exc))
+            except Exception as exc:  # an operation bug: retried, then quarantined, no hot loop
+                log.exception(
+                    "operation raised", extra={"event": "operation_error", "jobId": job.id}
+                )
+                observation = self._transient(
+                    job, claim.attempt, f"unexpected {type(exc).__name__}: {exc}"
+                )
+            if not isinstance(observation, ResultSaved):
                 await results.discard()
-                raise  # we are being stopped: leave the delivery unsettled
-            observation = self._transient(job, claim.attempt, "lease lost: the run was stopped")
-        except PermanentError as exc:
-            observation = PermanentFailure(str(exc))
-        except (OperationError, StoreError) as exc:
-            observation = self._transient(job, claim.attempt, str(exc))
-        except Exception as exc:  # an operation bug: retried, then quarantined, never a hot loop
-            log.exception("operation raised", extra={"event": "operation_error", "jobId": job.id})
-            observation = self._transient(
-                job, claim.attempt, f"unexpected {type(exc).__name__}: {exc}"
-            )
+            try:
+                await self._commit_outcome(
+                    delivery, job, claim, observation, result, results, started=started
+                )
+            except BaseException:
+                await results.discard()
+                raise
         finally:
-            heartbeat.cancel()
+            await self._stop_renewing()
+
+    async def _stop_renewing(self) -> None:
+        self._committed = True
+        if self._renewing is not None:
+            self._renewing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
-        if not isinstance(observation, ResultSaved):
-            await results.discard()
-        try:
-            await self._commit_outcome(
-                delivery, job, claim, observation, result, results, started=started
-            )
-        except BaseException:
-            await results.discard()
-            raise
+                await self._renewing
+            self._renewing = None
 
     def _claim_latency_allowance(self) -> float:
         # The store set the lease end when it ran the claim, a moment before we saw the
@@ -155,8 +177,15 @@ class AttemptRun:
         results: StagingResults,
         started: float | None = None,
     ) -> None:
-        """Write the outcome, fenced on the claim, retrying through a database outage."""
+        """Write the outcome, fenced on the claim, retrying through a database outage.
+
+        An outage is retried (after the database answers, and a growing pause between
+        failures); a refusal of the data becomes a quarantine with its reason; the lease is
+        renewed meanwhile, and the heartbeat stops once the write has committed.
+        """
         in_doubt = False  # a try failed mid-way: its commit may have landed unseen
+        backoff = Backoff()
+        refusals = 0
         while True:
             decision = decide(observation)
             try:
@@ -166,6 +195,19 @@ class AttemptRun:
                 if not fenced.won and in_doubt:
                     fenced = await self._own_earlier_commit(claim, decision, fenced)
                 break
+            except StoreDataError as exc:
+                # Not an outage: the same write would fail forever. Store why instead.
+                refusals += 1
+                if refusals > 2:
+                    raise
+                log.warning(
+                    "outcome refused by the database, quarantining the job: %s",
+                    exc,
+                    extra={"event": "outcome_refused", "jobId": job.id},
+                )
+                await results.discard()
+                reason = f"{_UNSTORABLE}: {exc}" if refusals == 1 else _UNSTORABLE
+                observation = PermanentFailure(reason)
             except StoreError as exc:
                 in_doubt = True
                 log.warning(
@@ -174,9 +216,11 @@ class AttemptRun:
                     extra={"event": "outcome_held", "jobId": job.id},
                 )
                 await self._wait_for_database()
+                await backoff.wait()
             except OperationError as exc:  # the staged result could not be published
                 await results.discard()
                 observation = self._transient(job, claim.attempt, str(exc))
+        await self._stop_renewing()
         won = fenced.won
         if won:
             log.info(
@@ -208,6 +252,7 @@ class AttemptRun:
         now = self.rt.clock()
         if isinstance(observation, ResultSaved):
             meta = {**result.meta, "attempt": claim.attempt}
+            outcome_json(observation.result_key, meta)  # StoreDataError: refused before sent
             if self._complete is not None and not results.staged and not result.follow_ups:
                 request = CompleteRequest(claim, observation.result_key, meta)
                 return (
@@ -317,9 +362,16 @@ class AttemptRun:
                 if held:
                     expires, due = sent + lease, sent + lease / 3
                     continue
+                if self._committed:
+                    return  # the renewal crossed the commit of the outcome: nothing is lost
                 reason = "another claim holds the job"
             except (StoreError, TimeoutError) as exc:
-                if time.monotonic() < expires - margin:
+                if self._committed:
+                    return
+                # While the work runs, a lease that may have ended must stop it; once the
+                # work is done there is nothing to stop, so keep trying until the outcome
+                # commits (the fenced write still loses if another claim took the job).
+                if time.monotonic() < expires - margin or work.done():
                     log.warning(
                         "lease renewal failed: %s",
                         exc or "timed out",

@@ -6,12 +6,19 @@ loses, the job is read and the policy decides what the delivery means: a duplica
 finished job (acked), a retry not yet due, a lease held elsewhere (deferred), attempts used
 up or a bad copy (quarantined). Messages of a type or version this worker does not know are
 deferred for a newer worker. Every settle comes after the commit that holds its outcome.
+
+A claim is one autocommit statement: it can commit while its answer is lost (the connection
+drops). The retried claim then loses to this worker's own live lease, so before deciding
+anything the handler looks for its own claim (its ``claimed`` event: this worker, the job's
+current attempt, the lease still this worker's) and runs that one, unless another delivery
+in this process holds the same job; otherwise the attempt would be spent without a run.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -26,9 +33,11 @@ from jobrelay.domain.policy import (
     observe_delivery,
 )
 from jobrelay.domain.states import JobState
+from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.observe import logs
 from jobrelay.operations.base import Registry
 from jobrelay.roles.attempt import AttemptRun
+from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest, JobRecord
@@ -70,8 +79,17 @@ class DeliveryHandler:
         self._claims: Batcher[ClaimRequest, Claimed] | None = None
         self._completions: Batcher[CompleteRequest, bool] | None = None
         if rt.settings.batching and rt.store.is_postgres:
-            self._claims = Batcher(self._claim_many, key=lambda r: r.job_id)
-            self._completions = Batcher(self._complete_many, key=lambda r: r.claim.job_id)
+            # A statement the database refused for one row's data is sent again row by row.
+            def alone_on(exc: Exception) -> bool:
+                return isinstance(exc, StoreDataError)
+
+            self._claims = Batcher(self._claim_many, key=lambda r: r.job_id, alone_on=alone_on)
+            self._completions = Batcher(
+                self._complete_many, key=lambda r: r.claim.job_id, alone_on=alone_on
+            )
+        # Deliveries of each job being claimed or run in this process (a lost claim's reply
+        # is adopted only by the one delivery that holds the job here).
+        self._holding: Counter[str] = Counter()
 
     async def handle(self, delivery: Delivery) -> None:
         """Handle one delivery; its log lines carry the trace id from its ``traceparent``."""
@@ -100,14 +118,27 @@ class DeliveryHandler:
                 await self._invalid(delivery, exc.reason, exc.job_id, meta)
             return
         logs.bind(jobId=message.job_id)
+        self._holding[message.job_id] += 1
+        try:
+            await self._claim_and_run(delivery, message, meta)
+        finally:
+            self._holding[message.job_id] -= 1
+            if self._holding[message.job_id] <= 0:
+                del self._holding[message.job_id]
+
+    async def _claim_and_run(
+        self, delivery: Delivery, message: JobMessage, meta: dict[str, Any]
+    ) -> None:
         # The happy path first: a claim guarded on exactly "ready to run" needs no read.
-        if self._claims is not None:
-            request = ClaimRequest(message.job_id, message.type, self.worker_id, meta)
-            claimed = await self._claims.submit(request)
-        else:
-            claimed = await self.rt.store.claim_delivered(
+        async def claim() -> Claimed:
+            if self._claims is not None:
+                request = ClaimRequest(message.job_id, message.type, self.worker_id, meta)
+                return await self._claims.submit(request)
+            return await self.rt.store.claim_delivered(
                 message.job_id, message.type, self.worker_id, self.rt.clock(), self.lease, **meta
             )
+
+        claimed = await self._claim(message.job_id, claim)
         if claimed is not None:
             await self._run(delivery, *claimed)
             return
@@ -172,14 +203,74 @@ class DeliveryHandler:
                 await self._settle(delivery, job.id, Action.REJECT, job.attempt)
                 return True
             case Action.RUN:
-                claim = await self.rt.store.claim_job(
-                    job.id, self.worker_id, now, self.lease, seen=job.view(), **meta
-                )
-                if claim is None:
+
+                async def claim() -> Claimed:
+                    won = await self.rt.store.claim_job(
+                        job.id, self.worker_id, now, self.lease, seen=job.view(), **meta
+                    )
+                    return None if won is None else (won, job, job.state)
+
+                claimed = await self._claim(job.id, claim)
+                if claimed is None:
                     return False
-                await self._run(delivery, claim, job, job.state)
+                await self._run(delivery, *claimed)
                 return True
         raise AssertionError(decision)  # pragma: no cover
+
+    async def _claim(self, job_id: str, claim: Callable[[], Awaitable[Claimed]]) -> Claimed:
+        """A claim that survives a lost answer: retried through an outage, and a claim of
+        ours that committed unseen is found and taken up instead of lost to our own lease.
+
+        A refusal of the data (``StoreDataError``) is not an outage and is not retried here.
+        """
+        backoff = Backoff()
+        while True:
+            try:
+                claimed = await claim()
+                if claimed is not None:
+                    # Tests: the claim committed, then the connection dropped (reply lost).
+                    self.rt.faults.hit("claim.after_commit")
+                return claimed
+            except StoreDataError:
+                raise
+            except StoreError as exc:
+                log.warning(
+                    "claim not answered, the database is unreachable: %s",
+                    exc,
+                    extra={"event": "claim_held", "jobId": job_id},
+                )
+                await self._wait_for_database()
+                await backoff.wait()
+                own = await self._own_claim(job_id)
+                if own is not None:
+                    return own
+
+    async def _own_claim(self, job_id: str) -> Claimed:
+        """The claim this worker made of ``job_id`` whose answer it never saw, if it holds.
+
+        Ours means: ``running`` at an attempt whose ``claimed`` event is this worker's, the
+        lease this worker's and live by the store's clock, and no other delivery in this
+        process holding the job (a second copy claiming or running it). The lease is renewed
+        at once: the heartbeat counts it from now, and the outage may have eaten into it.
+        """
+        job = await self.rt.store.get_job(job_id)
+        if job is None or job.state is not JobState.RUNNING or job.lease_owner != self.worker_id:
+            return None
+        if job.lease_expires_at is None or job.lease_expires_at <= self._seen_at(job):
+            return None
+        claim = Claim(job.id, job.attempt, self.worker_id)
+        if not await self.rt.store.committed_by(claim, "claimed"):
+            return None
+        if self._holding[job_id] != 1:
+            return None
+        if not await self.rt.store.renew_lease(claim, self.lease, self.rt.clock()):
+            return None
+        log.info(
+            "claim committed unseen, running it",
+            extra={"event": "claim_recovered", "jobId": job_id, "attempt": job.attempt},
+        )
+        from_state = JobState.QUEUED if job.attempt == 1 else JobState.RETRY_WAIT
+        return claim, job, from_state
 
     async def _run(
         self, delivery: Delivery, claim: Claim, job: JobRecord, claimed_from: JobState

@@ -35,14 +35,17 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from jobrelay.errors import ConfigError, StoreError
+from jobrelay.domain.messages import peek_job_id
+from jobrelay.errors import ConfigError, StoreDataError, StoreError
 from jobrelay.operations.base import Registry
+from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.delivery import DeliveryHandler
 from jobrelay.roles.heartbeat import heartbeat
 from jobrelay.roles.queue_gate import QueueGate
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.queue_pauses import paused_queues
+from jobrelay.storage.storable import safe_text
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
@@ -310,21 +313,26 @@ class Worker:
                 task.cancel()
 
     async def _handle_safely(self, delivery: Delivery) -> None:
+        backoff = Backoff()
         try:
             while True:
                 try:
                     await self.handle(delivery)
                     return
+                except StoreDataError:
+                    raise  # the database refused the data: the same steps would fail again
                 except StoreError as exc:
                     # Not this message's fault: hold it (no release, so its delivery limit is
                     # untouched), pause consuming, and handle it again once the database
-                    # answers. Every step of handle() is guarded, so starting over is safe.
+                    # answers, pausing longer each time it fails again (no hot loop). Every
+                    # step of handle() is guarded, so starting over is safe.
                     log.warning(
                         "database unreachable, holding the delivery: %s",
                         exc,
                         extra={"event": "delivery_held"},
                     )
                     await self._wait_for_database()
+                    await backoff.wait()
         except Exception as exc:
             # A bug, or the broker failed: give it back. It is redelivered (to us or another
             # worker) and the job row is unchanged or guarded, so nothing is lost and nothing
@@ -337,8 +345,30 @@ class Worker:
                 log.warning(
                     "release failed: %s (after %s)", exc2, exc, extra={"event": "release_failed"}
                 )
+            await self._record_release(delivery, exc)
         finally:
             self.handled += 1
+
+    async def _record_release(self, delivery: Delivery, exc: Exception) -> None:
+        """A ``released`` event on the job's timeline saying why its delivery went back.
+
+        Best effort: for a body that names no job (or a job that does not exist) there is
+        no timeline, and a database that fails here must not hide the release.
+        """
+        job_id = peek_job_id(delivery.body)
+        if job_id is None:
+            return
+        reason = safe_text(f"{type(exc).__name__}: {exc}")[:1000]
+        with contextlib.suppress(StoreError):
+            if await self.rt.store.get_job(job_id) is not None:
+                await self.rt.store.record_event(
+                    job_id,
+                    "released",
+                    self.rt.clock(),
+                    reason=reason,
+                    worker=self.worker_id,
+                    deliveryCount=delivery.delivery_count,
+                )
 
     async def _wait_for_database(self) -> None:
         """Block until the database answers; one probe per worker, however many wait."""

@@ -9,6 +9,10 @@ Rows are locked in id order (``ORDER BY id FOR NO KEY UPDATE``): two batches nev
 each other in a cycle, and the key-share locks of event and outbox inserts (their foreign
 keys) never conflict with them (a plain ``FOR UPDATE`` would, and deadlocked the relay).
 
+Each row is prepared alone (``storable.outcome_json``): a row that cannot be stored fails
+the statement before it is sent, with a ``StoreDataError`` the worker's batcher answers by
+sending each request alone, so only that job fails.
+
 A batch is one commit: nothing of it is acked before it returns, and a crash after the commit
 but before the acks leaves redeliveries that find the jobs finished and are acked as
 duplicates — commit-before-ack per job, batched.
@@ -29,6 +33,7 @@ from jobrelay.domain.states import JobState
 from jobrelay.storage.engine import statement_tx
 from jobrelay.storage.hot_path import HotPathStore, claimed_detail, result_saved_detail
 from jobrelay.storage.records import Claim, JobRecord, job_record, jsonable
+from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.tables import UTCDateTime, jobs
 
 
@@ -187,7 +192,7 @@ class BatchStore(HotPathStore):
             "b_attempts": [r.claim.attempt for r in requests],
             "b_workers": [r.claim.worker_id for r in requests],
             "b_keys": [r.result_key for r in requests],
-            "b_metas": [json.dumps(jsonable(r.result_meta)) for r in requests],
+            "b_metas": [outcome_json(r.result_key, r.result_meta) for r in requests],
             "b_rows": [_rows(r.result_meta) for r in requests],
             "b_details": [
                 json.dumps(jsonable(result_saved_detail(r.claim, r.result_key, r.result_meta)))

@@ -31,6 +31,7 @@ from jobrelay.storage.records import (
     retry_destination,
     work_destination,
 )
+from jobrelay.storage.storable import safe_text
 from jobrelay.storage.tables import (
     job_events,
     jobs,
@@ -175,8 +176,10 @@ class ClaimsStore(StoreBase):
     ) -> Fenced:
         """running -> retry_wait, and the retry message into the outbox, in one transaction.
 
-        Fenced on the claim; the due time is the store's clock + ``delay``.
+        Fenced on the claim; the due time is the store's clock + ``delay``. The error is
+        stored with its NUL bytes escaped (``storable``): it must not make the write fail.
         """
+        error = safe_text(error)
         async with self.writing() as conn:
             result = await conn.execute(
                 update(jobs)
@@ -232,7 +235,9 @@ class ClaimsStore(StoreBase):
         with ``seen`` (a delivery-time decision) only if the job is still exactly as the
         policy saw it: same state, same attempt, same lease. A bad copy read while the job
         was ``queued`` therefore never quarantines a job a good copy has claimed since.
+        The reason is stored with its NUL bytes escaped (``storable``).
         """
+        reason = safe_text(reason)
         where: list[Any] = []
         if claim is not None:
             where += self.fenced(claim)

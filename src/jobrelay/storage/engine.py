@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
-from jobrelay.errors import ConfigError, StoreError
+from jobrelay.errors import ConfigError, StoreDataError, StoreError
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -160,8 +160,8 @@ async def write_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnect
     try:
         async with engine.begin() as conn:
             yield conn
-    except (DBAPIError, OSError) as exc:
-        raise StoreError(f"{what} write failed: {first_line(exc)}") from exc
+    except (StatementError, OSError, OverflowError) as exc:
+        raise store_error(f"{what} write failed", exc) from exc
 
 
 @contextlib.asynccontextmanager
@@ -181,8 +181,8 @@ async def statement_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncCon
         async with engine.connect() as conn:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
             yield conn
-    except (DBAPIError, OSError) as exc:
-        raise StoreError(f"{what} write failed: {first_line(exc)}") from exc
+    except (StatementError, OSError, OverflowError) as exc:
+        raise store_error(f"{what} write failed", exc) from exc
 
 
 @contextlib.asynccontextmanager
@@ -191,8 +191,39 @@ async def read_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnecti
     try:
         async with read_only(engine) as conn:
             yield conn
-    except (DBAPIError, OSError) as exc:
-        raise StoreError(f"{what} read failed: {first_line(exc)}") from exc
+    except (StatementError, OSError, OverflowError) as exc:
+        raise store_error(f"{what} read failed", exc) from exc
+
+
+# SQLSTATE classes of a refusal of the data itself: 22 data exception (a NUL byte in text,
+# a value out of range, bad JSON), 23 integrity constraint violation. Everything else (08
+# connection, 40 serialization failure and deadlock, 53 resources, 57 operator intervention
+# such as an admin shutdown, and what we cannot tell) is treated as an outage: wait, retry.
+_DATA_SQLSTATE_CLASSES = ("22", "23")
+
+
+def store_error(message: str, exc: BaseException) -> StoreError:
+    """The driver's error as a StoreError, or a StoreDataError when retrying cannot help.
+
+    A data error is one the same write hits every time: the server refused the values
+    (SQLSTATE class 22 or 23, or SQLite's integrity and data errors), or they could not even
+    be bound (a ``StatementError`` that is no driver error: a value the JSON encoder refuses;
+    an ``OverflowError``: an integer SQLite cannot hold).
+    """
+    text_ = f"{message}: {first_line(exc)}"
+    if isinstance(exc, (IntegrityError, DataError)):
+        return StoreDataError(text_)
+    if isinstance(exc, DBAPIError):
+        if exc.connection_invalidated:
+            return StoreError(text_)
+        orig = exc.orig
+        sqlstate = str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")
+        if sqlstate[:2] in _DATA_SQLSTATE_CLASSES:
+            return StoreDataError(text_)
+        return StoreError(text_)
+    if isinstance(exc, (StatementError, OverflowError)):
+        return StoreDataError(text_)
+    return StoreError(text_)
 
 
 def first_line(exc: BaseException) -> str:

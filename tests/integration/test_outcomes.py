@@ -1,0 +1,293 @@
+"""The worker's outcome path: nothing stuck, nothing charged to a neighbour (issue 21).
+
+A job whose outcome the database refuses (a ``Decimal`` in its meta, a count out of range, a
+NUL byte in its result key or error message) fails alone, once, with a reason, beside a
+healthy job that shares its batch; a claim whose answer was lost is run, not deferred; the
+lease is renewed until the outcome commits; a delivery given back after an error says why on
+the job's timeline. The pipeline tests run on SQLite + the local transport and on PostgreSQL
++ RabbitMQ (batching on); the hand-driven ones on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+
+from jobrelay.domain.states import JobState
+from jobrelay.errors import Permanent, Retry, StoreError
+from jobrelay.exports.seed import seed
+from jobrelay.operations.base import Operation, OperationContext, OperationResult, Registry
+from jobrelay.roles.reconcile import LEASE_EXPIRED, Reconciler
+from jobrelay.roles.runtime import build_transport
+from jobrelay.roles.worker import Worker
+from jobrelay.storage.records import JobRecord
+
+from .pipeline import Pipeline
+from .test_claims import (
+    ROWS,
+    HandDelivery,
+    body_of,
+    clock_of,
+    events_of,
+    eventually,
+    kinds,
+    runtime_for,
+    submit,
+)
+
+Step = Callable[[OperationContext], Awaitable[OperationResult]]
+
+
+class Scripted:
+    """``report.export`` doing what the test says for each period; counts its runs."""
+
+    type = "report.export"
+
+    def __init__(self, steps: Mapping[str, Step]) -> None:
+        self.steps = steps
+        self.runs: Counter[str] = Counter()
+
+    def validate(self, params: Mapping[str, Any]) -> None:
+        return None
+
+    async def run(self, ctx: OperationContext) -> OperationResult:
+        period = str(ctx.job.params["period"])
+        self.runs[period] += 1
+        return await self.steps[period](ctx)
+
+
+def together(barrier: asyncio.Barrier, result: OperationResult | Exception) -> Step:
+    """A first attempt that ends together with the others (one batch of completions)."""
+
+    async def step(ctx: OperationContext) -> OperationResult:
+        if ctx.attempt == 1:
+            await barrier.wait()
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    return step
+
+
+async def start_worker(p: Pipeline, operation: Operation) -> Worker:
+    """``Pipeline.start_worker`` with the test's operation in place of the shipped one."""
+    transport = build_transport(p.rt.settings, p.rt.engine, p.rt.clock)
+    await transport.connect()
+    p.worker_transports.append(transport)
+    worker = Worker(dataclasses.replace(p.rt, transport=transport), registry=Registry([operation]))
+    p._start(worker.run, p.workers)
+    return worker
+
+
+def count_failing_statements(p: Pipeline) -> Counter[str]:
+    """Every statement the database (or the driver) refused, from the engine's own hook."""
+    failures: Counter[str] = Counter()
+
+    def on_error(context: Any) -> None:
+        failures[type(context.original_exception).__name__] += 1
+
+    event.listen(p.rt.engine.sync_engine, "handle_error", on_error)
+    return failures
+
+
+def finished(job: JobRecord) -> bool:
+    return job.state.is_terminal
+
+
+async def test_a_job_whose_outcome_cannot_be_stored_fails_alone_beside_a_healthy_one(
+    make_pipeline: Any,
+) -> None:
+    """Three first attempts end together (one batch on PostgreSQL): a healthy one, one whose
+    meta holds a Decimal (not JSON) and one whose row count is out of range for the column.
+    The healthy one succeeds at attempt 1; each other is quarantined at attempt 1 saying why,
+    its function run once. Old code: the batch failed as a whole, the healthy job was
+    released and quarantined after three claims ("worker lost before an outcome")."""
+    async with make_pipeline() as p:
+        healthy = await p.submit(period="2020-01")
+        decimal = await p.submit(period="2020-02")
+        too_many = await p.submit(period="2020-03")
+        barrier = asyncio.Barrier(3)
+        operation = Scripted(
+            {
+                "2020-01": together(barrier, OperationResult("exports/ok.csv", {"rows": 1})),
+                "2020-02": together(
+                    barrier, OperationResult("exports/d.csv", {"rows": 1, "fee": Decimal("1.5")})
+                ),
+                "2020-03": together(barrier, OperationResult("exports/n.csv", {"rows": 2**70})),
+            }
+        )
+        p.start_relay()
+        await start_worker(p, operation)
+        ok = await p.wait_for(healthy, finished)
+        refused = await p.wait_for(decimal, finished)
+        out_of_range = await p.wait_for(too_many, finished)
+
+        assert (ok.state, ok.attempt, ok.result_key) == (JobState.SUCCEEDED, 1, "exports/ok.csv")
+        assert (refused.state, refused.attempt) == (JobState.QUARANTINED, 1)
+        assert "Decimal" in (refused.quarantine_reason or "")
+        assert (out_of_range.state, out_of_range.attempt) == (JobState.QUARANTINED, 1)
+        assert "could not be stored" in (out_of_range.quarantine_reason or "")
+        assert operation.runs == {"2020-01": 1, "2020-02": 1, "2020-03": 1}
+        assert (await p.kinds(healthy)).count("claimed") == 1
+
+
+async def test_a_nul_byte_ends_its_job_with_a_reason_and_never_loops(make_pipeline: Any) -> None:
+    """A result key with a NUL byte (PostgreSQL's text refuses it), a Permanent and a Retry
+    whose messages hold one, beside a healthy job. Each ends with a reason (the messages
+    kept, their NUL escaped), the healthy one at attempt 1, and the database refuses at most
+    a few statements. Old code: a hot loop of thousands of failing statements, the job
+    ``running`` for good and its batch neighbour held with it."""
+    async with make_pipeline() as p:
+        failing = count_failing_statements(p)
+        healthy = await p.submit(period="2020-01")
+        bad_key = await p.submit(period="2020-02")
+        bad_reason = await p.submit(period="2020-03")
+        bad_retry = await p.submit(period="2020-04")
+        barrier = asyncio.Barrier(4)
+
+        async def retry_then_succeed(ctx: OperationContext) -> OperationResult:
+            if ctx.attempt == 1:
+                await barrier.wait()
+                raise Retry("flaky \x00 service")
+            return OperationResult("exports/r.csv", {"rows": 1})
+
+        operation = Scripted(
+            {
+                "2020-01": together(barrier, OperationResult("exports/ok.csv", {"rows": 1})),
+                "2020-02": together(barrier, OperationResult("exports/a\x00b.csv", {"rows": 1})),
+                "2020-03": together(barrier, Permanent("bad \x00 input")),
+                "2020-04": retry_then_succeed,
+            }
+        )
+        p.start_relay()
+        await start_worker(p, operation)
+        ok = await p.wait_for(healthy, finished)
+        key = await p.wait_for(bad_key, finished)
+        reason = await p.wait_for(bad_reason, finished)
+        retried = await p.wait_for(bad_retry, finished)
+
+        assert (ok.state, ok.attempt) == (JobState.SUCCEEDED, 1)
+        assert (key.state, key.attempt) == (JobState.QUARANTINED, 1)
+        assert "NUL" in (key.quarantine_reason or "")
+        assert (reason.state, reason.attempt) == (JobState.QUARANTINED, 1)
+        assert reason.quarantine_reason == "bad \\x00 input"
+        assert (retried.state, retried.attempt) == (JobState.SUCCEEDED, 2)
+        [scheduled] = [e for e in await p.rt.store.events(bad_retry) if e.kind == "retry_scheduled"]
+        assert scheduled.detail["error"] == "flaky \\x00 service"
+        assert operation.runs == {"2020-01": 1, "2020-02": 1, "2020-03": 1, "2020-04": 2}
+        assert sum(failing.values()) <= 2, failing
+
+
+async def test_a_claim_whose_answer_was_lost_runs_its_job(make_pipeline: Any) -> None:
+    """The claim commits, then its answer is lost (``claim.after_commit:drop:1``), with
+    ``max_attempts=1``: the retried claim finds the worker's own claim and runs it. Old code:
+    it lost to its own live lease, deferred, and the job was quarantined unrun."""
+    async with make_pipeline(faults="claim.after_commit:drop:1", max_attempts="1") as p:
+        job_id = await p.submit(period="2020-01")
+
+        async def ok(ctx: OperationContext) -> OperationResult:
+            return OperationResult("exports/ok.csv", {"rows": 1})
+
+        operation = Scripted({"2020-01": ok})
+        p.start_relay()
+        await start_worker(p, operation)
+        job = await p.wait_for(job_id, finished)
+
+        assert (job.state, job.attempt) == (JobState.SUCCEEDED, 1)
+        assert operation.runs == {"2020-01": 1}
+        timeline = await p.kinds(job_id)
+        assert timeline.count("claimed") == 1 and "deferred" not in timeline
+
+
+async def test_the_lease_is_renewed_until_the_outcome_commits(
+    database_url: str, tmp_path: Path
+) -> None:
+    """The result is computed, then its write fails (the database refuses that statement,
+    answers the rest) for longer than lease + grace by the store's clock. The heartbeat keeps
+    renewing, so the reconciler finds no expired lease; once the write goes through the job
+    has succeeded at attempt 1 with the result computed. Old code: the heartbeat stopped when
+    the operation returned, the lease lapsed and the reconciler re-queued the job."""
+    rt = runtime_for(database_url, tmp_path, lease_seconds=1.5, reconcile_grace_seconds=1.0)
+    await seed(rt.engine, ROWS)
+    job_id = await submit(rt)
+    store: Any = rt.store
+    held = True
+    refused = 0
+    renewed = 0
+
+    def failing_while_held(write: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def attempt(*args: Any, **kwargs: Any) -> Any:
+            nonlocal refused
+            if held:
+                refused += 1
+                raise StoreError("database write failed: held by the test")
+            return await write(*args, **kwargs)
+
+        return attempt
+
+    store.complete = failing_while_held(store.complete)
+    store.complete_many = failing_while_held(store.complete_many)
+    renew = store.renew_lease
+
+    async def counted_renewal(*args: Any, **kwargs: Any) -> bool:
+        nonlocal renewed
+        won = bool(await renew(*args, **kwargs))
+        renewed += won
+        return won
+
+    store.renew_lease = counted_renewal
+
+    async def until(check: Callable[[], bool]) -> None:
+        async def checked() -> bool:
+            return check()
+
+        await eventually(checked, "the condition")
+
+    run = asyncio.create_task(Worker(rt, worker_id="w-1").handle(HandDelivery(body_of(job_id))))
+    await until(lambda: refused >= 1)
+    for _ in range(3):  # 4.5 s of store time: past the lease (1.5 s) + grace (1 s)
+        seen = renewed
+        clock_of(rt).advance(1.5)
+        await until(lambda seen=seen: renewed > seen)  # a renewal after the clock moved on
+    report = await Reconciler(rt).run_once(scan_quarantine=False)
+    assert [f.kind for f in report.findings if f.kind == LEASE_EXPIRED] == []
+    held = False
+    await asyncio.wait_for(run, timeout=30)
+
+    job = await rt.store.get_job(job_id)
+    assert job is not None and (job.state, job.attempt) == (JobState.SUCCEEDED, 1)
+    assert [e["attempt"] for e in await events_of(rt, job_id, "result_saved")] == [1]
+    timeline = await kinds(rt, job_id)
+    assert "lease_lost" not in timeline and "retry_scheduled" not in timeline
+    await rt.engine.dispose()
+
+
+class AckFails(HandDelivery):
+    async def ack(self) -> bool:
+        self.outcomes.append("ack")
+        raise RuntimeError("channel exploded")
+
+
+async def test_a_release_after_an_error_says_why_on_the_timeline(
+    database_url: str, tmp_path: Path
+) -> None:
+    """An error escapes the handling (here the ack itself fails): the delivery goes back to
+    the broker and the job's timeline says so, with the reason. Old code: no event."""
+    rt = runtime_for(database_url, tmp_path)
+    await seed(rt.engine, ROWS)
+    job_id = await submit(rt)
+    delivery = AckFails(body_of(job_id))
+    await Worker(rt, worker_id="w-1")._handle_safely(delivery)
+
+    assert delivery.outcomes == ["ack", "release"]
+    [released] = await events_of(rt, job_id, "released")
+    assert released["reason"] == "RuntimeError: channel exploded"
+    assert released["worker"] == "w-1"
+    await rt.engine.dispose()
