@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from jobrelay.domain.disclosure import TEMPORARY, public_error
 from jobrelay.domain.states import JobState
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.records import PendingEvent
@@ -121,7 +122,8 @@ async def leaky_job(rt: Runtime, client: httpx.AsyncClient, admin: dict[str, str
     job_id, _ = await store.submit(new_job(), T0)
     claim = await store.claim_job(job_id, WORKER, T0, LEASE)
     assert claim is not None
-    assert (await store.schedule_retry(claim, "report.export", S3_ERROR, 5, T0)).won
+    public = public_error(TEMPORARY)
+    assert (await store.schedule_retry(claim, "report.export", S3_ERROR, 5, T0, public=public)).won
     assert isinstance(rt.clock, Clock)
     later = rt.clock.advance(6)  # the retry is due
     claim = await store.claim_job(job_id, WORKER, later, LEASE)
@@ -230,10 +232,9 @@ async def test_an_account_token_sees_its_jobs_story_and_nothing_of_the_operators
             seen.setdefault(event["kind"], set()).update(event["detail"])
         assert seen == ACCOUNT_EVENT_FIELDS
 
-    # The errors are still there for the customer, with the infrastructure taken out.
+    # The errors are still there for the customer, as a code and a message for customers.
     retry = next(e for e in views["/events"]["events"] if e["kind"] == "retry_scheduled")
-    assert retry["detail"]["error"].startswith("result store failed: Could not connect")
-    assert "<endpoint>" in retry["detail"]["error"] or "<host>" in retry["detail"]["error"]
+    assert retry["detail"]["error"] == public_error(TEMPORARY)
     assert explain["state"] == JobState.CANCELLED.value
     assert explain["nextStep"] == "cancelled by an operator; it will not run"
     assert "pg-primary" not in (views[""]["lastError"] or "")

@@ -122,7 +122,7 @@ async def test_a_duplicate_key_is_refused_not_last_wins(
     )
     response = await client.post(path, content=body, headers=await _token(runtime, admin))
     assert response.status_code == 422, response.text
-    assert "appears twice" in response.text
+    assert "same key twice" in response.text
 
 
 async def test_admin_bodies_are_json_whatever_the_content_type(

@@ -297,7 +297,7 @@ async def test_post_v1_jobs_for_exposed_types_only(rt: Runtime) -> None:
         unknown = await client.post("/v1/jobs", json={"type": "nope", "params": {}}, headers=acme)
         assert unknown.status_code == 404 and unknown.json() == {
             **hidden.json(),
-            "detail": "no job type 'nope' is exposed over HTTP",
+            "detail": "no such job type is exposed over HTTP",
         }
         bad = await client.post(
             "/v1/jobs",

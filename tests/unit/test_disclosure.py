@@ -1,4 +1,4 @@
-"""The account view of each event kind, key by key, and the redaction of error text.
+"""The account view of each event kind, key by key, and of error text: never the raw text.
 
 ``FULL`` is every key each kind carries (docs/reference/events.md), with private values; the
 expected account view is spelled out for each, so making a key visible is a visible change.
@@ -12,7 +12,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobrelay.domain.disclosure import ACCOUNT_EVENT_FIELDS, account_detail, redact
+from jobrelay.domain.disclosure import (
+    ACCOUNT_EVENT_FIELDS,
+    FAILED,
+    MAX_PUBLIC,
+    MESSAGES,
+    PUBLIC_KEY,
+    RETRY,
+    TEMPORARY,
+    UNKNOWN,
+    account_detail,
+    account_error,
+    exhausted,
+    public_error,
+)
 
 HOST = "web-3.prod.internal"
 WORKER = f"{HOST}:812:0a1b2c"
@@ -150,40 +163,65 @@ def test_an_unknown_kind_or_key_is_private() -> None:
     assert account_detail("ack_sent", {"attempt": 1, "channel": "ch-7@host"}) == {"attempt": 1}
 
 
-@pytest.mark.parametrize(
-    ("text", "private"),
-    [
-        ('Could not connect to the endpoint URL: "http://minio.internal:9000/b/x.csv"', "minio"),
-        ('connection to server at "pg-primary" (10.1.2.3), port 5432 failed', "pg-primary"),
-        ('connection to server at "pg-primary" (10.1.2.3), port 5432 failed', "10.1.2.3"),
-        ("[Errno 111] Connect call failed ('127.0.0.1', 5432)", "127.0.0.1"),
-        ("lease held by web-1:1234:ab12cd", "web-1"),
-        ("rabbit@node1.example.com:5672 went away", "node1"),
-        ('could not translate host name "db-7" to address', "db-7"),
-        ("localhost:5432 refused", "localhost"),
-        ("[::1]:5432 refused", "::1"),
-        ("smtp.corp.internal said 554", "smtp.corp"),
-    ],
-)
-def test_redaction_takes_the_infrastructure_out(text: str, private: str) -> None:
-    assert private not in redact(text)
+# Each leak the patterns of the earlier redaction let through (issue 25, item 2), and some
+# they caught: no raw error text reaches an account, whatever its shape.
+LEAKS = [
+    ("connecting to mailhub.internal:25 failed", "mailhub.internal"),
+    ("[Errno 17] File exists: '/srv/app/var/exports/exports/initech'", "/srv/app/var"),
+    ("connect to 2001:db8::7 port 5432 failed", "2001:db8::7"),
+    ("could not connect to DB-PRIMARY.CORP", "DB-PRIMARY"),
+    ("HTTPConnectionPool(host='minio', port=9000): Max retries exceeded", "minio"),
+    (
+        "An error occurred (AccessDenied) when calling the PutObject operation: User: "
+        "arn:aws:iam::123456789012:user/exporter is not authorized on "
+        "arn:aws:s3:::acme-private-exports/x.csv",
+        "123456789012",
+    ),
+    ("bucket acme-private-exports: AccessDenied", "acme-private-exports"),
+    ("connecting to 127.0.0.1", "127.0.0.1"),
+    ('could not translate host name "db-7" to address', "db-7"),
+]
+TEXT_FIELDS = [
+    (kind, key)
+    for kind, fields in ACCOUNT_EVENT_FIELDS.items()
+    for key, how in fields.items()
+    if how == "text"
+]
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        "invalid period 2020-13",
-        "retry due 2026-01-01T12:00:00+00:00",
-        "attempts exhausted (3/3): ledger read failed: boom",
-        "botocore.exceptions.ClientError: An error occurred (NoSuchBucket)",
-        "accountId in params does not match the job's account",
-    ],
-)
-def test_redaction_keeps_errors_about_the_job_as_they_are(text: str) -> None:
-    assert redact(text) == text
+@pytest.mark.parametrize(("kind", "key"), TEXT_FIELDS)
+@pytest.mark.parametrize(("text", "private"), LEAKS)
+def test_no_raw_error_text_reaches_an_account(kind: str, key: str, text: str, private: str) -> None:
+    shown = account_detail(kind, {key: text, "attempt": 1})
+    assert private not in repr(shown)
+    assert shown[key].split(":")[0] in {"failed", "duplicate", "invalid_message", "effect_refused"}
+
+
+@pytest.mark.parametrize(("kind", "key"), TEXT_FIELDS)
+def test_an_event_shows_its_public_error_in_place_of_the_raw_text(kind: str, key: str) -> None:
+    public = public_error(RETRY, "the mail server is busy")
+    shown = account_detail(kind, {key: "smtp.corp.internal:25 said 451", PUBLIC_KEY: public})
+    assert shown == {key: "retry: the mail server is busy"}
+
+
+def test_a_row_shows_its_public_error_or_a_fixed_message_never_the_raw_text() -> None:
+    assert account_error(None, "retry: x") is None  # no error, nothing stale shown
+    assert account_error("dial mailhub.internal:25", None) == FAILED
+    assert account_error("dial mailhub.internal:25", "temporary_failure: y") == (
+        "temporary_failure: y"
+    )
+
+
+def test_a_public_error_is_one_line_and_bounded() -> None:
+    assert public_error(TEMPORARY) == f"temporary_failure: {MESSAGES[TEMPORARY]}"
+    assert public_error(RETRY, "busy\nnow\x00!") == "retry: busy now !"
+    assert len(public_error(RETRY, "x" * 5000)) == MAX_PUBLIC
+    assert public_error(RETRY, " ") == f"retry: {MESSAGES[UNKNOWN]}"
+    assert exhausted(3, 3, public_error(TEMPORARY)).startswith(
+        "attempts_exhausted: 3 of 3 attempts failed; the last: temporary_failure: "
+    )
 
 
 @given(st.text())
-def test_redaction_is_idempotent_and_never_fails(text: str) -> None:
-    once = redact(text)
-    assert redact(once) == once
+def test_whatever_the_raw_text_an_account_reads_a_fixed_message(text: str) -> None:
+    assert account_detail("retry_scheduled", {"error": text}) == {"error": FAILED}

@@ -62,6 +62,8 @@ class _Reasoned(WireModel):
     def _not_blank(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be blank")
+        if "\x00" in value:  # PostgreSQL cannot store it; SQLite would cut the text there
+            raise ValueError("must not contain a NUL character")
         return value.strip()
 
 
@@ -229,10 +231,10 @@ async def explain_job(
     job_id: JobIdPath, principal: PrincipalDep, runtime: RuntimeDep
 ) -> dict[str, Any]:
     canonical = canonical_job_id(job_id)
-    found = await runtime.store.get_job(canonical) if canonical else None
-    if found is None:
+    job = await runtime.store.get_job(canonical) if canonical else None
+    if job is None or not principal.may_act_for(job.account_id):
+        # Another account's job: the path of no job (routes._visible_job says why).
         raise await missing_job(runtime, principal, canonical)
-    job = _visible(principal, found)
     events = await runtime.store.events(job.id)
     trace_id = await AdminQueries(runtime.store).trace_id(job.id)
     if principal.is_admin:

@@ -24,7 +24,7 @@ another state is a 422 like any other invalid body.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, field_validator
@@ -32,7 +32,7 @@ from pydantic import ConfigDict, Field, StrictBool, StrictInt, field_validator
 from jobrelay.api.admin import AdminActor, _Reasoned, body_of
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
-from jobrelay.api.job_search import LIST_RESPONSES, job_filter
+from jobrelay.api.job_search import LIST_RESPONSES, job_filter, text_problem, time_problem
 from jobrelay.api.problems import ValidationProblem, problem_openapi
 from jobrelay.api.schemas import ACCOUNT_PATTERN, WireModel
 from jobrelay.domain.job_filter import JobFilter
@@ -42,6 +42,7 @@ from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.dashboard import count_jobs, event_ceiling, search_jobs
 
 router = APIRouter()
+V = TypeVar("V")
 
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     **LIST_RESPONSES,
@@ -64,6 +65,23 @@ class _Filter(WireModel):
     # Strict: an ISO 8601 string only (lax mode would read a number as a Unix time).
     created_after: datetime | None = Field(default=None, strict=True)
     created_before: datetime | None = Field(default=None, strict=True)
+
+    @field_validator("created_after", "created_before")
+    @classmethod
+    def _searchable_time(cls, value: datetime | None) -> datetime | None:
+        return _refuse(time_problem(value), value)
+
+    @field_validator("type", "queue", "reason")
+    @classmethod
+    def _searchable_text(cls, value: str | None) -> str | None:
+        return _refuse(text_problem(value), value)
+
+
+def _refuse(problem: str | None, value: V) -> V:
+    """The filter's checks are the jobs list's (``job_search``), named as body fields here."""
+    if problem is not None:
+        raise ValueError(problem)
+    return value
 
 
 class ReplayFilter(_Filter):

@@ -3,14 +3,16 @@ page at a time.
 
 Admin tokens list every account's jobs. An account token lists too, but only its own
 account's (the account filter is forced to it; asking for another account is a 403) and in
-the account view: ``lastError`` and ``quarantineReason`` redacted by ``domain.disclosure``,
-nothing of leases, workers or actors. Every filter is validated (422 problem+json naming
+the account view: ``lastError`` and ``quarantineReason`` are the job's public error
+(``domain.disclosure``), nothing of leases, workers or actors, and ``reason`` searches that
+public error only. Every filter is validated (422 problem+json naming
 the field); an unknown queue or type simply matches nothing.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
@@ -21,7 +23,7 @@ from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, ValidationProblem, problem_openapi
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.schemas import ACCOUNT_PATTERN, JobOut, WireModel
-from jobrelay.domain.disclosure import redact_optional
+from jobrelay.domain.disclosure import account_error
 from jobrelay.domain.job_filter import CursorError, JobFilter, PageKey, decode_cursor
 from jobrelay.domain.job_filter import encode_cursor as encode
 from jobrelay.domain.states import JobState
@@ -47,7 +49,11 @@ class JobSummary(JobOut):
 
     @classmethod
     def from_job(cls, job: JobRecord, *, admin: bool = True) -> JobSummary:
-        reason = job.quarantine_reason if admin else redact_optional(job.quarantine_reason)
+        reason = (
+            job.quarantine_reason
+            if admin
+            else account_error(job.quarantine_reason, job.public_error)
+        )
         return cls(
             **JobOut.from_record(job, admin=admin).model_dump(),
             queue=job.queue,
@@ -66,9 +72,38 @@ def invalid(field: str, message: str) -> RequestValidationError:
     return RequestValidationError([error])
 
 
+def time_problem(value: datetime | None) -> str | None:
+    """Why ``value`` cannot bound a search, or None. A time whose UTC instant falls outside
+    years 1-9999 (``9999-12-31T23:59:59-23:59``) raised ``OverflowError`` deep in the store:
+    a 500 any token could cause."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return "give a time zone (e.g. 2026-12-01T18:00:00Z)"
+    try:
+        value.astimezone(UTC)
+    except OverflowError:
+        return "out of range: the time in UTC must fall in the years 1 to 9999"
+    return None
+
+
+def text_problem(value: str | None) -> str | None:
+    """Why a text filter is refused, or None. A NUL matched every job on SQLite (its
+    ``instr`` stops there) and is an error on PostgreSQL."""
+    return "must not contain a NUL character" if value and "\x00" in value else None
+
+
 def aware(field: str, value: datetime | None) -> datetime | None:
-    if value is not None and value.tzinfo is None:
-        raise invalid(field, "give a time zone (e.g. 2026-12-01T18:00:00Z)")
+    problem = time_problem(value)
+    if problem is not None:
+        raise invalid(field, problem)
+    return value
+
+
+def plain_text(field: str, value: str | None) -> str | None:
+    problem = text_problem(value)
+    if problem is not None:
+        raise invalid(field, problem)
     return value
 
 
@@ -78,7 +113,8 @@ def visible_filter(principal: Principal, f: JobFilter) -> JobFilter:
         return f
     if f.account_id is not None and f.account_id != principal.account_id:
         raise ProblemError(403, "an account token lists only its own account's jobs")
-    return JobFilter(**{**f.__dict__, "account_id": principal.account_id or "\x00"})
+    # Its reason search runs over what it can read, never over the operators' raw text.
+    return replace(f, account_id=principal.account_id or "\x00", reason_public=True)
 
 
 StateQ = Annotated[JobState | None, Query(description="Only jobs in this state.")]
@@ -87,7 +123,13 @@ QueueQ = Annotated[str | None, Query(min_length=1, max_length=32)]
 AccountQ = Annotated[str | None, Query(alias="accountId", pattern=ACCOUNT_PATTERN)]
 ReasonQ = Annotated[
     str | None,
-    Query(max_length=500, description="Part of the quarantine reason or last error (any case)."),
+    Query(
+        max_length=500,
+        description=(
+            "Part of the quarantine reason or last error (any case); for an account token, "
+            "part of the error as it reads it (`lastError`)."
+        ),
+    ),
 ]
 AfterQ = Annotated[
     datetime | None,
@@ -114,10 +156,10 @@ def job_filter(
     before = aware("createdBefore", created_before)
     return JobFilter(
         states=None if state is None else (state,),
-        job_type=job_type,
-        queue=queue,
+        job_type=plain_text("type", job_type),
+        queue=plain_text("queue", queue),
         account_id=account_id,
-        reason=reason or None,
+        reason=plain_text("reason", reason) or None,
         created_after=after,
         created_before=before,
     )

@@ -73,7 +73,7 @@ async def create_job(
     body = parse_body(JobRequest, await read_body(request))
     definition = runtime.app.jobs.get(body.type) if runtime.app is not None else None
     if definition is None or not definition.http:
-        raise ProblemError(404, f"no job type {body.type!r} is exposed over HTTP")
+        raise ProblemError(404, "no such job type is exposed over HTTP")
     try:
         # One statement on PostgreSQL (see storage/enqueue.py), so no BEGIN and no COMMIT:
         # it commits by itself, before the 202. Driver errors are a 503 (StoreError).

@@ -119,7 +119,7 @@ async def _set(request: Request, runtime: Runtime, queue: str, paused: bool, act
     body = parse_body(QueueReason, await read_body(request))
     if queue not in runtime.topology.queues:
         known = ", ".join(runtime.topology.queues)
-        raise ProblemError(404, f"no queue {queue!r} in this app (its queues: {known})")
+        raise ProblemError(404, f"no such queue in this app (its queues: {known})")
     changed = await set_paused(
         runtime.store, queue, paused, actor=actor, reason=body.reason, now=runtime.clock()
     )

@@ -157,11 +157,11 @@ async def get_result(job_id: JobIdPath, principal: PrincipalDep, runtime: Runtim
 async def _visible_job(runtime: Runtime, principal: Principal, raw_id: str) -> JobRecord:
     job_id = canonical_job_id(raw_id)
     job = await runtime.store.get_job(job_id) if job_id is not None else None
-    if job is None:
-        raise await missing_job(runtime, principal, job_id)
-    if not principal.may_act_for(job.account_id):
-        raise ProblemError(404, _NOT_FOUND)
-    return job
+    if job is not None and principal.may_act_for(job.account_id):
+        return job
+    # Another account's job and no job at all take the same path, the same two lookups (the
+    # job, then its tombstone): answering the first without the second was measurably faster.
+    raise await missing_job(runtime, principal, job_id)
 
 
 async def missing_job(runtime: Runtime, principal: Principal, job_id: str | None) -> ProblemError:

@@ -118,7 +118,7 @@ async def show_schedule(name: NamePath, runtime: RuntimeDep, actor: AdminActor) 
     operator = ScheduleOperator(runtime)
     found = [row for row in await operator.rows() if row.view.name == name]
     if not found:
-        raise ProblemError(404, f"no schedule {name!r}")
+        raise ProblemError(404, "no such schedule")
     events = [ScheduleEvent(**e) for e in await operator.events(name)]
     return ScheduleDetail(**found[0].as_dict(), events=events)
 
@@ -131,7 +131,7 @@ async def _set_paused(
         name, paused, actor=actor, reason=body.reason
     )
     if not outcome.found:
-        raise ProblemError(404, f"no schedule {name!r}")
+        raise ProblemError(404, "no such schedule")
     if not outcome.done:
         raise ProblemError(
             409,

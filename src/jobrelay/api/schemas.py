@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from jobrelay.domain.disclosure import account_detail, redact_optional
+from jobrelay.domain.disclosure import account_detail, account_error
 
 # Re-exported: the routes read path ids with it; the CLI takes the same forms (domain.ids).
 from jobrelay.domain.ids import canonical_job_id as canonical_job_id
@@ -62,8 +62,9 @@ class JobOut(WireModel):
 
     @classmethod
     def from_record(cls, job: JobRecord, *, admin: bool = True) -> JobOut:
-        """``admin=False`` is an account token's view: ``lastError`` without the hosts and
-        endpoints an infrastructure error may quote (``domain.disclosure``)."""
+        """``admin=False`` is an account token's view: ``lastError`` is the job's public
+        error (a code and a message written for customers), never the raw text
+        (``domain.disclosure``)."""
         progress = None
         if job.progress_done is not None and job.progress_total is not None:
             progress = Progress(done=job.progress_done, total=job.progress_total)
@@ -77,7 +78,7 @@ class JobOut(WireModel):
             attempt=job.attempt,
             max_attempts=job.max_attempts,
             result_key=job.result_key,
-            last_error=job.last_error if admin else redact_optional(job.last_error),
+            last_error=job.last_error if admin else account_error(job.last_error, job.public_error),
             next_attempt_at=job.next_attempt_at,
             progress=progress,
             created_at=job.created_at,

@@ -1,25 +1,73 @@
 """What an account token may read of its own job: the job's story, not the operators'.
 
-A customer reading ``/events`` or ``/explain`` needs the states, the attempts and the errors
-of their job. They must not learn who operated on it (``token#5 (support-alice)``,
+A customer reading ``/events`` or ``/explain`` needs the states, the attempts and why they
+failed. They must not learn who operated on it (``token#5 (support-alice)``,
 ``cli:root@host``), what an operator wrote as a reason, which worker or relay host did what,
-or the internal endpoints an infrastructure error quotes (an S3 error carries the endpoint's
-URL, a database error its address). Admin tokens see everything; this module is only the
-account view.
+or anything an infrastructure error quotes. Admin tokens see everything; this module is only
+the account view.
 
-Deny by default: an event kind that is not listed here is shown with an empty detail, and a
-detail key that is not listed is left out, so a key added to an event later is private
-until someone decides otherwise here. Free text that may quote an infrastructure error is
-shown with URLs, addresses, ``host:port`` pairs, host names and process ids replaced.
+Deny by default, twice. An event kind that is not listed here is shown with an empty detail,
+and a detail key that is not listed is left out, so a key added to an event later is private
+until someone decides otherwise here. And no raw error text ever reaches an account: an
+earlier version showed it with URLs, addresses and host names replaced by patterns, and the
+patterns leaked (``mailhub.internal``, a server path, unbracketed IPv6, ``MINIO``, S3's
+``AccessDenied`` with its ARN). Instead, when a job fails, the worker writes next to the raw
+text (kept for operators) a *public error*: a code and a message written for customers,
+either by jobrelay (``temporary_failure: a temporary failure; it is retried``) or by the job
+itself, through the message of ``jobrelay.Retry`` / ``jobrelay.Permanent`` (code ``retry`` /
+``refused``). The account view shows only that; where there is none (a row from before
+migration 0010, an event without one) it shows a fixed message per kind.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
-# Free text that may quote an error from the database, the broker or the result store.
+# Codes of the public error. The job's own words: RETRY and REFUSED; jobrelay's: the rest.
+RETRY = "retry"
+REFUSED = "refused"
+TEMPORARY = "temporary_failure"
+UNEXPECTED = "unexpected_error"
+INTERRUPTED = "interrupted"
+ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+INVALID_MESSAGE = "invalid_message"
+WORKER_LOST = "worker_lost"
+EFFECT_REFUSED = "effect_refused"
+DUPLICATE = "duplicate"
+UNKNOWN = "failed"
+MESSAGES: Mapping[str, str] = {
+    TEMPORARY: "a temporary failure; it is retried while attempts remain",
+    UNEXPECTED: "an unexpected error in the job; it is retried while attempts remain",
+    INTERRUPTED: "the run was interrupted; it is retried while attempts remain",
+    INVALID_MESSAGE: "the job's message could not be read",
+    WORKER_LOST: "the worker running the job stopped before it finished",
+    EFFECT_REFUSED: "the receiving side refused it",
+    DUPLICATE: "a second copy of the job's message, settled without running it",
+    REFUSED: "the job cannot succeed",
+    UNKNOWN: "the job failed; the operators have the details",
+}
+MAX_PUBLIC = 500  # characters of a public error (the job's message is cut there)
+
+
+def public_error(code: str, message: str | None = None) -> str:
+    """``code: message`` as an account reads it; jobrelay's message for ``code`` by default."""
+    # One line, no control characters (a NUL cannot be stored on PostgreSQL).
+    text = " ".join("".join(c if c.isprintable() else " " for c in message or "").split())
+    return f"{code}: {text or MESSAGES.get(code, MESSAGES[UNKNOWN])}"[:MAX_PUBLIC]
+
+
+def exhausted(attempt: int, max_attempts: int, last: str) -> str:
+    """The public error of a job quarantined after its last attempt failed with ``last``."""
+    return public_error(
+        ATTEMPTS_EXHAUSTED, f"{attempt} of {max_attempts} attempts failed; the last: {last}"
+    )
+
+
+FAILED = public_error(UNKNOWN)
+
+# Free text that may quote an error from the database, the broker or the result store:
+# shown as the event's public error (``publicError``) or the kind's fixed message.
 _TEXT = "text"
 _VALUE = "value"
 
@@ -86,35 +134,27 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
 # jobrelay's keys: every other key of those is the customer's too.
 _RESULT_PRIVATE = frozenset({"worker"})
 
-_REDACTIONS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()]+"), "<endpoint>"),  # URLs
-    # Worker and relay ids: <host>:<pid>:<6 hex>, relay:<host>:<pid>:<6 hex>
-    (re.compile(r"(?:relay:|reconciler:)?[\w.-]+:\d+:[0-9a-f]{6}\b"), "<process>"),
-    (re.compile(r"\[[0-9A-Fa-f:.]+\](?::\d+)?"), "<address>"),  # [IPv6]:port
-    (re.compile(r"(?<![\w.:])(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?(?![\w.])"), "<address>"),
-    (re.compile(r"(?<![\w:])::1(?![\w:])"), "<address>"),
-    (re.compile(r"\b[A-Za-z][\w-]*(?:\.[\w-]+)*:\d{2,5}\b"), "<endpoint>"),  # host:port
-    # a.b.example; lowercase only, so a Python path such as botocore.exceptions.ClientError
-    # in an error message stays readable.
-    (re.compile(r"\b(?:[a-z0-9-]+\.){2,}[a-z]{2,}\b"), "<host>"),
-    # The quoted name after "host", "server" or "endpoint" in driver and botocore messages.
-    (
-        re.compile(r"\b((?:host(?: name)?|server(?: at)?|endpoint(?: URL)?):?\s+)\"[^\"]*\"", re.I),
-        r'\1"<host>"',
-    ),
-    (re.compile(r"\blocalhost\b"), "<host>"),
-)
+# What a _TEXT field of an event shows when the event carries no public error.
+_FALLBACK: Mapping[str, str] = {
+    "duplicate_acked": public_error(DUPLICATE),
+    "duplicate_rejected": public_error(DUPLICATE),
+    "invalid_message": public_error(INVALID_MESSAGE),
+    "effect_refused": public_error(EFFECT_REFUSED),
+}
+PUBLIC_KEY = "publicError"  # the event detail key the worker writes it under
 
 
-def redact(text: str) -> str:
-    """``text`` with the infrastructure it may quote replaced by placeholders."""
-    for pattern, replacement in _REDACTIONS:
-        text = pattern.sub(replacement, text)
-    return text
+def public_detail(public: str | None) -> dict[str, str]:
+    """The event detail that carries ``public`` (none without one)."""
+    return {} if public is None else {PUBLIC_KEY: public}
 
 
-def redact_optional(text: str | None) -> str | None:
-    return None if text is None else redact(text)
+def account_error(raw: str | None, public: str | None) -> str | None:
+    """The account's view of a job row's ``last_error`` / ``quarantine_reason``: its public
+    error, never ``raw``; None when there is no error at all."""
+    if raw is None:
+        return None
+    return public or FAILED
 
 
 def account_detail(kind: str, detail: Mapping[str, Any]) -> dict[str, Any]:
@@ -127,5 +167,8 @@ def account_detail(kind: str, detail: Mapping[str, Any]) -> dict[str, Any]:
             how = _VALUE
         if how is None:
             continue
-        shown[key] = redact(value) if how == _TEXT and isinstance(value, str) else value
+        if how == _TEXT:
+            public = detail.get(PUBLIC_KEY)
+            value = public if isinstance(public, str) else _FALLBACK.get(kind, FAILED)
+        shown[key] = value
     return shown

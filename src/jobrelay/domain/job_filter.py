@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from jobrelay.domain.states import JobState
@@ -50,8 +49,11 @@ class CursorError(ValueError):
 @dataclass(frozen=True)
 class JobFilter:
     """Every field narrows; ``None`` does not filter. ``reason`` matches part of the
-    quarantine reason or the last error, ignoring case; the time range is the job's
-    ``created_at``, ``created_after`` inclusive and ``created_before`` exclusive."""
+    quarantine reason or the last error, ignoring case; with ``reason_public`` (an account
+    token's search) part of the public error instead, the only error text the account can
+    read: a search over the raw text answered yes/no about text the account is not shown,
+    one guessed character per request. The time range is the job's ``created_at``,
+    ``created_after`` inclusive and ``created_before`` exclusive."""
 
     states: tuple[JobState, ...] | None = None
     job_type: str | None = None
@@ -61,16 +63,17 @@ class JobFilter:
     created_after: datetime | None = None
     created_before: datetime | None = None
     event_ceiling: int | None = None
+    reason_public: bool = False
 
     def only(self, allowed: Iterable[JobState]) -> JobFilter:
         """The same filter kept to ``allowed`` states (a bulk action's legal sources)."""
         allowed = tuple(sorted(allowed, key=lambda s: s.value))
         states = allowed if self.states is None else tuple(s for s in self.states if s in allowed)
-        return dataclasses.replace(self, states=states)
+        return replace(self, states=states)
 
     def until(self, event_ceiling: int) -> JobFilter:
         """The same filter kept to the jobs in their state since event ``event_ceiling``."""
-        return dataclasses.replace(self, event_ceiling=event_ceiling)
+        return replace(self, event_ceiling=event_ceiling)
 
 
 @dataclass(frozen=True)
@@ -92,11 +95,12 @@ def decode_cursor(cursor: str) -> PageKey:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         created, job_id = json.loads(raw)
         at = datetime.fromisoformat(created)
-    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
+        if not isinstance(job_id, str) or at.tzinfo is None or len(job_id) > 36:
+            raise CursorError("not a cursor from this server")
+        # A forged time at the calendar's edge overflows when moved to UTC.
+        return PageKey(at.astimezone(UTC), job_id)
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
         raise CursorError("not a cursor from this server") from exc
-    if not isinstance(job_id, str) or at.tzinfo is None or len(job_id) > 36:
-        raise CursorError("not a cursor from this server")
-    return PageKey(at.astimezone(UTC), job_id)
 
 
 def window_start(now: datetime, minutes: int) -> datetime:

@@ -12,6 +12,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
+from jobrelay.domain.disclosure import (
+    FAILED,
+    INVALID_MESSAGE,
+    WORKER_LOST,
+    exhausted,
+    public_error,
+)
 from jobrelay.domain.states import JobState, can_transition
 
 
@@ -52,15 +59,17 @@ class ResultSaved:
 
 @dataclass(frozen=True)
 class TransientFailure:
-    error: str
+    error: str  # the raw text, for operators
     attempt: int
     max_attempts: int
     retry_delays: tuple[int, ...]
+    public: str = FAILED  # what the job's account reads instead (domain.disclosure)
 
 
 @dataclass(frozen=True)
 class PermanentFailure:
     error: str
+    public: str = FAILED
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,9 @@ class Decision:
     action: Action
     event: str  # the job_events kind that records this decision
     reason: str | None = None
+    # The reason as the job's account reads it: a code and a message written for customers,
+    # never the raw text of ``reason`` (domain.disclosure).
+    public: str | None = None
     retry_delay: int | None = None  # seconds, when the delivery goes through the delay route
 
 
@@ -156,13 +168,14 @@ def decide(observation: Observation) -> Decision:
             return Decision(JobState.RUNNING, Action.RUN, "claimed")
         case ResultSaved(result_key):
             return Decision(JobState.SUCCEEDED, Action.ACK, "result_saved", reason=result_key)
-        case TransientFailure(error, attempt, max_attempts, delays):
+        case TransientFailure(error, attempt, max_attempts, delays, public):
             if attempt >= max_attempts:
                 return Decision(
                     JobState.QUARANTINED,
                     Action.REJECT,
                     "quarantined",
                     reason=f"attempts exhausted ({attempt}/{max_attempts}): {error}",
+                    public=exhausted(attempt, max_attempts, public),
                 )
             return Decision(
                 JobState.RETRY_WAIT,
@@ -170,9 +183,12 @@ def decide(observation: Observation) -> Decision:
                 "retry_scheduled",
                 reason=error,
                 retry_delay=retry_delay_for(attempt, delays),
+                public=public,
             )
-        case PermanentFailure(error):
-            return Decision(JobState.QUARANTINED, Action.REJECT, "quarantined", reason=error)
+        case PermanentFailure(error, public):
+            return Decision(
+                JobState.QUARANTINED, Action.REJECT, "quarantined", reason=error, public=public
+            )
         case InvalidPayload(reason, job_state):
             if job_state is None or job_state.is_terminal or job_state is JobState.RUNNING:
                 # A bad message never changes a finished job, nor one a worker is running from
@@ -184,6 +200,7 @@ def decide(observation: Observation) -> Decision:
                 Action.REJECT,
                 "quarantined",
                 reason=f"invalid payload: {reason}",
+                public=public_error(INVALID_MESSAGE),
             )
         case AttemptsExhausted(attempt, state):
             _require(state, JobState.QUARANTINED)
@@ -192,6 +209,7 @@ def decide(observation: Observation) -> Decision:
                 Action.REJECT,
                 "quarantined",
                 reason=f"attempts exhausted ({attempt} claimed, worker lost before an outcome)",
+                public=public_error(WORKER_LOST),
             )
         case DeliveryForFinished(state, result_key):
             if state is JobState.QUARANTINED:

@@ -127,7 +127,7 @@ async def create_export(
 
     body = parse_body(ExportRequest, await read_body(request))
     if not caller.may_act_for(body.account_id):
-        raise ProblemError(403, f"this token may not act for account {body.account_id!r}")
+        raise ProblemError(403, "this token may not act for that account")
     params = body.params()
     trace = valid_traceparent(traceparent)
     admission = await accept(

@@ -279,5 +279,6 @@ def _pick(values: Sequence[str], index: ColumnElement[Any]) -> ColumnElement[Any
 
 
 def read_failed(exc: BaseException) -> jobrelay.Retry:
-    lines = str(getattr(exc, "orig", exc)).strip().splitlines()
-    return jobrelay.Retry(f"ledger read failed: {lines[0] if lines else type(exc).__name__}")
+    """A retry whose message the customer reads; the driver's error (raised ``from exc``)
+    reaches the operators only."""
+    return jobrelay.Retry("ledger read failed")

@@ -3,8 +3,9 @@
 ``explain_document`` is for operators: it names lease owners, workers and relays, shows the
 broker's publish errors and says which ``jobrelay`` command to run. An account token gets
 the same facts about its own job, built here field by field from the operator document (a
-field added there stays private until it is added here), with every error redacted by
-``domain.disclosure`` and a next step written for the customer.
+field added there stays private until it is added here), with every error replaced by
+its public error (``domain.disclosure``: a code and a message written for customers, never
+the raw text) and a next step written for the customer.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from jobrelay.domain.disclosure import account_detail, redact, redact_optional
+from jobrelay.domain.disclosure import FAILED, PUBLIC_KEY, account_detail, account_error
 from jobrelay.domain.states import JobState
 from jobrelay.ops.explain import ago, explain_document
 from jobrelay.storage.store import EventRecord, JobRecord
@@ -50,10 +51,15 @@ def account_explain_document(
     shown: dict[str, Any] = {}
     for key in ACCOUNT_EXPLAIN_KEYS:
         value = full[key]
-        shown[key] = redact_optional(value) if key in _REDACTED_KEYS else value
+        shown[key] = account_error(value, job.public_error) if key in _REDACTED_KEYS else value
+    public = _public_by_attempt(events)
     shown["attempts"] = [
         {
-            key: (redact_optional(a[key]) if key == "error" else a[key])
+            key: (
+                account_error(a[key], public.get(a["attempt"], FAILED))
+                if key == "error"
+                else a[key]
+            )
             for key in ACCOUNT_ATTEMPT_KEYS
         }
         for a in full["attempts"]
@@ -66,13 +72,24 @@ def account_explain_document(
     return shown
 
 
+def _public_by_attempt(events: list[EventRecord]) -> dict[int, str]:
+    """The public error each attempt's outcome event recorded, by attempt number."""
+    found: dict[int, str] = {}
+    for event in events:
+        public, attempt = event.detail.get(PUBLIC_KEY), event.detail.get("attempt")
+        if isinstance(public, str) and isinstance(attempt, int):
+            found.setdefault(attempt, public)
+    return found
+
+
 def account_next_step(job: JobRecord, now: datetime) -> str:
     """What the customer can expect next, in their terms: no hosts, no commands."""
-    error = redact(job.last_error) if job.last_error else None
+    error = account_error(job.last_error, job.public_error)
     if job.state is JobState.SUCCEEDED:
         return "done: the result is ready" if job.result_key else "done"
     if job.state is JobState.QUARANTINED:
-        reason = redact(job.quarantine_reason or job.last_error or "no reason recorded")
+        reason = account_error(job.quarantine_reason or job.last_error, job.public_error)
+        reason = reason or "no reason recorded"
         return f"stopped: {reason}; it runs again only if an operator replays it"
     if job.state is JobState.CANCELLED:
         return "cancelled by an operator; it will not run"

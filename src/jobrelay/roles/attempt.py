@@ -23,6 +23,14 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
+from jobrelay.domain.disclosure import (
+    INTERRUPTED,
+    REFUSED,
+    RETRY,
+    TEMPORARY,
+    UNEXPECTED,
+    public_error,
+)
 from jobrelay.domain.policy import (
     Action,
     Decision,
@@ -33,7 +41,14 @@ from jobrelay.domain.policy import (
     decide,
 )
 from jobrelay.domain.states import JobState
-from jobrelay.errors import OperationError, PermanentError, StoreDataError, StoreError
+from jobrelay.errors import (
+    OperationError,
+    Permanent,
+    PermanentError,
+    Retry,
+    StoreDataError,
+    StoreError,
+)
 from jobrelay.operations.base import OperationContext, Registry
 from jobrelay.results.staging import StagingResults
 from jobrelay.roles.backoff import Backoff
@@ -43,6 +58,31 @@ from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, Ne
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
+
+
+def failure_texts(exc: BaseException) -> tuple[str, str]:
+    """(raw, public): what operators read of a failed attempt, and what its account reads.
+
+    The account reads the job's own words only when the job chose them for it, as the
+    message of ``Retry`` or ``Permanent``; the cause of such an exception (``raise
+    Retry("ledger unavailable") from exc``) is added to the operators' text alone. Any other
+    exception's text (a driver's, an S3 client's, an OS error with its path) is the
+    operators' only, and the account reads jobrelay's message for its kind.
+    """
+    raw = str(exc)
+    if isinstance(exc, Retry | Permanent):
+        public = public_error(RETRY if isinstance(exc, Retry) else REFUSED, raw)
+        cause = exc.__cause__
+        if cause is not None:
+            lines = str(getattr(cause, "orig", None) or cause).strip().splitlines()
+            raw = f"{raw}: {lines[0] if lines else type(cause).__name__}"
+        return raw, public
+    if isinstance(exc, PermanentError):
+        return raw, public_error(REFUSED)
+    if isinstance(exc, OperationError | StoreError):
+        return raw, public_error(TEMPORARY)
+    return f"unexpected {type(exc).__name__}: {exc}", public_error(UNEXPECTED)
+
 
 Settle = Callable[[Delivery, str, Action, int], Awaitable[None]]
 # A completion with nothing to publish and no follow-ups, sent with others (see batching).
@@ -125,18 +165,18 @@ class AttemptRun:
                 if (current is not None and current.cancelling()) or not lease_lost.is_set():
                     await results.discard()
                     raise  # we are being stopped: leave the delivery unsettled
-                observation = self._transient(job, claim.attempt, "lease lost: the run was stopped")
+                observation = self._transient(
+                    job, claim.attempt, "lease lost: the run was stopped", public_error(INTERRUPTED)
+                )
             except PermanentError as exc:
-                observation = PermanentFailure(str(exc))
+                observation = PermanentFailure(*failure_texts(exc))
             except (OperationError, StoreError) as exc:
-                observation = self._transient(job, claim.attempt, str(exc))
+                observation = self._transient(job, claim.attempt, *failure_texts(exc))
             except Exception as exc:  # an operation bug: retried, then quarantined, no hot loop
                 log.exception(
                     "operation raised", extra={"event": "operation_error", "jobId": job.id}
                 )
-                observation = self._transient(
-                    job, claim.attempt, f"unexpected {type(exc).__name__}: {exc}"
-                )
+                observation = self._transient(job, claim.attempt, *failure_texts(exc))
             if not isinstance(observation, ResultSaved):
                 await results.discard()
             try:
@@ -162,10 +202,10 @@ class AttemptRun:
         # answer: count our lease from a little earlier than now, never later.
         return min(1.0, self.lease.total_seconds() / 10)
 
-    def _transient(self, job: JobRecord, attempt: int, error: str) -> TransientFailure:
+    def _transient(self, job: JobRecord, attempt: int, error: str, public: str) -> TransientFailure:
         operation = self.registry.get(job.type)
         delays = getattr(operation, "retry_delays", None) or self.rt.settings.retry_delays
-        return TransientFailure(error, attempt, job.max_attempts, delays)
+        return TransientFailure(error, attempt, job.max_attempts, delays, public)
 
     async def _commit_outcome(
         self,
@@ -219,7 +259,7 @@ class AttemptRun:
                 await backoff.wait()
             except OperationError as exc:  # the staged result could not be published
                 await results.discard()
-                observation = self._transient(job, claim.attempt, str(exc))
+                observation = self._transient(job, claim.attempt, *failure_texts(exc))
         await self._stop_renewing()
         won = fenced.won
         if won:
@@ -269,10 +309,20 @@ class AttemptRun:
         if decision.action is Action.ACK:
             assert decision.retry_delay is not None
             return await store.schedule_retry(
-                claim, job.type, decision.reason or "", decision.retry_delay, now
+                claim,
+                job.type,
+                decision.reason or "",
+                decision.retry_delay,
+                now,
+                public=decision.public,
             )
         won = await store.quarantine(
-            job.id, decision.reason or "", now, claim=claim, attempt=claim.attempt
+            job.id,
+            decision.reason or "",
+            now,
+            claim=claim,
+            public=decision.public,
+            attempt=claim.attempt,
         )
         return Fenced(True) if won else await self._current(job.id)
 

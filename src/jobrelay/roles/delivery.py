@@ -191,7 +191,12 @@ class DeliveryHandler:
                     # Guarded on exactly what the policy saw (state, attempt, lease): a lease
                     # renewed meanwhile, or a new claim, makes this lose and we look again.
                     quarantined = await self.rt.store.quarantine(
-                        job.id, decision.reason or "", now, seen=job.view(), **meta
+                        job.id,
+                        decision.reason or "",
+                        now,
+                        seen=job.view(),
+                        public=decision.public,
+                        **meta,
                     )
                     if not quarantined:
                         return False
@@ -383,7 +388,12 @@ class DeliveryHandler:
             if decision.new_state is not None:
                 # Guarded on the job as read: a good copy that claimed it since wins.
                 if await self.rt.store.quarantine(
-                    job.id, decision.reason or reason, now, seen=job.view(), **meta
+                    job.id,
+                    decision.reason or reason,
+                    now,
+                    seen=job.view(),
+                    public=decision.public,
+                    **meta,
                 ):
                     self.rt.metrics.quarantined(job.state.value, decision.reason or reason)
             else:

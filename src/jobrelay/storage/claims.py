@@ -20,6 +20,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from jobrelay.domain.disclosure import public_detail
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.policy import RETRY_SLACK, JobView
 from jobrelay.domain.states import JobState, sources_for
@@ -172,14 +173,24 @@ class ClaimsStore(StoreBase):
         )
 
     async def schedule_retry(
-        self, claim: Claim, job_type: str, error: str, delay: int, now: datetime
+        self,
+        claim: Claim,
+        job_type: str,
+        error: str,
+        delay: int,
+        now: datetime,
+        *,
+        public: str | None = None,
     ) -> Fenced:
         """running -> retry_wait, and the retry message into the outbox, in one transaction.
 
-        Fenced on the claim; the due time is the store's clock + ``delay``. The error is
-        stored with its NUL bytes escaped (``storable``): it must not make the write fail.
+        Fenced on the claim; the due time is the store's clock + ``delay``. ``public`` is the
+        error as the job's account reads it (``domain.disclosure``); ``error`` the operators'.
+        Both are stored with their NUL bytes escaped (``storable``): they must not make the
+        write fail.
         """
         error = safe_text(error)
+        public = None if public is None else safe_text(public)
         async with self.writing() as conn:
             result = await conn.execute(
                 update(jobs)
@@ -188,6 +199,7 @@ class ClaimsStore(StoreBase):
                     state=JobState.RETRY_WAIT.value,
                     updated_at=now,
                     last_error=error[:4000],
+                    public_error=public,
                     next_attempt_at=self.now_sql(timedelta(seconds=delay)),
                     lease_owner=None,
                     lease_expires_at=None,
@@ -215,6 +227,7 @@ class ClaimsStore(StoreBase):
                 nextAttemptAt=due,
                 attempt=claim.attempt,
                 worker=claim.worker_id,
+                **public_detail(public),
             )
         self.wake_relays()
         return Fenced(True)
@@ -227,6 +240,7 @@ class ClaimsStore(StoreBase):
         *,
         claim: Claim | None = None,
         seen: JobView | None = None,
+        public: str | None = None,
         **detail: Any,
     ) -> bool:
         """-> quarantined with the reason kept.
@@ -238,6 +252,7 @@ class ClaimsStore(StoreBase):
         The reason is stored with its NUL bytes escaped (``storable``).
         """
         reason = safe_text(reason)
+        public = None if public is None else safe_text(public)
         where: list[Any] = []
         if claim is not None:
             where += self.fenced(claim)
@@ -253,12 +268,21 @@ class ClaimsStore(StoreBase):
                 where=where,
                 quarantine_reason=reason[:4000],
                 last_error=reason[:4000],
+                public_error=public,
                 lease_owner=None,
                 lease_expires_at=None,
                 next_attempt_at=None,
             )
             if won:
-                await self.add_event(conn, job_id, "quarantined", now, reason=reason, **detail)
+                await self.add_event(
+                    conn,
+                    job_id,
+                    "quarantined",
+                    now,
+                    reason=reason,
+                    **detail,
+                    **public_detail(public),
+                )
         return won
 
     async def defer(

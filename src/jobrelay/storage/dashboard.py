@@ -53,7 +53,13 @@ def _where(query: Any, f: JobFilter) -> Any:
         query = query.where(jobs.c.created_at >= f.created_after)
     if f.created_before is not None:
         query = query.where(jobs.c.created_at < f.created_before)
-    if f.reason:
+    if f.reason and f.reason_public:
+        # What the account reads (api.schemas: the public error, while there is an error).
+        text = func.lower(func.coalesce(jobs.c.public_error, ""))
+        query = query.where(
+            jobs.c.last_error.is_not(None), text.contains(f.reason.lower(), autoescape=True)
+        )
+    elif f.reason:
         text = func.lower(func.coalesce(jobs.c.quarantine_reason, jobs.c.last_error, ""))
         query = query.where(text.contains(f.reason.lower(), autoescape=True))
     if f.event_ceiling is not None:

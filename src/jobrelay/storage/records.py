@@ -97,6 +97,7 @@ class JobRecord:
     # The store's clock when this row was read: what the policy judges leases and due times by.
     observed_at: datetime | None = None
     queue: str = DEFAULT_QUEUE  # the queue its messages go to (retries and re-sends too)
+    public_error: str | None = None  # last_error as the account reads it (domain.disclosure)
 
     def view(self) -> JobView:
         return JobView(
@@ -196,6 +197,7 @@ def job_record(row: Row[Any]) -> JobRecord:
         last_publish_error=m.get("last_publish_error"),
         observed_at=aware_time(m.get("observed_at")),
         queue=m.get("queue") or DEFAULT_QUEUE,
+        public_error=m.get("public_error"),
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import exists, func, or_, select, update
 
+from jobrelay.domain.disclosure import WORKER_LOST, public_error
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.storage.admin import ActionOutcome
@@ -194,6 +195,7 @@ class RepairQueries:
                 lease_expires_at=None,
                 next_attempt_at=now,
                 last_error=f"lease of {owner} expired: the worker was presumed lost",
+                public_error=public_error(WORKER_LOST),
             )
             if not won:
                 return False

@@ -90,6 +90,10 @@ jobs = Table(
     # The job type's queue (``@app.job(queue=...)``): its work, retry and re-sent messages
     # go there. Kept on the row because operators and the reconciler have no registry.
     Column("queue", String(32), nullable=False, server_default=text("'default'")),
+    # The error as the job's account reads it, ``code: message`` (domain.disclosure), beside
+    # the operators' raw text in last_error and quarantine_reason (migration 0010). Last, as
+    # the migration adds it: the claim's ``RETURNING jobs.*`` is read by position.
+    Column("public_error", Text),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)
