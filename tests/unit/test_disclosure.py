@@ -66,6 +66,7 @@ FULL: dict[str, dict[str, Any]] = {
         "maxAttempts": 6,
     },
     "cancelled": {"actor": "cli:root@ops", "reason": "operator note", "previousState": "queued"},
+    "resent": {"actor": "cli:root@ops", "reason": "operator note", "queue": "default"},
     "reconciled_lease_expired": {
         "actor": f"reconciler:{WORKER}",
         "worker": WORKER,
@@ -131,6 +132,7 @@ ACCOUNT_SEES = {
     "released": {"reason"},
     "replayed": {"previousReason", "attempt", "maxAttempts"},
     "cancelled": {"previousState"},
+    "resent": set(),
     "reconciled_lease_expired": {"leaseExpiredAt", "attempt"},
     "effect_sending": {"effect", "messageId", "attempt"},
     "effect_sent": {"effect", "messageId", "state"},

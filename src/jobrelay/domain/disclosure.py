@@ -97,6 +97,7 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
     "released": {"reason": _TEXT},  # which worker, and its delivery count, are operators'
     "replayed": {"previousReason": _TEXT, "attempt": _VALUE, "maxAttempts": _VALUE},
     "cancelled": {"previousState": _VALUE},  # not who, not why: that is the operator's note
+    "resent": {},  # not who, not why: that is the operator's note
     "reconciled_lease_expired": {"leaseExpiredAt": _VALUE, "attempt": _VALUE},
     "reconciled_retry_overdue": {"nextAttemptAt": _VALUE, "attempt": _VALUE},
     "reconciled_queued_unclaimed": {},
