@@ -291,3 +291,62 @@ async def test_a_release_after_an_error_says_why_on_the_timeline(
     assert released["reason"] == "RuntimeError: channel exploded"
     assert released["worker"] == "w-1"
     await rt.engine.dispose()
+
+
+async def test_a_release_that_the_broker_dead_letters_says_so_on_the_timeline(
+    database_url: str, tmp_path: Path
+) -> None:
+    """On RabbitMQ the delivery-limit backstop is silent: the release of a delivery already
+    returned ``delivery_limit`` times is the one the broker dead-letters (BROKER-FACTS: limit
+    5, dead-lettered at the nack of the 6th delivery), so the worker writes ``dead_lettered``
+    with it. One return fewer writes only ``released``. Old code: no event."""
+    rt = runtime_for(
+        database_url, tmp_path, broker_url="amqp://guest:guest@127.0.0.1:5672/", delivery_limit=2
+    )
+    await seed(rt.engine, ROWS)
+    job_id = await submit(rt)
+    for count in (1, 2):
+        delivery = AckFails(body_of(job_id))
+        delivery.delivery_count = count
+        await Worker(rt, worker_id="w-1")._handle_safely(delivery)
+
+    assert [e["deliveryCount"] for e in await events_of(rt, job_id, "released")] == [1, 2]
+    [dead] = await events_of(rt, job_id, "dead_lettered")
+    assert (dead["deliveries"], dead["limit"]) == (3, 2)
+    assert "delivery limit of 2 reached" in dead["reason"]
+    await rt.engine.dispose()
+
+
+async def test_the_local_transport_records_the_dead_letter_it_makes(
+    database_url: str, tmp_path: Path
+) -> None:
+    """The local transport's claim moves a row handed out more than the limit to the
+    quarantine queue; the same transaction writes ``dead_lettered`` on the job it names (and
+    nothing for a body that names no job). Old code: the job's timeline said nothing."""
+    from jobrelay.storage import local_queue as q
+
+    rt = runtime_for(database_url, tmp_path)
+    await seed(rt.engine, ROWS)
+    job_id = await submit(rt)
+    now = rt.clock()
+    async with q.writing(rt.engine) as conn:
+        await q.insert_messages(
+            conn,
+            [
+                {"queue": q.WORK, "body": body.decode(), "headers": {}, "available_at": now}
+                for body in (body_of(job_id), b"not json")
+            ],
+            now,
+        )
+    for handed_out in range(3):  # limit 1: two hand-outs, then the claim moves them aside
+        async with q.writing(rt.engine) as conn:
+            result = await q.claim_messages(
+                conn, consumer="c", now=now, invisible_until=now, limit=10, delivery_limit=1
+            )
+        assert (len(result.claimed), result.quarantined) == ((2, 0) if handed_out < 2 else (0, 2))
+
+    [dead] = await events_of(rt, job_id, "dead_lettered")
+    assert (dead["deliveries"], dead["limit"]) == (2, 1)
+    async with q.reading(rt.engine) as conn:
+        assert await q.count_queue(conn, q.QUARANTINE) == 2
+    await rt.engine.dispose()

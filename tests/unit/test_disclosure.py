@@ -67,6 +67,7 @@ FULL: dict[str, dict[str, Any]] = {
     },
     "cancelled": {"actor": "cli:root@ops", "reason": "operator note", "previousState": "queued"},
     "resent": {"actor": "cli:root@ops", "reason": "operator note", "queue": "default"},
+    "dead_lettered": {"reason": "delivery limit of 5 reached", "deliveries": 6, "limit": 5},
     "reconciled_lease_expired": {
         "actor": f"reconciler:{WORKER}",
         "worker": WORKER,
@@ -133,6 +134,7 @@ ACCOUNT_SEES = {
     "replayed": {"previousReason", "attempt", "maxAttempts"},
     "cancelled": {"previousState"},
     "resent": set(),
+    "dead_lettered": {"reason", "deliveries", "limit"},
     "reconciled_lease_expired": {"leaseExpiredAt", "attempt"},
     "effect_sending": {"effect", "messageId", "attempt"},
     "effect_sent": {"effect", "messageId", "state"},

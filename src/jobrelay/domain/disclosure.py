@@ -94,7 +94,12 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
     "ack_sent": {"attempt": _VALUE},
     "rejected": {"attempt": _VALUE},
     "settle_lost": {"attempt": _VALUE},
-    "released": {"reason": _TEXT},  # which worker, and its delivery count, are operators'
+    "released": {"reason": _TEXT},
+    "dead_lettered": {
+        "reason": _VALUE,
+        "deliveries": _VALUE,
+        "limit": _VALUE,
+    },  # jobrelay's  # which worker, and its delivery count, are operators'
     "replayed": {"previousReason": _TEXT, "attempt": _VALUE, "maxAttempts": _VALUE},
     "cancelled": {"previousState": _VALUE},  # not who, not why: that is the operator's note
     "resent": {},  # not who, not why: that is the operator's note

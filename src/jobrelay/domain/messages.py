@@ -91,6 +91,14 @@ def decode(body: bytes, known_types: frozenset[str]) -> JobMessage:
     return JobMessage(job_id=readable_id, type=job_type, version=version)
 
 
+def dead_letter_reason(deliveries: int, limit: int) -> str:
+    """What a job's timeline says when the delivery-limit backstop took its message."""
+    return (
+        f"delivery limit of {limit} reached: the message was delivered {deliveries} times "
+        "without an outcome and went to the quarantine queue"
+    )
+
+
 def peek_job_id(body: bytes) -> str | None:
     """The job id a body names, if it names one, whatever else is wrong with it: for a
     timeline line about a delivery that could not be handled (never to decide anything)."""

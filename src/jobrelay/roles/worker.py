@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from jobrelay.domain.messages import peek_job_id
+from jobrelay.domain.messages import dead_letter_reason, peek_job_id
 from jobrelay.errors import ConfigError, StoreDataError, StoreError
 from jobrelay.operations.base import Registry
 from jobrelay.roles.backoff import Backoff
@@ -361,14 +361,28 @@ class Worker:
         reason = safe_text(f"{type(exc).__name__}: {exc}")[:1000]
         with contextlib.suppress(StoreError):
             if await self.rt.store.get_job(job_id) is not None:
+                now = self.rt.clock()
                 await self.rt.store.record_event(
                     job_id,
                     "released",
-                    self.rt.clock(),
+                    now,
                     reason=reason,
                     worker=self.worker_id,
                     deliveryCount=delivery.delivery_count,
                 )
+                limit = self.rt.settings.delivery_limit
+                if not self.rt.settings.uses_local_broker and delivery.delivery_count >= limit:
+                    # RabbitMQ dead-letters this release silently (x-delivery-limit; the
+                    # local transport records its own when it moves the row aside).
+                    deliveries = delivery.delivery_count + 1
+                    await self.rt.store.record_event(
+                        job_id,
+                        "dead_lettered",
+                        now,
+                        reason=dead_letter_reason(deliveries, limit),
+                        deliveries=deliveries,
+                        limit=limit,
+                    )
 
     async def _wait_for_database(self) -> None:
         """Block until the database answers; one probe per worker, however many wait."""

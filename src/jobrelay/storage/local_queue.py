@@ -25,7 +25,10 @@ from typing import Any
 from sqlalchemy import and_, delete, func, insert, not_, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from jobrelay.domain.messages import dead_letter_reason, peek_job_id
 from jobrelay.storage.engine import read_only
+from jobrelay.storage.records import jsonable
+from jobrelay.storage.tables import job_events, jobs
 from jobrelay.storage.tables import local_messages as lm
 
 # A row's ``queue`` is the work routing key of its queue: "work" for the default queue,
@@ -87,6 +90,27 @@ async def insert_messages(
     )
 
 
+async def _record_dead_letter(
+    conn: AsyncConnection, body: str, deliveries: int, limit: int, now: datetime
+) -> None:
+    """A ``dead_lettered`` event on the job the message names, in the claim's transaction, so
+    its timeline says why it stopped coming (RabbitMQ's own backstop is silent; see
+    ``roles.worker`` for the event written there)."""
+    job_id = peek_job_id(body.encode())
+    if job_id is None or await conn.scalar(select(jobs.c.id).where(jobs.c.id == job_id)) is None:
+        return
+    detail = {
+        "reason": dead_letter_reason(deliveries, limit),
+        "deliveries": deliveries,
+        "limit": limit,
+    }
+    await conn.execute(
+        insert(job_events).values(
+            job_id=job_id, at=now, kind="dead_lettered", detail=jsonable(detail)
+        )
+    )
+
+
 async def claim_messages(
     conn: AsyncConnection,
     *,
@@ -118,6 +142,7 @@ async def claim_messages(
     ).all()
     exhausted = [r for r in rows if r.delivery_count > delivery_limit]
     for row in exhausted:
+        await _record_dead_letter(conn, row.body, row.delivery_count, delivery_limit, now)
         headers = {**(row.headers or {}), REASON_HEADER: "delivery_limit"}
         await conn.execute(
             update(lm)
