@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -349,4 +350,31 @@ async def test_the_local_transport_records_the_dead_letter_it_makes(
     assert (dead["deliveries"], dead["limit"]) == (2, 1)
     async with q.reading(rt.engine) as conn:
         assert await q.count_queue(conn, q.QUARANTINE) == 2
+    await rt.engine.dispose()
+
+
+async def test_attempts_used_up_by_released_deliveries_say_so_in_the_reason(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Every attempt claimed, the last one's delivery released after an error (its
+    ``released`` event) and its lease run out: the next delivery quarantines the job with
+    the release's reason, not "worker lost". Old code: "worker lost before an outcome"."""
+    rt = runtime_for(database_url, tmp_path, max_attempts=1)
+    await seed(rt.engine, ROWS)
+    job_id = await submit(rt)
+    assert await rt.store.claim_job(job_id, "w-0", rt.clock(), timedelta(seconds=30))
+    await rt.store.record_event(
+        job_id, "released", rt.clock(), reason="TypeError: not serialisable", worker="w-0"
+    )
+    clock_of(rt).advance(31)
+    copy = HandDelivery(body_of(job_id))
+    await Worker(rt, worker_id="w-1").handle(copy)
+
+    job = await rt.store.get_job(job_id)
+    assert job is not None and job.state is JobState.QUARANTINED
+    assert job.quarantine_reason == (
+        "attempts exhausted (1 claimed, no outcome: the last delivery was released after "
+        "TypeError: not serialisable)"
+    )
+    assert copy.outcomes == ["reject"]
     await rt.engine.dispose()

@@ -84,6 +84,9 @@ class AttemptsExhausted:
 
     attempt: int
     state: JobState
+    # Why the last attempt's delivery went back, when a worker said so (its ``released``
+    # event): then the attempts were not lost to crashes, and the reason must not say so.
+    last_release: str | None = None
 
 
 @dataclass(frozen=True)
@@ -202,13 +205,18 @@ def decide(observation: Observation) -> Decision:
                 reason=f"invalid payload: {reason}",
                 public=public_error(INVALID_MESSAGE),
             )
-        case AttemptsExhausted(attempt, state):
+        case AttemptsExhausted(attempt, state, last_release):
             _require(state, JobState.QUARANTINED)
+            lost = (
+                "worker lost before an outcome"
+                if last_release is None
+                else f"no outcome: the last delivery was released after {last_release}"
+            )
             return Decision(
                 JobState.QUARANTINED,
                 Action.REJECT,
                 "quarantined",
-                reason=f"attempts exhausted ({attempt} claimed, worker lost before an outcome)",
+                reason=f"attempts exhausted ({attempt} claimed, {lost})",
                 public=public_error(WORKER_LOST),
             )
         case DeliveryForFinished(state, result_key):

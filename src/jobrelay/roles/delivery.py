@@ -16,6 +16,7 @@ in this process holds the same job; otherwise the attempt would be spent without
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import Counter
@@ -27,6 +28,7 @@ from jobrelay.batching import Batcher
 from jobrelay.domain.messages import JobMessage, MessageDecodeError, decode, outbox_id_of
 from jobrelay.domain.policy import (
     Action,
+    AttemptsExhausted,
     Decision,
     InvalidPayload,
     decide,
@@ -152,12 +154,27 @@ class DeliveryHandler:
                     delivery, f"type {message.type} != job type {job.type}", job.id, meta
                 )
                 return
-            decision = decide(observe_delivery(job.view(), self._seen_at(job)))
-            if await self._act(delivery, message, job, decision, meta):
+            observation = observe_delivery(job.view(), self._seen_at(job))
+            if isinstance(observation, AttemptsExhausted):
+                observation = await self._with_last_release(job.id, observation)
+            if await self._act(delivery, message, job, decide(observation), meta):
                 return
         await self._defer(
             delivery, message.job_id, message.encode(), "claim kept losing races", None
         )
+
+    async def _with_last_release(
+        self, job_id: str, observation: AttemptsExhausted
+    ) -> AttemptsExhausted:
+        """The reason the last attempt's delivery was released, if its worker recorded one
+        after the attempt's claim (a rare path: read the timeline only here)."""
+        last_release: str | None = None
+        for event in await self.rt.store.events(job_id):
+            if event.kind == "claimed":
+                last_release = None
+            elif event.kind == "released":
+                last_release = str(event.detail.get("reason") or "an error")
+        return dataclasses.replace(observation, last_release=last_release)
 
     def _seen_at(self, job: JobRecord) -> datetime:
         """The store's clock when the row was read: leases and due times are judged by it."""
