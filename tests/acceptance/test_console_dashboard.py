@@ -81,8 +81,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = clean_env(
         JOBRELAY_DATABASE_URL=f"sqlite:///{tmp}/jr.db",
         JOBRELAY_RESULTS_URL=f"file://{tmp}/exports",
-        JOBRELAY_QUEUE_PAUSE_POLL_SECONDS="0.2",
-        **FAST_ENV,
+        **FAST_ENV,  # pause polls every 0.2 s
     )
     cli_ok("db", "upgrade", env=env)
     cli_ok("seed", "--rows-per-month", "20", env=env)

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from jobrelay.api import create_app
 from jobrelay.api.deps import get_runtime
+from jobrelay.domain.disclosure import FAILED
 from jobrelay.domain.ids import job_id_for
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransportError
@@ -318,7 +319,9 @@ async def test_job_shows_publication_progress_and_retry(
 
     assert (await store.schedule_retry(claim, "report.export", "ledger timeout", 5, T0)).won
     waiting = (await client.get(f"/v1/jobs/{job_id}", headers=acme)).json()
-    assert (waiting["state"], waiting["lastError"]) == ("retry_wait", "ledger timeout")
+    # The raw error is the operators': an account reads the public fallback (no public error
+    # was given to this retry).
+    assert (waiting["state"], waiting["lastError"]) == ("retry_wait", FAILED)
     assert datetime.fromisoformat(waiting["nextAttemptAt"]) == T0 + timedelta(seconds=5)
     # The retry message is not yet published: the fact is visible, not folded into the state.
     assert waiting["published"] is False
@@ -537,7 +540,7 @@ async def test_openapi_lists_the_routes_with_their_models(client: httpx.AsyncCli
     assert set(export["responses"]["422"]["content"]) == {PROBLEM}
     job = paths["/v1/jobs/{jobId}"]["get"]["responses"]
     assert job["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/JobOut")
-    assert set(job) == {"200", "401", "404", "410", "503"}
+    assert set(job) == {"200", "401", "404", "410", "429", "503"}
     job_schema = schema["components"]["schemas"]["JobOut"]
     assert set(job_schema["properties"]) == JOB_FIELDS
 

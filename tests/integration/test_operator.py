@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import select
 
 from jobrelay.api import create_app
+from jobrelay.domain.disclosure import FAILED
 from jobrelay.domain.states import JobState
 from jobrelay.ops.operator import Operator
 from jobrelay.roles.runtime import Runtime
@@ -306,9 +307,10 @@ async def test_explain_and_whoami_follow_the_read_rules(
     assert explained.status_code == 200
     body = explained.json()
     assert body["state"] == "retry_wait" and body["attempts"][0]["outcome"] == "retry"
-    assert body["attempts"][0]["error"] == "boom"
+    # The raw error ("boom") is the operators': the account reads the public fallback.
+    assert body["attempts"][0]["error"] == FAILED
     # The account's next step is the customer's; the operator's names the outbox (and hosts).
-    assert body["nextStep"] == "waiting to retry (in 5 s), attempt 1 of 3 used after: boom"
+    assert body["nextStep"] == f"waiting to retry (in 5 s), attempt 1 of 3 used after: {FAILED}"
     assert [e["kind"] for e in body["events"]][:2] == ["accepted", "claimed"]
     assert (await client.get(f"/v1/jobs/{job_id}/explain", headers=other)).status_code == 404
 
