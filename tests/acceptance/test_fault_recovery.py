@@ -232,7 +232,15 @@ def test_relay_killed_before_mark_republishes_without_second_result(
 def test_crash_looping_job_ends_quarantined_while_healthy_jobs_flow(
     env: dict[str, str], db: Db, tmp_path: Path
 ) -> None:
-    poison_env = {**env, "JOBRELAY_FAULTS": "export.run:crash@period=2020-02"}
+    # Prefetch 1: each worker runs one job at a time, so no healthy job is ever claimed in
+    # the process the poison job kills. With a larger prefetch a neighbour claimed beside it
+    # loses an attempt to each crash it shares, and sharing all three quarantines it (seen at
+    # load: an outcome of the machine's timing, not of the code under test).
+    poison_env = {
+        **env,
+        "JOBRELAY_FAULTS": "export.run:crash@period=2020-02",
+        "JOBRELAY_PREFETCH": "1",
+    }
     with processes(tmp_path) as start:
         start("relay", "relay", env=env)
         poison = _submit(db, env, period="2020-02")
@@ -257,11 +265,8 @@ def test_crash_looping_job_ends_quarantined_while_healthy_jobs_flow(
     assert restarts == 3  # one crash per attempt, then quarantine instead of a hot loop
     for job_id in healthy:
         done = db.job(job_id)
-        # A neighbour running in the crashing process when it died loses that attempt, and
-        # the redeliveries after a crash arrive (and are claimed) together, so one neighbour
-        # can share more than one crash (CI saw attempt 3): what must hold is that it
-        # succeeded, once.
-        assert done is not None and done.state is JobState.SUCCEEDED
+        # Never claimed beside the poison job: succeeded once, at its first attempt.
+        assert done is not None and done.state is JobState.SUCCEEDED and done.attempt == 1
         assert db.kinds(job_id).count("result_saved") == 1
 
 
