@@ -61,6 +61,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
+
 __all__ = [
     "App",
     "IdempotencyConflict",
