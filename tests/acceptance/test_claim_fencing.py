@@ -43,7 +43,10 @@ pytestmark = [pytest.mark.slow]
 T = TypeVar("T")
 
 STALL_SECONDS = 30  # the zombie's first attempt: far longer than anything else in the test
-OUTAGE_SECONDS = 40
+# The outage outlasts the lease (so a held outcome must survive its lease running out), on a
+# lease shortened from the default 30 s so the test does not wait out 40 s of nothing.
+OUTAGE_LEASE_SECONDS = 5
+OUTAGE_SECONDS = 12
 OUTAGE_JOBS = 200
 # A ledger row booked after the winner's export: in any CSV of this month written later.
 LATE_ROW = "Booked after the takeover"
@@ -361,7 +364,9 @@ def test_database_outage_holds_deliveries_and_finishes_every_job_once(
         JOBRELAY_RELAY_POLL_SECONDS="0.1",
         JOBRELAY_RELAY_CLAIM_SECONDS="3",
         JOBRELAY_RATE_LIMIT="off",  # 200 submits from one token, over the default burst
-    )  # the default 30 s lease
+        JOBRELAY_LEASE_SECONDS=str(OUTAGE_LEASE_SECONDS),
+    )
+    assert OUTAGE_SECONDS > 2 * OUTAGE_LEASE_SECONDS
     prepare(env)
     db = Db(pg_url)
     port = free_port()
