@@ -114,6 +114,7 @@ class AttemptRun:
         self._complete = complete
         self._committed = False  # the outcome is written: the heartbeat has nothing to keep
         self._renewing: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()  # the heartbeat ends between renewals, not inside one
 
     async def run(self, delivery: Delivery, job: JobRecord, claim: Claim) -> None:
         """Run the operation under the claim, then commit its outcome and settle."""
@@ -190,12 +191,27 @@ class AttemptRun:
             await self._stop_renewing()
 
     async def _stop_renewing(self) -> None:
+        """End the heartbeat, letting a renewal under way finish first.
+
+        Cancelled inside its statement, the driver throws the connection away; on aiosqlite
+        that leaves a close task behind that can hang the event loop's shutdown (seen as a
+        test teardown stuck for 90 s, and so a worker's exit). A renewal is bounded by the
+        lease, so waiting for it is too; only a renewal still stuck after that is cancelled.
+        """
         self._committed = True
-        if self._renewing is not None:
-            self._renewing.cancel()
+        task, self._renewing = self._renewing, None
+        if task is None:
+            return
+        self._stopping.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.lease.total_seconds())
+        except TimeoutError:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._renewing
-            self._renewing = None
+                await task
+        except asyncio.CancelledError:
+            task.cancel()  # this attempt is being torn down: do not leave the heartbeat
+            raise
 
     def _claim_latency_allowance(self) -> float:
         # The store set the lease end when it ran the claim, a moment before we saw the
@@ -403,7 +419,11 @@ class AttemptRun:
         expires = granted + lease
         due = granted + lease / 3
         while True:
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, due - time.monotonic())):
+                    await self._stopping.wait()
+            if self._stopping.is_set():
+                return
             sent = time.monotonic()
             reason: str | None = None
             try:
