@@ -214,6 +214,7 @@ def thaw(proc: Proc) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.long
 def test_zombie_worker_loses_every_write_and_never_replaces_the_result(
     backend: dict[str, str], db: Db, tmp_path: Path
 ) -> None:
@@ -349,6 +350,7 @@ def queue_counts(vhost: str, column: str = "messages") -> dict[str, int]:
 @pytest.mark.postgres
 @pytest.mark.rabbitmq
 @pytest.mark.timeout(420)
+@pytest.mark.long
 def test_database_outage_holds_deliveries_and_finishes_every_job_once(
     own_pg: OwnDatabase, amqp_app_url: str, tmp_path: Path
 ) -> None:

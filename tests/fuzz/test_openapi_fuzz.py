@@ -91,6 +91,7 @@ def api_schema(fuzzed: Fuzzed) -> BaseSchema:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 @pytest.mark.parametrize("role", ["account", "admin"])
+@pytest.mark.long
 def test_every_operation_answers_as_documented(
     api_schema: BaseSchema, fuzzed: Fuzzed, role: str, mode: GenerationMode
 ) -> None:

@@ -70,6 +70,7 @@ async def drive_like_the_console(
     return dry.json()["matched"], rounds
 
 
+@pytest.mark.long
 async def test_one_bulk_replay_replays_each_fast_failing_job_once(runtime: Runtime) -> None:
     store = runtime.store
     job_ids = []

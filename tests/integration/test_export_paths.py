@@ -330,6 +330,7 @@ _cells = st.text(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(values=st.lists(_cells, min_size=1, max_size=25))
+@pytest.mark.long
 def test_sql_defanging_is_python_defanging(pg_url: str, values: list[str]) -> None:
     dialect = pg_asyncpg.dialect()
 

@@ -836,7 +836,7 @@ def _crash(point: str) -> NoReturn:
 
 
 # ``--hypothesis-show-statistics`` shows how often each new case (the ``event`` labels) ran.
-TestPipelineModel = pytest.mark.timeout(600)(PipelineModel.TestCase)
+TestPipelineModel = pytest.mark.long(pytest.mark.timeout(600)(PipelineModel.TestCase))
 TestPipelineModel.settings = settings(
     max_examples=100,
     stateful_step_count=40,
