@@ -13,9 +13,36 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 _NAMESPACE = uuid.UUID("5b0d3c1e-9f6a-4c55-b7a2-6a1f0e1d2c3b")
+
+
+class Legacy(Enum):
+    """The id scheme before migration 0011: UUIDv5 under ``_NAMESPACE``, no secret."""
+
+    UUID5 = "legacy-uuid5"
+
+
+# What an id is derived with: a secret (HMAC-SHA256, UUIDv8), or the legacy scheme.
+IdSecret = bytes | Legacy
+
+
+@dataclass(frozen=True)
+class IdKeys:
+    """The secrets ids are derived with at one moment: the installation's current one, and
+    the previous one while a rotation's window still counts (``None`` otherwise). Neither is
+    ever part of a ``repr``."""
+
+    current: bytes = field(repr=False)
+    previous: IdSecret | None = field(default=None, repr=False)
+
+    def derive(self, derive: Callable[[IdSecret], str]) -> tuple[str, str | None]:
+        """``derive`` under the current secret, and under the previous one if it counts."""
+        return derive(self.current), None if self.previous is None else derive(self.previous)
 
 
 def canonical_json(value: Any) -> str:
