@@ -22,8 +22,10 @@ import httpx
 import pytest
 from pydantic import BaseModel
 from sqlalchemy import event, func, select, text, update
+from typer.testing import CliRunner
 
 import jobrelay
+from jobrelay.cli.main import app as cli_app
 from jobrelay.domain.ids import canonical_json, job_id_for, request_hash
 from jobrelay.errors import IdempotencyConflict
 from jobrelay.roles.runtime import Runtime, open_runtime
@@ -101,19 +103,18 @@ async def counts(rt: Runtime) -> tuple[int, int]:
     return int(found or 0), int(sent or 0)
 
 
-async def rotate_row(database_url: str) -> None:
-    """A rotation by another process (its own store), keeping the old secret for 7 days."""
-    engine = create_engine(database_url)
-    try:
-        await Store(engine).installation.rotate(datetime.now(UTC), timedelta(days=7), "test")
-    finally:
-        await engine.dispose()
+def cli(database_url: str, *args: str, **env: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(
+        cli_app, ["db", *args], env={"JOBRELAY_DATABASE_URL": database_url, **env}
+    )
+    return result.exit_code, result.stdout, result.stderr
 
 
 async def rotate_elsewhere(rt: Runtime, database_url: str) -> None:
-    """A rotation by another process, then time enough for ``rt``'s process to read the row
-    again."""
-    await rotate_row(database_url)
+    """``jobrelay db rotate-id-secret`` as an operator runs it (another process), then time
+    enough for ``rt``'s process to read the row again."""
+    code, out, err = await asyncio.to_thread(cli, database_url, "rotate-id-secret")
+    assert code == 0, out + err
     clock_of(rt).advance(REFRESH)
 
 
@@ -264,12 +265,38 @@ async def test_a_running_process_reads_a_rotated_secret_within_a_minute(
     rt: Runtime, database_url: str
 ) -> None:
     before = await rt.store.id_keys(rt.clock())
-    await rotate_row(database_url)
+    code, out, err = await asyncio.to_thread(cli, database_url, "rotate-id-secret")
+    assert code == 0, out + err
     # Within the minute the process keeps what it read.
     assert (await rt.store.id_keys(rt.clock())).current == before.current
     clock_of(rt).advance(REFRESH)
     after = await rt.store.id_keys(rt.clock())
     assert after.current != before.current and after.previous == before.current
+
+
+def test_rotate_id_secret_exits_0_and_keeps_the_old_one_for_the_hours_given(
+    database_url: str,
+) -> None:
+    old = asyncio.run(installation_row(database_url))
+    started = datetime.now(UTC)
+    code, out, err = cli(database_url, "rotate-id-secret", "--keep-previous", "2")
+    assert code == 0, out + err
+    assert len(out.strip().splitlines()) == 1 and "rotated" in out, out
+    row = asyncio.run(installation_row(database_url))
+    assert row.id_secret != old.id_secret and len(bytes.fromhex(row.id_secret)) == 32
+    assert row.previous_id_secret == old.id_secret
+    until = aware(row.previous_until)
+    assert started + timedelta(hours=2) - timedelta(minutes=1) <= until
+    assert until <= datetime.now(UTC) + timedelta(hours=2)
+    assert row.rotated_by.startswith("cli:") and row.rotated_at is not None
+
+
+def test_rotate_id_secret_refuses_with_jobrelay_id_secret_set(database_url: str) -> None:
+    old = asyncio.run(installation_row(database_url))
+    code, out, err = cli(database_url, "rotate-id-secret", JOBRELAY_ID_SECRET=OVERRIDE)
+    assert code == 2, out + err
+    assert len(err.strip().splitlines()) == 1 and "JOBRELAY_ID_SECRET" in err, err
+    assert asyncio.run(installation_row(database_url)) == old  # nothing changed
 
 
 # --- JOBRELAY_ID_SECRET ---------------------------------------------------------------------
