@@ -56,7 +56,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     marked ``long`` go first: the parallel run must not end with one worker still on the
     model-based test while the others are idle. Both are orderings only; every test runs.
     """
-    for item in items:
+    grouping = config.pluginmanager.hasplugin("xdist")  # its marker exists only with it
+    for item in items if grouping else ():
         infos = getattr(item, "_fixtureinfo", None)
         defs = infos.name2fixturedefs.values() if infos is not None else ()
         if any(d and d[-1].scope == "module" for d in defs):
