@@ -48,21 +48,26 @@ AMQP_APP_PERMISSION = r"^jobrelay(\..*)?$"  # configure, write and read: jobrela
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Order the run for ``pytest -n`` (``make test`` uses ``--dist loadgroup``).
+    """Order the run for ``pytest -n`` (``make test``: ``--dist loadscope
+    --no-loadscope-reorder``).
 
-    A module whose tests share a module-scoped fixture (a RabbitMQ cluster or node of its
-    own, a throwaway PostgreSQL, a browser, a served API) runs on one worker, so the server
-    starts once instead of once per worker that happens to draw one of its tests. Tests
-    marked ``long`` go first: the parallel run must not end with one worker still on the
-    model-based test while the others are idle. Both are orderings only; every test runs.
+    A module is one unit of work: its module-scoped servers (a RabbitMQ cluster or node of
+    its own, a throwaway PostgreSQL, a browser, a served API) start once, on one worker.
+    (``--dist loadgroup`` would balance finer, but xdist 3.8 marks its groups in a node id
+    attribute that pytest 9 no longer reads.) Modules holding a test marked ``long`` go
+    first, in the order of their longest tests, so the run does not end with one worker on
+    the model-based test while the others are idle. An ordering only: every test runs.
     """
-    grouping = config.pluginmanager.hasplugin("xdist")  # its marker exists only with it
-    for item in items if grouping else ():
-        infos = getattr(item, "_fixtureinfo", None)
-        defs = infos.name2fixturedefs.values() if infos is not None else ()
-        if any(d and d[-1].scope == "module" for d in defs):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else ""))
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    first_long: dict[str, int] = {}
+    for index, item in enumerate(items):
+        if item.get_closest_marker("long") is not None:
+            first_long.setdefault(item.nodeid.split("::")[0], index)
+    items.sort(
+        key=lambda item: (
+            first_long.get(item.nodeid.split("::")[0], len(items)),
+            item.get_closest_marker("long") is None,
+        )
+    )
 
 
 def _unavailable(service: str, reason: str) -> None:
