@@ -175,3 +175,19 @@ async def test_a_refused_value_is_a_data_error_and_a_lost_connection_an_outage(
     assert not isinstance(lost.value, StoreDataError)
     [row] = await pg.store.hot_rows(not_json, {"value": '{"a": 1}'})
     assert row["v"] == {"a": 1}
+
+
+async def test_leases_are_renewed_together_and_fenced_per_job(pg: Runtime) -> None:
+    """The worker's lease renewer: one statement for every running claim; a claim another
+    claim has superseded is not renewed, its neighbours are, by the store's clock."""
+    a, b = await submit(pg, period="2020-01"), await submit(pg, period="2020-02")
+    claims = await pg.store.claim_many([ask(a), ask(b)], pg.clock(), LEASE)
+    claim_a, claim_b = (c[0] for c in claims if c is not None)
+    stale_b = Claim(b, claim_b.attempt + 1, claim_b.worker_id)  # not the claim holding b
+    clock_of(pg).advance(10)
+    renewed = await pg.store.renew_leases([claim_a, stale_b], LEASE, pg.clock())
+    assert renewed == {claim_a}
+    job_a, job_b = await pg.store.get_job(a), await pg.store.get_job(b)
+    assert job_a is not None and job_b is not None
+    assert job_a.lease_expires_at == pg.clock() + LEASE
+    assert job_b.lease_expires_at == pg.clock() - timedelta(seconds=10) + LEASE

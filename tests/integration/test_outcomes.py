@@ -222,7 +222,7 @@ async def test_the_lease_is_renewed_until_the_outcome_commits(
     database_url: str, tmp_path: Path
 ) -> None:
     """The result is computed, then its write fails (the database refuses that statement,
-    answers the rest) for longer than lease + grace by the store's clock. The heartbeat keeps
+    answers the rest) for longer than lease + grace by the store's clock. The renewer keeps
     renewing, so the reconciler finds no expired lease; once the write goes through the job
     has succeeded at attempt 1 with the result computed. Old code: the heartbeat stopped when
     the operation returned, the lease lapsed and the reconciler re-queued the job."""
@@ -246,15 +246,15 @@ async def test_the_lease_is_renewed_until_the_outcome_commits(
 
     store.complete = failing_while_held(store.complete)
     store.complete_many = failing_while_held(store.complete_many)
-    renew = store.renew_lease
+    renew = store.renew_leases
 
-    async def counted_renewal(*args: Any, **kwargs: Any) -> bool:
+    async def counted_renewal(*args: Any, **kwargs: Any) -> set[Any]:
         nonlocal renewed
-        won = bool(await renew(*args, **kwargs))
-        renewed += won
+        won: set[Any] = await renew(*args, **kwargs)
+        renewed += len(won)
         return won
 
-    store.renew_lease = counted_renewal
+    store.renew_leases = counted_renewal
 
     async def until(check: Callable[[], bool]) -> None:
         async def checked() -> bool:

@@ -172,6 +172,7 @@ class Worker:
                 await asyncio.gather(*in_flight, return_exceptions=True)
             if self._probe is not None:
                 self._probe.cancel()
+            await self.deliveries.leases.close()
             await self.timeline.close()
             await beating.aclose()
             log.info("worker stopped", extra={"event": "worker_stopped", "handled": self.handled})

@@ -3,7 +3,8 @@
 The same guards as ``hot_path``, row by row, over arrays (``unnest``; ``= ANY`` needs no
 statement per batch size, so the prepared statement is the same for 1 and for 100 jobs).
 Each job in a batch wins or loses on its own: a lost claim goes to the read-and-decide path,
-a lost completion reads what holds the job now. PostgreSQL only; SQLite keeps ``hot_path``.
+a lost completion reads what holds the job now. PostgreSQL only; SQLite keeps ``hot_path``
+(``renew_leases``, the worker's one lease renewer, has a SQLite branch: one transaction).
 
 Rows are locked in id order (``ORDER BY id FOR NO KEY UPDATE``): two batches never wait on
 each other in a cycle, and the key-share locks of event and outbox inserts (their foreign
@@ -36,6 +37,7 @@ from sqlalchemy import (
     bindparam,
     literal_column,
     text,
+    update,
 )
 
 from jobrelay.domain.policy import RETRY_SLACK
@@ -182,6 +184,35 @@ SELECT id FROM done
     )
 )
 
+# Every running claim of a worker renewed at once (its one lease renewer), fenced per row as
+# a completion is, rows locked in id order as the completions lock them.
+_RENEW_MANY = HotStatement(
+    text(
+        f"""
+WITH clock AS (SELECT COALESCE(:l_clock, now()) AS now),
+req AS (
+    SELECT * FROM unnest(CAST(:l_ids AS text[]), CAST(:l_attempts AS integer[]),
+                         CAST(:l_workers AS text[]))
+        AS r(id, attempt, worker)
+),
+locked AS (
+    SELECT j.id FROM jobs j JOIN req ON j.id = req.id ORDER BY j.id FOR NO KEY UPDATE OF j
+)
+UPDATE jobs SET lease_expires_at = clock.now + :l_lease, updated_at = :l_now
+FROM req JOIN locked ON locked.id = req.id, clock
+WHERE jobs.id = req.id AND {_COMPLETE_FENCE}
+RETURNING jobs.id
+"""
+    ).bindparams(
+        bindparam("l_ids", type_=ARRAY(String())),
+        bindparam("l_attempts", type_=ARRAY(Integer())),
+        bindparam("l_workers", type_=ARRAY(String())),
+        bindparam("l_lease", type_=Interval()),
+        bindparam("l_now", type_=UTCDateTime()),
+        bindparam("l_clock", type_=UTCDateTime()),
+    )
+)
+
 
 class BatchStore(HotPathStore):
     async def claim_many(
@@ -229,6 +260,37 @@ class BatchStore(HotPathStore):
             "b_now": now,
         }
         return {row["id"] for row in await self.hot_rows(_COMPLETE_MANY, params)}
+
+    async def renew_leases(
+        self, claims: Sequence[Claim], lease: timedelta, now: datetime
+    ) -> set[Claim]:
+        """``renew_lease`` for many claims in one statement (one transaction on SQLite):
+        the claims that still hold their job, each lease now ending at the store's clock
+        + ``lease``."""
+        if not claims:
+            return set()
+        if not self.is_postgres:
+            held: set[Claim] = set()
+            async with self.writing() as conn:
+                for claim in claims:
+                    result = await conn.execute(
+                        update(jobs)
+                        .where(jobs.c.id == claim.job_id, *self.fenced(claim))
+                        .values(lease_expires_at=self.now_sql(lease), updated_at=now)
+                    )
+                    if result.rowcount == 1:
+                        held.add(claim)
+            return held
+        params = {
+            "l_ids": [c.job_id for c in claims],
+            "l_attempts": [c.attempt for c in claims],
+            "l_workers": [c.worker_id for c in claims],
+            "l_lease": lease,
+            "l_now": now,
+            "l_clock": self._clock() if self._clock is not None else None,
+        }
+        won = {row["id"] for row in await self.hot_rows(_RENEW_MANY, params)}
+        return {c for c in claims if c.job_id in won}
 
 
 def _rows(meta: dict[str, Any]) -> int | None:
