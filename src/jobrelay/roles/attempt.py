@@ -299,7 +299,7 @@ class AttemptRun:
                 return (
                     Fenced(True) if await self._complete(request) else await self._current(job.id)
                 )
-            return await store.complete(
+            completed = await store.complete(
                 claim,
                 observation.result_key,
                 meta,
@@ -307,6 +307,8 @@ class AttemptRun:
                 follow_ups=tuple[NewJob, ...](result.follow_ups),
                 publish=results.publish if results.staged else None,
             )
+            self.rt.faults.hit("worker.after_complete")  # tests: committed, not yet acked
+            return completed
         if decision.action is Action.ACK:
             assert decision.retry_delay is not None
             return await store.schedule_retry(

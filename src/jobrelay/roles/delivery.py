@@ -319,6 +319,8 @@ class DeliveryHandler:
 
     async def _complete_many(self, requests: Sequence[CompleteRequest]) -> list[bool]:
         won = await self.rt.store.complete_many(requests, self.rt.clock())
+        # Tests: the batch committed, none of its deliveries settled yet.
+        self.rt.faults.hit("worker.after_complete")
         return [r.claim.job_id in won for r in requests]
 
     # --- settling ---------------------------------------------------------------------------
