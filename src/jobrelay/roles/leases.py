@@ -74,12 +74,27 @@ class LeaseRenewer:
         self._changed.set()
 
     async def close(self) -> None:
+        """Stop renewing (the worker has drained), between renewals, never inside one.
+
+        Cancelled inside its statement, the driver throws the connection away (on aiosqlite
+        that leaves a close task that can hang the loop's shutdown), so a renewal under way
+        is let finish; it is bounded by the lease, and only one stuck past that is cancelled.
+        ``release`` never cancels anything.
+        """
         self._held.clear()
-        if self._task is not None:
-            self._task.cancel()
+        self._changed.set()
+        task, self._task = self._task, None
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.lease)
+        except TimeoutError:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        except asyncio.CancelledError:
+            task.cancel()  # the worker is being torn down: do not leave the renewer behind
+            raise
 
     async def _run(self) -> None:
         while self._held:
