@@ -9,8 +9,10 @@ HASH := $(shell cat pyproject.toml | sha1sum | cut -c1-12)
 RUNTIME_STAMP := $(VENV)/.runtime-$(HASH)
 TEST_STAMP := $(VENV)/.test-$(HASH)
 # Parallel test processes (pytest-xdist). Most tests wait on subprocesses, PostgreSQL and
-# RabbitMQ rather than on the CPU, so more processes than the 2 cores pay.
-TEST_WORKERS ?= 3
+# RabbitMQ rather than on the CPU, so more processes than the 2 cores pay. loadgroup: a
+# module sharing a module-scoped server runs on one worker (tests/conftest.py says which),
+# every other test goes to whichever worker is free, the `long` ones first.
+TEST_WORKERS ?= 4
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-slow lint typecheck unit bench bench-soak chaos clean
@@ -44,7 +46,7 @@ demo: $(RUNTIME_STAMP)
 ##   retry: test_worker_crash_in_export_consumes_attempt_and_completes_once
 ##   quarantine: test_crash_looping_job_ends_quarantined_while_healthy_jobs_flow
 test: $(TEST_STAMP) lint typecheck
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not soak" --durations=30 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not soak" --durations=30 $(PYTEST_ARGS)
 
 ## test-slow: the slow-by-nature lane (the short chaos soak and the cluster soak), on servers
 ## of their own; CI runs it after `make test`

@@ -58,7 +58,8 @@ async def measure(rows: int) -> None:
                         {"n": rows},
                     )
                 params = {"accountId": "acme", "period": "2021-06"}
-                job_id = job_id_for("acme", "report.export", params)
+                secret = (await rt.store.id_keys(rt.clock())).current  # as the API keys it
+                job_id = job_id_for(secret, "acme", "report.export", params)
                 new = NewJob(
                     job_id,
                     "report.export",

@@ -47,6 +47,24 @@ AMQP_APP_PASSWORD = uuid.uuid4().hex
 AMQP_APP_PERMISSION = r"^jobrelay(\..*)?$"  # configure, write and read: jobrelay's names only
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order the run for ``pytest -n`` (``make test`` uses ``--dist loadgroup``).
+
+    A module whose tests share a module-scoped fixture (a RabbitMQ cluster or node of its
+    own, a throwaway PostgreSQL, a browser, a served API) runs on one worker, so the server
+    starts once instead of once per worker that happens to draw one of its tests. Tests
+    marked ``long`` go first: the parallel run must not end with one worker still on the
+    model-based test while the others are idle. Both are orderings only; every test runs.
+    """
+    grouping = config.pluginmanager.hasplugin("xdist")  # its marker exists only with it
+    for item in items if grouping else ():
+        infos = getattr(item, "_fixtureinfo", None)
+        defs = infos.name2fixturedefs.values() if infos is not None else ()
+        if any(d and d[-1].scope == "module" for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else ""))
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 def _unavailable(service: str, reason: str) -> None:
     message = f"{service} unavailable: {reason}"
     if REQUIRE:

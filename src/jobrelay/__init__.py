@@ -4,21 +4,63 @@ The library's public names. Define job types on an ``App`` with ``@app.job`` and
 them inside your own transaction; ``jobrelay worker --app pkg.module:app`` runs them.
 """
 
-from jobrelay.app import App, JobDefinition
-from jobrelay.context import JobContext, Result
-from jobrelay.domain.states import JobState
-from jobrelay.errors import (
-    IdempotencyConflict,
-    InvalidParams,
-    JobrelayError,
-    Permanent,
-    Retry,
-)
-from jobrelay.periodic import Schedule
-from jobrelay.results.base import ResultWriter
-from jobrelay.settings import Settings
-from jobrelay.storage.engine import create_engine
-from jobrelay.storage.records import JobRecord as Job
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jobrelay.app import App, JobDefinition
+    from jobrelay.context import JobContext, Result
+    from jobrelay.domain.states import JobState
+    from jobrelay.errors import (
+        IdempotencyConflict,
+        InvalidParams,
+        JobrelayError,
+        Permanent,
+        Retry,
+    )
+    from jobrelay.periodic import Schedule
+    from jobrelay.results.base import ResultWriter
+    from jobrelay.settings import Settings
+    from jobrelay.storage.engine import create_engine
+    from jobrelay.storage.records import JobRecord as Job
+
+# Each public name and the module that holds it. Imported on first use (PEP 562), so that
+# `import jobrelay.cli` or `jobrelay --help` does not pay for SQLAlchemy, aio-pika and the
+# app machinery a command may never touch.
+_EXPORTS = {
+    "App": "jobrelay.app",
+    "JobDefinition": "jobrelay.app",
+    "JobContext": "jobrelay.context",
+    "Result": "jobrelay.context",
+    "JobState": "jobrelay.domain.states",
+    "IdempotencyConflict": "jobrelay.errors",
+    "InvalidParams": "jobrelay.errors",
+    "JobrelayError": "jobrelay.errors",
+    "Permanent": "jobrelay.errors",
+    "Retry": "jobrelay.errors",
+    "Schedule": "jobrelay.periodic",
+    "ResultWriter": "jobrelay.results.base",
+    "Settings": "jobrelay.settings",
+    "create_engine": "jobrelay.storage.engine",
+    "Job": "jobrelay.storage.records",
+}
+_ATTRIBUTE = {"Job": "JobRecord"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jobrelay' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), _ATTRIBUTE.get(name, name))
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "App",

@@ -14,8 +14,10 @@ A job type is an async function of a ``JobContext`` and a pydantic model of its 
 
 ``enqueue`` writes the job row, its outbox row and its ``accepted`` event on the caller's
 connection and nothing else: it never commits, never opens a connection, and a rollback
-leaves no trace. Parameters are validated at enqueue (``InvalidParams``, nothing written)
-and again when the job runs (a stored payload that no longer validates quarantines the job
+leaves no trace. A job enqueued with ``key`` gets an id keyed with the installation's secret
+(``storage/installation.py``), read on the caller's connection at most once a minute.
+Parameters are validated at enqueue (``InvalidParams``, nothing written) and again when the
+job runs (a stored payload that no longer validates quarantines the job
 with the validation message). Each definition is also the worker's ``Operation`` for its
 type, so the worker runs application jobs and the shipped ones the same way.
 """
@@ -23,21 +25,23 @@ type, so the worker runs application jobs and the shipped ones the same way.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy import Connection, MetaData
+from sqlalchemy import Connection, Engine, MetaData
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.context import JobContext, Result
-from jobrelay.domain.ids import follow_up_job_id, keyed_job_id, request_hash, uuid7
+from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
 from jobrelay.errors import ConfigError, InvalidParams, PermanentError
 from jobrelay.operations.base import Operation, OperationContext, OperationResult, Registry
 from jobrelay.settings import Settings
-from jobrelay.storage.enqueue import new_job_steps, run_async, run_sync
+from jobrelay.storage.enqueue import Steps, new_job_steps, run_async, run_sync
+from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import JobRecord, NewJob, work_destination
 from jobrelay.transport.topology import DEFAULT_QUEUE, QUEUE_NAME
 
@@ -116,10 +120,19 @@ class JobDefinition(Generic[P]):
         job_id: str | None = None,
         headers: Mapping[str, str] | None = None,
         max_attempts: int | None = None,
+        keys: IdKeys | None = None,
     ) -> NewJob:
+        """The job to write. Its id: ``job_id``; else, with ``key``, keyed with ``keys`` (the
+        installation's, required then: ``Store.id_keys``), and also the id under the previous
+        secret while that one counts; else a fresh UUIDv7."""
         stored = self.parse(params).model_dump(mode="json")
-        if job_id is None:
-            job_id = keyed_job_id(self.type, account, key) if key is not None else uuid7()
+        previous = None
+        if job_id is None and key is not None:
+            if keys is None:
+                raise ConfigError("enqueue", "a job with key= needs the installation's id keys")
+            job_id, previous = keys.derive(lambda s: keyed_job_id(s, self.type, account, key))
+        elif job_id is None:
+            job_id = uuid7()
         return NewJob(
             job_id=job_id,
             type=self.type,
@@ -131,6 +144,7 @@ class JobDefinition(Generic[P]):
             headers=headers,
             destination=work_destination(self.queue),
             queue=self.queue,
+            previous_job_id=previous,
         )
 
     async def enqueue(
@@ -149,9 +163,9 @@ class JobDefinition(Generic[P]):
         id derived from ``key`` (an application with its own id scheme); the same id with
         the same parameters is again the same job.
         """
-        job = self.new_job(params, key=key, account=account, job_id=job_id)
-        written, _ = await run_async(conn, new_job_steps(conn.dialect.name, job, _now()))
-        return written
+        return await run_async(
+            conn, self._enqueue_steps(conn.sync_engine, params, key, account, job_id)
+        )
 
     def enqueue_sync(
         self,
@@ -163,8 +177,22 @@ class JobDefinition(Generic[P]):
         job_id: str | None = None,
     ) -> str:
         """``enqueue`` for a synchronous application (psycopg 3 or sqlite3 connection)."""
-        job = self.new_job(params, key=key, account=account, job_id=job_id)
-        written, _ = run_sync(conn, new_job_steps(conn.dialect.name, job, _now()))
+        return run_sync(conn, self._enqueue_steps(conn.engine, params, key, account, job_id))
+
+    def _enqueue_steps(
+        self,
+        engine: Engine,
+        params: P | Mapping[str, Any],
+        key: str | None,
+        account: str | None,
+        job_id: str | None,
+    ) -> Steps[str]:
+        now = _now()
+        keys = None
+        if key is not None and job_id is None:
+            keys = yield from self.app.id_key_cache(engine).steps(now)
+        job = self.new_job(params, key=key, account=account, job_id=job_id, keys=keys)
+        written, _ = yield from new_job_steps(engine.dialect.name, job, now)
         return written
 
     # --- run (the worker's Operation) -------------------------------------------------------
@@ -239,6 +267,8 @@ class App:
         self._commands: dict[str, AppCommand] = {}
         self._schedules: dict[str, Schedule] = {}
         self._engine: AsyncEngine | None = None
+        # The installation's id keys per database this app enqueues on (its engine).
+        self._id_keys: weakref.WeakKeyDictionary[Engine, IdKeyCache] = weakref.WeakKeyDictionary()
 
     @property
     def settings(self) -> Settings:
@@ -421,6 +451,14 @@ class App:
         for definition in self._jobs.values():
             delays.update(definition.retry_delays or ())
         return tuple(sorted(delays))
+
+    def id_key_cache(self, engine: Engine) -> IdKeyCache:
+        """This process's copy of the id keys of the database behind ``engine``
+        (``JOBRELAY_ID_SECRET`` of this app's settings, else the installation's row)."""
+        cache = self._id_keys.get(engine)
+        if cache is None:
+            cache = self._id_keys[engine] = IdKeyCache(self.settings.id_secret_key)
+        return cache
 
     # --- without a transaction of the caller's ------------------------------------------------
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Header
@@ -46,9 +46,9 @@ from jobrelay.api.schemas import (
     valid_traceparent,
 )
 from jobrelay.app import JobDefinition
-from jobrelay.domain.ids import job_id_for as request_job_id
+from jobrelay.domain.ids import job_id_for
 from jobrelay.domain.states import JobState
-from jobrelay.errors import IdempotencyConflict
+from jobrelay.errors import ConfigError, IdempotencyConflict
 from jobrelay.observe.metrics import NEW as _NEW_JOB
 from jobrelay.roles.runtime import Runtime
 
@@ -73,7 +73,6 @@ __all__ = [
     "parse_body",
     "problem_openapi",
     "read_body",
-    "request_job_id",
     "valid_traceparent",
 ]
 
@@ -121,12 +120,31 @@ class Acceptor:
         key: str | None = None,
         job_id: str | None = None,
         headers: Mapping[str, str] | None = None,
+        by_request: bool = False,
     ) -> Admission:
         """Commit the job before returning. The same ``job_id`` (or ``key``) with the same
         parameters is the same job (``created=False``); with other parameters a 422
         ``ProblemError`` naming ``Idempotency-Key``. Fault point ``api.before_response`` is
-        reached after the commit."""
+        reached after the commit.
+
+        ``by_request``: the id is the request's (what ``POST /v1/exports`` does), from the
+        account and ``key`` when there is one, else from the account, the type and
+        ``params`` as given, keyed with the installation's secret: the same request twice
+        is the same job, and nobody without the secret can compute its id."""
         rt = self._runtime
+        now = rt.clock()
+        if by_request and job_id is not None:
+            raise ConfigError("accept", "by_request derives the id: give no job_id")
+        keys = None
+        if by_request or (key is not None and job_id is None):
+            keys = await rt.store.id_keys(now)
+        previous = None
+        if by_request:
+            assert keys is not None
+            given = params.model_dump(mode="json") if isinstance(params, BaseModel) else params
+            job_id, previous = keys.derive(
+                lambda s: job_id_for(s, account, definition.type, dict(given), key)
+            )
         job = definition.new_job(
             params,
             key=key,
@@ -134,9 +152,12 @@ class Acceptor:
             job_id=job_id,
             headers=headers,
             max_attempts=definition.max_attempts_under(rt.settings),
+            keys=keys,
         )
+        if previous is not None:
+            job = replace(job, previous_job_id=previous)
         try:
-            accepted_id, created = await rt.store.submit(job, rt.clock())
+            accepted_id, created = await rt.store.submit(job, now)
         except IdempotencyConflict as exc:
             raise ProblemError(
                 422,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from jobrelay.domain.ids import IdKeys
 from jobrelay.domain.schedules import TICK_FIELD, Cron, check_cron, check_name, tick_key, zone
 from jobrelay.errors import ConfigError, InvalidParams
 from jobrelay.storage.records import NewJob
@@ -44,9 +45,10 @@ class Schedule:
             params[TICK_FIELD] = tick.astimezone(UTC).isoformat()
         return params
 
-    def tick_job(self, tick: datetime) -> NewJob:
-        """The job of one tick: keyed by this schedule's name and the tick, on no account."""
-        return self.job.new_job(self.tick_params(tick), key=tick_key(self.name, tick))
+    def tick_job(self, tick: datetime, keys: IdKeys) -> NewJob:
+        """The job of one tick: keyed by this schedule's name and the tick, on no account;
+        its id keyed with the installation's ``keys`` (``Store.id_keys``)."""
+        return self.job.new_job(self.tick_params(tick), key=tick_key(self.name, tick), keys=keys)
 
 
 def define_schedule(
@@ -72,7 +74,7 @@ def define_schedule(
     if TICK_FIELD in schedule.params:
         raise ConfigError(where, f"{TICK_FIELD!r} is set by the scheduler to each tick's time")
     try:
-        schedule.tick_job(datetime(2000, 1, 1, tzinfo=UTC))
+        schedule.job.parse(schedule.tick_params(datetime(2000, 1, 1, tzinfo=UTC)))
     except InvalidParams as exc:
         raise ConfigError(where, f"schedule {schedule.name!r}: {exc}") from None
     return schedule

@@ -19,6 +19,7 @@ from jobrelay.errors import ConfigError
 ENV_PREFIX = "JOBRELAY_"
 # S3 bucket naming rules: 3-63 lowercase letters, digits, dots and hyphens, alnum at the ends.
 _S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_ID_SECRET = re.compile(r"[0-9a-fA-F]{64}")
 
 
 class Settings(BaseSettings):
@@ -100,6 +101,10 @@ class Settings(BaseSettings):
     # set, only a request with "Authorization: Bearer <it>" is served.
     metrics_cache_seconds: float = Field(default=5.0, ge=0, le=3600)
     metrics_token: str | None = None
+    # The secret job ids are keyed with, 64 hex characters, instead of the one the database
+    # keeps (``installation``): for operators who keep secrets outside the database. Every
+    # process of an installation must then have the same value; rotate it by changing it.
+    id_secret: str | None = Field(default=None, repr=False)
     # The API's HTTP server, before a request reaches the application (roles/http_guard.py):
     # the most bytes of a request line and headers (431 beyond), how long a new connection,
     # or a next request on a kept-alive one, has to send its whole head (closed after), and
@@ -183,6 +188,17 @@ class Settings(BaseSettings):
         if value is not None and (len(value) < 16 or not value.isprintable() or " " in value):
             raise ValueError("expected at least 16 visible characters and no spaces")
         return value
+
+    @field_validator("id_secret")
+    @classmethod
+    def _check_id_secret(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not _ID_SECRET.fullmatch(value):
+            raise ValueError(
+                "expected 64 hexadecimal characters (32 bytes, e.g. `openssl rand -hex 32`)"
+            )
+        return value.lower()
 
     @field_validator("trusted_proxies")
     @classmethod
@@ -281,11 +297,18 @@ class Settings(BaseSettings):
     def uses_local_broker(self) -> bool:
         return self.broker_url == "local"
 
+    @property
+    def id_secret_key(self) -> bytes | None:
+        """``JOBRELAY_ID_SECRET`` as the bytes ids are keyed with; None: the stored one."""
+        return None if self.id_secret is None else bytes.fromhex(self.id_secret)
+
     def redacted(self) -> dict[str, Any]:
-        """Settings safe to log: passwords in URLs and the metrics token replaced."""
+        """Settings safe to log: passwords in URLs, the metrics token and the id secret
+        replaced."""
         out = self.model_dump()
-        if out["metrics_token"] is not None:
-            out["metrics_token"] = "***"
+        for key in ("metrics_token", "id_secret"):
+            if out[key] is not None:
+                out[key] = "***"
         keys = ("database_url", "broker_url", "broker_management_url", "results_url")
         for key in (*keys, "s3_endpoint_url", "smtp_url"):
             if out[key] is not None:

@@ -42,8 +42,11 @@ from .procs import FAST_ENV, Proc, clean_env, free_port, poll, processes, run_cl
 pytestmark = [pytest.mark.slow]
 T = TypeVar("T")
 
-STALL_SECONDS = 30  # the zombie's first attempt: far longer than anything else in the test
-OUTAGE_SECONDS = 40
+STALL_SECONDS = 10  # the zombie's first attempt: it is frozen long before it ends
+# The outage outlasts the lease (so a held outcome must survive its lease running out), on a
+# lease shortened from the default 30 s so the test does not wait out 40 s of nothing.
+OUTAGE_LEASE_SECONDS = 5
+OUTAGE_SECONDS = 12
 OUTAGE_JOBS = 200
 # A ledger row booked after the winner's export: in any CSV of this month written later.
 LATE_ROW = "Booked after the takeover"
@@ -211,6 +214,7 @@ def thaw(proc: Proc) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.long
 def test_zombie_worker_loses_every_write_and_never_replaces_the_result(
     backend: dict[str, str], db: Db, tmp_path: Path
 ) -> None:
@@ -346,6 +350,7 @@ def queue_counts(vhost: str, column: str = "messages") -> dict[str, int]:
 @pytest.mark.postgres
 @pytest.mark.rabbitmq
 @pytest.mark.timeout(420)
+@pytest.mark.long
 def test_database_outage_holds_deliveries_and_finishes_every_job_once(
     own_pg: OwnDatabase, amqp_app_url: str, tmp_path: Path
 ) -> None:
@@ -361,7 +366,9 @@ def test_database_outage_holds_deliveries_and_finishes_every_job_once(
         JOBRELAY_RELAY_POLL_SECONDS="0.1",
         JOBRELAY_RELAY_CLAIM_SECONDS="3",
         JOBRELAY_RATE_LIMIT="off",  # 200 submits from one token, over the default burst
-    )  # the default 30 s lease
+        JOBRELAY_LEASE_SECONDS=str(OUTAGE_LEASE_SECONDS),
+    )
+    assert OUTAGE_SECONDS > 2 * OUTAGE_LEASE_SECONDS
     prepare(env)
     db = Db(pg_url)
     port = free_port()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def sqlite_env(tmp_path: Path) -> dict[str, str]:
+def sqlite_env(tmp_path: Path, sqlite_template: Path) -> dict[str, str]:
+    # A copy of the session's migrated template (`db upgrade` has tests of its own).
+    shutil.copy(sqlite_template, tmp_path / "jr.db")
     env = clean_env(
         JOBRELAY_DATABASE_URL=f"sqlite:///{tmp_path}/jr.db",
         JOBRELAY_RESULTS_URL=f"file://{tmp_path}/exports",
     )
-    assert run_cli("db", "upgrade", env=env).returncode == 0
     return env
 
 
@@ -105,6 +107,7 @@ def test_prune_counts_and_refuses_a_bad_age_in_one_line(sqlite_env: dict[str, st
     assert "jobs             0" in dry.stdout.splitlines()
 
 
+@pytest.mark.long
 def test_seed_fills_one_account_month_and_refuses_bad_input(
     sqlite_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -36,6 +36,7 @@ def fresh_copy(dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.long
 def test_make_demo_on_a_fresh_copy(tmp_path: Path) -> None:
     repo = fresh_copy(tmp_path / "jobrelay")
     assert not (repo / ".venv").exists() and not (repo / "var").exists()

@@ -220,6 +220,7 @@ def test_own_app_under_jobrelay_up_on_the_embedded_default(tmp_path: Path) -> No
 @pytest.mark.postgres
 @pytest.mark.rabbitmq
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_own_app_with_relay_and_one_worker_per_queue(
     tmp_path: Path, pg_url: str, pg_app_url: str, amqp_app_url: str
 ) -> None:

@@ -5,6 +5,7 @@ JSON logs with the trace id from the HTTP request, and the ``--metrics-port`` en
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,14 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
+def env(tmp_path: Path, sqlite_template: Path) -> dict[str, str]:
+    # A copy of the session's migrated template (`db upgrade` has tests of its own).
+    shutil.copy(sqlite_template, tmp_path / "jr.db")
     env = clean_env(
         JOBRELAY_DATABASE_URL=f"sqlite:///{tmp_path}/jr.db",
         JOBRELAY_RESULTS_URL=f"file://{tmp_path}/exports",
         **FAST_ENV,
     )
-    assert run_cli("db", "upgrade", env=env).returncode == 0
     assert run_cli("seed", "--rows-per-month", "20", env=env).returncode == 0
     return env
 
@@ -57,6 +59,7 @@ def json_lines(proc: Proc) -> list[dict[str, Any]]:
     return [json.loads(line) for line in proc.log().splitlines() if line.strip()]
 
 
+@pytest.mark.long
 def test_quarantine_replay_and_cancel_from_the_cli(env: dict[str, str], tmp_path: Path) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"

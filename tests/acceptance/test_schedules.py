@@ -110,6 +110,7 @@ def cli_json(env: dict[str, str], root: Path, *args: str) -> Any:
 @pytest.mark.postgres
 @pytest.mark.rabbitmq
 @pytest.mark.timeout(240)
+@pytest.mark.long
 def test_three_relays_on_postgres_make_one_job_per_tick(
     tmp_path: Path, pg_url: str, amqp_url: str
 ) -> None:
@@ -181,6 +182,7 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("database", "catchup"), CASES)
+@pytest.mark.long
 def test_a_scheduler_killed_and_restarted_loses_and_doubles_no_tick(
     tmp_path: Path, request: pytest.FixtureRequest, database: str, catchup: str
 ) -> None:

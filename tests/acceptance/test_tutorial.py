@@ -36,6 +36,7 @@ def job_state(db: Path, job_id: str) -> str | None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.long
 def test_the_tutorial_signup_runs_its_job_and_the_rollback_leaves_nothing(
     tmp_path: Path,
 ) -> None:

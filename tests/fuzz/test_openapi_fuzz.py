@@ -15,12 +15,15 @@ of examples per operation keeps the whole module within a couple of minutes.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import checks as st_checks
 from schemathesis.generation.modes import GenerationMode
@@ -52,6 +55,30 @@ FUZZ = settings(
     suppress_health_check=list(HealthCheck),
 )
 Fuzzed = tuple[Settings, dict[str, str]]
+
+# Times at the calendar's edges: a value the document allows whose UTC instant, once its
+# offset is applied, falls outside years 1-9999 (``9999-12-31T23:59:59-23:59``) was an
+# OverflowError and a 500. Drawn beside ordinary times for every ``format: date-time``.
+_OFFSETS = st.builds(
+    timezone,
+    st.timedeltas(
+        min_value=timedelta(hours=-23, minutes=-59), max_value=timedelta(hours=23, minutes=59)
+    ),
+)
+_EDGES = st.sampled_from(
+    [
+        "9999-12-31T23:59:59-23:59",
+        "9999-12-31T23:59:59.999999-00:01",
+        "0001-01-01T00:00:00+23:59",
+        "0001-01-01T00:00:00.000001+00:01",
+        "9999-12-31T23:59:59Z",
+        "0001-01-01T00:00:00Z",
+    ]
+)
+_TIMES = st.datetimes(
+    min_value=datetime(1, 1, 1), max_value=datetime(9999, 12, 31, 23, 59, 59), timezones=_OFFSETS
+).map(datetime.isoformat)
+schemathesis.openapi.format("date-time", st.one_of(_EDGES, _TIMES))
 
 
 async def _prepare(database_url: str) -> dict[str, str]:
@@ -91,6 +118,7 @@ def api_schema(fuzzed: Fuzzed) -> BaseSchema:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 @pytest.mark.parametrize("role", ["account", "admin"])
+@pytest.mark.long
 def test_every_operation_answers_as_documented(
     api_schema: BaseSchema, fuzzed: Fuzzed, role: str, mode: GenerationMode
 ) -> None:
@@ -120,3 +148,43 @@ def test_every_operation_answers_as_documented(
         # (negative cases also send malformed Authorization headers, rightly 401).
         assert statuses[401] == 0 and statuses[200] > 0, statuses
         assert statuses[202] > 0 or role == "account", statuses  # jobs for any account
+
+
+def _nested(depth: int, kind: str) -> bytes:
+    if kind == "array":
+        return b"[" * depth + b"]" * depth
+    if kind == "object":
+        return b'{"a":' * depth + b"1" + b"}" * depth
+    return b'{"params": ' + b"[" * depth  # unterminated, as an attacker may send it
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("role", ["account", "admin"])
+def test_every_body_nested_too_deep_is_a_problem_not_a_500(
+    api_schema: BaseSchema, fuzzed: Fuzzed, role: str
+) -> None:
+    """Every operation the document gives a JSON body (found there, so a new route is
+    covered without a list to keep), sent bodies nested 100 to 20,000 deep: a 4xx
+    problem+json, never a 5xx (a RecursionError was a 500 on every JSON route)."""
+    headers = {"Authorization": f"Bearer {fuzzed[1][role]}", "Content-Type": "application/json"}
+    operations = [result.ok() for result in api_schema.get_all_operations()]
+    with_body = [op for op in operations if op.body]
+    assert len(with_body) >= 5, [op.label for op in with_body]
+    seen: Counter[int] = Counter()
+    for operation in with_body:
+
+        @FUZZ
+        @given(
+            case=operation.as_strategy(GenerationMode.POSITIVE),
+            depth=st.integers(min_value=100, max_value=20_000),
+            kind=st.sampled_from(["array", "object", "unterminated"]),
+        )
+        def call(case: schemathesis.Case, depth: int, kind: str) -> None:
+            response = case.call(headers=headers, data=_nested(depth, kind), json=None)
+            assert 400 <= response.status_code < 500, (case.operation.label, response.status_code)
+            assert "application/problem+json" in str(response.headers.get("content-type"))
+            json.loads(response.content)
+            seen[response.status_code] += 1
+
+        call()
+    assert seen[422] > 0, seen

@@ -23,8 +23,9 @@ import pytest
 from aiobotocore.session import get_session
 
 from jobrelay.chaos.sinks import MailServer, S3Server, free_port
-from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.domain.ids import request_hash
 from jobrelay.storage.store import NewJob
+from tests.id_keys import request_id
 
 from .pipeline import Pipeline
 
@@ -145,7 +146,7 @@ async def submit_export(
     if notify is not None:
         params["notifyEmail"] = notify
     job = NewJob(
-        job_id=job_id_for(account, "report.export", params),
+        job_id=await request_id(p.store, account, params),
         type="report.export",
         account_id=account,
         params=params,

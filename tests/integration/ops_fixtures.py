@@ -17,10 +17,11 @@ from typing import Any, TypeVar
 
 import pytest
 
-from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.store import NewJob, Store
+from tests.id_keys import request_id
 
 from .pipeline import pipeline, settings_for
 
@@ -50,10 +51,13 @@ def make_pipeline(backend: tuple[str, str], tmp_path: Path) -> Any:
     return build
 
 
-def new_job(period: str = "2020-05", account: str = "acme", **extra: Any) -> NewJob:
+async def new_job(
+    store: Store, period: str = "2020-05", account: str = "acme", **extra: Any
+) -> NewJob:
+    """What ``POST /v1/exports`` stores for this export, its id keyed as ``store`` keys it."""
     params = {"accountId": account, "period": period}
     return NewJob(
-        job_id=job_id_for(account, "report.export", params, None),
+        job_id=await request_id(store, account, params),
         type="report.export",
         account_id=account,
         params=params,
@@ -67,7 +71,7 @@ async def job_in_state(
     store: Store, state: JobState, now: datetime, period: str = "2020-05", **extra: Any
 ) -> str:
     """A job moved to ``state`` through the same store calls the worker makes."""
-    job_id, _ = await store.submit(new_job(period, **extra), now)
+    job_id, _ = await store.submit(await new_job(store, period, **extra), now)
     if state is JobState.QUEUED:
         return job_id
     if state is JobState.CANCELLED:

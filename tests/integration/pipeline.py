@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.domain.ids import request_hash
 from jobrelay.exports.seed import seed
 from jobrelay.observe.faults import Faults
 from jobrelay.roles.relay import Relay
@@ -27,6 +27,7 @@ from jobrelay.roles.worker import Worker
 from jobrelay.settings import Settings
 from jobrelay.storage.store import JobRecord, NewJob
 from jobrelay.transport.base import Transport
+from tests.id_keys import request_id
 
 FAST = {
     "retry_delays": "1",
@@ -75,7 +76,7 @@ class Pipeline:
     ) -> str:
         params = {"accountId": account, "period": period}
         job = NewJob(
-            job_id=job_id_for(account, "report.export", params, key),
+            job_id=await request_id(self.store, account, params, key),
             type="report.export",
             account_id=account,
             params=params,

@@ -119,7 +119,7 @@ async def runtime(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
 async def leaky_job(rt: Runtime, client: httpx.AsyncClient, admin: dict[str, str]) -> str:
     """A job whose timeline holds every kind of private detail, written as the pipeline does."""
     store = rt.store
-    job_id, _ = await store.submit(new_job(), T0)
+    job_id, _ = await store.submit(await new_job(store), T0)
     claim = await store.claim_job(job_id, WORKER, T0, LEASE)
     assert claim is not None
     public = public_error(TEMPORARY)

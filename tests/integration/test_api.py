@@ -21,12 +21,12 @@ from fastapi import FastAPI
 from jobrelay.api import create_app
 from jobrelay.api.deps import get_runtime
 from jobrelay.domain.disclosure import FAILED
-from jobrelay.domain.ids import job_id_for
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransportError
 from jobrelay.observe.faults import Faults
 from jobrelay.roles.runtime import Runtime
 from jobrelay.settings import Settings
+from tests.id_keys import request_id
 from tests.integration.api_fixtures import (
     LEASE,
     MAX_ATTEMPTS,
@@ -134,7 +134,7 @@ async def test_idempotency_key_keys_the_job_and_rejects_another_body(
 ) -> None:
     plain = await accept(client, acme)
     keyed = await accept(client, acme, **{"Idempotency-Key": "order-42"})
-    assert keyed == job_id_for("acme", "report.export", BODY, "order-42") != plain
+    assert keyed == await request_id(runtime.store, "acme", BODY, "order-42") != plain
     assert await accept(client, acme, **{"Idempotency-Key": "order-42"}) == keyed
 
     reused = await client.post(

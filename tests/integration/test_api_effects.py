@@ -16,10 +16,11 @@ import httpx
 import pytest
 
 from jobrelay.api import create_app
-from jobrelay.domain.ids import follow_up_job_id, job_id_for, request_hash
+from jobrelay.domain.ids import follow_up_job_id, request_hash
 from jobrelay.results.s3 import S3Results
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.store import NewJob
+from tests.id_keys import request_id
 from tests.integration.api_fixtures import bearer, build_runtime, finish_job, make_token
 
 from .effects_fixtures import (  # noqa: F401 (fixtures, registered by name)
@@ -76,9 +77,9 @@ async def test_notify_email_is_stored_and_is_part_of_the_job_identity(runtime: R
         )
     assert plain.status_code == 202 and notify.status_code == 202, notify.text
     # Without notifyEmail the jobId is what it always was; with it, another job.
-    assert plain.json()["jobId"] == job_id_for("acme", "report.export", BODY)
+    assert plain.json()["jobId"] == await request_id(runtime.store, "acme", BODY)
     with_notify = {**BODY, "notifyEmail": "ops@example.com"}
-    assert notify.json()["jobId"] == job_id_for("acme", "report.export", with_notify)
+    assert notify.json()["jobId"] == await request_id(runtime.store, "acme", with_notify)
     job = await runtime.store.get_job(notify.json()["jobId"])
     assert job.params == with_notify
 
@@ -110,7 +111,7 @@ async def test_bad_notify_email_is_422_and_creates_nothing(runtime: Runtime, val
         )
     if value is None:  # explicit null is the same as leaving it out
         assert response.status_code == 202
-        assert response.json()["jobId"] == job_id_for("acme", "report.export", BODY)
+        assert response.json()["jobId"] == await request_id(runtime.store, "acme", BODY)
         return
     assert response.status_code == 422, response.text
     problem = response.json()
@@ -175,7 +176,7 @@ async def test_s3_result_missing_is_410_and_unreachable_s3_is_503(
 
 async def test_notification_job_is_visible_but_has_no_result(runtime: Runtime) -> None:
     acme = bearer(await make_token(runtime, "acme"))
-    export_id = job_id_for("acme", "report.export", BODY)
+    export_id = await request_id(runtime.store, "acme", BODY)
     params = {"exportJobId": export_id, "to": "ops@example.com"}
     notify_id = follow_up_job_id(export_id, "notify.email")
     await runtime.store.submit(

@@ -70,12 +70,13 @@ async def drive_like_the_console(
     return dry.json()["matched"], rounds
 
 
+@pytest.mark.long
 async def test_one_bulk_replay_replays_each_fast_failing_job_once(runtime: Runtime) -> None:
     store = runtime.store
     job_ids = []
     for i in range(JOBS):
         period = f"{2000 + i // 12}-{i % 12 + 1:02d}"
-        job_id, _ = await store.submit(new_job(period), runtime.clock())
+        job_id, _ = await store.submit(await new_job(store, period), runtime.clock())
         await fail_permanently(runtime, job_id)
         job_ids.append(job_id)
     used = {j: (await store.get_job(j)).attempt for j in job_ids}  # 1 each
@@ -107,14 +108,14 @@ async def test_one_bulk_replay_replays_each_fast_failing_job_once(runtime: Runti
 
 async def test_a_job_quarantined_after_the_operation_began_is_not_in_it(runtime: Runtime) -> None:
     store = runtime.store
-    first, _ = await store.submit(new_job("2020-01"), runtime.clock())
+    first, _ = await store.submit(await new_job(store, "2020-01"), runtime.clock())
     await fail_permanently(runtime, first)
     admin = bearer(await make_token(runtime, None, admin=True))
     body = {"filter": {"state": "quarantined"}, "reason": "retry them"}
     async with api_client(runtime) as client:
         dry = await client.post("/v1/bulk/replay", json={**body, "dryRun": True}, headers=admin)
         before = dry.json()["before"]
-        late, _ = await store.submit(new_job("2020-02"), runtime.clock())
+        late, _ = await store.submit(await new_job(store, "2020-02"), runtime.clock())
         await fail_permanently(runtime, late)
         run = await client.post("/v1/bulk/replay", json={**body, "before": before}, headers=admin)
         assert run.json()["jobIds"] == [first] and run.json()["remaining"] == 0

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import pytest
 from sqlalchemy import insert, select, update
 
-from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreError
 from jobrelay.exports.ledger import ledger_entries
@@ -36,6 +36,7 @@ from jobrelay.roles.worker import Worker
 from jobrelay.storage.store import Claim, NewJob, Store
 from jobrelay.storage.tables import jobs, outbox
 from jobrelay.transport.base import Delivery
+from tests.id_keys import request_id
 
 from .api_fixtures import Clock, build_runtime
 
@@ -89,7 +90,7 @@ def clock_of(rt: Runtime) -> Clock:
 async def submit(rt: Runtime, job_type: str = "report.export", period: str = "2020-05") -> str:
     params = {"accountId": "acme", "period": period}
     job = NewJob(
-        job_id=job_id_for("acme", job_type, params, None),
+        job_id=await request_id(rt.store, "acme", params, job_type=job_type),
         type=job_type,
         account_id="acme",
         params=params,
@@ -444,7 +445,7 @@ async def test_an_unknown_type_is_quarantined_once_deferrals_reach_the_delivery_
 
 
 async def test_an_unknown_type_without_a_job_row_is_still_rejected(rt: Runtime) -> None:
-    ghost = str(job_id_for("acme", "images.resize", {"n": 1}, None))
+    ghost = await request_id(rt.store, "acme", {"n": 1}, job_type="images.resize")
     delivery = HandDelivery(body_of(ghost, "images.resize"))
     await Worker(rt).handle(delivery)
     assert delivery.outcomes == ["reject"]

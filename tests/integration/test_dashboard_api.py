@@ -50,7 +50,7 @@ async def admin(runtime: Runtime) -> dict[str, str]:
 
 async def quarantined_for(runtime: Runtime, period: str, reason: str, account: str) -> str:
     store = runtime.store
-    job_id, _ = await store.submit(new_job(period, account=account), T0)
+    job_id, _ = await store.submit(await new_job(store, period, account=account), T0)
     claim = await store.claim_job(job_id, WORKER, T0, timedelta(seconds=30))
     assert claim is not None
     assert await store.quarantine(job_id, reason, T0, claim=claim)
@@ -253,7 +253,9 @@ async def test_queues_pause_and_resume_over_http_audited(
 async def test_a_job_on_no_account_lists_with_a_null_account(
     client: httpx.AsyncClient, runtime: Runtime, admin: dict[str, str]
 ) -> None:
-    job = dataclasses.replace(new_job("2020-09"), account_id=None, job_id=str(uuid.uuid4()))
+    job = dataclasses.replace(
+        await new_job(runtime.store, "2020-09"), account_id=None, job_id=str(uuid.uuid4())
+    )
     job_id, _ = await runtime.store.submit(job, T0)
     response = await client.get("/v1/jobs", headers=admin)
     assert response.status_code == 200, response.text

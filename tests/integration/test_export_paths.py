@@ -38,7 +38,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import asyncpg as pg_asyncpg
 
-from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransientError
 from jobrelay.exports import ledger, report_export
@@ -52,6 +52,7 @@ from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import create_engine, snapshot
 from jobrelay.storage.store import Claim, NewJob
+from tests.id_keys import request_id
 
 pytestmark = pytest.mark.timeout(120)
 PERIOD = "2020-05"
@@ -190,7 +191,7 @@ async def run_export(
                 await conn.run_sync(table.metadata.create_all)
                 await conn.execute(insert(table), rows)
         params = {"accountId": "acme", "period": PERIOD}
-        job_id = job_id_for("acme", "report.export", params)
+        job_id = await request_id(rt.store, "acme", params)
         new = NewJob(
             job_id,
             "report.export",
@@ -330,6 +331,7 @@ _cells = st.text(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(values=st.lists(_cells, min_size=1, max_size=25))
+@pytest.mark.long
 def test_sql_defanging_is_python_defanging(pg_url: str, values: list[str]) -> None:
     dialect = pg_asyncpg.dialect()
 
@@ -471,7 +473,7 @@ async def test_a_writer_failing_mid_copy_leaves_the_pool_usable(
     async with open_runtime(settings, connect_transport=False) as rt:
         await seed_month(rt.engine, "acme", PERIOD, 20_000)
         params = {"accountId": "acme", "period": PERIOD}
-        job_id = job_id_for("acme", "report.export", params)
+        job_id = await request_id(rt.store, "acme", params)
         new = NewJob(
             job_id,
             "report.export",

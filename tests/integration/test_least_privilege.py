@@ -105,6 +105,7 @@ async def test_db_grant_gives_dml_and_nothing_else(fresh_db: tuple[str, str]) ->
         await role_engine.dispose()
 
 
+@pytest.mark.long
 def test_db_grant_refuses_a_missing_role_and_sqlite_in_one_line(
     fresh_db: tuple[str, str], tmp_path: Path
 ) -> None:

@@ -66,7 +66,7 @@ from hypothesis.stateful import (
 )
 from sqlalchemy import select
 
-from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.domain.ids import request_hash
 from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState, can_transition
 from jobrelay.exports.seed import seed
@@ -84,6 +84,7 @@ from jobrelay.storage.repairs import RECONCILED_LEASE, RECONCILED_QUEUED, RECONC
 from jobrelay.storage.store import WORK_DESTINATION, EventRecord, JobRecord, NewJob, Store
 from jobrelay.storage.tables import job_events, outbox
 from jobrelay.transport.topology import retry_seconds
+from tests.id_keys import request_id
 
 ACCOUNTS = ("acme", "globex", "initech")  # seeded, like every month of 2020
 PERIODS = ("2020-01", "2020-02")
@@ -348,7 +349,7 @@ class PipelineModel(RuleBasedStateMachine):
     def submit(self, account: str, period: str, duplicate: bool) -> None:
         params = {"accountId": account, "period": period}
         job = NewJob(
-            job_id_for(account, "report.export", params),
+            self.run(request_id(self.store, account, params)),
             "report.export",
             account,
             params,
@@ -836,7 +837,7 @@ def _crash(point: str) -> NoReturn:
 
 
 # ``--hypothesis-show-statistics`` shows how often each new case (the ``event`` labels) ran.
-TestPipelineModel = pytest.mark.timeout(600)(PipelineModel.TestCase)
+TestPipelineModel = pytest.mark.long(pytest.mark.timeout(600)(PipelineModel.TestCase))
 TestPipelineModel.settings = settings(
     max_examples=100,
     stateful_step_count=40,

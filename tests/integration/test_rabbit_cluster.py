@@ -26,7 +26,7 @@ from ..conftest import _unavailable
 from .ops_fixtures import eventually
 from .transport_fixtures import Pump, body_of
 
-pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
+pytestmark = [pytest.mark.long, pytest.mark.rabbitmq, pytest.mark.slow]
 TOPOLOGY = Topology(retry_delays=(1,), delivery_limit=3)
 
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.domain.ids import request_hash
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.store import CompleteRequest, NewJob, Store
+from tests.id_keys import request_id
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -33,7 +34,7 @@ async def store(database_url: str) -> AsyncIterator[Store]:
 async def claimed(store: Store, period: str) -> Any:
     params = {"accountId": "acme", "period": period}
     job = NewJob(
-        job_id=job_id_for("acme", "report.export", params, None),
+        job_id=await request_id(store, "acme", params),
         type="report.export",
         account_id="acme",
         params=params,

@@ -65,6 +65,7 @@ async def test_small_result_is_one_put_at_the_stable_key(
     assert store.describe(KEY) == f"s3://{bucket}/{FULL_KEY}"
 
 
+@pytest.mark.long
 async def test_half_written_result_is_never_visible_and_is_aborted(
     store: S3Results, s3_server: S3Server, bucket: str
 ) -> None:
@@ -79,6 +80,7 @@ async def test_half_written_result_is_never_visible_and_is_aborted(
     assert await object_keys(s3_server.endpoint, bucket) == []
 
 
+@pytest.mark.long
 async def test_failed_completion_is_transient_leaves_nothing_and_a_retry_writes_once(
     store: S3Results, s3_server: S3Server, bucket: str
 ) -> None:
@@ -102,6 +104,7 @@ async def test_failed_completion_is_transient_leaves_nothing_and_a_retry_writes_
     assert stored == part + b"second"
 
 
+@pytest.mark.long
 async def test_unreachable_endpoint_is_a_transient_error(aws_env: None, bucket: str) -> None:
     from .effects_fixtures import free_port
 
@@ -116,6 +119,7 @@ async def test_unreachable_endpoint_is_a_transient_error(aws_env: None, bucket: 
         await results.aclose()
 
 
+@pytest.mark.long
 async def test_large_result_streams_in_parts_with_flat_memory(aws_env: None, bucket: str) -> None:
     """48 MiB through 5 MiB parts: this process never holds much more than one part
     (measured: 7.4 MiB peak of traced Python memory).

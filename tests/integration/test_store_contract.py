@@ -11,13 +11,14 @@ import asyncpg
 import pytest
 from sqlalchemy import delete
 
-from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import IdempotencyConflict
 from jobrelay.storage import tokens
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.store import NOTIFY_CHANNEL, NewJob, OutboxRow, Store, TokenRecord
 from jobrelay.storage.tables import api_tokens
+from tests.id_keys import request_id
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -60,10 +61,13 @@ async def attempt_of(store: Store, job_id: str, worker: str, now: datetime) -> i
     return claim.attempt if claim is not None else None
 
 
-def new_job(params: dict[str, str] | None = None, key: str | None = None) -> NewJob:
+async def new_job(
+    store: Store, params: dict[str, str] | None = None, key: str | None = None
+) -> NewJob:
+    """What ``POST /v1/exports`` stores, its id keyed with ``store``'s secret."""
     params = params or {"accountId": "acme", "period": "2020-05"}
     return NewJob(
-        job_id=job_id_for("acme", "report.export", params, key),
+        job_id=await request_id(store, "acme", params, key),
         type="report.export",
         account_id="acme",
         params=params,
@@ -74,7 +78,7 @@ def new_job(params: dict[str, str] | None = None, key: str | None = None) -> New
 
 
 async def test_submit_writes_job_outbox_and_event_together(store: Store) -> None:
-    job_id, created = await store.submit(new_job(), T0)
+    job_id, created = await store.submit(await new_job(store), T0)
     assert created
     job = await store.get_job(job_id)
     assert job is not None and job.state is JobState.QUEUED and job.attempt == 0
@@ -84,23 +88,26 @@ async def test_submit_writes_job_outbox_and_event_together(store: Store) -> None
 
 
 async def test_repeat_submit_creates_nothing(store: Store) -> None:
-    first, _ = await store.submit(new_job(), T0)
-    again, created = await store.submit(new_job(), T0 + timedelta(seconds=5))
+    first, _ = await store.submit(await new_job(store), T0)
+    again, created = await store.submit(await new_job(store), T0 + timedelta(seconds=5))
     assert (again, created) == (first, False)
     assert await store.outbox_backlog() == 1
     assert len(await store.events(first)) == 1
 
 
 async def test_same_key_other_body_conflicts_and_changes_nothing(store: Store) -> None:
-    await store.submit(new_job(key="k1"), T0)
+    await store.submit(await new_job(store, key="k1"), T0)
     with pytest.raises(IdempotencyConflict):
-        await store.submit(new_job({"accountId": "acme", "period": "2020-06"}, key="k1"), T0)
+        await store.submit(
+            await new_job(store, {"accountId": "acme", "period": "2020-06"}, key="k1"), T0
+        )
     assert await store.outbox_backlog() == 1
 
 
 async def test_concurrent_submits_of_one_job_create_it_once(store: Store) -> None:
-    results = await asyncio.gather(*(store.submit(new_job(key="k2"), T0) for _ in range(8)))
-    assert {job_id for job_id, _ in results} == {new_job(key="k2").job_id}
+    job = await new_job(store, key="k2")
+    results = await asyncio.gather(*(store.submit(job, T0) for _ in range(8)))
+    assert {job_id for job_id, _ in results} == {job.job_id}
     assert sum(created for _, created in results) == 1
     assert await store.outbox_backlog() == 1
 
@@ -120,8 +127,8 @@ async def test_submit_notifies_listening_relays_once_per_new_job(store: Store) -
     listener = await asyncpg.connect(url)
     try:
         await listener.add_listener(NOTIFY_CHANNEL, hear)
-        await store.submit(new_job(), T0)
-        await store.submit(new_job(), T0)  # the same request again: nothing written
+        await store.submit(await new_job(store), T0)
+        await store.submit(await new_job(store), T0)  # the same request again: nothing written
         # Notifications arrive in commit order: once a marker sent after both submits is
         # heard, whatever they sent has been heard too (no fixed wait for an absence).
         sender = await asyncpg.connect(url)
@@ -150,7 +157,7 @@ async def test_a_token_found_is_remembered_briefly_and_an_unknown_one_never(
 
 
 async def test_outbox_claim_is_exclusive_until_it_expires(store: Store) -> None:
-    await store.submit(new_job(), T0)
+    await store.submit(await new_job(store), T0)
     rows = await claim_at(store, "r1", T0)
     assert len(rows) == 1
     assert await claim_at(store, "r2", T0 + timedelta(seconds=1)) == []
@@ -160,7 +167,7 @@ async def test_outbox_claim_is_exclusive_until_it_expires(store: Store) -> None:
 
 
 async def test_mark_published_sets_fact_and_event(store: Store) -> None:
-    job_id, _ = await store.submit(new_job(), T0)
+    job_id, _ = await store.submit(await new_job(store), T0)
     rows = await claim_at(store, "r1", T0)
     assert await store.mark_published("r1", rows) == 1
     job = await store.get_job(job_id)
@@ -171,7 +178,7 @@ async def test_mark_published_sets_fact_and_event(store: Store) -> None:
 
 
 async def test_release_keeps_row_waiting_with_error(store: Store) -> None:
-    job_id, _ = await store.submit(new_job(), T0)
+    job_id, _ = await store.submit(await new_job(store), T0)
     rows = await claim_at(store, "r1", T0)
     await store.release_outbox(rows[0], "unroutable", timedelta(seconds=2))
     job = await store.get_job(job_id)
@@ -181,7 +188,7 @@ async def test_release_keeps_row_waiting_with_error(store: Store) -> None:
 
 
 async def test_claim_increments_attempt_and_guards_live_lease(store: Store) -> None:
-    job_id, _ = await store.submit(new_job(), T0)
+    job_id, _ = await store.submit(await new_job(store), T0)
     first = await store.claim_job(job_id, "w1", at(T0), LEASE)
     assert first is not None and first.attempt == 1
     assert await attempt_of(store, job_id, "w2", T0 + timedelta(seconds=1)) is None
@@ -194,7 +201,7 @@ async def test_claim_increments_attempt_and_guards_live_lease(store: Store) -> N
 
 
 async def test_complete_then_nothing_moves_it(store: Store) -> None:
-    job_id, _ = await store.submit(new_job(), T0)
+    job_id, _ = await store.submit(await new_job(store), T0)
     claim = await store.claim_job(job_id, "w1", at(T0), LEASE)
     assert claim is not None
     assert (await store.complete(claim, "exports/acme/x.csv", {"rows": 3}, T0)).won
@@ -207,7 +214,7 @@ async def test_complete_then_nothing_moves_it(store: Store) -> None:
 
 
 async def test_retry_writes_outbox_row_and_waits_until_due(store: Store) -> None:
-    job_id, _ = await store.submit(new_job(), T0)
+    job_id, _ = await store.submit(await new_job(store), T0)
     claim = await store.claim_job(job_id, "w1", at(T0), LEASE)
     assert claim is not None
     assert (await store.schedule_retry(claim, "report.export", "boom", 5, T0)).won
@@ -221,14 +228,14 @@ async def test_retry_writes_outbox_row_and_waits_until_due(store: Store) -> None
 
 
 async def test_attempt_budget_is_enforced_in_sql(store: Store) -> None:
-    job_id, _ = await store.submit(new_job(), T0)
+    job_id, _ = await store.submit(await new_job(store), T0)
     for i in range(3):
         assert await attempt_of(store, job_id, f"w{i}", T0 + LEASE * i) == i + 1
     assert await attempt_of(store, job_id, "w9", T0 + LEASE * 10) is None
 
 
 async def test_quarantine_keeps_reason(store: Store) -> None:
-    job_id, _ = await store.submit(new_job(), T0)
+    job_id, _ = await store.submit(await new_job(store), T0)
     assert await store.quarantine(job_id, "invalid payload: x", T0, deliveryTag=1)
     job = await store.get_job(job_id)
     assert job is not None and job.state is JobState.QUARANTINED

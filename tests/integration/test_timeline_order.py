@@ -129,7 +129,7 @@ async def test_deliveries_follow_their_messages_published_whatever_the_clocks_sa
     (``outboxId``), and the timeline puts that message's ``published`` first."""
     rt = build_runtime(database_url, tmp_path, clock=Clock())
     try:
-        job_id, _ = await rt.store.submit(new_job(), T0)
+        job_id, _ = await rt.store.submit(await new_job(rt.store), T0)
 
         def at(seconds: float) -> datetime:
             return T0 + timedelta(seconds=seconds)

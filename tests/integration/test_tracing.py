@@ -61,7 +61,7 @@ async def test_trace_reaches_the_worker_lines_through_a_retry(
 ) -> None:
     async with make_pipeline(faults="export.run:transient:1") as p:
         job_id, _ = await p.store.submit(
-            new_job(headers={"traceparent": TRACEPARENT}), p.rt.clock()
+            await new_job(p.store, headers={"traceparent": TRACEPARENT}), p.rt.clock()
         )
         p.start_relay()
         await p.start_worker()

@@ -481,6 +481,7 @@ async def test_a_claim_in_flight_as_the_transport_closes_gives_its_rows_back(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 async def test_local_consumer_processes_share_the_queue_exactly_once(
     local: Backend, tmp_path: Path
 ) -> None:

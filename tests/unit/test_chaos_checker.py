@@ -28,6 +28,7 @@ from jobrelay.storage.store import JobRecord
 from .records import job_record
 
 WORKERS, RELAYS = ("worker-1", "worker-2"), ("relay-1", "relay-2")
+SECRET = bytes(range(32))  # the installation's id secret in these worlds
 
 
 def plan(jobs: int = 4, poison: int = 1, seed: int = 5) -> Plan:
@@ -67,9 +68,10 @@ class World_:
         self.effects: dict[str, tuple[str, str]] = {}
         self.keys: list[str] = []
         self.mails: list[Mail] = []
+        self.id_secret = SECRET
         for s in p.submissions:
             record = Record(s)
-            job_id = expected_job_id(record)
+            job_id = expected_job_id(record, SECRET)
             record.requests.append(Request(0.0, "ok", 202, job_id))
             record.job_id = job_id
             self.records.append(record)
@@ -91,7 +93,7 @@ class World_:
         missed: tuple[str, ...] = (),
         dead_lettering: dict[str, int] | None = None,
     ) -> dict[str, int]:
-        facts = Facts(self.jobs, self.events, self.effects, unpublished)
+        facts = Facts(self.jobs, self.events, self.effects, unpublished, self.id_secret)
         seen = World(
             object_keys=tuple(self.keys),
             open_uploads=0,
@@ -125,6 +127,15 @@ def test_an_all_good_world_passes_and_says_so_on_the_last_line() -> None:
     line = summary_line(5, w.verdict, 12.0, 9)
     assert line.startswith("chaos: accepted=4 lost=0 stuck=0 dup_results=0 dup_emails=0 ")
     assert line.endswith(" OK") and "quarantined=1/1" in line
+
+
+def test_the_checker_recomputes_ids_with_the_installations_secret() -> None:
+    # Ids keyed with another secret than the database's: no accepted job is found where
+    # the checker looks, so a checker that ignored the secret could not pass this world.
+    w = World_(plan())
+    w.id_secret = bytes(range(1, 33))
+    violations = w.judge()
+    assert violations["id_mismatch"] == 4 and violations["lost"] == 4, violations
 
 
 def test_an_accepted_job_that_is_missing_or_unfinished_is_lost() -> None:
@@ -204,10 +215,10 @@ def test_unknown_requests_are_resolved_by_when_the_job_was_created() -> None:
     # A submission whose every request was unknown and whose job never appeared is not lost.
     second.requests = second.requests[:1]
     second.job_id = None
-    del w.jobs[expected_job_id(second)]
+    del w.jobs[expected_job_id(second, SECRET)]
     if not second.submission.poison:
-        del w.jobs[follow_up_job_id(expected_job_id(second), NOTIFY)]
-        w.keys = [k for k in w.keys if expected_job_id(second) not in k]
+        del w.jobs[follow_up_job_id(expected_job_id(second, SECRET), NOTIFY)]
+        w.keys = [k for k in w.keys if expected_job_id(second, SECRET) not in k]
     assert w.judge() == {}
 
 

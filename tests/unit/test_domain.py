@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import itertools
 import json
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobrelay.domain.ids import job_id_for, request_hash
+from jobrelay.domain.ids import (
+    IdKeys,
+    Legacy,
+    canonical_job_id,
+    canonical_json,
+    job_id_for,
+    keyed_job_id,
+    request_hash,
+)
 from jobrelay.domain.messages import JobMessage, MessageDecodeError, decode
 from jobrelay.domain.policy import (
     Action,
@@ -150,22 +159,74 @@ def test_illegal_policy_input_is_refused() -> None:
         decide(ReadyToRun(S.SUCCEEDED))
 
 
+SECRET = bytes(range(32))
+OTHER_SECRET = bytes(range(1, 33))
+
+
 def test_job_id_is_stable_and_canonical() -> None:
-    a = job_id_for("acme", "report.export", {"accountId": "acme", "period": "2020-05"})
-    b = job_id_for("acme", "report.export", {"period": "2020-05", "accountId": "acme"})
+    a = job_id_for(SECRET, "acme", "report.export", {"accountId": "acme", "period": "2020-05"})
+    b = job_id_for(SECRET, "acme", "report.export", {"period": "2020-05", "accountId": "acme"})
     assert a == b
-    assert a != job_id_for("acme", "report.export", {"accountId": "acme", "period": "2020-06"})
-    assert a != job_id_for("globex", "report.export", {"accountId": "acme", "period": "2020-05"})
-    keyed = job_id_for("acme", "report.export", {"x": 1}, "key-1")
-    assert keyed == job_id_for("acme", "report.export", {"y": 2}, "key-1")
-    assert keyed != job_id_for("globex", "report.export", {"x": 1}, "key-1")
+    assert a != job_id_for(
+        SECRET, "acme", "report.export", {"accountId": "acme", "period": "2020-06"}
+    )
+    assert a != job_id_for(
+        SECRET, "globex", "report.export", {"accountId": "acme", "period": "2020-05"}
+    )
+    keyed = job_id_for(SECRET, "acme", "report.export", {"x": 1}, "key-1")
+    assert keyed == job_id_for(SECRET, "acme", "report.export", {"y": 2}, "key-1")
+    assert keyed != job_id_for(SECRET, "globex", "report.export", {"x": 1}, "key-1")
     assert request_hash("acme", "t", {"a": 1}) != request_hash("acme", "t", {"a": 2})
 
 
 @given(st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=5))
 def test_job_id_ignores_key_order(params: dict[str, object]) -> None:
     reordered = dict(reversed(list(params.items())))
-    assert job_id_for("a", "t", params) == job_id_for("a", "t", reordered)
+    assert job_id_for(SECRET, "a", "t", params) == job_id_for(SECRET, "a", "t", reordered)
+
+
+BODY = {"accountId": "acme", "period": "2020-03"}
+# The formula the ids had before 0011, with the namespace that was in the source.
+OLD_NAMESPACE = uuid.UUID("5b0d3c1e-9f6a-4c55-b7a2-6a1f0e1d2c3b")
+
+
+def old_formula(material: dict[str, object]) -> str:
+    return str(uuid.uuid5(OLD_NAMESPACE, canonical_json(material)))
+
+
+def test_ids_are_keyed_with_the_secret_and_not_the_old_uuid5() -> None:
+    request = job_id_for(SECRET, "acme", "report.export", BODY)
+    keyed = job_id_for(SECRET, "acme", "report.export", BODY, "order-42")
+    library = keyed_job_id(SECRET, "images.resize", "acme", "img-1")
+    # Same secret, same id: a retry is the same job.
+    assert request == job_id_for(SECRET, "acme", "report.export", dict(BODY))
+    assert library == keyed_job_id(SECRET, "images.resize", "acme", "img-1")
+    # Another installation's secret, another id.
+    assert request != job_id_for(OTHER_SECRET, "acme", "report.export", BODY)
+    assert keyed != job_id_for(OTHER_SECRET, "acme", "report.export", BODY, "order-42")
+    assert library != keyed_job_id(OTHER_SECRET, "images.resize", "acme", "img-1")
+    # Not what anyone could compute from the source.
+    assert request != old_formula({"account": "acme", "type": "report.export", "params": BODY})
+    assert keyed != old_formula({"account": "acme", "idempotencyKey": "order-42"})
+    assert library != old_formula({"type": "images.resize", "account": "acme", "key": "img-1"})
+    for job_id in (request, keyed, library):
+        parsed = uuid.UUID(job_id)
+        assert parsed.version == 8 and parsed.variant == uuid.RFC_4122
+        assert job_id[14] == "8" and canonical_job_id(job_id) == job_id
+
+
+def test_the_legacy_scheme_is_the_old_formula_and_short_secrets_are_refused() -> None:
+    material = {"account": "acme", "type": "report.export", "params": BODY}
+    assert job_id_for(Legacy.UUID5, "acme", "report.export", BODY) == old_formula(material)
+    keys = IdKeys(SECRET, Legacy.UUID5)
+    assert keys.derive(lambda s: job_id_for(s, "acme", "report.export", BODY)) == (
+        job_id_for(SECRET, "acme", "report.export", BODY),
+        old_formula(material),
+    )
+    assert IdKeys(SECRET).derive(lambda s: keyed_job_id(s, "t", None, "k"))[1] is None
+    assert repr(IdKeys(SECRET, OTHER_SECRET)) == "IdKeys()"  # no secret in a log line
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        job_id_for(b"short", "acme", "report.export", BODY)
 
 
 TYPES = frozenset({"report.export"})

@@ -77,7 +77,8 @@ def test_ledger_states() -> None:
 
 
 def test_follow_up_id_depends_on_the_parent_only() -> None:
-    parent = job_id_for("acme", "report.export", {"accountId": "acme", "period": "2020-05"})
+    secret = bytes(range(32))
+    parent = job_id_for(secret, "acme", "report.export", {"accountId": "acme", "period": "2020-05"})
     assert follow_up_job_id(parent, "notify.email") == follow_up_job_id(parent, "notify.email")
     assert follow_up_job_id(parent, "notify.email") != parent
     assert follow_up_job_id(parent, "notify.email") != follow_up_job_id(parent, "other")

@@ -15,6 +15,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 import jobrelay
+from jobrelay.domain.ids import IdKeys
 from jobrelay.domain.schedules import (
     COUNT_LIMIT,
     LISTED,
@@ -202,10 +203,11 @@ def test_schedules_are_checked_when_defined() -> None:
 
     app.schedule(nightly, cron="*/5 * * * *", params={"team": "b"}, timezone=BERLIN, name="b")
     assert sorted(app.schedules) == ["b", "reports.nightly"]
-    job = app.schedules["b"].tick_job(z("2026-01-01T12:05"))
+    keys = IdKeys(bytes(range(32)))
+    job = app.schedules["b"].tick_job(z("2026-01-01T12:05"), keys)
     assert job.params == {"team": "b", "scheduled_at": "2026-01-01T12:05:00Z"}
     assert job.idempotency_key == "schedule:b:2026-01-01T12:05:00+00:00"
-    assert job.job_id == app.schedules["b"].tick_job(z("2026-01-01T12:05")).job_id
+    assert job.job_id == app.schedules["b"].tick_job(z("2026-01-01T12:05"), keys).job_id
     for kwargs, message in (
         ({"cron": "* * *"}, "five fields"),
         ({"cron": "* * * * *", "timezone": "Mars/Olympus"}, "unknown time zone"),

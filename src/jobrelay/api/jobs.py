@@ -9,6 +9,7 @@ A type that is unknown or not exposed is a 404, indistinguishable from each othe
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -27,6 +28,7 @@ from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.schemas import IDEMPOTENCY_KEY_PATTERN, Accepted, WireModel
 from jobrelay.errors import IdempotencyConflict, InvalidParams
 from jobrelay.storage.engine import statement_tx
+from jobrelay.storage.enqueue import new_job_steps, run_async
 
 log = logging.getLogger("jobrelay.api")
 
@@ -74,13 +76,15 @@ async def create_job(
     definition = runtime.app.jobs.get(body.type) if runtime.app is not None else None
     if definition is None or not definition.http:
         raise ProblemError(404, "no such job type is exposed over HTTP")
+    now = datetime.now(UTC)
+    # A keyed job's id is keyed with the installation's secret (cached: no statement).
+    keys = await runtime.store.id_keys(now) if body.key is not None else None
     try:
+        job = definition.new_job(body.params, key=body.key, account=principal.account_id, keys=keys)
         # One statement on PostgreSQL (see storage/enqueue.py), so no BEGIN and no COMMIT:
         # it commits by itself, before the 202. Driver errors are a 503 (StoreError).
         async with statement_tx(runtime.engine, "database") as conn:
-            job_id = await definition.enqueue(
-                conn, body.params, key=body.key, account=principal.account_id
-            )
+            job_id, _ = await run_async(conn, new_job_steps(conn.dialect.name, job, now))
     except InvalidParams as exc:
         errors = [
             FieldError(

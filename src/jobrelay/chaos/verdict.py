@@ -63,9 +63,11 @@ class Verdict:
         return not any(self.violations.values())
 
 
-def expected_job_id(record: Record) -> str:
+def expected_job_id(record: Record, id_secret: bytes) -> str:
+    """The id the API gives the record's request (always with an Idempotency-Key), keyed with
+    the installation's ``id_secret`` as the API keyed it."""
     s = record.submission
-    return job_id_for(s.account, EXPORT, {}, s.key)
+    return job_id_for(id_secret, s.account, EXPORT, {}, s.key)
 
 
 def judge(records: list[Record], facts: Facts, world: World) -> Verdict:
@@ -82,7 +84,7 @@ def judge(records: list[Record], facts: Facts, world: World) -> Verdict:
     unknown_created = unknown_absent = unknown_existed = 0
     poison_ids: set[str] = set()
     for rec in records:
-        job_id = expected_job_id(rec)
+        job_id = expected_job_id(rec, facts.id_secret)
         job = jobs.get(job_id)
         if rec.submission.poison:
             poison_ids.add(job_id)

@@ -1,5 +1,12 @@
 """The ``jobrelay`` command: the typer app and its operator commands."""
 
-from jobrelay.cli.entry import main
+
+def main() -> None:
+    """The console script: imports the command tree only when it runs, so that importing
+    ``jobrelay.cli`` (the app loader, the tests) costs nothing."""
+    from jobrelay.cli.entry import main as entry
+
+    entry()
+
 
 __all__ = ["main"]

@@ -9,20 +9,20 @@ No ``from __future__ import annotations`` here: typer reads these annotations at
 """
 
 import json
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from jobrelay.cli.common import fail, known_job_id, run, with_settings
 from jobrelay.cli.inspection import job_app, jobs_app
 from jobrelay.cli.retention import fail_missing
-from jobrelay.observe import logs
-from jobrelay.ops.operator import BulkReplay, Operator, cli_actor, refusal
-from jobrelay.ops.quarantine_purge import PurgeReport, purge_quarantine
-from jobrelay.roles.reconcile import Reconciler, Report
-from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
-from jobrelay.storage.admin import ActionOutcome
+
+if TYPE_CHECKING:  # imported where they run, so `jobrelay --help` stays light
+    from jobrelay.ops.operator import BulkReplay
+    from jobrelay.ops.quarantine_purge import PurgeReport
+    from jobrelay.roles.reconcile import Report
+    from jobrelay.storage.admin import ActionOutcome
 
 app = typer.Typer()  # top-level commands, mounted by cli.main
 
@@ -34,7 +34,10 @@ Actor = Annotated[
 
 async def _act(
     settings: Settings, action: str, job_id: str, actor: str, reason: str
-) -> ActionOutcome:
+) -> "ActionOutcome":
+    from jobrelay.ops.operator import Operator
+    from jobrelay.roles.runtime import open_runtime
+
     async with open_runtime(settings, connect_transport=False) as rt:
         operator = Operator(rt)
         if action == "replay":
@@ -53,6 +56,8 @@ def job_replay_cmd(
     actor: Actor = None,
 ) -> None:
     """Send a quarantined job back to queued, with a fresh attempt budget."""
+    from jobrelay.ops.operator import cli_actor, refusal
+
     job_id = known_job_id(job_id)
     outcome = run(_act(settings, "replay", job_id, actor or cli_actor(), reason))
     if outcome.state is None:
@@ -74,6 +79,8 @@ def job_cancel_cmd(
     actor: Actor = None,
 ) -> None:
     """Cancel a queued, retry_wait or quarantined job; later deliveries are acked unworked."""
+    from jobrelay.ops.operator import cli_actor, refusal
+
     if not reason.strip():
         raise fail("--reason must not be empty", 2)
     job_id = known_job_id(job_id)
@@ -93,7 +100,10 @@ async def _bulk(
     job_type: str | None,
     dry_run: bool,
     limit: int,
-) -> BulkReplay:
+) -> "BulkReplay":
+    from jobrelay.ops.operator import Operator
+    from jobrelay.roles.runtime import open_runtime
+
     async with open_runtime(settings, connect_transport=False) as rt:
         return await Operator(rt).bulk_replay(
             actor=actor, reason_filter=reason, job_type=job_type, dry_run=dry_run, limit=limit
@@ -117,6 +127,8 @@ def jobs_replay_cmd(
     actor: Actor = None,
 ) -> None:
     """Replay many quarantined jobs at once, selected by reason and/or type."""
+    from jobrelay.ops.operator import cli_actor, refusal
+
     if not reason and not job_type:
         raise fail(
             "give --reason and/or --type (replaying every quarantined job is not offered)", 2
@@ -135,7 +147,11 @@ def jobs_replay_cmd(
         typer.echo(f"{len(result.replayed)} of {len(result.matched)} job(s) replayed")
 
 
-async def _reconcile(settings: Settings, dry_run: bool, scan: bool) -> Report:
+async def _reconcile(settings: Settings, dry_run: bool, scan: bool) -> "Report":
+    from jobrelay.ops.operator import cli_actor
+    from jobrelay.roles.reconcile import Reconciler
+    from jobrelay.roles.runtime import open_runtime
+
     async with open_runtime(settings, connect_transport=False) as rt:
         return await Reconciler(rt, actor=f"reconcile:{cli_actor()}").run_once(
             dry_run=dry_run, scan_quarantine=scan
@@ -156,6 +172,8 @@ def reconcile_cmd(
     ] = True,
 ) -> None:
     """Find jobs stuck between hand-offs; repair expired leases, overdue retries, lost messages."""
+    from jobrelay.observe import logs
+
     logs.configure("reconcile", "ERROR")  # the findings are printed below, not logged twice
     report = run(_reconcile(settings, dry_run, scan_quarantine))
     if as_json:
@@ -177,7 +195,10 @@ quarantine_app = typer.Typer(help="The quarantine queue.", no_args_is_help=True)
 app.add_typer(quarantine_app, name="quarantine")
 
 
-async def _purge(settings: Settings, limit: int, dry_run: bool) -> PurgeReport:
+async def _purge(settings: Settings, limit: int, dry_run: bool) -> "PurgeReport":
+    from jobrelay.ops.quarantine_purge import purge_quarantine
+    from jobrelay.roles.runtime import open_runtime
+
     async with open_runtime(settings, connect_transport=False) as rt:
         return await purge_quarantine(rt, limit=limit, dry_run=dry_run)
 

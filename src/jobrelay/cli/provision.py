@@ -10,7 +10,6 @@ import typer
 
 from jobrelay.cli.common import app_command, run, with_settings
 from jobrelay.cli.database import db_app
-from jobrelay.roles.database_files import require_database
 from jobrelay.settings import Settings
 
 app = typer.Typer()  # top-level commands, mounted by cli.main
@@ -68,6 +67,8 @@ def seed_cmd(
     """Fill the app's sample data (the export app: ledger_entries for acme, globex, initech;
     2019-2021; kept when already there unless --replace; or, with --account/--period/--rows,
     one account-month of N generated rows)."""
+    from jobrelay.roles.database_files import require_database
+
     require_database(settings.database_url)
     options: dict[str, Any] = {"rows_per_month": rows_per_month, "replace": replace}
     if (account, period, rows) != (None, None, None):

@@ -11,19 +11,22 @@ Registered on ``job`` (``cli.inspection.job_app``) by importing this module (``c
 ``from __future__ import annotations`` here: typer reads these annotations at run time.
 """
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from jobrelay.cli.common import fail, known_job_id, run, with_settings
 from jobrelay.cli.inspection import job_app
-from jobrelay.ops.operator import Operator, cli_actor, refusal
-from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
-from jobrelay.storage.admin import ActionOutcome
+
+if TYPE_CHECKING:  # imported where they run, so `jobrelay --help` stays light
+    from jobrelay.storage.admin import ActionOutcome
 
 
-async def _resend(settings: Settings, job_id: str, actor: str, reason: str) -> ActionOutcome:
+async def _resend(settings: Settings, job_id: str, actor: str, reason: str) -> "ActionOutcome":
+    from jobrelay.ops.operator import Operator
+    from jobrelay.roles.runtime import open_runtime
+
     async with open_runtime(settings, connect_transport=False) as rt:
         return await Operator(rt).resend(job_id, actor=actor, reason=reason)
 
@@ -40,6 +43,8 @@ def job_resend_cmd(
     ] = None,
 ) -> None:
     """Send a stuck queued job's work message again (its message was lost)."""
+    from jobrelay.ops.operator import cli_actor, refusal
+
     if not reason.strip():
         raise fail("--reason must not be empty", 2)
     job_id = known_job_id(job_id)

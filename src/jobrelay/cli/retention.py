@@ -11,16 +11,15 @@ No ``from __future__ import annotations`` here: typer reads these annotations at
 
 import json
 import re
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from jobrelay.cli.common import fail, run, with_settings
-from jobrelay.observe import logs
-from jobrelay.roles.prune import Pruner
-from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
-from jobrelay.storage.retention import PruneCounts, Retention
+
+if TYPE_CHECKING:  # imported where they run, so `jobrelay --help` stays light
+    from jobrelay.storage.retention import PruneCounts
 
 app = typer.Typer()  # top-level commands, mounted by cli.main
 
@@ -41,7 +40,10 @@ def parse_days(text: str, option: str = "--older-than") -> float:
     return days
 
 
-async def _prune(settings: Settings, days: float, dry_run: bool) -> PruneCounts:
+async def _prune(settings: Settings, days: float, dry_run: bool) -> "PruneCounts":
+    from jobrelay.roles.prune import Pruner
+    from jobrelay.roles.runtime import open_runtime
+
     async with open_runtime(settings, connect_transport=False) as rt:
         pruner = Pruner(rt)
         total = await pruner.run_once(days=days, dry_run=dry_run)
@@ -67,6 +69,8 @@ def prune_cmd(
 ) -> None:
     """Delete finished jobs (with their events, outbox rows and results), published outbox
     rows and dead-lettered local-queue rows older than the retention; print counts."""
+    from jobrelay.observe import logs
+
     try:
         days = settings.retention_days if older_than is None else parse_days(older_than)
     except ValueError as exc:
@@ -95,6 +99,9 @@ def prune_cmd(
 
 
 async def _pruned_line(settings: Settings, job_id: str) -> str | None:
+    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.storage.retention import Retention
+
     async with open_runtime(settings, connect_transport=False) as rt:
         stone = await Retention(rt.store, rt.results).pruned(job_id)
     if stone is None:

@@ -9,16 +9,16 @@ No ``from __future__ import annotations`` here: typer reads these annotations at
 """
 
 import json
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from jobrelay.cli.common import fail, run, with_settings
-from jobrelay.ops.operator import cli_actor
-from jobrelay.ops.schedules import ScheduleOperator, ScheduleRow, pause_refusal
-from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
-from jobrelay.storage.schedules import PauseOutcome
+
+if TYPE_CHECKING:  # imported where they run, so `jobrelay --help` stays light
+    from jobrelay.ops.schedules import ScheduleRow
+    from jobrelay.storage.schedules import PauseOutcome
 
 app = typer.Typer()  # mounted by cli.main
 
@@ -32,7 +32,10 @@ Actor = Annotated[
 Reason = Annotated[str, typer.Option(help="Why; kept in the schedule's timeline (required).")]
 
 
-async def _rows(settings: Settings) -> list[ScheduleRow]:
+async def _rows(settings: Settings) -> "list[ScheduleRow]":
+    from jobrelay.ops.schedules import ScheduleOperator
+    from jobrelay.roles.runtime import open_runtime
+
     async with open_runtime(settings, connect_transport=False) as rt:
         return await ScheduleOperator(rt).rows()
 
@@ -93,7 +96,10 @@ def _note(r: dict[str, Any]) -> str:
     return "; ".join(notes)
 
 
-async def _show(settings: Settings, name: str) -> tuple[ScheduleRow | None, list[dict[str, Any]]]:
+async def _show(settings: Settings, name: str) -> "tuple[ScheduleRow | None, list[dict[str, Any]]]":
+    from jobrelay.ops.schedules import ScheduleOperator
+    from jobrelay.roles.runtime import open_runtime
+
     async with open_runtime(settings, connect_transport=False) as rt:
         operator = ScheduleOperator(rt)
         found = [row for row in await operator.rows() if row.view.name == name]
@@ -127,7 +133,10 @@ def schedules_show_cmd(
 
 async def _pause(
     settings: Settings, name: str, paused: bool, actor: str, reason: str
-) -> PauseOutcome:
+) -> "PauseOutcome":
+    from jobrelay.ops.schedules import ScheduleOperator
+    from jobrelay.roles.runtime import open_runtime
+
     async with open_runtime(settings, connect_transport=False) as rt:
         return await ScheduleOperator(rt).set_paused(name, paused, actor=actor, reason=reason)
 
@@ -135,6 +144,9 @@ async def _pause(
 def _set_paused(
     settings: Settings, name: str, paused: bool, reason: str, actor: str | None
 ) -> None:
+    from jobrelay.ops.operator import cli_actor
+    from jobrelay.ops.schedules import pause_refusal
+
     if not reason.strip():
         raise fail("--reason must not be empty", 2)
     outcome = run(_pause(settings, name, paused, actor or cli_actor(), reason.strip()))

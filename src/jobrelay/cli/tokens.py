@@ -13,16 +13,16 @@ No ``from __future__ import annotations`` here: typer reads these annotations at
 import json
 import re
 from datetime import datetime, timedelta
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from jobrelay.api.schemas import ACCOUNT_PATTERN
 from jobrelay.cli.common import fail, run, with_settings
 from jobrelay.cli.retention import parse_days
-from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
-from jobrelay.storage.records import TokenInfo
+
+if TYPE_CHECKING:  # imported where they run, so `jobrelay --help` stays light
+    from jobrelay.storage.records import TokenInfo
 
 token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
 
@@ -40,6 +40,7 @@ def token_create_cmd(
     ] = None,
 ) -> None:
     """Create an API token; the token alone is printed on the last line."""
+    from jobrelay.api.schemas import ACCOUNT_PATTERN
     from jobrelay.roles.processes import create_token
 
     if account is None and not admin:
@@ -61,7 +62,9 @@ def token_create_cmd(
     typer.echo(token)
 
 
-async def _list(settings: Settings) -> tuple[list[TokenInfo], datetime]:
+async def _list(settings: Settings) -> "tuple[list[TokenInfo], datetime]":
+    from jobrelay.roles.runtime import open_runtime
+
     async with open_runtime(settings, connect_transport=False) as rt:
         return await rt.store.list_tokens(), await rt.store.db_now()
 
@@ -70,7 +73,7 @@ def _when(value: datetime | None) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%SZ") if value else "-"
 
 
-def _as_json(info: TokenInfo, now: datetime) -> dict[str, object]:
+def _as_json(info: "TokenInfo", now: datetime) -> dict[str, object]:
     return {
         "id": info.id,
         "account": info.account_id,
@@ -114,7 +117,9 @@ def token_list_cmd(
         typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
-async def _revoke(settings: Settings, token_id: int) -> TokenInfo | None:
+async def _revoke(settings: Settings, token_id: int) -> "TokenInfo | None":
+    from jobrelay.roles.runtime import open_runtime
+
     async with open_runtime(settings, connect_transport=False) as rt:
         return await rt.store.revoke_token(token_id)
 

@@ -15,10 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from jobrelay.cli.common import fail, run, with_settings
-from jobrelay.ops.operator import cli_actor
-from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
-from jobrelay.storage.queue_pauses import set_paused
 
 app = typer.Typer()  # mounted by cli.main
 
@@ -37,6 +34,7 @@ Reason = Annotated[str, typer.Option(help="Why; kept in the queue's audit (requi
 
 async def _rows(settings: Settings) -> "QueuesOut":
     from jobrelay.api.queues import queue_rows  # FastAPI only for the command that needs it
+    from jobrelay.roles.runtime import open_runtime
 
     async with open_runtime(settings) as rt:
         return await queue_rows(rt)
@@ -69,6 +67,9 @@ def queues_list_cmd(
 
 
 async def _set(settings: Settings, queue: str, paused: bool, actor: str, reason: str) -> bool:
+    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.storage.queue_pauses import set_paused
+
     async with open_runtime(settings, connect_transport=False) as rt:
         if queue not in rt.topology.queues:
             known = ", ".join(rt.topology.queues)
@@ -80,6 +81,8 @@ async def _set(settings: Settings, queue: str, paused: bool, actor: str, reason:
 def _set_paused(
     settings: Settings, queue: str, paused: bool, reason: str, actor: str | None
 ) -> None:
+    from jobrelay.ops.operator import cli_actor
+
     if not reason.strip():
         raise fail("--reason must not be empty", 2)
     if not run(_set(settings, queue, paused, actor or cli_actor(), reason.strip())):

@@ -1,21 +1,59 @@
-"""Stable job ids.
+"""Stable job ids that nobody outside the installation can compute.
 
-A job id is a pure function of who asked and what they asked for, so the same request sent
+A job id is a function of who asked and what they asked for, so the same request sent
 twice (a retried HTTP call, a double click) lands on the same row instead of making a second
 job. With an ``Idempotency-Key`` the key replaces the body as the identity, and the body's
 hash is kept to detect a key reused for a different request.
+
+The function is keyed: the first 128 bits of HMAC-SHA256 of the identity under the
+installation's secret (``storage/installation.py`` keeps it), shaped as an RFC 9562 UUIDv8.
+Before migration 0011 it was a UUIDv5 under a namespace written in this file, so another
+tenant could compute "the id of acme's export of 2020-03" and ask for it; ``Legacy.UUID5``
+is that scheme, kept only so that a request accepted before the upgrade still finds its job
+for a while (the previous scheme of ``IdKeys``). Everything here is pure: the secret is
+given, never read.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
+# The UUIDv5 namespace of the legacy ids, and still of follow-up ids (see follow_up_job_id).
 _NAMESPACE = uuid.UUID("5b0d3c1e-9f6a-4c55-b7a2-6a1f0e1d2c3b")
+MIN_SECRET_BYTES = 16
+
+
+class Legacy(Enum):
+    """The id scheme before migration 0011: UUIDv5 under ``_NAMESPACE``, no secret."""
+
+    UUID5 = "legacy-uuid5"
+
+
+# What an id is derived with: a secret (HMAC-SHA256, UUIDv8), or the legacy scheme.
+IdSecret = bytes | Legacy
+
+
+@dataclass(frozen=True)
+class IdKeys:
+    """The secrets ids are derived with at one moment: the installation's current one, and
+    the previous one while a rotation's window still counts (``None`` otherwise). Neither is
+    ever part of a ``repr``."""
+
+    current: bytes = field(repr=False)
+    previous: IdSecret | None = field(default=None, repr=False)
+
+    def derive(self, derive: Callable[[IdSecret], str]) -> tuple[str, str | None]:
+        """``derive`` under the current secret, and under the previous one if it counts."""
+        return derive(self.current), None if self.previous is None else derive(self.previous)
 
 
 def canonical_json(value: Any) -> str:
@@ -24,29 +62,49 @@ def canonical_json(value: Any) -> str:
 
 
 def request_hash(account_id: str | None, job_type: str, params: dict[str, Any]) -> str:
-    """Digest of the request body, kept with the job to detect a reused idempotency key."""
+    """Digest of the request body, kept with the job to detect a reused idempotency key.
+
+    Unkeyed, so it must never be shown as an id or to an account: it is stored, compared
+    with the next request's under the same id, and read by nothing else.
+    """
     material = canonical_json({"account": account_id, "type": job_type, "params": params})
     return hashlib.sha256(material.encode()).hexdigest()
 
 
 def job_id_for(
-    account_id: str,
+    secret: IdSecret,
+    account_id: str | None,
     job_type: str,
     params: dict[str, Any],
     idempotency_key: str | None = None,
 ) -> str:
-    """The job id for a request: from the key when one is given, else from the body."""
+    """The job id of a request: from the key when one is given, else from the body."""
     if idempotency_key is not None:
         material = canonical_json({"account": account_id, "idempotencyKey": idempotency_key})
     else:
         material = canonical_json({"account": account_id, "type": job_type, "params": params})
-    return str(uuid.uuid5(_NAMESPACE, material))
+    return _derive(secret, material)
 
 
-def keyed_job_id(job_type: str, account_id: str | None, key: str) -> str:
+def keyed_job_id(secret: IdSecret, job_type: str, account_id: str | None, key: str) -> str:
     """The id of a library job enqueued with ``key``: one job per (type, account, key)."""
-    material = canonical_json({"type": job_type, "account": account_id, "key": key})
-    return str(uuid.uuid5(_NAMESPACE, material))
+    return _derive(secret, canonical_json({"type": job_type, "account": account_id, "key": key}))
+
+
+def _derive(secret: IdSecret, material: str) -> str:
+    if isinstance(secret, Legacy):
+        return str(uuid.uuid5(_NAMESPACE, material))
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"an id secret has at least {MIN_SECRET_BYTES} bytes")
+    digest = hmac.new(secret, material.encode(), hashlib.sha256).digest()
+    return _shaped(int.from_bytes(digest[:16], "big"), version=8)
+
+
+def _shaped(value: int, version: int) -> str:
+    """128 bits as an RFC 9562 UUID of ``version`` (variant 10), hyphenated, lowercase."""
+    value = value & ~(0xF << 76) | (version << 76)
+    value = value & ~(0x3 << 62) | (0x2 << 62)
+    return str(uuid.UUID(int=value))
 
 
 def uuid7() -> str:
@@ -56,10 +114,7 @@ def uuid7() -> str:
     """
     millis = time.time_ns() // 1_000_000
     rand = int.from_bytes(os.urandom(10), "big")
-    value = (millis & ((1 << 48) - 1)) << 80 | rand & ((1 << 80) - 1)
-    value = value & ~(0xF << 76) | (0x7 << 76)  # version 7
-    value = value & ~(0x3 << 62) | (0x2 << 62)  # variant 10
-    return str(uuid.UUID(int=value))
+    return _shaped((millis & ((1 << 48) - 1)) << 80 | rand & ((1 << 80) - 1), version=7)
 
 
 def follow_up_job_id(parent_job_id: str, job_type: str) -> str:
@@ -68,6 +123,13 @@ def follow_up_job_id(parent_job_id: str, job_type: str) -> str:
     A function of the parent's id alone, so a second "succeeded" for the same parent (a
     duplicate delivery, a lease takeover) lands on the existing follow-up instead of
     creating another one: one export, at most one notification.
+
+    Not keyed with the installation's secret, on purpose: it must not change when the
+    secret is rotated between two successes of one parent (that would be a second
+    notification), and it needs no secret to be unguessable, because the parent's id is
+    already keyed (or random, UUIDv7): whoever cannot compute the parent's id cannot compute
+    this one. An application that passes its own guessable ``job_id`` gets guessable
+    follow-ups too.
     """
     material = canonical_json({"parent": parent_job_id, "type": job_type})
     return str(uuid.uuid5(_NAMESPACE, material))

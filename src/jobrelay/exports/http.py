@@ -3,7 +3,8 @@
 Accepting writes the job, its outbox row and its ``accepted`` event in ONE transaction; the
 202 is sent only after that commit, so a client that saw a jobId can always read it back.
 The jobId is a function of the request (the account and the body, or the account and the
-``Idempotency-Key``): the same request twice is the same job.
+``Idempotency-Key``), keyed with the installation's secret: the same request twice is the
+same job, and no other tenant can compute it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from jobrelay.http import (
     parse_body,
     problem_openapi,
     read_body,
-    request_job_id,
     valid_traceparent,
 )
 
@@ -135,7 +135,7 @@ async def create_export(
         params,
         account=body.account_id,
         key=idempotency_key,
-        job_id=request_job_id(body.account_id, report_export.type, params, idempotency_key),
+        by_request=True,
         headers={"traceparent": trace} if trace else None,
     )
     status_url = f"/v1/jobs/{admission.job_id}"

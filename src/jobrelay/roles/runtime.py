@@ -174,7 +174,7 @@ async def open_runtime(
         yield Runtime(
             settings=settings,
             engine=engine,
-            store=Store(engine, clock=store_clock),
+            store=Store(engine, clock=store_clock, id_secret=settings.id_secret_key),
             transport=transport,
             results=results,
             faults=faults if faults is not None else Faults(settings.faults),

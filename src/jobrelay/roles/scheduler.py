@@ -90,7 +90,13 @@ class Scheduler:
 
     async def advance(self, schedule: Schedule) -> PassResult:
         """Every due tick of ``schedule`` (in batches: a long catch-up is several passes)."""
-        definition = Definition(schedule.name, schedule.job_type, schedule.cron, schedule.tick_job)
+        keys = await self.rt.store.id_keys(self.rt.clock())
+        definition = Definition(
+            schedule.name,
+            schedule.job_type,
+            schedule.cron,
+            lambda tick: schedule.tick_job(tick, keys),
+        )
         while True:
             result = await self.queries.advance(definition, self._plan, self.name)
             self._record(schedule.name, result)

@@ -7,7 +7,7 @@ is quiet, never for the request path.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -24,6 +24,7 @@ class Facts:
     events: dict[str, Counter[str]]  # job id -> event kind -> count
     effects: dict[str, tuple[str, str]]  # job id -> (ledger state, message id)
     unpublished: int
+    id_secret: bytes = field(repr=False)  # the installation's: what the API keyed ids with
 
 
 async def non_terminal_and_unpublished(engine: AsyncEngine) -> tuple[int, int]:
@@ -59,4 +60,5 @@ async def collect(store: Store) -> Facts:
         unpublished = await conn.scalar(
             select(func.count()).select_from(outbox).where(outbox.c.published_at.is_(None))
         )
-    return Facts(found, events, effects, int(unpublished or 0))
+    keys = await store.id_keys(store.local_now())
+    return Facts(found, events, effects, int(unpublished or 0), keys.current)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -44,6 +45,7 @@ from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.effects import EffectsLedger
 from jobrelay.storage.engine import read_tx, statement_tx, write_tx
 from jobrelay.storage.enqueue import queued_job_row
+from jobrelay.storage.installation import IdKeyCache, Installation
 from jobrelay.storage.pg_hot import HotPool, HotStatement
 from jobrelay.storage.records import (
     NOTIFY_CHANNEL,
@@ -61,11 +63,17 @@ from jobrelay.storage.tables import (
 
 
 class StoreBase:
-    def __init__(self, engine: AsyncEngine, *, clock: Clock | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, *, clock: Clock | None = None, id_secret: bytes | None = None
+    ) -> None:
         self.engine = engine
         self.is_postgres = engine.dialect.name == "postgresql"
         # None: the database's clock on PostgreSQL, this process's on SQLite. Tests inject one.
         self._clock = clock
+        # The secret job ids are keyed with: the installation's row, read once and kept
+        # (``id_secret``, JOBRELAY_ID_SECRET, replaces it). A test's clock also ages the copy.
+        monotonic = time.monotonic if clock is None else (lambda: clock().timestamp())
+        self.installation = Installation(engine, IdKeyCache(id_secret, monotonic=monotonic))
         # In-process wake-ups for a relay in this same process (``jobrelay up``), set after
         # a commit that wrote outbox rows. PostgreSQL relays elsewhere get NOTIFY instead.
         self.outbox_listeners: list[asyncio.Event] = []

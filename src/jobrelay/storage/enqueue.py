@@ -10,7 +10,9 @@ delivered only at the caller's commit.
 
 On PostgreSQL the four writes are ONE statement (a data-modifying CTE, built once with bound
 parameters), so it is all or nothing even in autocommit mode: the API sends it alone, one
-round trip per accepted job. SQLite gets the same writes as four statements.
+round trip per accepted job. SQLite gets the same writes as four statements. While the
+installation's previous id secret still counts (a rotation's window, ``installation.py``),
+one read comes first: the job under the id the previous secret gives, if there is one.
 """
 
 from __future__ import annotations
@@ -112,10 +114,16 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
 
     Returns ``(job_id, created)``. An existing job with the same request hash is the same
     request again: nothing is written. Another hash under the same id raises
-    ``IdempotencyConflict``.
+    ``IdempotencyConflict``. With a ``previous_job_id`` (an id secret was rotated and the
+    previous one still counts) a job under that id is looked for first, by the same rules:
+    one more statement, only while a previous secret counts.
     """
     if dialect not in ("postgresql", "sqlite"):
         raise ConfigError("connection", f"jobrelay supports PostgreSQL and SQLite, not {dialect}")
+    if job.previous_job_id is not None:
+        earlier = (yield (_EXISTING_HASH, {"nj_id": job.previous_job_id})).first()
+        if earlier is not None:
+            return _same_request(job.previous_job_id, job, earlier.request_hash)
     body = JobMessage(job_id=job.job_id, type=job.type).encode().decode()
     destination = job.destination or work_destination(job.queue)
     if dialect == "postgresql":
@@ -149,7 +157,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
             # The id was inserted by a transaction that committed after this statement began
             # (ON CONFLICT waited for it): read it again, with a snapshot that sees it.
             existing = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).scalar_one()
-        return _same_request(job, existing)
+        return _same_request(job.job_id, job, existing)
     inserted = yield (
         sqlite.insert(jobs)
         .values(**queued_job_row(job, now))
@@ -160,7 +168,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     # RETURNING, not rowcount: psycopg reports -1 for an INSERT … ON CONFLICT here.
     if inserted.first() is None:
         existing = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).scalar_one()
-        return _same_request(job, existing)
+        return _same_request(job.job_id, job, existing)
     yield (
         insert(outbox).values(
             job_id=job.job_id,
@@ -180,13 +188,13 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     return job.job_id, True
 
 
-def _same_request(job: NewJob, existing_hash: str) -> tuple[str, bool]:
-    """An existing job under this id: the same request again, or a reused key."""
+def _same_request(job_id: str, job: NewJob, existing_hash: str) -> tuple[str, bool]:
+    """An existing job under ``job_id``: the same request again, or a reused key."""
     if existing_hash != job.request_hash:
         raise IdempotencyConflict(
             "this Idempotency-Key was already used with a different request body"
         )
-    return job.job_id, False
+    return job_id, False
 
 
 async def run_async(conn: AsyncConnection, steps: Steps[T]) -> T:

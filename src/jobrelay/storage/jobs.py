@@ -9,6 +9,7 @@ from sqlalchemy import (
     select,
 )
 
+from jobrelay.domain.ids import IdKeys
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
 from jobrelay.storage.engine import statement_tx
@@ -24,6 +25,11 @@ from jobrelay.storage.tables import (
 
 
 class JobsStore(StoreBase):
+    async def id_keys(self, now: datetime) -> IdKeys:
+        """The secrets job ids are derived with at ``now``: the installation's current one and
+        the previous one while its window lasts. Cached: no statement on most calls."""
+        return await self.installation.id_keys(now)
+
     async def submit(self, job: NewJob, now: datetime) -> tuple[str, bool]:
         """Insert the job, its outbox row and its ``accepted`` event in ONE transaction.
 

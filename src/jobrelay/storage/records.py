@@ -43,6 +43,9 @@ class NewJob:
     headers: Mapping[str, str] | None = None  # message headers (trace context)
     destination: str | None = None  # the outbox destination of its first message (a queue)
     queue: str = DEFAULT_QUEUE  # the job's queue: where its retries and re-sends go
+    # The id the same request had under the installation's previous id secret, while that
+    # one still counts (a rotation's window): a job there is this request's job.
+    previous_job_id: str | None = None
 
 
 Clock = Callable[[], datetime]

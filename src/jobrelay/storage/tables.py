@@ -14,6 +14,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    CheckConstraint,
     Column,
     DateTime,
     Dialect,
@@ -287,3 +288,19 @@ process_heartbeats = Table(
     Column("last_seen_at", UTCDateTime(), nullable=False),
 )
 Index("ix_process_heartbeats_last_seen", process_heartbeats.c.last_seen_at)
+
+# The installation's one row (migration 0011, storage/installation.py): the secret job ids
+# are keyed with (hex), and the previous one (hex, or 'legacy-uuid5' for the ids before
+# 0011) with the end of its window, plus who last rotated it and when.
+installation = Table(
+    "installation",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("id_secret", String(64), nullable=False),
+    Column("previous_id_secret", String(64)),
+    Column("previous_until", UTCDateTime()),
+    Column("created_at", UTCDateTime(), nullable=False),
+    Column("rotated_at", UTCDateTime()),
+    Column("rotated_by", String(255)),
+    CheckConstraint("id = 1", name="ck_installation_one_row"),
+)

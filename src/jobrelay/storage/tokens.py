@@ -31,8 +31,10 @@ _monotonic = time.monotonic  # the cache's clock (tests move it)
 
 
 class TokensStore(StoreBase):
-    def __init__(self, engine: AsyncEngine, *, clock: Clock | None = None) -> None:
-        super().__init__(engine, clock=clock)
+    def __init__(
+        self, engine: AsyncEngine, *, clock: Clock | None = None, id_secret: bytes | None = None
+    ) -> None:
+        super().__init__(engine, clock=clock, id_secret=id_secret)
         self._known_tokens: dict[str, tuple[float, TokenRecord]] = {}
 
     async def add_token(

@@ -1,0 +1,45 @@
+"""The ``jobrelay`` command tree imports only what a command needs (issue 22, item 5).
+
+Every test that runs ``jobrelay`` pays its start-up, and so does every operator typing
+``jobrelay --help``: the command modules import the runtime (SQLAlchemy, aio-pika, the
+API) inside the commands that run it. Checked on ``sys.modules`` in a fresh interpreter,
+not by a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+HEAVY = ("sqlalchemy", "aio_pika", "fastapi", "jobrelay.roles.runtime", "jobrelay.app", "boto3")
+
+
+def _modules_after(code: str) -> set[str]:
+    probe = f"{code}\nimport sys, json\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    return set(json.loads(out.strip().splitlines()[-1]))
+
+
+def _heavy(modules: set[str]) -> set[str]:
+    return {m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY)}
+
+
+def test_the_command_tree_imports_no_runtime() -> None:
+    assert _heavy(_modules_after("import jobrelay.cli.main")) == set()
+
+
+def test_the_package_imports_its_public_names_on_first_use() -> None:
+    assert _heavy(_modules_after("import jobrelay")) == set()
+    loaded = _modules_after("import jobrelay\njobrelay.App")
+    assert "jobrelay.app" in loaded
+
+
+def test_every_public_name_resolves() -> None:
+    import jobrelay
+
+    for name in jobrelay.__all__:
+        assert getattr(jobrelay, name) is not None, name
+    assert jobrelay.Job.__name__ == "JobRecord"
