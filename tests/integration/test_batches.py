@@ -2,20 +2,26 @@
 
 The worker sends the claims (and completions) of concurrent deliveries as one statement
 (``storage/batches.py``); these check that statement's guards row by row, the same guards
-the one-job path has (``test_claims.py`` runs the worker through both).
+the one-job path has (``test_claims.py`` runs the worker through both). Each runs on both
+ways the store sends them: through SQLAlchemy, and on the raw asyncpg connections a worker
+or relay holds (``storage/pg_hot.py``): the same statements, so the same answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Text, bindparam, text
 
 from jobrelay.domain.states import JobState
+from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.pg_hot import HotStatement
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest
 from tests.integration.test_claims import (
     ROWS,
@@ -30,11 +36,15 @@ from tests.integration.test_claims import (
 LEASE = timedelta(seconds=30)
 
 
-@pytest.fixture
-async def pg(pg_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
+@pytest.fixture(params=["sqlalchemy", "asyncpg"])
+async def pg(pg_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Runtime]:
     runtime = runtime_for(pg_url, tmp_path)
     await seed(runtime.engine, ROWS)
-    yield runtime
+    async with contextlib.AsyncExitStack() as held:
+        if request.param == "asyncpg":
+            await held.enter_async_context(runtime.store.hot_connections())
+            assert runtime.store.hot is not None and runtime.store.hot.active
+        yield runtime
     await runtime.engine.dispose()
 
 
@@ -123,3 +133,61 @@ async def test_a_claim_does_not_wait_for_an_open_event_insert_of_the_same_job(
                 )
         await transaction.rollback()
     assert claimed is not None and claimed[0].attempt == 1
+
+
+async def test_a_refused_value_is_a_data_error_and_a_lost_connection_an_outage(
+    pg: Runtime,
+) -> None:
+    """Issue 21, item 2, on both paths: a value the driver cannot encode (a row count out
+    of the column's range) or the server refuses (text that is not JSON: SQLSTATE 22P02) is
+    a ``StoreDataError``, never retried as it is; a connection the server closed is a plain
+    ``StoreError`` (an outage), and the next statement goes through."""
+    [claimed] = await pg.store.claim_many([ask(await submit(pg))], pg.clock(), LEASE)
+    assert claimed is not None
+    with pytest.raises(StoreDataError):
+        await pg.store.complete_many(
+            [CompleteRequest(claimed[0], "k", {"rows": 2**40})], pg.clock()
+        )
+    not_json = HotStatement(
+        text("SELECT CAST(:value AS jsonb) AS v").bindparams(bindparam("value", type_=Text()))
+    )
+    with pytest.raises(StoreDataError, match="json"):
+        await pg.store.hot_rows(not_json, {"value": "not json"})
+
+    sleep = HotStatement(text("SELECT pg_sleep(30) AS slept"))
+    sleeping = asyncio.create_task(pg.store.hot_rows(sleep, {}))
+    async with pg.engine.connect() as admin:  # the backend running that statement goes away
+        # Autocommit: in a transaction pg_stat_activity would show its first snapshot only.
+        await admin.execution_options(isolation_level="AUTOCOMMIT")
+        for _ in range(100):
+            terminated = await admin.scalar(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND query LIKE '%pg_sleep(30)%'"
+                    " AND pid <> pg_backend_pid()"
+                )
+            )
+            if terminated:
+                break
+            await asyncio.sleep(0.05)
+    with pytest.raises(StoreError) as lost:
+        await asyncio.wait_for(sleeping, timeout=10)
+    assert not isinstance(lost.value, StoreDataError)
+    [row] = await pg.store.hot_rows(not_json, {"value": '{"a": 1}'})
+    assert row["v"] == {"a": 1}
+
+
+async def test_leases_are_renewed_together_and_fenced_per_job(pg: Runtime) -> None:
+    """The worker's lease renewer: one statement for every running claim; a claim another
+    claim has superseded is not renewed, its neighbours are, by the store's clock."""
+    a, b = await submit(pg, period="2020-01"), await submit(pg, period="2020-02")
+    claims = await pg.store.claim_many([ask(a), ask(b)], pg.clock(), LEASE)
+    claim_a, claim_b = (c[0] for c in claims if c is not None)
+    stale_b = Claim(b, claim_b.attempt + 1, claim_b.worker_id)  # not the claim holding b
+    clock_of(pg).advance(10)
+    renewed = await pg.store.renew_leases([claim_a, stale_b], LEASE, pg.clock())
+    assert renewed == {claim_a}
+    job_a, job_b = await pg.store.get_job(a), await pg.store.get_job(b)
+    assert job_a is not None and job_b is not None
+    assert job_a.lease_expires_at == pg.clock() + LEASE
+    assert job_b.lease_expires_at == pg.clock() - timedelta(seconds=10) + LEASE

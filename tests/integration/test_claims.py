@@ -33,7 +33,7 @@ from jobrelay.observe.faults import Faults
 from jobrelay.roles.delivery import DEFERS_HEADER
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.worker import Worker
-from jobrelay.storage.store import NewJob, Store
+from jobrelay.storage.store import Claim, NewJob, Store
 from jobrelay.storage.tables import jobs, outbox
 from jobrelay.transport.base import Delivery
 from tests.id_keys import request_id
@@ -139,7 +139,7 @@ def served_file(rt: Runtime, key: str) -> bytes:
 async def test_two_copies_in_one_process_only_the_newest_claim_saves_its_result(
     database_url: str, tmp_path: Path
 ) -> None:
-    """Two copies of one job in ONE worker process (same worker id), the heartbeat failing:
+    """Two copies of one job in ONE worker process (same worker id), the renewals failing:
     the lease lapses, the second copy claims again. The first run finishes first, but its
     claim was superseded: it must record ``lease_lost``, not ``result_saved``."""
     rt = runtime_for(database_url, tmp_path, faults="export.run:stall:0.5:1,export.run:stall:1.5:2")
@@ -147,10 +147,10 @@ async def test_two_copies_in_one_process_only_the_newest_claim_saves_its_result(
     job_id = await submit(rt)
     worker = Worker(rt, worker_id="host:1:shared")
 
-    async def failing_renewal(*args: Any, **kwargs: Any) -> bool:
-        raise StoreError("database write failed: heartbeat made to fail")
+    async def failing_renewal(*args: Any, **kwargs: Any) -> set[Claim]:
+        raise StoreError("database write failed: lease renewal made to fail")
 
-    rt.store.renew_lease = failing_renewal  # type: ignore[method-assign]
+    rt.store.renew_leases = failing_renewal  # type: ignore[method-assign]
     first, second = HandDelivery(body_of(job_id)), HandDelivery(body_of(job_id))
     run_first = asyncio.create_task(worker.handle(first))
     await eventually(lambda: _in_state(rt, job_id, JobState.RUNNING, 1), "first claim")
@@ -174,7 +174,7 @@ async def _in_state(rt: Runtime, job_id: str, state: JobState, attempt: int) -> 
 
 
 async def test_a_lost_lease_stops_the_run(database_url: str, tmp_path: Path) -> None:
-    """Another claim took the job over while this run stalls: the next heartbeat finds the
+    """Another claim took the job over while this run stalls: the next renewal finds the
     lease gone and cancels the operation, instead of letting it run on for ten minutes."""
     rt = runtime_for(database_url, tmp_path, faults="export.run:stall:600:1", lease_seconds=1.5)
     await seed(rt.engine, ROWS)
@@ -186,7 +186,7 @@ async def test_a_lost_lease_stops_the_run(database_url: str, tmp_path: Path) -> 
     await Worker(rt, worker_id="w-new").handle(HandDelivery(body_of(job_id)))
     assert await job_state(rt, job_id) == (JobState.SUCCEEDED, 2)
 
-    # A 600 s stall ends only because the heartbeat cancelled it.
+    # A 600 s stall ends only because the lease renewer cancelled it.
     await asyncio.wait_for(run, timeout=30)
     lost = await events_of(rt, job_id, "lease_lost")
     assert [(e["attempt"], e["currentAttempt"]) for e in lost] == [(1, 2)]

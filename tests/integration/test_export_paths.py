@@ -51,7 +51,7 @@ from jobrelay.results.staging import StagingResults
 from jobrelay.roles.runtime import open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import create_engine, snapshot
-from jobrelay.storage.store import NewJob
+from jobrelay.storage.store import Claim, NewJob
 from tests.id_keys import request_id
 
 pytestmark = pytest.mark.timeout(120)
@@ -412,14 +412,14 @@ async def test_heartbeat_renews_the_lease_in_the_middle_of_an_export(
     async with make_pipeline() as p:
         await seed_month(p.rt.engine, "acme", PERIOD, 20_000)
         renewed = asyncio.Event()
-        renew = p.rt.store.renew_lease
+        renew = p.rt.store.renew_leases
 
-        async def renew_and_tell(*args: Any, **kwargs: Any) -> bool:
-            held: bool = await renew(*args, **kwargs)
+        async def renew_and_tell(*args: Any, **kwargs: Any) -> set[Claim]:
+            held: set[Claim] = await renew(*args, **kwargs)
             renewed.set()
             return held
 
-        monkeypatch.setattr(p.rt.store, "renew_lease", renew_and_tell)
+        monkeypatch.setattr(p.rt.store, "renew_leases", renew_and_tell)
         gated = _GatedResults(p.rt.results, renewed)
         p.rt = dataclasses.replace(p.rt, results=gated)
         job_id = await p.submit("acme", PERIOD)

@@ -11,6 +11,7 @@ the job's timeline. The pipeline tests run on SQLite + the local transport and o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
@@ -87,15 +88,23 @@ async def start_worker(p: Pipeline, operation: Operation) -> Worker:
     return worker
 
 
-def count_failing_statements(p: Pipeline) -> Counter[str]:
-    """Every statement the database (or the driver) refused, from the engine's own hook."""
+def count_failing_statements(p: Pipeline) -> Callable[[], Counter[str]]:
+    """Every statement the database (or the driver) refused so far: from the engine's own
+    hook, and from the raw asyncpg connections the worker and relay hold on PostgreSQL."""
     failures: Counter[str] = Counter()
 
     def on_error(context: Any) -> None:
         failures[type(context.original_exception).__name__] += 1
 
     event.listen(p.rt.engine.sync_engine, "handle_error", on_error)
-    return failures
+    hot = p.rt.store.hot
+    return lambda: failures + (hot.failures if hot is not None else Counter())
+
+
+def on_the_hot_path(p: Pipeline) -> bool:
+    """PostgreSQL: the worker's batched statements went over its held asyncpg connections."""
+    hot = p.rt.store.hot
+    return hot is None or hot.sent > 0
 
 
 def finished(job: JobRecord) -> bool:
@@ -137,6 +146,7 @@ async def test_a_job_whose_outcome_cannot_be_stored_fails_alone_beside_a_healthy
         assert "could not be stored" in (out_of_range.quarantine_reason or "")
         assert operation.runs == {"2020-01": 1, "2020-02": 1, "2020-03": 1}
         assert (await p.kinds(healthy)).count("claimed") == 1
+        assert on_the_hot_path(p)
 
 
 async def test_a_nul_byte_ends_its_job_with_a_reason_and_never_loops(make_pipeline: Any) -> None:
@@ -183,7 +193,8 @@ async def test_a_nul_byte_ends_its_job_with_a_reason_and_never_loops(make_pipeli
         [scheduled] = [e for e in await p.rt.store.events(bad_retry) if e.kind == "retry_scheduled"]
         assert scheduled.detail["error"] == "flaky \\x00 service"
         assert operation.runs == {"2020-01": 1, "2020-02": 1, "2020-03": 1, "2020-04": 2}
-        assert sum(failing.values()) <= 2, failing
+        assert sum(failing().values()) <= 2, failing()
+        assert on_the_hot_path(p)
 
 
 async def test_a_claim_whose_answer_was_lost_runs_its_job(make_pipeline: Any) -> None:
@@ -211,7 +222,7 @@ async def test_the_lease_is_renewed_until_the_outcome_commits(
     database_url: str, tmp_path: Path
 ) -> None:
     """The result is computed, then its write fails (the database refuses that statement,
-    answers the rest) for longer than lease + grace by the store's clock. The heartbeat keeps
+    answers the rest) for longer than lease + grace by the store's clock. The renewer keeps
     renewing, so the reconciler finds no expired lease; once the write goes through the job
     has succeeded at attempt 1 with the result computed. Old code: the heartbeat stopped when
     the operation returned, the lease lapsed and the reconciler re-queued the job."""
@@ -235,15 +246,15 @@ async def test_the_lease_is_renewed_until_the_outcome_commits(
 
     store.complete = failing_while_held(store.complete)
     store.complete_many = failing_while_held(store.complete_many)
-    renew = store.renew_lease
+    renew = store.renew_leases
 
-    async def counted_renewal(*args: Any, **kwargs: Any) -> bool:
+    async def counted_renewal(*args: Any, **kwargs: Any) -> set[Any]:
         nonlocal renewed
-        won = bool(await renew(*args, **kwargs))
-        renewed += won
+        won: set[Any] = await renew(*args, **kwargs)
+        renewed += len(won)
         return won
 
-    store.renew_lease = counted_renewal
+    store.renew_leases = counted_renewal
 
     async def until(check: Callable[[], bool]) -> None:
         async def checked() -> bool:
@@ -251,6 +262,8 @@ async def test_the_lease_is_renewed_until_the_outcome_commits(
 
         await eventually(checked, "the condition")
 
+    connections = contextlib.AsyncExitStack()  # on PostgreSQL, as a running worker holds them
+    await connections.enter_async_context(rt.store.hot_connections())
     run = asyncio.create_task(Worker(rt, worker_id="w-1").handle(HandDelivery(body_of(job_id))))
     await until(lambda: refused >= 1)
     for _ in range(3):  # 4.5 s of store time: past the lease (1.5 s) + grace (1 s)
@@ -267,6 +280,7 @@ async def test_the_lease_is_renewed_until_the_outcome_commits(
     assert [e["attempt"] for e in await events_of(rt, job_id, "result_saved")] == [1]
     timeline = await kinds(rt, job_id)
     assert "lease_lost" not in timeline and "retry_scheduled" not in timeline
+    await connections.aclose()
     await rt.engine.dispose()
 
 

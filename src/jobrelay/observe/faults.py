@@ -18,6 +18,9 @@ Points and actions:
   is lost: the worker sees ``StoreError`` as if the connection had dropped (it then retries,
   finds its own claim and runs it). n means the n-th claim this process makes; without n,
   every claim (which then never gets past the recovery of its own claim: for tests only).
+- ``worker.after_complete:crash[:n]`` — a completion statement committed (a batch of them on
+  PostgreSQL, before any of its waiters is answered; a single completion otherwise), no ack
+  sent yet; n is the n-th time this process reaches the point, as below.
 - ``worker.before_ack:crash[:n]``, ``relay.before_mark:crash[:n]``,
   ``api.before_response:crash[:n]`` — n means the n-th time this process reaches the point;
   without n, every time.
@@ -49,6 +52,7 @@ log = logging.getLogger("jobrelay.faults")
 POINTS: dict[str, frozenset[str]] = {
     "export.run": frozenset({"transient", "invalid", "crash", "stall"}),
     "worker.before_ack": frozenset({"crash"}),
+    "worker.after_complete": frozenset({"crash"}),
     "relay.before_mark": frozenset({"crash"}),
     "api.before_response": frozenset({"crash"}),
     "notify.after_send": frozenset({"crash"}),

@@ -1,12 +1,12 @@
 """One claimed attempt: run the operation under its claim, commit the outcome, settle.
 
 Everything here happens after a successful claim, so everything is fenced on it: the lease
-renewals of the heartbeat, progress, the outcome and the publication of the staged result.
-When the heartbeat (or a progress report) finds the claim gone, or cannot renew it before the
-lease would end, the operation is cancelled; the run then tries to record a transient
+renewals (the worker's one renewer, ``leases``), progress, the outcome and the publication of
+the staged result. When a renewal (or a progress report) finds the claim gone, or cannot renew
+it before the lease would end, the operation is cancelled; the run then tries to record a transient
 failure, which loses (``lease_lost``) if another claim holds the job. A database outage while
 the outcome is written holds the delivery and retries the same fenced write, with a growing
-pause between tries, and the heartbeat keeps renewing the lease until that write has
+pause between tries, and the renewer keeps renewing the lease until that write has
 committed: a result computed before an outage is not lost to a takeover while the database
 answers renewals. A write the database refuses for its data (``StoreDataError``: a NUL
 byte, a value that is not JSON) is never retried as it is: the job is quarantined with the
@@ -52,6 +52,7 @@ from jobrelay.errors import (
 from jobrelay.operations.base import OperationContext, Registry
 from jobrelay.results.staging import StagingResults
 from jobrelay.roles.backoff import Backoff
+from jobrelay.roles.leases import LeaseRenewer
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, NewJob
@@ -104,6 +105,7 @@ class AttemptRun:
         settle: Settle,
         wait_for_database: Callable[[], Awaitable[None]],
         complete: Complete | None = None,
+        leases: LeaseRenewer,
     ) -> None:
         self.rt = rt
         self.registry = registry
@@ -112,9 +114,8 @@ class AttemptRun:
         self._settle = settle
         self._wait_for_database = wait_for_database
         self._complete = complete
-        self._committed = False  # the outcome is written: the heartbeat has nothing to keep
-        self._renewing: asyncio.Task[None] | None = None
-        self._stopping = asyncio.Event()  # the heartbeat ends between renewals, not inside one
+        self._leases = leases
+        self._renewed: Claim | None = None  # held by the worker's lease renewer
 
     async def run(self, delivery: Delivery, job: JobRecord, claim: Claim) -> None:
         """Run the operation under the claim, then commit its outcome and settle."""
@@ -135,7 +136,7 @@ class AttemptRun:
 
         async def progress(done: int, total: int) -> None:
             if not await self.rt.store.report_progress(claim, done, total, self.rt.clock()):
-                # Another claim holds the job: stop here, as the heartbeat would.
+                # Another claim holds the job: stop here, as a renewal would.
                 lease_lost.set()
                 raise asyncio.CancelledError
 
@@ -154,9 +155,11 @@ class AttemptRun:
         result: Any = None
         started = time.monotonic()
         work = asyncio.create_task(operation.run(context))
-        # The heartbeat outlives the operation: it renews the lease until the outcome is
-        # committed (``_commit_outcome`` stops it then), however long that write is held.
-        self._renewing = asyncio.create_task(self._heartbeat(claim, granted, work, lease_lost))
+        # The renewal outlives the operation: the worker's renewer renews the lease until
+        # the outcome is committed (``_commit_outcome`` releases it then), however long that
+        # write is held.
+        self._leases.hold(claim, granted, work, lease_lost)
+        self._renewed = claim
         try:
             try:
                 result = await work
@@ -188,30 +191,12 @@ class AttemptRun:
                 await results.discard()
                 raise
         finally:
-            await self._stop_renewing()
+            self._stop_renewing()
 
-    async def _stop_renewing(self) -> None:
-        """End the heartbeat, letting a renewal under way finish first.
-
-        Cancelled inside its statement, the driver throws the connection away; on aiosqlite
-        that leaves a close task behind that can hang the event loop's shutdown (seen as a
-        test teardown stuck for 90 s, and so a worker's exit). A renewal is bounded by the
-        lease, so waiting for it is too; only a renewal still stuck after that is cancelled.
-        """
-        self._committed = True
-        task, self._renewing = self._renewing, None
-        if task is None:
-            return
-        self._stopping.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(task), self.lease.total_seconds())
-        except TimeoutError:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        except asyncio.CancelledError:
-            task.cancel()  # this attempt is being torn down: do not leave the heartbeat
-            raise
+    def _stop_renewing(self) -> None:
+        if self._renewed is not None:
+            self._leases.release(self._renewed)
+            self._renewed = None
 
     def _claim_latency_allowance(self) -> float:
         # The store set the lease end when it ran the claim, a moment before we saw the
@@ -237,7 +222,7 @@ class AttemptRun:
 
         An outage is retried (after the database answers, and a growing pause between
         failures); a refusal of the data becomes a quarantine with its reason; the lease is
-        renewed meanwhile, and the heartbeat stops once the write has committed.
+        renewed meanwhile, and the renewal stops once the write has committed.
         """
         in_doubt = False  # a try failed mid-way: its commit may have landed unseen
         backoff = Backoff()
@@ -276,7 +261,7 @@ class AttemptRun:
             except OperationError as exc:  # the staged result could not be published
                 await results.discard()
                 observation = self._transient(job, claim.attempt, *failure_texts(exc))
-        await self._stop_renewing()
+        self._stop_renewing()
         won = fenced.won
         if won:
             log.info(
@@ -314,7 +299,7 @@ class AttemptRun:
                 return (
                     Fenced(True) if await self._complete(request) else await self._current(job.id)
                 )
-            return await store.complete(
+            completed = await store.complete(
                 claim,
                 observation.result_key,
                 meta,
@@ -322,6 +307,8 @@ class AttemptRun:
                 follow_ups=tuple[NewJob, ...](result.follow_ups),
                 publish=results.publish if results.staged else None,
             )
+            self.rt.faults.hit("worker.after_complete")  # tests: committed, not yet acked
+            return completed
         if decision.action is Action.ACK:
             assert decision.retry_delay is not None
             return await store.schedule_retry(
@@ -404,57 +391,3 @@ class AttemptRun:
             metrics.transition(JobState.RUNNING.value, target)
             if decision.new_state is JobState.RETRY_WAIT:
                 metrics.retries.inc()
-
-    async def _heartbeat(
-        self, claim: Claim, granted: float, work: asyncio.Task[Any], lost: asyncio.Event
-    ) -> None:
-        """Renew the lease every third of it; stop the work when the lease is gone.
-
-        Gone means a renewal found another claim holding the job, or no renewal succeeded
-        before the lease (counted from just before the claim, on this process's monotonic
-        clock) would end. Either way the run stops: it can no longer win its fenced writes.
-        """
-        lease = self.lease.total_seconds()
-        margin = min(1.0, lease / 10)
-        expires = granted + lease
-        due = granted + lease / 3
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, due - time.monotonic())):
-                    await self._stopping.wait()
-            if self._stopping.is_set():
-                return
-            sent = time.monotonic()
-            reason: str | None = None
-            try:
-                async with asyncio.timeout(max(expires - margin - sent, margin)):
-                    held = await self.rt.store.renew_lease(claim, self.lease, self.rt.clock())
-                if held:
-                    expires, due = sent + lease, sent + lease / 3
-                    continue
-                if self._committed:
-                    return  # the renewal crossed the commit of the outcome: nothing is lost
-                reason = "another claim holds the job"
-            except (StoreError, TimeoutError) as exc:
-                if self._committed:
-                    return
-                # While the work runs, a lease that may have ended must stop it; once the
-                # work is done there is nothing to stop, so keep trying until the outcome
-                # commits (the fenced write still loses if another claim took the job).
-                if time.monotonic() < expires - margin or work.done():
-                    log.warning(
-                        "lease renewal failed: %s",
-                        exc or "timed out",
-                        extra={"event": "lease_renew_failed", "jobId": claim.job_id},
-                    )
-                    due = time.monotonic() + min(lease / 6, 1.0)
-                    continue
-                reason = f"lease could not be renewed before it ended ({exc or 'timed out'})"
-            log.warning(
-                "lease lost, stopping the run: %s",
-                reason,
-                extra={"event": "lease_lost", "jobId": claim.job_id, "attempt": claim.attempt},
-            )
-            lost.set()
-            work.cancel()
-            return

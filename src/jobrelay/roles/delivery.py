@@ -40,6 +40,7 @@ from jobrelay.observe import logs
 from jobrelay.operations.base import Registry
 from jobrelay.roles.attempt import AttemptRun
 from jobrelay.roles.backoff import Backoff
+from jobrelay.roles.leases import LeaseRenewer
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest, JobRecord
@@ -89,6 +90,8 @@ class DeliveryHandler:
             self._completions = Batcher(
                 self._complete_many, key=lambda r: r.claim.job_id, alone_on=alone_on
             )
+        # Every running claim's lease, renewed in one statement (one renewer per worker).
+        self.leases = LeaseRenewer(rt, lease)
         # Deliveries of each job being claimed or run in this process (a lost claim's reply
         # is adopted only by the one delivery that holds the job here).
         self._holding: Counter[str] = Counter()
@@ -273,7 +276,7 @@ class DeliveryHandler:
         Ours means: ``running`` at an attempt whose ``claimed`` event is this worker's, the
         lease this worker's and live by the store's clock, and no other delivery in this
         process holding the job (a second copy claiming or running it). The lease is renewed
-        at once: the heartbeat counts it from now, and the outage may have eaten into it.
+        at once: the lease renewer counts it from now, and the outage may have eaten into it.
         """
         job = await self.rt.store.get_job(job_id)
         if job is None or job.state is not JobState.RUNNING or job.lease_owner != self.worker_id:
@@ -307,6 +310,7 @@ class DeliveryHandler:
             settle=self._settle,
             wait_for_database=self._wait_for_database,
             complete=self._completions.submit if self._completions is not None else None,
+            leases=self.leases,
         )
         await run.run(delivery, job, claim)
 
@@ -315,6 +319,8 @@ class DeliveryHandler:
 
     async def _complete_many(self, requests: Sequence[CompleteRequest]) -> list[bool]:
         won = await self.rt.store.complete_many(requests, self.rt.clock())
+        # Tests: the batch committed, none of its deliveries settled yet.
+        self.rt.faults.hit("worker.after_complete")
         return [r.claim.job_id in won for r in requests]
 
     # --- settling ---------------------------------------------------------------------------

@@ -125,7 +125,13 @@ class Relay:
         return timedelta(seconds=seconds)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Relay until ``stop``; wake on NOTIFY or an in-process hint, else poll."""
+        """Relay until ``stop``; wake on NOTIFY or an in-process hint, else poll.
+
+        The hot statements' connections are open before the relay says it started."""
+        async with self.rt.store.hot_connections():
+            await self._run(stop)
+
+    async def _run(self, stop: asyncio.Event) -> None:
         wake = asyncio.Event()
         self.rt.store.outbox_listeners.append(wake)
         poll = self.rt.settings.relay_poll_seconds

@@ -119,8 +119,13 @@ class Worker:
         One consumer per queue, each with ``prefetch`` slots of its own, so a queue of slow
         jobs never starves another; all of them hand deliveries to the same handling. The
         consumers stop together (``stop``, or one of them ending or failing), and only then
-        is what is in flight drained.
+        is what is in flight drained. The hot statements' connections are open before the
+        worker says it started and stay open until the drain is over.
         """
+        async with self.rt.store.hot_connections():
+            await self._run(stop)
+
+    async def _run(self, stop: asyncio.Event) -> None:
         prefetch = self.rt.settings.prefetch
         in_flight: set[asyncio.Task[None]] = set()
         log.info(
@@ -167,6 +172,7 @@ class Worker:
                 await asyncio.gather(*in_flight, return_exceptions=True)
             if self._probe is not None:
                 self._probe.cancel()
+            await self.deliveries.leases.close()
             await self.timeline.close()
             await beating.aclose()
             log.info("worker stopped", extra={"event": "worker_stopped", "handled": self.handled})

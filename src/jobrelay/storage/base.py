@@ -43,9 +43,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.effects import EffectsLedger
-from jobrelay.storage.engine import read_tx, write_tx
+from jobrelay.storage.engine import read_tx, statement_tx, write_tx
 from jobrelay.storage.enqueue import queued_job_row
 from jobrelay.storage.installation import IdKeyCache, Installation
+from jobrelay.storage.pg_hot import HotPool, HotStatement
 from jobrelay.storage.records import (
     NOTIFY_CHANNEL,
     Clock,
@@ -78,6 +79,28 @@ class StoreBase:
         self.outbox_listeners: list[asyncio.Event] = []
         # External effects of jobs (e-mails sent): a small module of its own, same database.
         self.effects = EffectsLedger(engine)
+        # PostgreSQL: the asyncpg connections a worker or relay holds for its hot statements.
+        self.hot = HotPool(engine.url) if self.is_postgres else None
+
+    def hot_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Held by a worker or relay while it runs: asyncpg connections for its hot
+        statements (PostgreSQL; nothing to hold on SQLite)."""
+        if self.hot is None:
+            return contextlib.nullcontext()
+        return self.hot.held()
+
+    async def hot_rows(self, statement: HotStatement, params: Mapping[str, Any]) -> Sequence[Any]:
+        """One hot statement in autocommit; its rows, each read by column name.
+
+        On the held asyncpg connections while a worker or relay holds them, else through
+        SQLAlchemy: the same statement either way (``pg_hot``), so the same guards.
+        PostgreSQL only (SQLite keeps its own statements).
+        """
+        if self.hot is not None and self.hot.active:
+            return await self.hot.fetch(statement, params)
+        async with statement_tx(self.engine, "database") as conn:
+            result = await conn.execute(statement.statement, params)
+            return list(result.mappings()) if result.returns_rows else []
 
     def wake_relays(self) -> None:
         for listener in self.outbox_listeners:

@@ -3,7 +3,8 @@
 The same guards as ``hot_path``, row by row, over arrays (``unnest``; ``= ANY`` needs no
 statement per batch size, so the prepared statement is the same for 1 and for 100 jobs).
 Each job in a batch wins or loses on its own: a lost claim goes to the read-and-decide path,
-a lost completion reads what holds the job now. PostgreSQL only; SQLite keeps ``hot_path``.
+a lost completion reads what holds the job now. PostgreSQL only; SQLite keeps ``hot_path``
+(``renew_leases``, the worker's one lease renewer, has a SQLite branch: one transaction).
 
 Rows are locked in id order (``ORDER BY id FOR NO KEY UPDATE``): two batches never wait on
 each other in a cycle, and the key-share locks of event and outbox inserts (their foreign
@@ -26,12 +27,30 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ARRAY, Column, Integer, Interval, String, Text, bindparam, text
+from sqlalchemy import (
+    ARRAY,
+    Column,
+    Integer,
+    Interval,
+    String,
+    Text,
+    bindparam,
+    literal_column,
+    text,
+    update,
+)
 
 from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState
-from jobrelay.storage.engine import statement_tx
-from jobrelay.storage.hot_path import HotPathStore, claimed_detail, result_saved_detail
+from jobrelay.storage.base import StoreBase
+from jobrelay.storage.claims import claimable, fenced, guard_sql
+from jobrelay.storage.hot_path import (
+    COMPLETABLE,
+    HotPathStore,
+    claimed_detail,
+    result_saved_detail,
+)
+from jobrelay.storage.pg_hot import HotStatement
 from jobrelay.storage.records import Claim, JobRecord, job_record, jsonable
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.tables import UTCDateTime, jobs
@@ -52,13 +71,29 @@ class CompleteRequest:
     result_meta: dict[str, Any]
 
 
-_RUNNING, _QUEUED, _RETRY_WAIT = (
-    JobState.RUNNING.value,
-    JobState.QUEUED.value,
-    JobState.RETRY_WAIT.value,
+_RUNNING = JobState.RUNNING.value
+
+# The guards are the policy's, from ``claims`` (the one place that states them), written
+# over the statements' own columns: the store's clock (``clock.now``) and the request arrays.
+_CLAIMABLE = guard_sql(
+    claimable(
+        literal_column("clock.now", UTCDateTime()),
+        literal_column("clock.now + :b_slack", UTCDateTime()),
+    )
+)
+_COMPLETE_FENCE = guard_sql(
+    [
+        StoreBase.state_in(COMPLETABLE),
+        *fenced(
+            Claim(
+                literal_column("req.id"),  # type: ignore[arg-type]
+                literal_column("req.attempt"),  # type: ignore[arg-type]
+                literal_column("req.worker"),  # type: ignore[arg-type]
+            )
+        ),
+    ]
 )
 
-# The ready-to-run guard of ``ClaimsStore.claimable``, on the store's clock.
 _CLAIM_MANY = text(
     f"""
 WITH clock AS (SELECT COALESCE(:b_clock, now()) AS now),
@@ -79,14 +114,7 @@ claimed AS (
         lease_owner = before.worker, lease_expires_at = clock.now + :b_lease,
         next_attempt_at = NULL, progress_done = NULL, progress_total = NULL
     FROM before, clock
-    WHERE jobs.id = before.id
-      AND jobs.state IN ('{_QUEUED}', '{_RETRY_WAIT}', '{_RUNNING}')
-      AND jobs.attempt < jobs.max_attempts
-      AND (jobs.state = '{_QUEUED}'
-           OR (jobs.state = '{_RETRY_WAIT}'
-               AND (jobs.next_attempt_at IS NULL OR jobs.next_attempt_at <= clock.now + :b_slack))
-           OR (jobs.state = '{_RUNNING}'
-               AND (jobs.lease_expires_at IS NULL OR jobs.lease_expires_at <= clock.now)))
+    WHERE jobs.id = before.id AND {_CLAIMABLE}
     RETURNING jobs.*, before.from_state AS claimed_from_state, before.detail AS claim_detail
 ),
 event AS (
@@ -107,14 +135,17 @@ SELECT * FROM claimed
     bindparam("b_slack", type_=Interval()),
     bindparam("b_clock", type_=UTCDateTime()),
 )
-_CLAIM_MANY_COLUMNS = _CLAIM_MANY.columns(
-    *(Column(c.name, c.type) for c in jobs.c),
-    Column("claimed_from_state", String()),
-    Column("claim_detail", Text()),
+_CLAIM_MANY_COLUMNS = HotStatement(
+    _CLAIM_MANY.columns(
+        *(Column(c.name, c.type) for c in jobs.c),
+        Column("claimed_from_state", String()),
+        Column("claim_detail", Text()),
+    )
 )
 
-_COMPLETE_MANY = text(
-    f"""
+_COMPLETE_MANY = HotStatement(
+    text(
+        f"""
 WITH req AS (
     SELECT * FROM unnest(CAST(:b_ids AS text[]), CAST(:b_attempts AS integer[]),
                          CAST(:b_workers AS text[]), CAST(:b_keys AS text[]),
@@ -132,8 +163,7 @@ done AS (
         lease_owner = NULL, lease_expires_at = NULL, last_error = NULL,
         progress_done = req.rows, progress_total = req.rows
     FROM req JOIN locked ON locked.id = req.id
-    WHERE jobs.id = req.id AND jobs.state = '{_RUNNING}'
-      AND jobs.attempt = req.attempt AND jobs.lease_owner = req.worker
+    WHERE jobs.id = req.id AND {_COMPLETE_FENCE}
     RETURNING jobs.id, req.detail
 ),
 event AS (
@@ -142,15 +172,45 @@ event AS (
 )
 SELECT id FROM done
 """
-).bindparams(
-    bindparam("b_ids", type_=ARRAY(String())),
-    bindparam("b_attempts", type_=ARRAY(Integer())),
-    bindparam("b_workers", type_=ARRAY(String())),
-    bindparam("b_keys", type_=ARRAY(Text())),
-    bindparam("b_metas", type_=ARRAY(Text())),
-    bindparam("b_rows", type_=ARRAY(Integer())),
-    bindparam("b_details", type_=ARRAY(Text())),
-    bindparam("b_now", type_=UTCDateTime()),
+    ).bindparams(
+        bindparam("b_ids", type_=ARRAY(String())),
+        bindparam("b_attempts", type_=ARRAY(Integer())),
+        bindparam("b_workers", type_=ARRAY(String())),
+        bindparam("b_keys", type_=ARRAY(Text())),
+        bindparam("b_metas", type_=ARRAY(Text())),
+        bindparam("b_rows", type_=ARRAY(Integer())),
+        bindparam("b_details", type_=ARRAY(Text())),
+        bindparam("b_now", type_=UTCDateTime()),
+    )
+)
+
+# Every running claim of a worker renewed at once (its one lease renewer), fenced per row as
+# a completion is, rows locked in id order as the completions lock them.
+_RENEW_MANY = HotStatement(
+    text(
+        f"""
+WITH clock AS (SELECT COALESCE(:l_clock, now()) AS now),
+req AS (
+    SELECT * FROM unnest(CAST(:l_ids AS text[]), CAST(:l_attempts AS integer[]),
+                         CAST(:l_workers AS text[]))
+        AS r(id, attempt, worker)
+),
+locked AS (
+    SELECT j.id FROM jobs j JOIN req ON j.id = req.id ORDER BY j.id FOR NO KEY UPDATE OF j
+)
+UPDATE jobs SET lease_expires_at = clock.now + :l_lease, updated_at = :l_now
+FROM req JOIN locked ON locked.id = req.id, clock
+WHERE jobs.id = req.id AND {_COMPLETE_FENCE}
+RETURNING jobs.id
+"""
+    ).bindparams(
+        bindparam("l_ids", type_=ARRAY(String())),
+        bindparam("l_attempts", type_=ARRAY(Integer())),
+        bindparam("l_workers", type_=ARRAY(String())),
+        bindparam("l_lease", type_=Interval()),
+        bindparam("l_now", type_=UTCDateTime()),
+        bindparam("l_clock", type_=UTCDateTime()),
+    )
 )
 
 
@@ -170,9 +230,8 @@ class BatchStore(HotPathStore):
             # The database's clock; a store given a clock (tests) judges by that one.
             "b_clock": self._clock() if self._clock is not None else None,
         }
-        async with statement_tx(self.engine, "database") as conn:
-            rows = (await conn.execute(_CLAIM_MANY_COLUMNS, params)).all()
-        won = {row.id: row for row in rows}
+        rows = await self.hot_rows(_CLAIM_MANY_COLUMNS, params)
+        won = {row["id"]: row for row in rows}
         results: list[tuple[Claim, JobRecord, JobState] | None] = []
         for request in requests:
             row = won.get(request.job_id)
@@ -181,7 +240,7 @@ class BatchStore(HotPathStore):
                 continue
             job = job_record(row)
             claim = Claim(job.id, job.attempt, request.worker_id)
-            results.append((claim, job, JobState(row.claimed_from_state)))
+            results.append((claim, job, JobState(row["claimed_from_state"])))
         return results
 
     async def complete_many(self, requests: Sequence[CompleteRequest], now: datetime) -> set[str]:
@@ -200,9 +259,38 @@ class BatchStore(HotPathStore):
             ],
             "b_now": now,
         }
-        async with statement_tx(self.engine, "database") as conn:
-            rows = (await conn.execute(_COMPLETE_MANY, params)).all()
-        return {row.id for row in rows}
+        return {row["id"] for row in await self.hot_rows(_COMPLETE_MANY, params)}
+
+    async def renew_leases(
+        self, claims: Sequence[Claim], lease: timedelta, now: datetime
+    ) -> set[Claim]:
+        """``renew_lease`` for many claims in one statement (one transaction on SQLite):
+        the claims that still hold their job, each lease now ending at the store's clock
+        + ``lease``."""
+        if not claims:
+            return set()
+        if not self.is_postgres:
+            held: set[Claim] = set()
+            async with self.writing() as conn:
+                for claim in claims:
+                    result = await conn.execute(
+                        update(jobs)
+                        .where(jobs.c.id == claim.job_id, *self.fenced(claim))
+                        .values(lease_expires_at=self.now_sql(lease), updated_at=now)
+                    )
+                    if result.rowcount == 1:
+                        held.add(claim)
+            return held
+        params = {
+            "l_ids": [c.job_id for c in claims],
+            "l_attempts": [c.attempt for c in claims],
+            "l_workers": [c.worker_id for c in claims],
+            "l_lease": lease,
+            "l_now": now,
+            "l_clock": self._clock() if self._clock is not None else None,
+        }
+        won = {row["id"] for row in await self.hot_rows(_RENEW_MANY, params)}
+        return {c for c in claims if c.job_id in won}
 
 
 def _rows(meta: dict[str, Any]) -> int | None:

@@ -13,11 +13,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
+    ColumnElement,
     and_,
     or_,
     select,
     update,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobrelay.domain.disclosure import public_detail
@@ -40,14 +42,58 @@ from jobrelay.storage.tables import (
 from jobrelay.transport.topology import DEFAULT_QUEUE
 
 
+def fenced(claim: Claim) -> list[Any]:
+    """The claim token: a write of this run lands only while this claim holds the job.
+
+    The one statement of the fence: the SQLAlchemy path uses it with values, the batched
+    statements (``batches``, run on SQLAlchemy or raw asyncpg) with their arrays' columns.
+    """
+    return [
+        jobs.c.state == JobState.RUNNING.value,
+        jobs.c.attempt == claim.attempt,
+        jobs.c.lease_owner == claim.worker_id,
+    ]
+
+
+def claimable(now: ColumnElement[datetime], due_by: ColumnElement[datetime]) -> list[Any]:
+    """Exactly the policy's ``ReadyToRun``, judged by the clock ``now``.
+
+    Not finished, not held by a live lease, not a retry before it is due (``due_by``: ``now``
+    plus the policy's slack), attempts left: a claim guarded on this needs no earlier read of
+    the job to be right. The one statement of it, as for ``fenced``.
+    """
+    return [
+        StoreBase.state_in(sources_for(JobState.RUNNING)),
+        jobs.c.attempt < jobs.c.max_attempts,
+        or_(
+            jobs.c.state == JobState.QUEUED.value,
+            and_(
+                jobs.c.state == JobState.RETRY_WAIT.value,
+                or_(jobs.c.next_attempt_at.is_(None), jobs.c.next_attempt_at <= due_by),
+            ),
+            and_(
+                jobs.c.state == JobState.RUNNING.value,
+                or_(jobs.c.lease_expires_at.is_(None), jobs.c.lease_expires_at <= now),
+            ),
+        ),
+    ]
+
+
+def guard_sql(guards: list[Any]) -> str:
+    """Guards as PostgreSQL text, for the statements written in SQL (``batches``).
+
+    The values (states) are inlined; column expressions (``literal_column``) stay as written,
+    so a guard may name a CTE's columns and bind parameters (``:b_slack``).
+    """
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    clause = and_(*guards).compile(dialect=dialect, compile_kwargs={"literal_binds": True})
+    return str(clause)
+
+
 class ClaimsStore(StoreBase):
     def fenced(self, claim: Claim) -> list[Any]:
         """The claim token: a write of this run lands only while this claim holds the job."""
-        return [
-            jobs.c.state == JobState.RUNNING.value,
-            jobs.c.attempt == claim.attempt,
-            jobs.c.lease_owner == claim.worker_id,
-        ]
+        return fenced(claim)
 
     def as_seen(self, seen: JobView) -> list[Any]:
         """A guard equal to what the policy saw: the state, the attempt and the lease."""
@@ -101,30 +147,8 @@ class ClaimsStore(StoreBase):
         return Claim(job_id, int(attempt), worker_id)
 
     def claimable(self) -> list[Any]:
-        """Exactly the policy's ``ReadyToRun``, judged by the store's clock.
-
-        Not finished, not held by a live lease, not a retry before it is due, attempts left:
-        a claim guarded on this needs no earlier read of the job to be right.
-        """
-        clock = self.now_sql()
-        return [
-            self.state_in(sources_for(JobState.RUNNING)),
-            jobs.c.attempt < jobs.c.max_attempts,
-            or_(
-                jobs.c.state == JobState.QUEUED.value,
-                and_(
-                    jobs.c.state == JobState.RETRY_WAIT.value,
-                    or_(
-                        jobs.c.next_attempt_at.is_(None),
-                        jobs.c.next_attempt_at <= self.now_sql(RETRY_SLACK),
-                    ),
-                ),
-                and_(
-                    jobs.c.state == JobState.RUNNING.value,
-                    or_(jobs.c.lease_expires_at.is_(None), jobs.c.lease_expires_at <= clock),
-                ),
-            ),
-        ]
+        """``claimable`` on the store's clock (the database's, or the one a test injects)."""
+        return claimable(self.now_sql(), self.now_sql(RETRY_SLACK))
 
     def claim_values(self, worker_id: str, now: datetime, lease: timedelta) -> dict[str, Any]:
         return {

@@ -202,6 +202,16 @@ async def read_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnecti
 _DATA_SQLSTATE_CLASSES = ("22", "23")
 
 
+def sqlstate_of(exc: BaseException | None) -> str:
+    """The SQLSTATE a driver's exception carries ('' if none): asyncpg's and psycopg's."""
+    return str(getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None) or "")
+
+
+def refuses_data(sqlstate: str) -> bool:
+    """Whether the server refused the values themselves (retrying cannot help)."""
+    return sqlstate[:2] in _DATA_SQLSTATE_CLASSES
+
+
 def store_error(message: str, exc: BaseException) -> StoreError:
     """The driver's error as a StoreError, or a StoreDataError when retrying cannot help.
 
@@ -216,9 +226,7 @@ def store_error(message: str, exc: BaseException) -> StoreError:
     if isinstance(exc, DBAPIError):
         if exc.connection_invalidated:
             return StoreError(text_)
-        orig = exc.orig
-        sqlstate = str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")
-        if sqlstate[:2] in _DATA_SQLSTATE_CLASSES:
+        if refuses_data(sqlstate_of(exc.orig)):
             return StoreDataError(text_)
         return StoreError(text_)
     if isinstance(exc, (StatementError, OverflowError)):

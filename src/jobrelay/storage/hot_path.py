@@ -45,7 +45,7 @@ from jobrelay.storage.records import Claim, Fenced, JobRecord, NewJob, job_recor
 from jobrelay.storage.tables import UTCDateTime, job_events, jobs
 
 _FROM_STATE = "claimed_from_state"
-_COMPLETABLE = sources_for(JobState.SUCCEEDED)
+COMPLETABLE = sources_for(JobState.SUCCEEDED)
 # What a completion sets besides the state (the names ``complete`` passes in ``values``).
 _COMPLETION_VALUES = (
     "result_key",
@@ -275,7 +275,7 @@ class HotPathStore(ClaimsStore):
         if not self.is_postgres:
             done = (
                 update(jobs)
-                .where(jobs.c.id == claim.job_id, self.state_in(_COMPLETABLE), *self.fenced(claim))
+                .where(jobs.c.id == claim.job_id, self.state_in(COMPLETABLE), *self.fenced(claim))
                 .values(state=JobState.SUCCEEDED.value, updated_at=now, **values)
             )
             if (await conn.execute(done)).rowcount != 1:
@@ -301,7 +301,7 @@ class HotPathStore(ClaimsStore):
         )
         done = (
             update(jobs)
-            .where(jobs.c.id == token.job_id, self.state_in(_COMPLETABLE), *self.fenced(token))
+            .where(jobs.c.id == token.job_id, self.state_in(COMPLETABLE), *self.fenced(token))
             .values(
                 state=JobState.SUCCEEDED.value,
                 updated_at=bindparam("hp_now", type_=UTCDateTime()),

@@ -6,23 +6,118 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    Column,
+    Integer,
+    Interval,
+    String,
+    bindparam,
     func,
     insert,
     or_,
     select,
+    text,
     update,
 )
 
 from jobrelay.storage.base import StoreBase
+from jobrelay.storage.pg_hot import HotStatement
 from jobrelay.storage.records import (
     OutboxRow,
 )
 from jobrelay.storage.tables import (
+    UTCDateTime,
     job_events,
     outbox,
 )
+
+# PostgreSQL: the relay's two statements, each its own transaction (``pg_hot``). The
+# claim: rows waiting and not claimed by a live relay, skipped when another claim holds
+# them, taken for ``o_claim_for`` by the store's clock, which is also their ``taken_at``.
+_CLAIM_OUTBOX = HotStatement(
+    text(
+        """
+WITH clock AS (SELECT COALESCE(:o_clock, now()) AS now),
+picked AS (
+    SELECT o.id FROM outbox o, clock
+    WHERE o.published_at IS NULL AND (o.claimed_until IS NULL OR o.claimed_until < clock.now)
+    ORDER BY o.id
+    LIMIT :o_limit
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE outbox SET
+    claimed_by = :o_relay, claimed_until = clock.now + :o_claim_for,
+    publish_attempts = outbox.publish_attempts + 1
+FROM picked, clock
+WHERE outbox.id = picked.id
+RETURNING outbox.id, outbox.job_id, outbox.destination, outbox.body, outbox.headers,
+          outbox.publish_attempts, clock.now AS taken_at
+"""
+    )
+    .bindparams(
+        bindparam("o_relay", type_=String()),
+        bindparam("o_limit", type_=Integer()),
+        bindparam("o_claim_for", type_=Interval()),
+        bindparam("o_clock", type_=UTCDateTime()),
+    )
+    .columns(
+        outbox.c.id,
+        outbox.c.job_id,
+        outbox.c.destination,
+        outbox.c.body,
+        outbox.c.headers,
+        outbox.c.publish_attempts,
+        Column("taken_at", UTCDateTime()),
+    )
+)
+# The mark: confirmed rows not yet marked, and a ``published`` event each, stamped with the
+# instant the row was taken (see ``mark_published``).
+_MARK_PUBLISHED = HotStatement(
+    text(
+        """
+WITH req AS (
+    SELECT * FROM unnest(CAST(:m_ids AS bigint[]), CAST(:m_taken AS timestamptz[]))
+        AS r(id, taken_at)
+),
+marked AS (
+    UPDATE outbox SET
+        published_at = COALESCE(:m_clock, now()), claimed_until = NULL, last_error = NULL
+    FROM req
+    WHERE outbox.id = req.id AND outbox.published_at IS NULL
+    RETURNING outbox.id, outbox.job_id, outbox.destination, req.taken_at
+),
+event AS (
+    INSERT INTO job_events (job_id, at, kind, detail)
+    SELECT job_id, taken_at, 'published',
+           json_build_object('destination', destination, 'outboxId', id,
+                             'relay', CAST(:m_relay AS text))
+    FROM marked
+)
+SELECT count(*) AS marked FROM marked
+"""
+    ).bindparams(
+        bindparam("m_ids", type_=ARRAY(BigInteger())),
+        bindparam("m_taken", type_=ARRAY(UTCDateTime())),
+        bindparam("m_relay", type_=String()),
+        bindparam("m_clock", type_=UTCDateTime()),
+    )
+)
+
+
+def _outbox_row(r: Any, publish_attempts: int) -> OutboxRow:
+    return OutboxRow(
+        id=r["id"],
+        job_id=r["job_id"],
+        destination=r["destination"],
+        body=r["body"].encode(),
+        headers=dict(r["headers"] or {}),
+        publish_attempts=publish_attempts,
+        taken_at=r["taken_at"],
+    )
 
 
 class OutboxStore(StoreBase):
@@ -49,7 +144,18 @@ class OutboxStore(StoreBase):
         Each row carries the claim's instant by the store's clock (``taken_at``): the relay
         sends right after, so it is the hand-off's time, and it precedes any claim a worker
         makes of the message (the confirm, and the mark, may come after that claim).
+
+        On PostgreSQL it is one statement (``_CLAIM_OUTBOX``): no transaction to open.
         """
+        if self.is_postgres:
+            params = {
+                "o_relay": relay_id,
+                "o_limit": limit,
+                "o_claim_for": claim_for,
+                "o_clock": self._clock() if self._clock is not None else None,
+            }
+            claimed = sorted(await self.hot_rows(_CLAIM_OUTBOX, params), key=lambda r: r["id"])
+            return [_outbox_row(r, r["publish_attempts"]) for r in claimed]
         async with self.writing() as conn:
             rows = (
                 await conn.execute(
@@ -78,18 +184,7 @@ class OutboxStore(StoreBase):
                     publish_attempts=outbox.c.publish_attempts + 1,
                 )
             )
-        return [
-            OutboxRow(
-                id=r.id,
-                job_id=r.job_id,
-                destination=r.destination,
-                body=r.body.encode(),
-                headers=dict(r.headers or {}),
-                publish_attempts=r.publish_attempts + 1,
-                taken_at=r.taken_at,
-            )
-            for r in rows
-        ]
+        return [_outbox_row(r._mapping, r.publish_attempts + 1) for r in rows]
 
     async def mark_published(self, relay_id: str, rows: Sequence[OutboxRow]) -> int:
         """Set ``published_at`` for confirmed rows not yet marked; one event each.
@@ -100,6 +195,15 @@ class OutboxStore(StoreBase):
         """
         if not rows:
             return 0
+        if self.is_postgres:
+            params = {
+                "m_ids": [r.id for r in rows],
+                "m_taken": [r.taken_at for r in rows],
+                "m_relay": relay_id,
+                "m_clock": self._clock() if self._clock is not None else None,
+            }
+            [marked_count] = await self.hot_rows(_MARK_PUBLISHED, params)
+            return int(marked_count["marked"])
         taken = {r.id: r.taken_at for r in rows}
         async with self.writing() as conn:
             done = await conn.execute(

@@ -172,8 +172,9 @@ class TokenInfo:
         return "active"
 
 
-def job_record(row: Row[Any]) -> JobRecord:
-    m = row._mapping
+def job_record(row: Row[Any] | Mapping[str, Any]) -> JobRecord:
+    """A job from a row: SQLAlchemy's, or any mapping by column name (an asyncpg record)."""
+    m = row._mapping if isinstance(row, Row) else row
     return JobRecord(
         id=m["id"],
         type=m["type"],

@@ -1,0 +1,164 @@
+"""One lease renewer per worker: every running claim renewed in one fenced statement.
+
+A claim's lease is renewed every third of it, counted for each claim from just before its
+claim (on this process's monotonic clock). Instead of a heartbeat task per job, one task
+wakes when the earliest renewal is due and renews every claim due by then (or within a sixth
+of the lease: a little early, so claims made together stay together) in ONE statement
+(``Store.renew_leases``, fenced per row on the claim), so a worker running 16 jobs sends one
+renewal where it sent 16. Each claim keeps its own rules, as its heartbeat had them:
+
+- a renewal that finds another claim holding the job loses that claim only: its run is
+  cancelled (``lease_lost``), its neighbours in the statement are renewed;
+- a renewal that fails (an outage, a timeout) is tried again soon; a claim whose lease may
+  have ended before a renewal succeeded is lost while its work still runs, and once the work
+  is done it keeps being renewed until its outcome commits (``release``), so a result
+  computed before an outage is not lost to a takeover while the database answers renewals.
+
+The task ends when no claim is held and starts again with the next one: nothing to start or
+stop with the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from jobrelay.errors import StoreError
+from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.store import Claim
+
+log = logging.getLogger("jobrelay.worker")
+
+
+@dataclass
+class _Held:
+    claim: Claim
+    work: asyncio.Task[Any]
+    lost: asyncio.Event
+    expires: float  # monotonic: when the lease may have ended without a renewal
+    due: float  # monotonic: when it is renewed next
+
+
+class LeaseRenewer:
+    def __init__(self, rt: Runtime, lease: timedelta) -> None:
+        self.rt = rt
+        self.lease = lease.total_seconds()
+        self._lease = lease
+        self._margin = min(1.0, self.lease / 10)
+        self._window = self.lease / 6
+        self._held: dict[Claim, _Held] = {}
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.statements = 0  # renewal statements sent (tests, metrics)
+
+    def hold(
+        self, claim: Claim, granted: float, work: asyncio.Task[Any], lost: asyncio.Event
+    ) -> None:
+        """Renew ``claim`` from now on; ``granted`` is when its lease began (monotonic).
+
+        When it is lost, ``lost`` is set and ``work`` cancelled.
+        """
+        self._held[claim] = _Held(claim, work, lost, granted + self.lease, granted + self.lease / 3)
+        self._changed.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def release(self, claim: Claim) -> None:
+        """The claim's outcome is committed (or its run is over): stop renewing it."""
+        self._held.pop(claim, None)
+        self._changed.set()
+
+    async def close(self) -> None:
+        """Stop renewing (the worker has drained), between renewals, never inside one.
+
+        Cancelled inside its statement, the driver throws the connection away (on aiosqlite
+        that leaves a close task that can hang the loop's shutdown), so a renewal under way
+        is let finish; it is bounded by the lease, and only one stuck past that is cancelled.
+        ``release`` never cancels anything.
+        """
+        self._held.clear()
+        self._changed.set()
+        task, self._task = self._task, None
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.lease)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        except asyncio.CancelledError:
+            task.cancel()  # the worker is being torn down: do not leave the renewer behind
+            raise
+
+    async def _run(self) -> None:
+        while self._held:
+            self._changed.clear()
+            wait = min(h.due for h in self._held.values()) - time.monotonic()
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await self._changed.wait()
+                continue  # a claim came or went: look at the earliest due again
+            # A little early rather than alone: the claims made together share a statement.
+            soon = time.monotonic() + self._window
+            await self._renew([h for h in self._held.values() if h.due <= soon])
+
+    async def _renew(self, due: list[_Held]) -> None:
+        sent = time.monotonic()
+        limit = max(min(h.expires for h in due) - self._margin - sent, self._margin)
+        self.statements += 1
+        try:
+            async with asyncio.timeout(limit):
+                renewed = await self.rt.store.renew_leases(
+                    [h.claim for h in due], self._lease, self.rt.clock()
+                )
+        except Exception as exc:
+            if not isinstance(exc, StoreError | TimeoutError):
+                # A bug must not end the renewal of every lease: taken as a failed renewal.
+                log.exception("lease renewal raised", extra={"event": "lease_renew_failed"})
+            for held in due:
+                self._failed(held, exc)
+            return
+        for held in due:
+            if self._held.get(held.claim) is not held:
+                continue  # released while the statement ran: its outcome is committed
+            if held.claim in renewed:
+                held.expires, held.due = sent + self.lease, sent + self.lease / 3
+            else:
+                self._lose(held, "another claim holds the job")
+
+    def _failed(self, held: _Held, exc: BaseException) -> None:
+        if self._held.get(held.claim) is not held:
+            return
+        # While the work runs, a lease that may have ended must stop it; once the work is
+        # done there is nothing to stop, so keep trying until the outcome commits (the
+        # fenced write still loses if another claim took the job).
+        if time.monotonic() < held.expires - self._margin or held.work.done():
+            log.warning(
+                "lease renewal failed: %s",
+                exc or "timed out",
+                extra={"event": "lease_renew_failed", "jobId": held.claim.job_id},
+            )
+            held.due = time.monotonic() + min(self.lease / 6, 1.0)
+            return
+        self._lose(held, f"lease could not be renewed before it ended ({exc or 'timed out'})")
+
+    def _lose(self, held: _Held, reason: str) -> None:
+        log.warning(
+            "lease lost, stopping the run: %s",
+            reason,
+            extra={
+                "event": "lease_lost",
+                "jobId": held.claim.job_id,
+                "attempt": held.claim.attempt,
+            },
+        )
+        self._held.pop(held.claim, None)
+        held.lost.set()
+        held.work.cancel()

@@ -1,0 +1,183 @@
+"""The hot statements on raw asyncpg: connections held, statements prepared, the same SQL.
+
+Through SQLAlchemy every statement pays ``engine.connect`` + AUTOCOMMIT + close, about
+170-400 µs of client CPU before the server sees it (issue 23). A worker and a relay run a
+few statements over and over (the batched claim, the batched completion, the events that
+follow a settle, the relay's claim and mark), so on PostgreSQL they hold a small asyncpg
+pool (``HotPool.held``, opened before they say they started) and run those statements on
+it. asyncpg prepares each statement once per connection and keeps it (its statement cache).
+
+Nothing is written twice: a ``HotStatement`` is the SQLAlchemy statement the store runs
+anyway, compiled once for asyncpg, with SQLAlchemy's own bind processors, and its result rows
+read by name as the SQLAlchemy path's rows are. The guards in it come from ``claims``
+(``claimable``, ``fenced``). So the two paths run the same text; the store picks the held
+pool when there is one (``StoreBase.hot_rows``) and SQLAlchemy otherwise (SQLite, the API,
+tests that drive the store alone).
+
+Failures are told apart as on SQLAlchemy (``engine.store_error``): a refusal of the data
+(SQLSTATE classes 22 and 23, a value asyncpg cannot encode) is a ``StoreDataError``; a lost
+connection, a server shutting down, anything else, a ``StoreError`` (an outage: wait, retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import asyncpg
+from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
+from sqlalchemy.engine import URL
+from sqlalchemy.sql.expression import Executable
+
+from jobrelay.errors import StoreDataError, StoreError
+from jobrelay.storage.engine import first_line, refuses_data
+
+log = logging.getLogger(__name__)
+
+_DIALECT = asyncpg_dialect()  # type: ignore[no-untyped-call]
+# Connections a worker or relay holds: a claim, a completion, the events and the lease
+# renewal may be in flight at once; the relay needs two (claim, mark).
+HOT_POOL_SIZE = 4
+_CLOSE_SECONDS = 5.0
+
+
+class HotStatement:
+    """One SQLAlchemy statement compiled once for asyncpg: its text and how to bind it."""
+
+    def __init__(self, statement: Executable) -> None:
+        compiled = statement.compile(dialect=_DIALECT)  # type: ignore[attr-defined]
+        self.statement = statement
+        self.sql: str = compiled.string
+        processors = compiled._bind_processors
+        self._binds = tuple((name, processors.get(name)) for name in compiled.positiontup or ())
+
+    def args(self, params: Mapping[str, Any]) -> list[Any]:
+        """The positional arguments for ``params``, as SQLAlchemy would have bound them."""
+        args: list[Any] = []
+        for name, process in self._binds:
+            value = params[name]
+            args.append(value if process is None else process(value))
+        return args
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    # JSON as the SQLAlchemy dialect reads it (asyncpg would hand back the text).
+    for type_name in ("json", "jsonb"):
+        await conn.set_type_codec(
+            type_name, encoder=str, decoder=json.loads, schema="pg_catalog", format="text"
+        )
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """No reset when a connection goes back to the pool: asyncpg's default sends
+    ``pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL`` each time, a round trip
+    and a transaction per hot statement. The hot statements change no session state (no
+    ``SET``, no ``LISTEN``, no advisory lock, no cursor), so there is nothing to reset."""
+
+
+class HotPool:
+    """The asyncpg connections a worker or relay holds while it runs (none otherwise).
+
+    Held by every role of the process that wants it (``jobrelay up`` holds it twice) and
+    closed when the last one lets go.
+    """
+
+    def __init__(self, url: URL) -> None:
+        self._dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._pool: asyncpg.Pool | None = None
+        self._holders = 0
+        self._lock = asyncio.Lock()
+        # Statements that failed on the pool, by exception name: what the engine's
+        # ``handle_error`` event counts on the SQLAlchemy path (tests read both).
+        self.failures: Counter[str] = Counter()
+        self.sent = 0  # statements run on the pool
+
+    @property
+    def active(self) -> bool:
+        return self._pool is not None
+
+    @contextlib.asynccontextmanager
+    async def held(self, size: int = HOT_POOL_SIZE) -> AsyncIterator[None]:
+        """Open the pool (its connections now, not in the first burst) for the block."""
+        async with self._lock:
+            if self._pool is None:
+                self._pool = await self._open(size)
+            self._holders += 1
+        try:
+            yield
+        finally:
+            async with self._lock:
+                self._holders -= 1
+                pool = self._pool if self._holders == 0 else None
+                if pool is not None:
+                    self._pool = None
+            if pool is not None:
+                await _close(pool)
+
+    async def _open(self, size: int) -> asyncpg.Pool:
+        try:
+            return await self._create(size, size)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            # The database is away right now: connect on demand, as SQLAlchemy would.
+            log.warning(
+                "hot connections not opened, opening them on demand: %s",
+                first_line(exc),
+                extra={"event": "hot_pool_deferred"},
+            )
+            return await self._create(0, size)
+
+    async def _create(self, min_size: int, max_size: int) -> asyncpg.Pool:
+        return await asyncpg.create_pool(
+            self._dsn,
+            min_size=min_size,
+            max_size=max_size,
+            init=_init_connection,
+            reset=_keep_session,
+        )
+
+    async def fetch(
+        self, statement: HotStatement, params: Mapping[str, Any], what: str = "database"
+    ) -> Sequence[asyncpg.Record]:
+        """Run ``statement`` on a held connection, in autocommit: one round trip."""
+        pool = self._pool
+        if pool is None:
+            raise StoreError(f"{what} write failed: the hot connections are closed")
+        self.sent += 1
+        try:
+            args = statement.args(params)
+            async with pool.acquire() as conn:
+                rows: list[asyncpg.Record] = await conn.fetch(statement.sql, *args)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+            self.failures[type(exc).__name__] += 1
+            raise hot_error(f"{what} write failed", exc) from exc
+        except (TypeError, ValueError, OverflowError) as exc:  # a bind processor refused it
+            self.failures[type(exc).__name__] += 1
+            raise StoreDataError(f"{what} write failed: {first_line(exc)}") from exc
+        return rows
+
+
+def hot_error(message: str, exc: BaseException) -> StoreError:
+    """asyncpg's exception as ``engine.store_error`` classifies SQLAlchemy's."""
+    text_ = f"{message}: {first_line(exc)}"
+    if isinstance(exc, asyncpg.PostgresError):
+        data = refuses_data(str(exc.sqlstate or ""))
+    else:
+        # asyncpg's client-side DataError (a value it cannot encode: an integer out of
+        # range) is a ValueError; every other InterfaceError or OSError is the connection.
+        data = isinstance(exc, ValueError)
+    return StoreDataError(text_) if data else StoreError(text_)
+
+
+async def _close(pool: asyncpg.Pool) -> None:
+    try:
+        await asyncio.wait_for(pool.close(), _CLOSE_SECONDS)
+    except (TimeoutError, OSError, asyncpg.InterfaceError):
+        pool.terminate()
+
+
+__all__ = ["HOT_POOL_SIZE", "HotPool", "HotStatement", "hot_error"]
