@@ -24,7 +24,7 @@ from sqlalchemy import update
 
 import jobrelay
 from jobrelay.domain.states import JobState
-from jobrelay.errors import ConfigError
+from jobrelay.errors import AttemptSuperseded, ConfigError
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.worker import Worker
 from jobrelay.storage.tables import jobs, outbox
@@ -45,6 +45,7 @@ app = jobrelay.App()
 effects: list[tuple[int, int, str]] = []  # (n, attempt, thread name)
 started = threading.Event()
 release = threading.Event()
+superseded: list[bool] = []  # what the superseded thread saw
 
 
 @app.job("sync.step", params=Step, max_attempts=3, retry_delays=(7,))
@@ -58,6 +59,10 @@ def step(ctx: jobrelay.SyncJobContext[Step], params: Step) -> jobrelay.Result | 
     if params.n == 99:  # the lease test: wait until the test has superseded this claim
         started.set()
         release.wait(10)
+        try:
+            ctx.progress(1, 1)  # fenced: another claim holds the job by now
+        except AttemptSuperseded:
+            superseded.append(ctx.lease_lost.is_set() and ctx.cancelled.is_set())
         return jobrelay.Result(key="late", meta={"late": True})
     ctx.progress(params.n, 10)
     ctx.log.info("stepped")
@@ -81,6 +86,7 @@ async def rt(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
     effects.clear()
     started.clear()
     release.clear()
+    superseded.clear()
     yield runtime
     release.set()
     await runtime.engine.dispose()
@@ -161,6 +167,9 @@ async def test_a_superseded_def_jobs_late_return_is_discarded(rt: Runtime) -> No
     assert job.result_key == "theirs" and job.result_meta == {"by": "other"}
     assert len(await events(rt, job_id, "result_saved")) == 1  # no second result
     assert len(await events(rt, job_id, "lease_lost")) == 1
+    assert superseded == [True]  # its progress was refused and its events set
+    job = await rt.store.get_job(job_id)
+    assert job is not None and job.progress_done is None  # the late progress was not written
 
 
 class NotAJob:
