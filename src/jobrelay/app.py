@@ -281,6 +281,7 @@ class App:
         self._schedules: dict[str, Schedule] = {}
         self._engine: AsyncEngine | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_threads: int | None = None  # the worker's JOBRELAY_SYNC_THREADS (registry)
         self._pool_lock = threading.Lock()
         # The installation's id keys per database this app enqueues on (its engine).
         self._id_keys: weakref.WeakKeyDictionary[Engine, IdKeyCache] = weakref.WeakKeyDictionary()
@@ -452,6 +453,7 @@ class App:
 
     def registry(self, settings: Settings | None = None) -> Registry:
         settings = settings or self.settings
+        self._pool_threads = settings.sync_threads  # the runtime's, --sync-threads included
         return Registry([*(f(settings) for f in self._builtins), *self._jobs.values()])
 
     @property
@@ -468,12 +470,14 @@ class App:
         return tuple(sorted(delays))
 
     def sync_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The threads this process runs plain ``def`` jobs in (``JOBRELAY_SYNC_THREADS``);
-        a job past that many waits for a thread, its lease renewed meanwhile."""
+        """The threads this process runs plain ``def`` jobs in (``JOBRELAY_SYNC_THREADS`` of
+        the settings the worker's ``registry`` was built with, else the app's); a job past
+        that many waits for a thread, its lease renewed meanwhile."""
         with self._pool_lock:
             if self._pool is None:
+                threads = self._pool_threads or self.settings.sync_threads
                 self._pool = concurrent.futures.ThreadPoolExecutor(
-                    self.settings.sync_threads, thread_name_prefix=THREAD_PREFIX
+                    threads, thread_name_prefix=THREAD_PREFIX
                 )
             return self._pool
 

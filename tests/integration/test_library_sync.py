@@ -279,3 +279,11 @@ def test_retry_delay_must_be_positive() -> None:
         jobrelay.Retry("x", delay=0)
     assert jobrelay.Retry("x", delay=timedelta(seconds=3)).delay == 3.0
     assert jobrelay.Retry("x").delay is None and str(jobrelay.Retry("x", delay=1)) == "x"
+
+
+def test_the_pool_has_the_workers_sync_threads() -> None:
+    other = jobrelay.App()
+    other.registry(jobrelay.Settings(sync_threads=3))  # what the worker builds
+    pool = other.sync_pool()
+    assert pool._max_workers == 3 and other.sync_pool() is pool
+    pool.shutdown()
