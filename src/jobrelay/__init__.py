@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from jobrelay.settings import Settings
     from jobrelay.storage.engine import create_engine
     from jobrelay.storage.records import JobRecord as Job
+    from jobrelay.sync_context import SyncJobContext
 
 # Each public name and the module that holds it. Imported on first use (PEP 562), so that
 # `import jobrelay.cli` or `jobrelay --help` does not pay for SQLAlchemy, aio-pika and the
@@ -45,6 +46,7 @@ _EXPORTS = {
     "Settings": "jobrelay.settings",
     "create_engine": "jobrelay.storage.engine",
     "Job": "jobrelay.storage.records",
+    "SyncJobContext": "jobrelay.sync_context",
 }
 _ATTRIBUTE = {"Job": "JobRecord"}
 
@@ -77,6 +79,7 @@ __all__ = [
     "Retry",
     "Schedule",
     "Settings",
+    "SyncJobContext",
     "create_engine",
 ]
 __version__ = "0.1.0"

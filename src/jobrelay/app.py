@@ -1,6 +1,7 @@
 """The library surface: ``App``, ``@app.job``, and enqueueing inside the caller's transaction.
 
-A job type is an async function of a ``JobContext`` and a pydantic model of its parameters::
+A job type is an async function of a ``JobContext`` and a pydantic model of its parameters
+(or a plain ``def`` of a ``SyncJobContext``, run in a bounded thread pool: ``sync_context``)::
 
     app = jobrelay.App()
 
@@ -24,11 +25,14 @@ type, so the worker runs application jobs and the shipped ones the same way.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import inspect
+import threading
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import Connection, Engine, MetaData
@@ -43,6 +47,7 @@ from jobrelay.settings import Settings
 from jobrelay.storage.enqueue import Steps, new_job_steps, run_async, run_sync
 from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import JobRecord, NewJob, work_destination
+from jobrelay.sync_context import THREAD_PREFIX, SyncJobFunction, run_in_thread, runs_in_thread
 from jobrelay.transport.topology import DEFAULT_QUEUE, QUEUE_NAME
 
 if TYPE_CHECKING:
@@ -70,7 +75,7 @@ class JobDefinition(Generic[P]):
         self,
         app: App,
         name: str,
-        fn: JobFunction[P],
+        fn: JobFunction[P] | SyncJobFunction[P],
         params: type[P],
         *,
         max_attempts: int | None,
@@ -82,6 +87,7 @@ class JobDefinition(Generic[P]):
         self.app = app
         self.type = name
         self.fn = fn
+        self.in_thread = runs_in_thread(name, fn)  # a plain def: run in app.sync_pool
         self.params_model = params
         self._max_attempts = max_attempts
         self.retry_delays = retry_delays
@@ -246,7 +252,14 @@ class JobDefinition(Generic[P]):
             make_follow_up=follow_up,
             fault_point=fault_point,
         )
-        result = await self.fn(context, params) or Result()
+        if self.in_thread:
+            sync_fn = cast("SyncJobFunction[P]", self.fn)
+            returned = await run_in_thread(self.app.sync_pool(), sync_fn, context, params)
+        else:
+            returned = self.fn(context, params)  # type: ignore[arg-type]
+            if inspect.isawaitable(returned):
+                returned = await returned
+        result = returned or Result()
         return OperationResult(
             result_key=result.key,
             meta=dict(result.meta),
@@ -267,6 +280,9 @@ class App:
         self._commands: dict[str, AppCommand] = {}
         self._schedules: dict[str, Schedule] = {}
         self._engine: AsyncEngine | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_threads: int | None = None  # the worker's JOBRELAY_SYNC_THREADS (registry)
+        self._pool_lock = threading.Lock()
         # The installation's id keys per database this app enqueues on (its engine).
         self._id_keys: weakref.WeakKeyDictionary[Engine, IdKeyCache] = weakref.WeakKeyDictionary()
 
@@ -293,7 +309,7 @@ class App:
         schedule: str | None = None,
         schedule_params: Mapping[str, Any] | None = None,
         schedule_timezone: str = "UTC",
-    ) -> Callable[[JobFunction[P]], JobDefinition[P]]:
+    ) -> Callable[[JobFunction[P] | SyncJobFunction[P]], JobDefinition[P]]:
         """Define job type ``name``; the decorated function runs it.
 
         ``result_filename(job_id, params)``: the result object of a succeeded job is
@@ -312,7 +328,7 @@ class App:
         if retry_delays is not None and (not retry_delays or min(retry_delays) < 1):
             raise ConfigError("@app.job", f"retry_delays must be positive seconds: {retry_delays}")
 
-        def define(fn: JobFunction[P]) -> JobDefinition[P]:
+        def define(fn: JobFunction[P] | SyncJobFunction[P]) -> JobDefinition[P]:
             definition = JobDefinition(
                 self,
                 name,
@@ -437,6 +453,7 @@ class App:
 
     def registry(self, settings: Settings | None = None) -> Registry:
         settings = settings or self.settings
+        self._pool_threads = settings.sync_threads  # the runtime's, --sync-threads included
         return Registry([*(f(settings) for f in self._builtins), *self._jobs.values()])
 
     @property
@@ -451,6 +468,18 @@ class App:
         for definition in self._jobs.values():
             delays.update(definition.retry_delays or ())
         return tuple(sorted(delays))
+
+    def sync_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads this process runs plain ``def`` jobs in (``JOBRELAY_SYNC_THREADS`` of
+        the settings the worker's ``registry`` was built with, else the app's); a job past
+        that many waits for a thread, its lease renewed meanwhile."""
+        with self._pool_lock:
+            if self._pool is None:
+                threads = self._pool_threads or self.settings.sync_threads
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    threads, thread_name_prefix=THREAD_PREFIX
+                )
+            return self._pool
 
     def id_key_cache(self, engine: Engine) -> IdKeyCache:
         """This process's copy of the id keys of the database behind ``engine``
@@ -491,6 +520,9 @@ class App:
         return await Store(self._engine_for_calls()).get_job(job_id)
 
     async def aclose(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # a running def job's thread ends on its own
+            self._pool = None
         if self._engine is not None:
             with contextlib.suppress(Exception):
                 await self._engine.dispose()

@@ -23,6 +23,9 @@ worker and API never need to know which database driver or AMQP client is undern
 
 from __future__ import annotations
 
+import math
+from datetime import timedelta
+
 
 class JobrelayError(Exception):
     """Root of every error jobrelay raises deliberately."""
@@ -99,9 +102,21 @@ class TransientError(OperationError):
 
 
 class Retry(TransientError):
-    """Raise from a job to fail this attempt and retry it later (while attempts remain)."""
+    """Raise from a job to fail this attempt and retry it later (while attempts remain).
+
+    ``delay`` (seconds, or a ``timedelta``) sets this attempt's next delay instead of the job
+    type's ``retry_delays``: exact to the second (rounded up) on the local transport, the
+    smallest declared delay tier at or above it on RabbitMQ (the longest tier at most).
+    """
 
     code = "retry"
+
+    def __init__(self, reason: str, *, delay: float | timedelta | None = None) -> None:
+        super().__init__(reason)
+        seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"Retry delay must be positive seconds, got {delay!r}")
+        self.delay: float | None = None if seconds is None else float(seconds)
 
 
 class EffectOutcomeUnknown(TransientError):

@@ -42,6 +42,8 @@ class Settings(BaseSettings):
     # A claimed job's lease; the heartbeat renews it every third of this.
     lease_seconds: float = Field(default=30.0, gt=0)
     prefetch: int = Field(default=8, ge=1, le=1000)
+    # Threads that run plain ``def`` jobs, per process (an app's bounded pool).
+    sync_threads: int = Field(default=8, ge=1, le=256)
     # PostgreSQL: claims and completions of concurrent deliveries share one statement each.
     batching: bool = True
     # Crash-loop backstop on the work queue (RabbitMQ x-delivery-limit; local transport too).

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,6 +24,8 @@ from sqlalchemy import create_engine, text
 from .procs import FAST_ENV, clean_env, free_port, poll, processes, run_cli, wait_http
 
 JOBS = """
+from __future__ import annotations
+
 import jobrelay
 from pydantic import BaseModel, Field
 from sqlalchemy import Column, Integer, MetaData, String, Table
@@ -56,6 +59,26 @@ async def receipt(ctx: jobrelay.JobContext[Receipt], params: Receipt) -> jobrela
 @app.job("shop.thumb", params=Thumb, queue="images")
 async def thumb(ctx: jobrelay.JobContext[Thumb], params: Thumb) -> None:
     ctx.log.info("thumbnail %s at %s px", params.image_id, params.width)
+
+
+class Label(BaseModel):
+    order_id: int
+    path: str
+
+
+@app.job("shop.label", params=Label)
+def label(ctx: jobrelay.SyncJobContext[Label], params: Label) -> jobrelay.Result:
+    # A plain def, as a Celery user writes it: runs in the worker's thread pool, once.
+    with open(params.path, "a") as effects:
+        effects.write(f"{ctx.job_id} {ctx.attempt}\\n")
+    ctx.progress(1, 1)
+    return jobrelay.Result(meta={"labelled": params.order_id})
+
+
+@app.job("shop.limited", params=Receipt, retry_delays=(1, 3))
+async def limited(ctx: jobrelay.JobContext[Receipt], params: Receipt) -> None:
+    if ctx.attempt == 1:
+        raise jobrelay.Retry("rate limited", delay=2.5)
 """
 
 CLIENT = """
@@ -67,7 +90,9 @@ import jobrelay
 from sqlalchemy import create_engine, insert, make_url, select, func
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from shopapp.jobs import app, metadata, orders, receipt, thumb
+import os
+
+from shopapp.jobs import app, label, limited, metadata, orders, receipt, thumb
 
 url = make_url(app.settings.database_url)
 postgres = url.get_backend_name() == "postgresql"
@@ -88,6 +113,9 @@ async def main() -> dict[str, object]:
         await conn.execute(insert(orders).values(id=1, item="book"))
         out["committed"] = await receipt.enqueue(conn, {"order_id": 1, "email": "a@b.c"})
         out["thumb"] = await thumb.enqueue(conn, {"image_id": 1, "width": 64}, key="thumb-1")
+        path = os.path.join(os.getcwd(), "label-effects.txt")
+        out["label"] = await label.enqueue(conn, {"order_id": 1, "path": path})
+        out["limited"] = await limited.enqueue(conn, {"order_id": 1, "email": "r@l.mt"})
     try:
         async with engine.begin() as conn:
             await conn.execute(insert(orders).values(id=2, item="pen"))
@@ -160,10 +188,39 @@ def check_client_results(url: str, out: dict[str, Any]) -> None:
         sql_rows(url, "SELECT count(*) FROM outbox WHERE job_id = :id", id=out["rolled_back"])[0][0]
         == 0
     )
-    # Only the three committed jobs exist: the invalid one wrote nothing.
-    assert sql_rows(url, "SELECT count(*) FROM jobs")[0][0] == 3
-    for key in ("committed", "thumb", "sync"):
+    # Only the five committed jobs exist: the invalid one wrote nothing.
+    assert sql_rows(url, "SELECT count(*) FROM jobs")[0][0] == 5
+    for key in ("committed", "thumb", "sync", "label", "limited"):
         poll(lambda k=key: state_of(url, out[k]) == "succeeded", 60, f"{key} succeeded")
+
+
+def events_of(url: str, job_id: str, kind: str) -> list[tuple[datetime, dict[str, Any]]]:
+    rows = sql_rows(
+        url,
+        "SELECT at, detail FROM job_events WHERE job_id = :id AND kind = :kind ORDER BY id",
+        id=job_id,
+        kind=kind,
+    )
+    out = []
+    for at, detail in rows:
+        moment = at if isinstance(at, datetime) else datetime.fromisoformat(at)
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        out.append((moment, json.loads(detail) if isinstance(detail, str) else detail))
+    return out
+
+
+def check_def_and_delayed_retry(url: str, root: Path, out: dict[str, Any]) -> None:
+    """The def job ran once, in a thread; the retry asked for 2.5 s waited that long."""
+    lines = (root / "label-effects.txt").read_text().splitlines()
+    assert lines == [f"{out['label']} 1"], lines  # its side effect happened once
+    assert len(events_of(url, out["label"], "result_saved")) == 1
+    ((scheduled_at, scheduled),) = events_of(url, out["limited"], "retry_scheduled")
+    assert scheduled["error"] == "rate limited"  # the reason is kept
+    assert scheduled["askedDelaySeconds"] == 2.5 and scheduled["delaySeconds"] == 3
+    claims = [at for at, _ in events_of(url, out["limited"], "claimed")]
+    assert len(claims) == 2
+    assert (claims[1] - scheduled_at).total_seconds() >= 2.5, (claims, scheduled_at)
 
 
 def post_jobs(base: str, token: str) -> None:
@@ -210,6 +267,7 @@ def test_own_app_under_jobrelay_up_on_the_embedded_default(tmp_path: Path) -> No
         out = run_client(root, env)
         url = f"sqlite:///{db}"
         check_client_results(url, out)
+        check_def_and_delayed_retry(url, root, out)
         token = run_cli("token", "create", "--account", "acme", env=env, cwd=root).stdout.strip()
         post_jobs(f"http://127.0.0.1:{port}", token)
     result = tmp_path / "results" / "shop.receipt" / out["committed"] / "receipt.txt"
@@ -249,6 +307,7 @@ def test_own_app_with_relay_and_one_worker_per_queue(
         wait_http(f"http://127.0.0.1:{port}", api)
         out = run_client(root, env)
         check_client_results(pg_url, out)
+        check_def_and_delayed_retry(pg_url, root, out)
         token = run_cli("token", "create", "--account", "acme", env=env, cwd=root).stdout.strip()
         post_jobs(f"http://127.0.0.1:{port}", token)
 

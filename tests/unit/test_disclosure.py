@@ -45,6 +45,7 @@ FULL: dict[str, dict[str, Any]] = {
     "retry_scheduled": {
         "error": f"S3 down at https://{HOST}:9000/b",
         "delaySeconds": 5,
+        "askedDelaySeconds": 4.5,
         "nextAttemptAt": "2026-01-01T12:00:05+00:00",
         "attempt": 1,
     },
@@ -120,7 +121,7 @@ ACCOUNT_SEES = {
     "claimed": {"attempt", "redelivered"},
     "result_saved": {"resultKey", "attempt", "meta"},
     "follow_up_accepted": {"jobId", "type"},
-    "retry_scheduled": {"error", "delaySeconds", "nextAttemptAt", "attempt"},
+    "retry_scheduled": {"error", "delaySeconds", "askedDelaySeconds", "nextAttemptAt", "attempt"},
     "quarantined": {"reason", "attempt"},
     "deferred": {"delaySeconds"},
     "duplicate_acked": {"reason"},

@@ -286,3 +286,9 @@ def test_decoding_never_crashes(body: bytes) -> None:
         assert exc.reason
     else:
         assert message.type in TYPES
+
+
+def test_a_retry_with_its_own_delay_overrides_the_types_delays() -> None:
+    asked = decide(TransientFailure("rate limited", 1, 5, (5, 30), delay=42, asked_delay=41.5))
+    assert asked.retry_delay == 42 and asked.reason == "rate limited"
+    assert decide(TransientFailure("e", 5, 5, (5,), delay=42)).new_state is S.QUARANTINED

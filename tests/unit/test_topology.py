@@ -56,3 +56,11 @@ def test_names_and_routes() -> None:
     assert retry_queue_arguments(5)["x-dead-letter-routing-key"] == "work"
     with pytest.raises(ValueError):
         Topology(retry_delays=(5,), delivery_limit=5, queues=("Bad.Name",))
+
+
+def test_an_asked_retry_delay_rounds_up_to_a_declared_tier_or_is_exact_locally() -> None:
+    rabbit = Topology(retry_delays=(30, 5), delivery_limit=5)
+    assert [rabbit.retry_delay(s) for s in (0.2, 5, 5.1, 30, 31, 3600)] == [5, 5, 30, 30, 30, 30]
+    local = Topology(retry_delays=(5, 30), delivery_limit=5, dynamic_delays=True)
+    assert [local.retry_delay(s) for s in (0.2, 2.5, 42, 3600)] == [1, 3, 42, 3600]
+    assert local.routes("retry.42s") and not rabbit.routes("retry.42s")

@@ -82,6 +82,7 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
     "retry_scheduled": {
         "error": _TEXT,
         "delaySeconds": _VALUE,
+        "askedDelaySeconds": _VALUE,  # the job's own Retry(delay=...)
         "nextAttemptAt": _VALUE,
         "attempt": _VALUE,
     },

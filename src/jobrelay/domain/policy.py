@@ -64,6 +64,10 @@ class TransientFailure:
     max_attempts: int
     retry_delays: tuple[int, ...]
     public: str = FAILED  # what the job's account reads instead (domain.disclosure)
+    # This attempt's own next delay (``Retry(delay=...)``, as the topology can wait it),
+    # instead of ``retry_delays``.
+    delay: int | None = None
+    asked_delay: float | None = None  # what the job asked, kept in the event
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ def decide(observation: Observation) -> Decision:
             return Decision(JobState.RUNNING, Action.RUN, "claimed")
         case ResultSaved(result_key):
             return Decision(JobState.SUCCEEDED, Action.ACK, "result_saved", reason=result_key)
-        case TransientFailure(error, attempt, max_attempts, delays, public):
+        case TransientFailure(error, attempt, max_attempts, delays, public, delay, _):
             if attempt >= max_attempts:
                 return Decision(
                     JobState.QUARANTINED,
@@ -185,7 +189,7 @@ def decide(observation: Observation) -> Decision:
                 Action.ACK,
                 "retry_scheduled",
                 reason=error,
-                retry_delay=retry_delay_for(attempt, delays),
+                retry_delay=retry_delay_for(attempt, delays) if delay is None else delay,
                 public=public,
             )
         case PermanentFailure(error, public):

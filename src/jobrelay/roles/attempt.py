@@ -175,7 +175,8 @@ class AttemptRun:
             except PermanentError as exc:
                 observation = PermanentFailure(*failure_texts(exc))
             except (OperationError, StoreError) as exc:
-                observation = self._transient(job, claim.attempt, *failure_texts(exc))
+                asked = exc.delay if isinstance(exc, Retry) else None
+                observation = self._transient(job, claim.attempt, *failure_texts(exc), asked)
             except Exception as exc:  # an operation bug: retried, then quarantined, no hot loop
                 log.exception(
                     "operation raised", extra={"event": "operation_error", "jobId": job.id}
@@ -203,10 +204,15 @@ class AttemptRun:
         # answer: count our lease from a little earlier than now, never later.
         return min(1.0, self.lease.total_seconds() / 10)
 
-    def _transient(self, job: JobRecord, attempt: int, error: str, public: str) -> TransientFailure:
+    def _transient(
+        self, job: JobRecord, attempt: int, error: str, public: str, asked: float | None = None
+    ) -> TransientFailure:
+        """A transient failure; ``asked``: the next delay the job asked for (``Retry(delay=)``),
+        as this topology can wait it (``Topology.retry_delay``), else the type's delays."""
         operation = self.registry.get(job.type)
         delays = getattr(operation, "retry_delays", None) or self.rt.settings.retry_delays
-        return TransientFailure(error, attempt, job.max_attempts, delays, public)
+        delay = None if asked is None else self.rt.topology.retry_delay(asked)
+        return TransientFailure(error, attempt, job.max_attempts, delays, public, delay, asked)
 
     async def _commit_outcome(
         self,
@@ -318,6 +324,7 @@ class AttemptRun:
                 decision.retry_delay,
                 now,
                 public=decision.public,
+                asked_delay=getattr(observation, "asked_delay", None),
             )
         won = await store.quarantine(
             job.id,

@@ -63,12 +63,14 @@ def topology_for(settings: Settings, app: App | None = None) -> Topology:
             retry_delays=settings.retry_delays,
             delivery_limit=settings.delivery_limit,
             quorum_size=settings.quorum_group_size,
+            dynamic_delays=settings.uses_local_broker,
         )
     return Topology(
         retry_delays=app.retry_tiers(settings),
         delivery_limit=settings.delivery_limit,
         queues=app.queues,
         quorum_size=settings.quorum_group_size,
+        dynamic_delays=settings.uses_local_broker,
     )
 
 

@@ -205,10 +205,12 @@ class ClaimsStore(StoreBase):
         now: datetime,
         *,
         public: str | None = None,
+        asked_delay: float | None = None,
     ) -> Fenced:
         """running -> retry_wait, and the retry message into the outbox, in one transaction.
 
-        Fenced on the claim; the due time is the store's clock + ``delay``. ``public`` is the
+        Fenced on the claim; the due time is the store's clock + ``delay``; ``asked_delay``
+        (kept in the event) is what the job asked with ``Retry(delay=)``. ``public`` is the
         error as the job's account reads it (``domain.disclosure``); ``error`` the operators'.
         Both are stored with their NUL bytes escaped (``storable``): they must not make the
         write fail.
@@ -248,6 +250,7 @@ class ClaimsStore(StoreBase):
                 now,
                 error=error,
                 delaySeconds=delay,
+                **({} if asked_delay is None else {"askedDelaySeconds": asked_delay}),
                 nextAttemptAt=due,
                 attempt=claim.attempt,
                 worker=claim.worker_id,

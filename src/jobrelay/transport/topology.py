@@ -15,6 +15,7 @@ the one mapping from (queue, delay) to a destination; ``parse_destination()`` it
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -98,6 +99,9 @@ class Topology:
     queues: tuple[str, ...] = field(default=(DEFAULT_QUEUE,))
     # How many cluster nodes hold each (quorum) queue; a smaller cluster holds it on all.
     quorum_size: int = 3
+    # The local transport delays each row by its own time: any whole-second tier routes.
+    # RabbitMQ has a fixed-TTL queue per declared tier only.
+    dynamic_delays: bool = False
 
     def __post_init__(self) -> None:
         names = {check_queue_name(q) for q in self.queues} - {DEFAULT_QUEUE}
@@ -113,7 +117,21 @@ class Topology:
         if parsed is None:
             return False
         queue, delay = parsed
-        return queue in self.queues and (delay is None or delay in self.tiers)
+        return queue in self.queues and (
+            delay is None or delay in self.tiers or self.dynamic_delays
+        )
+
+    def retry_delay(self, asked: float) -> int:
+        """The delay a retry asked to wait ``asked`` seconds really waits (``Retry(delay=)``).
+
+        Whole seconds, rounded up; with fixed tiers (RabbitMQ) the smallest declared tier at
+        or above that, and past the longest tier the longest one (a retry is never dropped
+        for want of a queue). Never less than asked, except past the longest tier.
+        """
+        seconds = max(1, math.ceil(asked))
+        if self.dynamic_delays:
+            return seconds
+        return next((t for t in self.tiers if t >= seconds), self.tiers[-1])
 
     @property
     def shortest_delay(self) -> int:
