@@ -35,6 +35,7 @@ from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError
 from jobrelay.loader import load_app
+from jobrelay.ops.explain import show_job
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.worker import Worker
 from jobrelay.storage.engine import async_url, read_only
@@ -323,3 +324,35 @@ def test_a_bad_app_string_is_a_config_error_naming_the_variable() -> None:
         assert raised.value.variable == "JOBRELAY_APP"
     assert set(load_app(None).registry().types) == {"report.export", "notify.email"}
     assert load_app("tests.integration.test_library:app") is app
+
+
+@app.job("images.count", params=Note)
+async def count_halfway(ctx: jobrelay.JobContext[Note], params: Note) -> None:
+    await ctx.progress(5, 10)
+
+
+async def test_progress_is_the_jobs_and_survives_its_success(
+    rt: Runtime, own_engine: AsyncEngine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a job that reports 5 of 10 and succeeds with no result meta at all
+    async with own_engine.begin() as conn:
+        job_id = await count_halfway.enqueue(conn, {"text": "x"}, account="acme")
+    # When the worker runs it (batched on PostgreSQL, alone on SQLite)
+    assert (await run_job(rt, job_id, "images.count")).outcomes == ["ack"]
+    # Then 5/10 stays: on the store, on App.get_job, on GET /v1/jobs/{id} and on job show
+    own = jobrelay.App(settings=rt.settings)
+    try:
+        job = await own.get_job(job_id)
+    finally:
+        await own.aclose()
+    assert job is not None and job.state is JobState.SUCCEEDED
+    assert (job.progress_done, job.progress_total) == (5, 10)
+    api = create_app(rt.settings, runtime=rt)
+    transport = httpx.ASGITransport(app=api)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+        got = await client.get(f"/v1/jobs/{job_id}", headers=bearer(await make_token(rt, "acme")))
+    assert got.status_code == 200 and got.json()["progress"] == {"done": 5, "total": 10}
+    capsys.readouterr()
+    assert await show_job(rt.settings, job_id)
+    shown = capsys.readouterr().out
+    assert "5/10" in shown and "rows" not in shown  # "rows" is the export's word, not a job's

@@ -232,7 +232,7 @@ def render_job(
     )
     facts.add_row("result key", job.result_key or "-")
     if job.progress_total is not None:
-        facts.add_row("progress", f"{job.progress_done or 0}/{job.progress_total} rows")
+        facts.add_row("progress", f"{job.progress_done or 0}/{job.progress_total}")
     facts.add_row("params", str(job.params))
     facts.add_row("trace id", trace_id or "-")
     facts.add_row(
