@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import difflib
 import inspect
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
@@ -42,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.context import JobContext, Result
 from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
-from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidParams, PermanentError
+from jobrelay.errors import ConfigError, InvalidParams, PermanentError
 from jobrelay.operations.base import Operation, OperationContext, OperationResult, Registry
 from jobrelay.settings import Settings
 from jobrelay.storage.enqueue import Steps, new_job_steps, run_async, run_sync
@@ -67,35 +66,6 @@ def _field_errors(exc: ValidationError) -> list[dict[str, str]]:
         {"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
         for err in exc.errors(include_url=False)
     ]
-
-
-def unknown_type(name: str, known: Iterable[str]) -> str:
-    """``no job type 'x' in this app``, with the closest known names (difflib)."""
-    close = difflib.get_close_matches(name, sorted(known), n=3)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return f"no job type {name!r} in this app{hint}"
-
-
-def _wrong_connection(conn: object, expected: str, opened_by: str) -> str:
-    kind = f"{type(conn).__module__}.{type(conn).__qualname__}"
-    return (
-        f"pass the SQLAlchemy {expected} of your transaction (`with engine.{opened_by} as conn`,"
-        f" the engine from jobrelay.create_engine or sqlalchemy), not a {kind}"
-    )
-
-
-@contextlib.contextmanager
-def _schema_missing_hint(where: str) -> Iterator[None]:
-    """A database without jobrelay's tables: say to run ``jobrelay db upgrade``."""
-    try:
-        yield
-    except DBAPIError as exc:
-        text = (str(exc.orig).splitlines() or [""])[0]
-        if "no such table" in text or getattr(exc.orig, "sqlstate", None) == "42P01":
-            raise ConfigError(
-                where, f"the database has no jobrelay schema ({text}): run `jobrelay db upgrade`"
-            ) from exc
-        raise
 
 
 class JobDefinition(Generic[P]):
@@ -199,12 +169,9 @@ class JobDefinition(Generic[P]):
         id derived from ``key`` (an application with its own id scheme); the same id with
         the same parameters is again the same job.
         """
-        if not isinstance(conn, AsyncConnection):
-            raise ConfigError("enqueue", _wrong_connection(conn, "AsyncConnection", "begin()"))
-        with _schema_missing_hint("enqueue"):
-            return await run_async(
-                conn, self._enqueue_steps(conn.sync_engine, params, key, account, job_id)
-            )
+        return await run_async(
+            conn, self._enqueue_steps(conn.sync_engine, params, key, account, job_id)
+        )
 
     def enqueue_sync(
         self,
@@ -216,10 +183,7 @@ class JobDefinition(Generic[P]):
         job_id: str | None = None,
     ) -> str:
         """``enqueue`` for a synchronous application (psycopg 3 or sqlite3 connection)."""
-        if not isinstance(conn, Connection):
-            raise ConfigError("enqueue_sync", _wrong_connection(conn, "Connection", "begin()"))
-        with _schema_missing_hint("enqueue_sync"):
-            return run_sync(conn, self._enqueue_steps(conn.engine, params, key, account, job_id))
+        return run_sync(conn, self._enqueue_steps(conn.engine, params, key, account, job_id))
 
     def _enqueue_steps(
         self,
@@ -234,22 +198,16 @@ class JobDefinition(Generic[P]):
         if key is not None and job_id is None:
             keys = yield from self.app.id_key_cache(engine).steps(now)
         job = self.new_job(params, key=key, account=account, job_id=job_id, keys=keys)
-        try:
-            written, _ = yield from new_job_steps(engine.dialect.name, job, now)
-        except IdempotencyConflict:
-            raise IdempotencyConflict(
-                f"key {key!r} was already used for {self.type} with other params"
-            ) from None
+        written, _ = yield from new_job_steps(engine.dialect.name, job, now)
         return written
 
     # --- run (the worker's Operation) -------------------------------------------------------
 
     def validate(self, params: Mapping[str, Any]) -> None:
-        """``InvalidParams`` naming each bad field, as ``enqueue`` would raise it."""
         try:
             self.params_model.model_validate(params)
         except ValidationError as exc:
-            raise InvalidParams(self.type, _field_errors(exc)) from None
+            raise PermanentError(str(InvalidParams(self.type, _field_errors(exc)))) from None
 
     async def run(self, ctx: OperationContext) -> OperationResult:
         try:
@@ -267,7 +225,7 @@ class JobDefinition(Generic[P]):
                     max_attempts=target._max_attempts or job.max_attempts,
                 )
             if target not in self.app.included_types:
-                raise ConfigError("ctx.follow_up", unknown_type(target, self.app.included_types))
+                raise ConfigError("ctx.follow_up", f"no job type {target!r} in this app")
             stored = p.model_dump(mode="json") if isinstance(p, BaseModel) else dict(p)
             return NewJob(
                 job_id=follow_up_job_id(job.id, target),
@@ -552,7 +510,7 @@ class App:
         """Enqueue in a transaction of its own (for callers with no transaction to join)."""
         definition = self._jobs.get(name)
         if definition is None:
-            raise ConfigError("App.enqueue", unknown_type(name, self._jobs))
+            raise ConfigError("App.enqueue", f"no job type {name!r} in this app")
         async with self._engine_for_calls().begin() as conn:
             return await definition.enqueue(conn, params, key=key, account=account, job_id=job_id)
 

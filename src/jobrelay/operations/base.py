@@ -54,8 +54,7 @@ class Operation(Protocol):
     type: str
 
     def validate(self, params: Mapping[str, Any]) -> None:
-        """Raise PermanentError when the stored parameters cannot ever succeed (an app's
-        ``JobDefinition`` raises ``InvalidParams``, naming each field, as its enqueue does)."""
+        """Raise PermanentError when the stored parameters cannot ever succeed."""
         ...
 
     async def run(self, ctx: OperationContext) -> OperationResult: ...
