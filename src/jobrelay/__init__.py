@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jobrelay.app import App, JobDefinition
+    from jobrelay.app import App
     from jobrelay.context import JobContext, Result
     from jobrelay.domain.states import JobState
     from jobrelay.errors import (
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         Permanent,
         Retry,
     )
+    from jobrelay.job_definition import JobDefinition
     from jobrelay.periodic import Schedule
     from jobrelay.results.base import ResultWriter
     from jobrelay.settings import Settings
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 # app machinery a command may never touch.
 _EXPORTS = {
     "App": "jobrelay.app",
-    "JobDefinition": "jobrelay.app",
+    "JobDefinition": "jobrelay.job_definition",
     "JobContext": "jobrelay.context",
     "Result": "jobrelay.context",
     "JobState": "jobrelay.domain.states",

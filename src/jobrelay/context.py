@@ -25,7 +25,7 @@ from jobrelay.storage.engine import read_only, snapshot
 from jobrelay.storage.records import NewJob
 
 if TYPE_CHECKING:
-    from jobrelay.app import JobDefinition
+    from jobrelay.job_definition import JobDefinition
 
 P = TypeVar("P", bound=BaseModel)
 

@@ -45,10 +45,10 @@ from jobrelay.api.schemas import (
     WireModel,
     valid_traceparent,
 )
-from jobrelay.app import JobDefinition
 from jobrelay.domain.ids import job_id_for
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError, IdempotencyConflict
+from jobrelay.job_definition import JobDefinition
 from jobrelay.observe.metrics import NEW as _NEW_JOB
 from jobrelay.roles.runtime import Runtime
 

@@ -20,7 +20,7 @@ from jobrelay.errors import ConfigError, InvalidParams
 from jobrelay.storage.records import NewJob
 
 if TYPE_CHECKING:
-    from jobrelay.app import JobDefinition
+    from jobrelay.job_definition import JobDefinition
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from pydantic import BaseModel
 from jobrelay.errors import AttemptSuperseded, ConfigError
 
 if TYPE_CHECKING:
-    from jobrelay.app import JobDefinition
     from jobrelay.context import JobContext
+    from jobrelay.job_definition import JobDefinition
 
 P = TypeVar("P", bound=BaseModel)
 # How long a thread's ``ctx.progress`` waits for the loop to record it.

@@ -1,0 +1,240 @@
+"""One job type of an ``App`` (``@app.job``): its params model, how to enqueue it (in the
+caller's transaction, async or sync) and, for the worker, how to run it (``async def`` on the
+loop, ``def`` in the app's thread pool).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import Connection, Engine
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from jobrelay.context import JobContext, Result
+from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
+from jobrelay.errors import ConfigError, InvalidParams, PermanentError
+from jobrelay.operations.base import OperationContext, OperationResult
+from jobrelay.settings import Settings
+from jobrelay.storage.enqueue import Steps, new_job_steps, run_async, run_sync
+from jobrelay.storage.records import NewJob, work_destination
+from jobrelay.sync_context import SyncJobFunction, run_in_thread, runs_in_thread
+
+if TYPE_CHECKING:
+    from jobrelay.app import App
+
+P = TypeVar("P", bound=BaseModel)
+JobFunction = Callable[[JobContext[P], P], Awaitable[Result | None]]
+
+
+def _field_errors(exc: ValidationError) -> list[dict[str, str]]:
+    return [
+        {"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
+        for err in exc.errors(include_url=False)
+    ]
+
+
+class JobDefinition(Generic[P]):
+    """One job type of an ``App``: how to enqueue it, and (for the worker) how to run it."""
+
+    def __init__(
+        self,
+        app: App,
+        name: str,
+        fn: JobFunction[P] | SyncJobFunction[P],
+        params: type[P],
+        *,
+        max_attempts: int | None,
+        retry_delays: tuple[int, ...] | None,
+        queue: str,
+        http: bool,
+        result_filename: Callable[[str, Mapping[str, Any]], str] | None = None,
+    ) -> None:
+        self.app = app
+        self.type = name
+        self.fn = fn
+        self.in_thread = runs_in_thread(name, fn)  # a plain def: run in app.sync_pool
+        self.params_model = params
+        self._max_attempts = max_attempts
+        self.retry_delays = retry_delays
+        self.queue = queue
+        self.http = http
+        self.result_filename = result_filename
+
+    def __repr__(self) -> str:
+        return f"<jobrelay job {self.type}>"
+
+    @property
+    def max_attempts(self) -> int:
+        return self.max_attempts_under(self.app.settings)
+
+    def max_attempts_under(self, settings: Settings) -> int:
+        """The definition's own ``max_attempts``, else ``settings.max_attempts``."""
+        return self._max_attempts or settings.max_attempts
+
+    # --- enqueue ---------------------------------------------------------------------------
+
+    def parse(self, params: P | Mapping[str, Any]) -> P:
+        """The parameters as the model, or ``InvalidParams`` naming each bad field."""
+        if isinstance(params, self.params_model):
+            params = params.model_dump(mode="json")
+        try:
+            return self.params_model.model_validate(params)
+        except ValidationError as exc:
+            raise InvalidParams(self.type, _field_errors(exc)) from None
+
+    def new_job(
+        self,
+        params: P | Mapping[str, Any],
+        *,
+        key: str | None = None,
+        account: str | None = None,
+        job_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        max_attempts: int | None = None,
+        keys: IdKeys | None = None,
+    ) -> NewJob:
+        """The job to write. Its id: ``job_id``; else, with ``key``, keyed with ``keys`` (the
+        installation's, required then: ``Store.id_keys``), and also the id under the previous
+        secret while that one counts; else a fresh UUIDv7."""
+        stored = self.parse(params).model_dump(mode="json")
+        previous = None
+        if job_id is None and key is not None:
+            if keys is None:
+                raise ConfigError("enqueue", "a job with key= needs the installation's id keys")
+            job_id, previous = keys.derive(lambda s: keyed_job_id(s, self.type, account, key))
+        elif job_id is None:
+            job_id = uuid7()
+        return NewJob(
+            job_id=job_id,
+            type=self.type,
+            account_id=account,
+            params=stored,
+            request_hash=request_hash(account, self.type, stored),
+            max_attempts=max_attempts or self.max_attempts,
+            idempotency_key=key,
+            headers=headers,
+            destination=work_destination(self.queue),
+            queue=self.queue,
+            previous_job_id=previous,
+        )
+
+    async def enqueue(
+        self,
+        conn: AsyncConnection,
+        params: P | Mapping[str, Any],
+        *,
+        key: str | None = None,
+        account: str | None = None,
+        job_id: str | None = None,
+    ) -> str:
+        """Write the job on ``conn`` (the caller's open transaction); returns its id.
+
+        The same ``key`` with the same parameters returns the same id and writes nothing;
+        with other parameters it raises ``IdempotencyConflict``. ``job_id`` replaces the
+        id derived from ``key`` (an application with its own id scheme); the same id with
+        the same parameters is again the same job.
+        """
+        return await run_async(
+            conn, self._enqueue_steps(conn.sync_engine, params, key, account, job_id)
+        )
+
+    def enqueue_sync(
+        self,
+        conn: Connection,
+        params: P | Mapping[str, Any],
+        *,
+        key: str | None = None,
+        account: str | None = None,
+        job_id: str | None = None,
+    ) -> str:
+        """``enqueue`` for a synchronous application (psycopg 3 or sqlite3 connection)."""
+        return run_sync(conn, self._enqueue_steps(conn.engine, params, key, account, job_id))
+
+    def _enqueue_steps(
+        self,
+        engine: Engine,
+        params: P | Mapping[str, Any],
+        key: str | None,
+        account: str | None,
+        job_id: str | None,
+    ) -> Steps[str]:
+        now = _now()
+        keys = None
+        if key is not None and job_id is None:
+            keys = yield from self.app.id_key_cache(engine).steps(now)
+        job = self.new_job(params, key=key, account=account, job_id=job_id, keys=keys)
+        written, _ = yield from new_job_steps(engine.dialect.name, job, now)
+        return written
+
+    # --- run (the worker's Operation) -------------------------------------------------------
+
+    def validate(self, params: Mapping[str, Any]) -> None:
+        try:
+            self.params_model.model_validate(params)
+        except ValidationError as exc:
+            raise PermanentError(str(InvalidParams(self.type, _field_errors(exc)))) from None
+
+    async def run(self, ctx: OperationContext) -> OperationResult:
+        try:
+            params = self.params_model.model_validate(ctx.job.params)
+        except ValidationError as exc:
+            raise PermanentError(str(InvalidParams(self.type, _field_errors(exc)))) from None
+        job = ctx.job
+
+        def follow_up(target: JobDefinition[Any] | str, p: BaseModel | Mapping[str, Any]) -> NewJob:
+            if isinstance(target, JobDefinition):
+                return target.new_job(
+                    p,
+                    account=job.account_id,
+                    job_id=follow_up_job_id(job.id, target.type),
+                    max_attempts=target._max_attempts or job.max_attempts,
+                )
+            if target not in self.app.included_types:
+                raise ConfigError("ctx.follow_up", f"no job type {target!r} in this app")
+            stored = p.model_dump(mode="json") if isinstance(p, BaseModel) else dict(p)
+            return NewJob(
+                job_id=follow_up_job_id(job.id, target),
+                type=target,
+                account_id=job.account_id,
+                params=stored,
+                request_hash=request_hash(job.account_id, target, stored),
+                max_attempts=job.max_attempts,
+            )
+
+        async def fault_point(point: str) -> None:
+            await ctx.faults.ahit(point, attempt=ctx.attempt, params=job.params)
+
+        context: JobContext[P] = JobContext(
+            job_id=job.id,
+            job_type=job.type,
+            attempt=ctx.attempt,
+            params=params,
+            account=job.account_id,
+            results=ctx.results,
+            engine=ctx.store.engine,
+            lease_lost=ctx.lease_lost,
+            report_progress=ctx.report_progress,
+            make_follow_up=follow_up,
+            fault_point=fault_point,
+        )
+        if self.in_thread:
+            sync_fn = cast("SyncJobFunction[P]", self.fn)
+            returned = await run_in_thread(self.app.sync_pool(), sync_fn, context, params)
+        else:
+            returned = self.fn(context, params)  # type: ignore[arg-type]
+            if inspect.isawaitable(returned):
+                returned = await returned
+        result = returned or Result()
+        return OperationResult(
+            result_key=result.key,
+            meta=dict(result.meta),
+            follow_ups=tuple(context.follow_ups),
+        )
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
