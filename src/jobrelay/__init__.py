@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from jobrelay.context import JobContext, Result
     from jobrelay.domain.states import JobState
     from jobrelay.errors import (
+        ConfigError,
         IdempotencyConflict,
         InvalidParams,
         JobrelayError,
@@ -37,6 +38,7 @@ _EXPORTS = {
     "JobContext": "jobrelay.context",
     "Result": "jobrelay.context",
     "JobState": "jobrelay.domain.states",
+    "ConfigError": "jobrelay.errors",
     "IdempotencyConflict": "jobrelay.errors",
     "InvalidParams": "jobrelay.errors",
     "JobrelayError": "jobrelay.errors",
@@ -67,6 +69,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "App",
+    "ConfigError",
     "IdempotencyConflict",
     "InvalidParams",
     "Job",

@@ -39,7 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.errors import ConfigError
 from jobrelay.job_definition import JobDefinition as JobDefinition
-from jobrelay.job_definition import JobFunction, P
+from jobrelay.job_definition import JobFunction, P, unknown_type
 from jobrelay.operations.base import Operation, Registry
 from jobrelay.settings import Settings
 from jobrelay.storage.installation import IdKeyCache
@@ -299,7 +299,7 @@ class App:
         """Enqueue in a transaction of its own (for callers with no transaction to join)."""
         definition = self._jobs.get(name)
         if definition is None:
-            raise ConfigError("App.enqueue", f"no job type {name!r} in this app")
+            raise ConfigError("App.enqueue", unknown_type(name, self._jobs))
         async with self._engine_for_calls().begin() as conn:
             return await definition.enqueue(conn, params, key=key, account=account, job_id=job_id)
 

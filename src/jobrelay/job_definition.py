@@ -5,18 +5,21 @@ loop, ``def`` in the app's thread pool).
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobrelay.context import JobContext, Result
 from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
-from jobrelay.errors import ConfigError, InvalidParams, PermanentError
+from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidParams, PermanentError
 from jobrelay.operations.base import OperationContext, OperationResult
 from jobrelay.settings import Settings
 from jobrelay.storage.enqueue import Steps, new_job_steps, run_async, run_sync
@@ -35,6 +38,35 @@ def _field_errors(exc: ValidationError) -> list[dict[str, str]]:
         {"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
         for err in exc.errors(include_url=False)
     ]
+
+
+def unknown_type(name: str, known: Iterable[str]) -> str:
+    """``no job type 'x' in this app``, with the closest known names (difflib)."""
+    close = difflib.get_close_matches(name, sorted(known), n=3)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return f"no job type {name!r} in this app{hint}"
+
+
+def _wrong_connection(conn: object, expected: str, opened_by: str) -> str:
+    kind = f"{type(conn).__module__}.{type(conn).__qualname__}"
+    return (
+        f"pass the SQLAlchemy {expected} of your transaction (`with engine.{opened_by} as conn`,"
+        f" the engine from jobrelay.create_engine or sqlalchemy), not a {kind}"
+    )
+
+
+@contextlib.contextmanager
+def _schema_missing_hint(where: str) -> Iterator[None]:
+    """A database without jobrelay's tables: say to run ``jobrelay db upgrade``."""
+    try:
+        yield
+    except DBAPIError as exc:
+        text = (str(exc.orig).splitlines() or [""])[0]
+        if "no such table" in text or getattr(exc.orig, "sqlstate", None) == "42P01":
+            raise ConfigError(
+                where, f"the database has no jobrelay schema ({text}): run `jobrelay db upgrade`"
+            ) from exc
+        raise
 
 
 class JobDefinition(Generic[P]):
@@ -138,9 +170,12 @@ class JobDefinition(Generic[P]):
         id derived from ``key`` (an application with its own id scheme); the same id with
         the same parameters is again the same job.
         """
-        return await run_async(
-            conn, self._enqueue_steps(conn.sync_engine, params, key, account, job_id)
-        )
+        if not isinstance(conn, AsyncConnection):
+            raise ConfigError("enqueue", _wrong_connection(conn, "AsyncConnection", "begin()"))
+        with _schema_missing_hint("enqueue"):
+            return await run_async(
+                conn, self._enqueue_steps(conn.sync_engine, params, key, account, job_id)
+            )
 
     def enqueue_sync(
         self,
@@ -152,7 +187,10 @@ class JobDefinition(Generic[P]):
         job_id: str | None = None,
     ) -> str:
         """``enqueue`` for a synchronous application (psycopg 3 or sqlite3 connection)."""
-        return run_sync(conn, self._enqueue_steps(conn.engine, params, key, account, job_id))
+        if not isinstance(conn, Connection):
+            raise ConfigError("enqueue_sync", _wrong_connection(conn, "Connection", "begin()"))
+        with _schema_missing_hint("enqueue_sync"):
+            return run_sync(conn, self._enqueue_steps(conn.engine, params, key, account, job_id))
 
     def _enqueue_steps(
         self,
@@ -167,16 +205,22 @@ class JobDefinition(Generic[P]):
         if key is not None and job_id is None:
             keys = yield from self.app.id_key_cache(engine).steps(now)
         job = self.new_job(params, key=key, account=account, job_id=job_id, keys=keys)
-        written, _ = yield from new_job_steps(engine.dialect.name, job, now)
+        try:
+            written, _ = yield from new_job_steps(engine.dialect.name, job, now)
+        except IdempotencyConflict:
+            raise IdempotencyConflict(
+                f"key {key!r} was already used for {self.type} with other params"
+            ) from None
         return written
 
     # --- run (the worker's Operation) -------------------------------------------------------
 
     def validate(self, params: Mapping[str, Any]) -> None:
+        """``InvalidParams`` naming each bad field, as ``enqueue`` would raise it."""
         try:
             self.params_model.model_validate(params)
         except ValidationError as exc:
-            raise PermanentError(str(InvalidParams(self.type, _field_errors(exc)))) from None
+            raise InvalidParams(self.type, _field_errors(exc)) from None
 
     async def run(self, ctx: OperationContext) -> OperationResult:
         try:
@@ -194,7 +238,7 @@ class JobDefinition(Generic[P]):
                     max_attempts=target._max_attempts or job.max_attempts,
                 )
             if target not in self.app.included_types:
-                raise ConfigError("ctx.follow_up", f"no job type {target!r} in this app")
+                raise ConfigError("ctx.follow_up", unknown_type(target, self.app.included_types))
             stored = p.model_dump(mode="json") if isinstance(p, BaseModel) else dict(p)
             return NewJob(
                 job_id=follow_up_job_id(job.id, target),

@@ -98,6 +98,7 @@ async def test_a_batch_completion_is_fenced_per_job(pg: Runtime) -> None:
     assert all(c is not None for c in claims)
     claim_a, claim_b = (c[0] for c in claims if c is not None)
     stale_b = Claim(b, claim_b.attempt - 1, claim_b.worker_id)  # an attempt that lost
+    assert await pg.store.report_progress(claim_a, 1, 4, pg.clock())
     won = await pg.store.complete_many(
         [CompleteRequest(claim_a, "ka", {"rows": 1}), CompleteRequest(stale_b, "kb", {})],
         pg.clock(),
@@ -109,7 +110,9 @@ async def test_a_batch_completion_is_fenced_per_job(pg: Runtime) -> None:
     saved = await events_of(pg, a, "result_saved")
     assert [(e["resultKey"], e["meta"]["rows"], e["worker"]) for e in saved] == [("ka", 1, "w-1")]
     job = await pg.store.get_job(a)
-    assert job is not None and (job.result_key, job.progress_done) == ("ka", 1)
+    # The progress is the job's own: the meta's "rows" does not overwrite it.
+    assert job is not None and job.result_key == "ka"
+    assert (job.progress_done, job.progress_total) == (1, 4)
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["batch", "one"])
@@ -138,7 +141,7 @@ async def test_a_claim_does_not_wait_for_an_open_event_insert_of_the_same_job(
 async def test_a_refused_value_is_a_data_error_and_a_lost_connection_an_outage(
     pg: Runtime,
 ) -> None:
-    """Issue 21, item 2, on both paths: a value the driver cannot encode (a row count out
+    """Issue 21, item 2, on both paths: a value the driver cannot encode (an attempt out
     of the column's range) or the server refuses (text that is not JSON: SQLSTATE 22P02) is
     a ``StoreDataError``, never retried as it is; a connection the server closed is a plain
     ``StoreError`` (an outage), and the next statement goes through."""
@@ -146,7 +149,8 @@ async def test_a_refused_value_is_a_data_error_and_a_lost_connection_an_outage(
     assert claimed is not None
     with pytest.raises(StoreDataError):
         await pg.store.complete_many(
-            [CompleteRequest(claimed[0], "k", {"rows": 2**40})], pg.clock()
+            [CompleteRequest(Claim(claimed[0].job_id, 2**40, claimed[0].worker_id), "k", {})],
+            pg.clock(),
         )
     not_json = HotStatement(
         text("SELECT CAST(:value AS jsonb) AS v").bindparams(bindparam("value", type_=Text()))

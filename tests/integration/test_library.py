@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from sqlalchemy import (
     insert,
     make_url,
     select,
+    text,
 )
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -35,6 +37,7 @@ from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError
 from jobrelay.loader import load_app
+from jobrelay.ops.explain import show_job
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.worker import Worker
 from jobrelay.storage.engine import async_url, read_only
@@ -323,3 +326,100 @@ def test_a_bad_app_string_is_a_config_error_naming_the_variable() -> None:
         assert raised.value.variable == "JOBRELAY_APP"
     assert set(load_app(None).registry().types) == {"report.export", "notify.email"}
     assert load_app("tests.integration.test_library:app") is app
+
+
+@app.job("images.count", params=Note)
+async def count_halfway(ctx: jobrelay.JobContext[Note], params: Note) -> None:
+    await ctx.progress(5, 10)
+
+
+async def test_progress_is_the_jobs_and_survives_its_success(
+    rt: Runtime, own_engine: AsyncEngine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a job that reports 5 of 10 and succeeds with no result meta at all
+    async with own_engine.begin() as conn:
+        job_id = await count_halfway.enqueue(conn, {"text": "x"}, account="acme")
+    # When the worker runs it (batched on PostgreSQL, alone on SQLite)
+    assert (await run_job(rt, job_id, "images.count")).outcomes == ["ack"]
+    # Then 5/10 stays: on the store, on App.get_job, on GET /v1/jobs/{id} and on job show
+    own = jobrelay.App(settings=rt.settings)
+    try:
+        job = await own.get_job(job_id)
+    finally:
+        await own.aclose()
+    assert job is not None and job.state is JobState.SUCCEEDED
+    assert (job.progress_done, job.progress_total) == (5, 10)
+    api = create_app(rt.settings, runtime=rt)
+    transport = httpx.ASGITransport(app=api)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api.test") as client:
+        got = await client.get(f"/v1/jobs/{job_id}", headers=bearer(await make_token(rt, "acme")))
+    assert got.status_code == 200 and got.json()["progress"] == {"done": 5, "total": 10}
+    capsys.readouterr()
+    assert await show_job(rt.settings, job_id)
+    shown = capsys.readouterr().out
+    assert "5/10" in shown and "rows" not in shown  # "rows" is the export's word, not a job's
+
+
+async def test_a_raw_sqlite3_connection_is_refused_saying_what_to_pass(tmp_path: Path) -> None:
+    raw = sqlite3.connect(tmp_path / "raw.db")
+    try:
+        with pytest.raises(jobrelay.ConfigError, match="SQLAlchemy Connection") as sync:
+            resize.enqueue_sync(raw, {"image_id": 1, "width": 1})  # type: ignore[arg-type]
+        with pytest.raises(jobrelay.ConfigError, match="SQLAlchemy AsyncConnection") as aio:
+            await resize.enqueue(raw, {"image_id": 1, "width": 1})  # type: ignore[arg-type]
+    finally:
+        raw.close()
+    for raised in (sync, aio):
+        assert "sqlite3.Connection" in str(raised.value) and "\n" not in str(raised.value)
+
+
+async def test_a_database_without_the_schema_says_run_db_upgrade(tmp_path: Path) -> None:
+    empty = create_engine(f"sqlite:///{tmp_path / 'empty.db'}")
+    try:
+        with empty.begin() as conn, pytest.raises(jobrelay.ConfigError, match="db upgrade"):
+            resize.enqueue_sync(conn, {"image_id": 1, "width": 1})
+        with empty.begin() as conn, pytest.raises(jobrelay.ConfigError, match="db upgrade"):
+            resize.enqueue_sync(conn, {"image_id": 1, "width": 1}, key="k")  # reads id keys first
+    finally:
+        empty.dispose()
+
+
+async def test_a_job_name_typo_says_did_you_mean(rt: Runtime) -> None:
+    own = jobrelay.App(settings=rt.settings)
+    own._jobs = app._jobs
+    try:
+        with pytest.raises(jobrelay.ConfigError, match=r"did you mean 'images\.resize'"):
+            await own.enqueue("images.resze", {})
+    finally:
+        await own.aclose()
+
+
+async def test_a_key_conflict_speaks_of_keys(rt: Runtime, own_engine: AsyncEngine) -> None:
+    async with own_engine.begin() as conn:
+        await resize.enqueue(conn, {"image_id": 4, "width": 10}, key="img-4")
+    async with own_engine.begin() as conn:
+        with pytest.raises(jobrelay.IdempotencyConflict) as raised:
+            await resize.enqueue(conn, {"image_id": 4, "width": 11}, key="img-4")
+    message = str(raised.value)
+    assert "key 'img-4'" in message and "images.resize" in message
+    assert "Idempotency-Key" not in message and "body" not in message
+
+
+def test_validate_raises_invalid_params() -> None:
+    with pytest.raises(jobrelay.InvalidParams) as raised:
+        resize.validate({"image_id": "x", "width": 1})
+    assert raised.value.errors[0]["field"] == "image_id"
+
+
+async def test_a_postgres_search_path_without_the_schema_says_run_db_upgrade(pg_url: str) -> None:
+    engine = create_async_engine(async_url(pg_url))
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text("CREATE SCHEMA no_jobrelay_here"))
+            await conn.execute(text("SET LOCAL search_path TO no_jobrelay_here"))
+            with pytest.raises(jobrelay.ConfigError, match="db upgrade") as raised:
+                await resize.enqueue(conn, {"image_id": 1, "width": 1})
+            assert "jobs" in str(raised.value) and "\n" not in str(raised.value)
+            await conn.rollback()
+    finally:
+        await engine.dispose()

@@ -1,6 +1,6 @@
 """The worker's outcome path: nothing stuck, nothing charged to a neighbour (issue 21).
 
-A job whose outcome the database refuses (a ``Decimal`` in its meta, a count out of range, a
+A job whose outcome the database refuses (a ``Decimal`` in its meta, a key not UTF-8, a
 NUL byte in its result key or error message) fails alone, once, with a reason, beside a
 healthy job that shares its batch; a claim whose answer was lost is run, not deferred; the
 lease is renewed until the outcome commits; a delivery given back after an error says why on
@@ -115,14 +115,14 @@ async def test_a_job_whose_outcome_cannot_be_stored_fails_alone_beside_a_healthy
     make_pipeline: Any,
 ) -> None:
     """Three first attempts end together (one batch on PostgreSQL): a healthy one, one whose
-    meta holds a Decimal (not JSON) and one whose row count is out of range for the column.
+    meta holds a Decimal (not JSON) and one whose result key is not UTF-8 (a lone surrogate).
     The healthy one succeeds at attempt 1; each other is quarantined at attempt 1 saying why,
     its function run once. Old code: the batch failed as a whole, the healthy job was
     released and quarantined after three claims ("worker lost before an outcome")."""
     async with make_pipeline() as p:
         healthy = await p.submit(period="2020-01")
         decimal = await p.submit(period="2020-02")
-        too_many = await p.submit(period="2020-03")
+        unencodable = await p.submit(period="2020-03")
         barrier = asyncio.Barrier(3)
         operation = Scripted(
             {
@@ -130,20 +130,22 @@ async def test_a_job_whose_outcome_cannot_be_stored_fails_alone_beside_a_healthy
                 "2020-02": together(
                     barrier, OperationResult("exports/d.csv", {"rows": 1, "fee": Decimal("1.5")})
                 ),
-                "2020-03": together(barrier, OperationResult("exports/n.csv", {"rows": 2**70})),
+                # A lone surrogate: a Python str no UTF-8 database can hold (refused while
+                # the batch statement is bound, not by the per-job checks).
+                "2020-03": together(barrier, OperationResult("exports/\ud800.csv", {"rows": 1})),
             }
         )
         p.start_relay()
         await start_worker(p, operation)
         ok = await p.wait_for(healthy, finished)
         refused = await p.wait_for(decimal, finished)
-        out_of_range = await p.wait_for(too_many, finished)
+        refused_key = await p.wait_for(unencodable, finished)
 
         assert (ok.state, ok.attempt, ok.result_key) == (JobState.SUCCEEDED, 1, "exports/ok.csv")
         assert (refused.state, refused.attempt) == (JobState.QUARANTINED, 1)
         assert "Decimal" in (refused.quarantine_reason or "")
-        assert (out_of_range.state, out_of_range.attempt) == (JobState.QUARANTINED, 1)
-        assert "could not be stored" in (out_of_range.quarantine_reason or "")
+        assert (refused_key.state, refused_key.attempt) == (JobState.QUARANTINED, 1)
+        assert "could not be stored" in (refused_key.quarantine_reason or "")
         assert operation.runs == {"2020-01": 1, "2020-02": 1, "2020-03": 1}
         assert (await p.kinds(healthy)).count("claimed") == 1
         assert on_the_hot_path(p)

@@ -18,7 +18,7 @@ from jobrelay.domain.ids import follow_up_job_id, job_id_for
 from jobrelay.domain.states import JobState
 from jobrelay.effects.mail import parse_smtp_url
 from jobrelay.effects.notify_email import NotifyEmail, message_id_for, notification_for
-from jobrelay.errors import ConfigError, PermanentError
+from jobrelay.errors import ConfigError, InvalidParams, PermanentError
 from jobrelay.exports.app import report_export
 from jobrelay.observe.faults import Faults, parse
 from jobrelay.results.s3 import parse_s3_url
@@ -176,5 +176,5 @@ def test_notification_job_and_its_message_are_stable() -> None:
     for bad in ({"exportJobId": export.id}, {**job.params, "to": "a@b.co\nBcc: x@y.co"}):
         with pytest.raises(PermanentError):
             notify.validate(bad)
-    with pytest.raises(PermanentError, match="notifyEmail"):
+    with pytest.raises(InvalidParams, match="notifyEmail"):  # a job definition's, as enqueue's
         report_export.validate({**export.params, "notifyEmail": "a@b.co, c@d.co"})

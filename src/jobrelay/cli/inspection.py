@@ -42,14 +42,29 @@ def jobs_list_cmd(
         Optional[str],  # noqa: UP045
         typer.Option("--type", help="Only jobs of this type."),
     ] = None,
+    queue: Annotated[Optional[str], typer.Option(help="Only jobs of this queue.")] = None,  # noqa: UP045
+    account: Annotated[Optional[str], typer.Option(help="Only jobs of this account.")] = None,  # noqa: UP045
 ) -> None:
     """Recent jobs, newest first."""
     from jobrelay.domain.states import JobState
     from jobrelay.ops.explain import list_jobs
+    from jobrelay.transport.topology import QUEUE_NAME
 
     try:
         wanted = JobState(state) if state else None
     except ValueError:
         choices = ", ".join(s.value for s in JobState)
         raise fail(f"--state must be one of {choices}", 2) from None
-    run(list_jobs(settings, wanted, limit, reason=reason, job_type=job_type))
+    if queue is not None and not QUEUE_NAME.fullmatch(queue):
+        raise fail(f"--queue: {queue!r} is no queue name (it matches {QUEUE_NAME.pattern})", 2)
+    run(
+        list_jobs(
+            settings,
+            wanted,
+            limit,
+            reason=reason,
+            job_type=job_type,
+            queue=queue,
+            account=account,
+        )
+    )

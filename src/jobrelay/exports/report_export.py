@@ -96,6 +96,7 @@ async def run_export(
                     rows = await _copy_rows(conn, params, writer, progress)
                 else:
                     rows = await _python_rows(conn, params, writer, progress)
+            await ctx.progress(rows, rows)  # the export's own last word: every row written
     except (DBAPIError, OSError) as exc:
         raise ledger.read_failed(exc) from exc
     stored = session.result

@@ -54,7 +54,8 @@ class Operation(Protocol):
     type: str
 
     def validate(self, params: Mapping[str, Any]) -> None:
-        """Raise PermanentError when the stored parameters cannot ever succeed."""
+        """Raise PermanentError when the stored parameters cannot ever succeed (an app's
+        ``JobDefinition`` raises ``InvalidParams``, naming each field, as its enqueue does)."""
         ...
 
     async def run(self, ctx: OperationContext) -> OperationResult: ...

@@ -232,7 +232,7 @@ def render_job(
     )
     facts.add_row("result key", job.result_key or "-")
     if job.progress_total is not None:
-        facts.add_row("progress", f"{job.progress_done or 0}/{job.progress_total} rows")
+        facts.add_row("progress", f"{job.progress_done or 0}/{job.progress_total}")
     facts.add_row("params", str(job.params))
     facts.add_row("trace id", trace_id or "-")
     facts.add_row(
@@ -287,13 +287,31 @@ async def list_jobs(
     *,
     reason: str | None = None,
     job_type: str | None = None,
+    queue: str | None = None,
+    account: str | None = None,
 ) -> None:
     from jobrelay.storage.admin import AdminQueries
 
     async with open_runtime(settings, connect_transport=False) as rt:
-        jobs = await AdminQueries(rt.store).find_jobs(
-            state=state, reason=reason, job_type=job_type, limit=limit
+        admin = AdminQueries(rt.store)
+        jobs = await admin.find_jobs(
+            state=state,
+            reason=reason,
+            job_type=job_type,
+            queue=queue,
+            account_id=account,
+            limit=limit,
         )
+        if job_type is not None and not jobs:
+            known = await admin.stored_types()
+            if rt.app is not None:
+                known |= {*rt.app.jobs, *rt.app.included_types}
+            if job_type not in known:
+                names = ", ".join(sorted(known)) or "none"
+                print(
+                    f"jobrelay: warning: --type: no job type {job_type!r} here (known: {names})",
+                    file=sys.stderr,
+                )
     table = Table(show_edge=False)
     table.add_column("job id", no_wrap=True)
     for column in (

@@ -159,6 +159,7 @@ class AdminQueries:
         reason: str | None = None,
         job_type: str | None = None,
         account_id: str | None = None,
+        queue: str | None = None,
         limit: int = 100,
     ) -> list[JobRecord]:
         """Newest first. ``reason`` matches part of the quarantine reason or the last error,
@@ -170,6 +171,8 @@ class AdminQueries:
             query = query.where(jobs.c.type == job_type)
         if account_id is not None:
             query = query.where(jobs.c.account_id == account_id)
+        if queue is not None:
+            query = query.where(jobs.c.queue == queue)
         if reason:
             text = reason.lower()
             query = query.where(
@@ -180,6 +183,11 @@ class AdminQueries:
         async with self.store.reading() as conn:
             rows = (await conn.execute(query)).all()
         return [job_record(r) for r in rows]
+
+    async def stored_types(self) -> set[str]:
+        """Every job type that has a job in the database."""
+        async with self.store.reading() as conn:
+            return set((await conn.scalars(select(jobs.c.type).distinct())).all())
 
     async def trace_id(self, job_id: str) -> str | None:
         """The trace id of the job's first message (from the HTTP request's traceparent)."""

@@ -149,9 +149,8 @@ _COMPLETE_MANY = HotStatement(
 WITH req AS (
     SELECT * FROM unnest(CAST(:b_ids AS text[]), CAST(:b_attempts AS integer[]),
                          CAST(:b_workers AS text[]), CAST(:b_keys AS text[]),
-                         CAST(:b_metas AS text[]), CAST(:b_rows AS bigint[]),
-                         CAST(:b_details AS text[]))
-        AS r(id, attempt, worker, result_key, meta, rows, detail)
+                         CAST(:b_metas AS text[]), CAST(:b_details AS text[]))
+        AS r(id, attempt, worker, result_key, meta, detail)
 ),
 locked AS (
     SELECT j.id FROM jobs j JOIN req ON j.id = req.id ORDER BY j.id FOR NO KEY UPDATE OF j
@@ -160,8 +159,7 @@ done AS (
     UPDATE jobs SET
         state = '{JobState.SUCCEEDED.value}', updated_at = :b_now,
         result_key = req.result_key, result_meta = CAST(req.meta AS json),
-        lease_owner = NULL, lease_expires_at = NULL, last_error = NULL,
-        progress_done = req.rows, progress_total = req.rows
+        lease_owner = NULL, lease_expires_at = NULL, last_error = NULL
     FROM req JOIN locked ON locked.id = req.id
     WHERE jobs.id = req.id AND {_COMPLETE_FENCE}
     RETURNING jobs.id, req.detail
@@ -178,7 +176,6 @@ SELECT id FROM done
         bindparam("b_workers", type_=ARRAY(String())),
         bindparam("b_keys", type_=ARRAY(Text())),
         bindparam("b_metas", type_=ARRAY(Text())),
-        bindparam("b_rows", type_=ARRAY(Integer())),
         bindparam("b_details", type_=ARRAY(Text())),
         bindparam("b_now", type_=UTCDateTime()),
     )
@@ -252,7 +249,6 @@ class BatchStore(HotPathStore):
             "b_workers": [r.claim.worker_id for r in requests],
             "b_keys": [r.result_key for r in requests],
             "b_metas": [outcome_json(r.result_key, r.result_meta) for r in requests],
-            "b_rows": [_rows(r.result_meta) for r in requests],
             "b_details": [
                 json.dumps(jsonable(result_saved_detail(r.claim, r.result_key, r.result_meta)))
                 for r in requests
@@ -291,11 +287,6 @@ class BatchStore(HotPathStore):
         }
         won = {row["id"] for row in await self.hot_rows(_RENEW_MANY, params)}
         return {c for c in claims if c.job_id in won}
-
-
-def _rows(meta: dict[str, Any]) -> int | None:
-    rows = meta.get("rows")
-    return rows if isinstance(rows, int) else None
 
 
 __all__ = ["BatchStore", "ClaimRequest", "CompleteRequest"]

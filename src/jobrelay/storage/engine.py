@@ -160,7 +160,7 @@ async def write_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnect
     try:
         async with engine.begin() as conn:
             yield conn
-    except (StatementError, OSError, OverflowError) as exc:
+    except (StatementError, OSError, OverflowError, UnicodeEncodeError) as exc:
         raise store_error(f"{what} write failed", exc) from exc
 
 
@@ -181,7 +181,7 @@ async def statement_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncCon
         async with engine.connect() as conn:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
             yield conn
-    except (StatementError, OSError, OverflowError) as exc:
+    except (StatementError, OSError, OverflowError, UnicodeEncodeError) as exc:
         raise store_error(f"{what} write failed", exc) from exc
 
 
@@ -191,7 +191,7 @@ async def read_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnecti
     try:
         async with read_only(engine) as conn:
             yield conn
-    except (StatementError, OSError, OverflowError) as exc:
+    except (StatementError, OSError, OverflowError, UnicodeEncodeError) as exc:
         raise store_error(f"{what} read failed", exc) from exc
 
 
@@ -218,7 +218,8 @@ def store_error(message: str, exc: BaseException) -> StoreError:
     A data error is one the same write hits every time: the server refused the values
     (SQLSTATE class 22 or 23, or SQLite's integrity and data errors), or they could not even
     be bound (a ``StatementError`` that is no driver error: a value the JSON encoder refuses;
-    an ``OverflowError``: an integer SQLite cannot hold).
+    an ``OverflowError``: an integer SQLite cannot hold; a ``UnicodeEncodeError``: a str
+    with a lone surrogate, which no UTF-8 database can hold).
     """
     text_ = f"{message}: {first_line(exc)}"
     if isinstance(exc, (IntegrityError, DataError)):
@@ -229,7 +230,7 @@ def store_error(message: str, exc: BaseException) -> StoreError:
         if refuses_data(sqlstate_of(exc.orig)):
             return StoreDataError(text_)
         return StoreError(text_)
-    if isinstance(exc, (StatementError, OverflowError)):
+    if isinstance(exc, (StatementError, OverflowError, UnicodeEncodeError)):
         return StoreDataError(text_)
     return StoreError(text_)
 

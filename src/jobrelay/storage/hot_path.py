@@ -47,14 +47,13 @@ from jobrelay.storage.tables import UTCDateTime, job_events, jobs
 _FROM_STATE = "claimed_from_state"
 COMPLETABLE = sources_for(JobState.SUCCEEDED)
 # What a completion sets besides the state (the names ``complete`` passes in ``values``).
+# Not the progress: that is the job's own (``ctx.progress``), kept as it last reported it.
 _COMPLETION_VALUES = (
     "result_key",
     "result_meta",
     "lease_owner",
     "lease_expires_at",
     "last_error",
-    "progress_done",
-    "progress_total",
 )
 
 
@@ -246,8 +245,6 @@ class HotPathStore(ClaimsStore):
             "lease_owner": None,
             "lease_expires_at": None,
             "last_error": None,
-            "progress_done": result_meta.get("rows"),
-            "progress_total": result_meta.get("rows"),
         }
         event = result_saved_detail(claim, result_key, result_meta)
         in_one = publish is None and not follow_ups

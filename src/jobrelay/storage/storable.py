@@ -23,8 +23,14 @@ NUL_ESCAPED = "\\x00"
 
 
 def safe_text(text: str) -> str:
-    """``text`` as the store can keep it: each NUL byte written out as ``\\x00``."""
-    return text.replace(NUL, NUL_ESCAPED) if NUL in text else text
+    """``text`` as the store can keep it: each NUL byte written out as ``\\x00`` and each
+    lone surrogate (a str no UTF-8 database holds) as ``\\udXXX``."""
+    text = text.replace(NUL, NUL_ESCAPED) if NUL in text else text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def outcome_json(result_key: str | None, meta: dict[str, Any]) -> str:
