@@ -12,6 +12,8 @@ same payload, so ``ours / peer`` reads as "the share of the floor we reach":
   confirms, mandatory and returns raised, 500 in flight (the relay's unavoidable work).
 - ``broker_consume``: those messages consumed with manual acks at prefetch 200 (the floor
   under a worker, which also claims, exports, commits and records events per job).
+- ``broker_consume_batched``: the drain's broker floor at jobrelay's own shape: one channel
+  per worker process, the workers' prefetch, one ``ack(multiple=True)`` per half prefetch.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import itertools
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 import aio_pika
 import asyncpg
-from aio_pika.abc import AbstractIncomingMessage
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 from bench_client import api_client, submit, wait_ready
 from bench_env import BENCH_DIR, RoleProcess, free_port
 
@@ -189,6 +192,59 @@ async def broker_consume(url: str, n: int, prefetch: int = 200) -> PeerFigure:
     finally:
         await connection.close()
     return PeerFigure(f"aio-pika consume + ack, prefetch {prefetch}", n, seconds)
+
+
+async def broker_consume_batched(url: str, n: int, consumers: int, prefetch: int) -> PeerFigure:
+    """The drain's broker floor: ``consumers`` channels (one per worker process), each with
+    ``prefetch`` unacked, acking with ``multiple=True`` once per half prefetch (and what is
+    left at the end), until the N messages ``broker_publish`` left in the queue are acked."""
+    connection = await aio_pika.connect(url)
+    try:
+        done = asyncio.Event()
+        received = 0
+        every = max(1, prefetch // 2)
+        tags: list[tuple[AbstractQueue, str]] = []
+        # Per consumer: its newest message not acked yet and how many it covers.
+        pending: list[tuple[AbstractIncomingMessage | None, int]] = [(None, 0)] * consumers
+
+        async def flush(index: int) -> None:
+            message, _ = pending[index]
+            if message is not None:
+                pending[index] = (None, 0)
+                await message.ack(multiple=True)
+
+        def consumer(index: int) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
+            async def on_message(message: AbstractIncomingMessage) -> None:
+                nonlocal received
+                received += 1
+                pending[index] = (message, pending[index][1] + 1)
+                if pending[index][1] >= every:
+                    await flush(index)
+                if received >= n:  # the last one: every consumer acks what it holds
+                    for other in range(consumers):
+                        await flush(other)
+                    done.set()
+
+            return on_message
+
+        queues = []
+        for _ in range(consumers):
+            channel = await connection.channel()
+            await channel.set_qos(prefetch_count=prefetch)
+            queues.append(await channel.get_queue(PEER_QUEUE))
+        started = time.perf_counter()
+        for queue in queues:
+            tags.append((queue, await queue.consume(consumer(len(tags)), no_ack=False)))
+        await done.wait()
+        seconds = time.perf_counter() - started
+        for queue, tag in tags:
+            await queue.cancel(tag)
+        await queues[0].delete(if_unused=False, if_empty=False)
+    finally:
+        await connection.close()
+    return PeerFigure(
+        f"aio-pika consume, {consumers} x prefetch {prefetch}, ack multiple", n, seconds
+    )
 
 
 async def queue_depths(url: str, names: list[str]) -> dict[str, int]:

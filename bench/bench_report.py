@@ -13,8 +13,8 @@ from bench_peers import PeerFigure
 # Which peer is the floor under which phase (the end-to-end phase has none). The accept
 # phase is compared with the bare Starlette endpoint; the raw ``db`` transaction is reported
 # beside it (and is the accept phase's peer when Starlette was not run: ``--job export``).
-PEER_OF = {"accept": "starlette", "relay": "publish", "worker drain": "consume"}
-FALLBACK_PEER_OF = {"accept": "db"}
+PEER_OF = {"accept": "starlette", "relay": "publish", "worker drain": "raw_consume"}
+FALLBACK_PEER_OF = {"accept": "db", "worker drain": "consume"}
 
 
 def say(text: str = "") -> None:
@@ -142,7 +142,7 @@ def write_json(results: Results, path: Path, elapsed: float, logs: str) -> None:
     path.write_text(json.dumps(document, indent=2, default=str) + "\n")
 
 
-QUEUE_PEERS = ("dramatiq", "celery", "procrastinate")
+QUEUE_PEERS = ("dramatiq", "celery", "procrastinate")  # Dramatiq on a quorum queue
 
 
 def bench_line(results: Results) -> str:
@@ -165,10 +165,13 @@ def bench_line(results: Results) -> str:
     latency = e2e.detail["latency_ms"] if e2e is not None else {}
     fields = {
         **{f"drain_vs_{name}": ratio(drain, name) for name in QUEUE_PEERS},
+        "drain_vs_dramatiq_classic": ratio(drain, "dramatiq_classic"),
+        "drain_vs_raw_consume": ratio(drain, "raw_consume"),
         "relay_vs_raw": ratio(relay, "publish"),
         "accept_vs_starlette": ratio(accept, "starlette"),
         "e2e_p50_ms": f"{latency['p50']:.0f}" if latency else "n/a",
         "e2e_p99_ms": f"{latency['p99']:.0f}" if latency else "n/a",
         "embedded_jobs_s": str(results.checks.get("embedded_jobs_s", "n/a")),
+        "commits_per_job": str(drain.detail.get("commits_per_job", "n/a")) if drain else "n/a",
     }
     return "bench: " + " ".join(f"{k}={v}" for k, v in fields.items())

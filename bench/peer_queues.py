@@ -42,7 +42,18 @@ PEER_NAMES = ("dramatiq", "celery", "procrastinate")
 DRAIN = Path(__file__).resolve().parent / "peers" / "drain.py"
 # Past the harness's own --timeout: set-up, enqueueing N jobs, and stopping the workers.
 HARNESS_MARGIN = 90.0
-_FIGURES = ("peer", "version", "jobs", "seconds", "jobs_per_s", "startup_s", "peak_rss_mib")
+_FIGURES = (
+    "peer",
+    "version",
+    "jobs",
+    "seconds",
+    "jobs_per_s",
+    "startup_s",
+    "peak_rss_mib",
+    "db_seconds",
+    "cold_jobs_per_s",
+    "queue_type",
+)
 
 
 async def run_peer(

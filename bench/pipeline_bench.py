@@ -50,8 +50,6 @@ import asyncio
 import contextlib
 import csv
 import io
-import itertools
-import json
 import signal
 import sys
 import time
@@ -64,7 +62,7 @@ from typing import Any
 import bench_cpu
 import bench_peers
 import httpx
-import peer_queues
+import pipeline_peers
 import soak_bench
 from bench_client import Submitted, api_client, submit, submit_at_rate, wait_ready
 from bench_env import (
@@ -79,9 +77,7 @@ from bench_env import (
     run_command,
     summarise_profile,
 )
-from bench_peers import PeerFigure
 from bench_report import (
-    QUEUE_PEERS,
     Figure,
     Results,
     bench_line,
@@ -92,15 +88,13 @@ from bench_report import (
     say,
     write_json,
 )
-from embedded_bench import embedded_drain
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench-results"
 ROWS_PER_MONTH = 20
-POLL_SECONDS = 0.1
+POLL_SECONDS = 0.05
 READY_TIMEOUT = 60.0
 RESULT_SAMPLES = 3
-PEER_RUNS = 3
 FIXED_RATE_SECONDS = 10.0  # how long the fixed-rate phase sends
 DEFAULT_PREFETCH = 8  # JOBRELAY_PREFETCH's default: each worker's concurrency
 
@@ -178,6 +172,8 @@ class Bench:
         self.sandbox = Sandbox.new(self.log_dir)
         self.env = self.sandbox.env(options.tuning)
         self.procs: list[RoleProcess] = []
+        self.peaks: dict[str, float | None] = {}  # peak RSS of the processes stopped so far
+        self.port = 0
         self.db: CountedConnection | None = None
         self.token = ""
         self.db_baseline: dict[str, int] = {}
@@ -203,14 +199,14 @@ class Bench:
 
     async def run(self) -> None:
         await self.set_up()
-        port = free_port()
-        api = self.spawn("api", ["api", "--host", "127.0.0.1", "--port", str(port)])
-        async with api_client(port, self.token, self.options.concurrency) as self.client:
-            startup = await wait_ready(self.client, api, READY_TIMEOUT)
+        self.port = free_port()
+        async with api_client(self.port, self.token, self.options.concurrency) as self.client:
+            startup = await self.start_api("api")
             say(f"bench: api ready after {startup:.2f}s")
             await self.phase_accept()
             await self.phase_relay()
             await self.phase_drain()
+            await self.start_everything_again()
             await self.phase_end_to_end()
             await self.phase_fixed_rate()
             await self.check_results()
@@ -218,7 +214,8 @@ class Bench:
         await self.check_leftovers()
         await self.account_database_work()
         if not self.options.skip_peers:
-            await self.measure_peers()
+            prefetch = int(self.options.tuning.get("prefetch", DEFAULT_PREFETCH))
+            await pipeline_peers.measure_peers(self, prefetch)
 
     async def set_up(self) -> None:
         options = self.options
@@ -230,6 +227,12 @@ class Bench:
             say(
                 f"bench: PROFILING {', '.join(sorted(options.profile))}: figures are not comparable"
             )
+        level = options.tuning.get("log_level", "INFO").upper()
+        per_job = "3 worker lines and 1 relay line per job" if level in ("DEBUG", "INFO") else ""
+        say(
+            f"bench: log policy: jobrelay at {level}{f' ({per_job})' if per_job else ''}; "
+            "Dramatiq at INFO, Celery and Procrastinate at WARNING (none per job)"
+        )
         load = await bench_cpu.machine_load()
         self.results.environment["machine_busy_cores_before"] = round(load, 2)
         if load > 0.2:
@@ -252,11 +255,50 @@ class Bench:
             [sys.executable, "-m", "jobrelay", *args], env=self.env, log=self.log_dir / "setup.log"
         )
 
-    def spawn(self, name: str, args: list[str]) -> RoleProcess:
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> RoleProcess:
         profile = args[0] in self.options.profile
-        proc = RoleProcess.spawn(name, args, self.env, self.log_dir, profile=profile)
+        proc = RoleProcess.spawn(name, args, self.env | (env or {}), self.log_dir, profile=profile)
         self.procs.append(proc)
         return proc
+
+    @property
+    def live(self) -> list[RoleProcess]:
+        return [p for p in self.procs if p.exit_code is None]
+
+    async def start_api(self, name: str) -> float:
+        """An API process on ``self.port``, ready (``/readyz``); its start-up seconds."""
+        assert self.client is not None
+        api = self.spawn(name, ["api", "--host", "127.0.0.1", "--port", str(self.port)])
+        return await wait_ready(self.client, api, READY_TIMEOUT)
+
+    async def retire(self, procs: list[RoleProcess]) -> None:
+        """Stop ``procs`` before the next phase (a phase has the machine to itself)."""
+        for proc in procs:
+            self.peaks[proc.name] = peak_rss_mib(proc.popen.pid)
+            code = await proc.stop()
+            if code != 0:
+                self.results.findings.append(f"{proc.name} exited {code} on SIGTERM (expected 0)")
+
+    async def settled_counters(self) -> dict[str, int]:
+        """PostgreSQL's counters for our database with nobody connected (``database_activity``
+        waits for that): our own connection is closed for the read, then opened again."""
+        assert self.db is not None
+        own = self.db.statements + 1  # and the close
+        await self.db.close()
+        counters = await self.sandbox.database_activity()
+        self.db = await CountedConnection.open(self.sandbox.database_url)
+        return counters | {"bench_statements": own}
+
+    async def start_everything_again(self) -> None:
+        """API, relay and workers for the end-to-end phases, each ready before they start."""
+        await self.start_api("api-e2e")
+        relay = self.spawn("relay-e2e", ["relay"])
+        workers = [
+            self.spawn(f"worker-e2e-{i + 1}", ["worker"]) for i in range(self.options.workers)
+        ]
+        await relay.wait_for_event("relay_started", READY_TIMEOUT)
+        for worker in workers:
+            await worker.wait_for_event("worker_started", READY_TIMEOUT)
 
     # --- phases -------------------------------------------------------------------------
 
@@ -279,7 +321,9 @@ class Bench:
         self.record("accept", figure, note)
 
     async def phase_relay(self) -> None:
-        relay = self.spawn("relay", ["relay"])
+        """The relay alone (the API idle): its reconciler is off for the phase, so its first
+        pass, prune and VACUUM stay out of the window; the end-to-end relay runs it."""
+        relay = self.spawn("relay", ["relay"], {"JOBRELAY_RECONCILE_SECONDS": "0"})
         async with self.bounded("relay"):
             ready = await relay.wait_for_event("relay_started", READY_TIMEOUT)
             async with self.cpu() as cpu:
@@ -288,18 +332,26 @@ class Bench:
             "SELECT EXTRACT(EPOCH FROM max(published_at) - min(published_at)) FROM outbox"
         )
         startup = ready - relay.spawned_at
+        cold = self.options.jobs / (done - relay.spawned_at)
         detail = {
             "startup_s": round(startup, 3),
+            "cold_rate": round(cold, 1),
             "db_published_at_spread_s": float(span or 0),  # one mark per batch
             "cpu_cores": cpu,
         }
         self.record(
             "relay",
             Figure(self.options.jobs, done - ready, detail),
-            f"start-up {startup:.2f}s not counted",
+            f"start-up {startup:.2f}s not counted; cold from spawn {cold:.0f}/s",
         )
 
     async def phase_drain(self) -> None:
+        """The workers alone: the API and the relay are stopped first. Timed from the first
+        claim to the last result (the events' own timestamps, as every peer is timed); warm
+        (first ``worker_started`` to all seen succeeded) and cold (from the spawn) beside it;
+        PostgreSQL's commits during the phase, per job."""
+        await self.retire(self.live)
+        before = await self.settled_counters()
         workers = [self.spawn(f"worker-{i + 1}", ["worker"]) for i in range(self.options.workers)]
         n = self.options.jobs
         async with self.bounded("worker drain"):
@@ -307,21 +359,32 @@ class Bench:
             async with self.cpu() as cpu:
                 done = await self.poll(lambda: self.all_succeeded(n))
         ready = min(readies)
-        span = await self.scalar(
-            "SELECT EXTRACT(EPOCH FROM max(at) FILTER (WHERE kind = 'result_saved')"
-            " - min(at) FILTER (WHERE kind = 'claimed')) FROM job_events"
+        span = float(
+            await self.scalar(
+                "SELECT EXTRACT(EPOCH FROM max(at) FILTER (WHERE kind = 'result_saved')"
+                " - min(at) FILTER (WHERE kind = 'claimed')) FROM job_events"
+            )
+            or 0
         )
-        startup = ready - min(w.spawned_at for w in workers)
+        await self.retire(workers)
+        after = await self.settled_counters()
+        commits = after["xact_commit"] - before["xact_commit"] - after["bench_statements"]
+        spawned = min(w.spawned_at for w in workers)
+        startup = ready - spawned
         detail = {
             "startup_s": round(startup, 3),
             "workers_ready_spread_s": round(max(readies) - ready, 3),
-            "db_first_claim_to_last_result_s": float(span or 0),
+            "warm_rate": round(n / (done - ready), 1),
+            "cold_rate": round(n / (done - spawned), 1),
+            "commits_per_job": round(commits / n, 2),
             "cpu_cores": cpu,
         }
         self.record(
             "worker drain",
-            Figure(n, done - ready, detail),
-            f"start-up {startup:.2f}s not counted; first claim to last result {span:.2f}s",
+            Figure(n, span, detail),
+            f"first claim to last result; warm {detail['warm_rate']:.0f}/s, cold "
+            f"{detail['cold_rate']:.0f}/s (start-up {startup:.2f}s); "
+            f"{detail['commits_per_job']:.2f} commits per job",
         )
 
     async def phase_end_to_end(self) -> None:
@@ -452,13 +515,13 @@ class Bench:
 
     async def stop_processes(self) -> None:
         """API first (stop accepting), then the relay, then the workers drain."""
-        peaks = {p.name: peak_rss_mib(p.popen.pid) for p in self.procs}
+        peaks = self.peaks | {p.name: peak_rss_mib(p.popen.pid) for p in self.live}
         self.results.checks["peak_rss_mib"] = peaks
         say(
             "bench: peak RSS (MiB): "
             + ", ".join(f"{name} {mib:.0f}" for name, mib in peaks.items() if mib is not None)
         )
-        for proc in self.procs:
+        for proc in self.live:
             code = await proc.stop()
             if code != 0:
                 self.results.findings.append(f"{proc.name} exited {code} on SIGTERM (expected 0)")
@@ -516,74 +579,6 @@ class Bench:
             f"{per_job['tup_updated']:.1f} updated"
         )
 
-    async def measure_peers(self) -> None:
-        sample = self.peer_sample
-        body: str = sample["body"]
-        headers = {str(k): str(v) for k, v in json.loads(sample["headers"] or "{}").items()}
-        headers |= {
-            "x-jobrelay-job-id": sample["job_id"],
-            "x-jobrelay-outbox-id": str(sample["id"]),
-        }
-        n, dsn, amqp = self.options.jobs, self.sandbox.database_url, self.sandbox.peer_broker_url
-        await bench_peers.create_peer_tables(dsn)
-        starlette_runs = itertools.count(1)
-
-        def starlette() -> Awaitable[PeerFigure]:
-            prefix = f"peer-{self.sandbox.run_id}-starlette-{next(starlette_runs)}"
-            return bench_peers.starlette_accept(
-                dsn, self.token, n, self.options.concurrency, prefix, self.env, self.log_dir
-            )
-
-        # The accept phase's peer takes the same requests, so only when we sent bench.noop.
-        accept_peer = [("starlette", starlette)] if self.options.job == "noop" else []
-        steps: list[tuple[str, Callable[[], Awaitable[PeerFigure]]]] = [
-            *accept_peer,
-            ("db", lambda: bench_peers.db_transactions(dsn, n, body)),
-            ("publish", lambda: bench_peers.broker_publish(amqp, n, body.encode(), headers)),
-            ("consume", lambda: bench_peers.broker_consume(amqp, n)),
-        ]
-        # A peer run of 1,000 items lasts a fraction of a second: take the median of a few.
-        runs: dict[str, list[PeerFigure]] = {key: [] for key, _ in steps}
-        for _ in range(PEER_RUNS):
-            for key, measure in steps:
-                async with self.bounded(f"peer {key}"):
-                    runs[key].append(await measure())
-        if self.options.job == "noop":
-            await self.measure_queue_peers()
-            async with self.bounded("embedded"):
-                rate = await embedded_drain(
-                    self.options.jobs, self.env, self.log_dir, self.options.phase_timeout
-                )
-            self.results.checks["embedded_jobs_s"] = round(rate, 1)
-            say(f"embedded    jobrelay up: {rate:8.1f}/s  (bench.noop, SQLite + local transport)")
-        for key, figures in runs.items():
-            ordered = sorted(figures, key=lambda f: f.rate)
-            peer = self.results.peers[key] = ordered[len(ordered) // 2]
-            rates = ", ".join(f"{f.rate:.0f}" for f in figures)
-            self.results.checks.setdefault("peer_runs", {})[key] = [
-                round(f.rate, 1) for f in figures
-            ]
-            say(f"peer  {key:>12}: {peer.rate:8.1f}/s  (median of {rates}; {peer.name})")
-
-    async def measure_queue_peers(self) -> None:
-        """Dramatiq, Celery and Procrastinate draining N no-op jobs with the same budget:
-        our worker processes, each with our prefetch as its concurrency."""
-        concurrency = int(self.options.tuning.get("prefetch", DEFAULT_PREFETCH))
-        for name in QUEUE_PEERS:
-            async with self.bounded(f"peer {name}"):
-                figures = await peer_queues.measure(
-                    name, self.options.jobs, self.options.workers, concurrency
-                )
-            peer = PeerFigure(
-                f"{name} {figures['version']}", int(figures["jobs"]), float(figures["seconds"])
-            )
-            self.results.peers[name] = peer
-            self.results.checks.setdefault("queue_peers", {})[name] = figures
-            say(
-                f"peer  {name:>12}: {peer.rate:8.1f}/s  ({peer.name}, {self.options.workers} "
-                f"processes x {concurrency}; start-up {figures['startup_s']:.2f}s not counted)"
-            )
-
     # --- helpers ------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
@@ -604,7 +599,7 @@ class Bench:
     async def cpu(self) -> AsyncIterator[dict[str, float]]:
         """Cores used per process group while the block runs (filled in when it ends)."""
         assert self.db is not None
-        roles = {p.name: p.popen.pid for p in self.procs}
+        roles = {p.name: p.popen.pid for p in self.live}
         postgres = await bench_cpu.postgres_pids(self.db, self.sandbox.database)
         before = bench_cpu.snapshot(roles, postgres, self.broker_pid)
         used: dict[str, float] = {}
@@ -621,7 +616,7 @@ class Bench:
     async def poll(self, probe: Callable[[], Awaitable[bool]]) -> float:
         """Poll ``probe`` until it holds; the epoch time it was seen holding."""
         while True:
-            for proc in self.procs:
+            for proc in self.live:
                 proc.check_alive()
             if await probe():
                 return time.time()

@@ -24,9 +24,11 @@ from pathlib import Path
 import psycopg
 import psycopg_pool
 
+# ``claimed_at`` keeps the first claim's time: the drain's window is read from the database
+# (first claim -> last finish), as jobrelay's is from its events, not from a poll.
 CLAIM = (
-    "UPDATE peer_status SET state = 'running', attempt = attempt + 1, updated_at = now()"
-    " WHERE id = %s"
+    "UPDATE peer_status SET state = 'running', attempt = attempt + 1, updated_at = now(),"
+    " claimed_at = coalesce(claimed_at, now()) WHERE id = %s"
 )
 FINISH = (
     "UPDATE peer_status SET state = 'succeeded', result_key = %s, updated_at = now() WHERE id = %s"
