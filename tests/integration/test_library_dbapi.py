@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -14,7 +15,7 @@ from sqlalchemy import create_engine, func, select
 from sqlalchemy.engine import make_url
 
 import jobrelay
-from jobrelay.storage.tables import job_events, jobs, outbox
+from jobrelay.storage.tables import installation, job_events, jobs, outbox
 
 
 class Ping(BaseModel):
@@ -143,3 +144,34 @@ async def test_an_asyncpg_connection_is_refused_too(pg_url: str) -> None:
             ping.enqueue_sync(conn, {"n": 1})
     finally:
         await conn.close()
+
+
+def test_a_frameworks_own_datetime_converter_does_not_confuse_the_keys_read(
+    sqlite_url: str,
+) -> None:
+    """Django's sqlite3 connections parse DATETIME columns themselves (``detect_types``): the
+    installation row's ``previous_until``, read while a rotation window is open, still comes
+    back aware, and the keyed id is the one the SQLAlchemy path derives."""
+    path = make_url(sqlite_url).database or ""
+    sqlite3.register_converter("datetime", lambda b: datetime.fromisoformat(b.decode()))
+    engine = create_engine(sqlite_url)
+    try:
+        with engine.begin() as conn:
+            until = datetime.now(UTC) + timedelta(hours=1)
+            conn.execute(
+                installation.update().values(previous_id_secret="ab" * 32, previous_until=until)
+            )
+        other = jobrelay.App()
+        pong = other.job("tests.ping", params=Ping)(ping.fn)
+        with engine.begin() as conn:
+            expected = pong.enqueue_sync(conn, {"n": 9}, key="k-9")
+        raw = sqlite3.connect(path, detect_types=sqlite3.PARSE_DECLTYPES)
+        try:
+            fresh = jobrelay.App()
+            again = fresh.job("tests.ping", params=Ping)(ping.fn)
+            assert again.enqueue_sync(raw, {"n": 9}, key="k-9") == expected
+            raw.rollback()
+        finally:
+            raw.close()
+    finally:
+        engine.dispose()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sqlite3
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -26,6 +26,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, NoResultFound
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.types import TypeDecorator
 
 from jobrelay.errors import ConfigError
 from jobrelay.storage.enqueue import Steps
@@ -137,14 +138,9 @@ def _execute(
             return _Result([])
         keys = tuple(d[0] for d in cursor.description)
         types = _result_types(statement)
-        processors = [
-            types[k].dialect_impl(dialect).result_processor(dialect, None) if k in types else None
-            for k in keys
-        ]
-        rows = [
-            _Row(keys, tuple(_processed(p, v) for p, v in zip(processors, raw, strict=True)))
-            for raw in cursor.fetchall()
-        ]
+        processors = [_result_processor(types[k], dialect) if k in types else None for k in keys]
+        pairs = [zip(processors, raw, strict=True) for raw in cursor.fetchall()]
+        rows = [_Row(keys, tuple(v if p is None else p(v) for p, v in pair)) for pair in pairs]
         return _Result(rows)
     except (sqlite3.Error, _psycopg_error()) as exc:
         raise DBAPIError.instance(sql, args, exc, _base_error(dialect.name)) from exc
@@ -152,12 +148,25 @@ def _execute(
         cursor.close()
 
 
-def _processed(process: Any, value: Any) -> Any:
-    # A framework may have its own converters on the connection (Django's sqlite3 one parses
-    # DATETIME columns already): a value that is no longer the driver's text stays as it is.
-    if process is None or value is None or not isinstance(value, str | bytes):
-        return value
-    return process(value)
+def _result_processor(type_: Any, dialect: Dialect) -> Callable[[Any], Any] | None:
+    """The column type's result processing. A framework may have converters of its own on
+    the connection (Django's sqlite3 one parses DATETIME columns): a value that is no longer
+    the driver's text skips the dialect's parsing but still gets a ``TypeDecorator``'s
+    (``UTCDateTime`` makes it aware)."""
+    impl = type_.dialect_impl(dialect)
+    full = impl.result_processor(dialect, None)
+    decorated = impl.process_result_value if isinstance(impl, TypeDecorator) else None
+    if full is None and decorated is None:
+        return None
+
+    def process(value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str | bytes):
+            return full(value) if full is not None else value
+        return decorated(value, dialect) if decorated is not None else value
+
+    return process
 
 
 def _psycopg_error() -> type[Exception]:
