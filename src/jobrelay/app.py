@@ -29,7 +29,7 @@ import concurrent.futures
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -74,6 +74,7 @@ class App:
         self._pool_lock = threading.Lock()
         # The installation's id keys per database this app enqueues on (its engine).
         self._id_keys: weakref.WeakKeyDictionary[Engine, IdKeyCache] = weakref.WeakKeyDictionary()
+        self._id_keys_by_name: dict[str, IdKeyCache] = {}
 
     @property
     def settings(self) -> Settings:
@@ -270,12 +271,16 @@ class App:
                 )
             return self._pool
 
-    def id_key_cache(self, engine: Engine) -> IdKeyCache:
-        """This process's copy of the id keys of the database behind ``engine``
-        (``JOBRELAY_ID_SECRET`` of this app's settings, else the installation's row)."""
-        cache = self._id_keys.get(engine)
+    def id_key_cache(self, engine: Engine | str) -> IdKeyCache:
+        """This process's copy of the id keys of the database behind ``engine`` (or named so,
+        for a framework's DB-API connection: ``storage.dbapi.connection_identity``), from
+        ``JOBRELAY_ID_SECRET`` of this app's settings, else the installation's row."""
+        keyed: MutableMapping[Any, IdKeyCache] = (
+            self._id_keys_by_name if isinstance(engine, str) else self._id_keys
+        )
+        cache = keyed.get(engine)
         if cache is None:
-            cache = self._id_keys[engine] = IdKeyCache(self.settings.id_secret_key)
+            cache = keyed[engine] = IdKeyCache(self.settings.id_secret_key)
         return cache
 
     # --- without a transaction of the caller's ------------------------------------------------

@@ -22,6 +22,13 @@ from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_
 from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidParams, PermanentError
 from jobrelay.operations.base import OperationContext, OperationResult
 from jobrelay.settings import Settings
+from jobrelay.storage.dbapi import (
+    DBAPIConnection,
+    connection_identity,
+    dbapi_dialect,
+    require_atomic,
+    run_dbapi,
+)
 from jobrelay.storage.enqueue import Steps, new_job_steps, run_async, run_sync
 from jobrelay.storage.records import NewJob, work_destination
 from jobrelay.sync_context import SyncJobFunction, run_in_thread, runs_in_thread
@@ -47,12 +54,18 @@ def unknown_type(name: str, known: Iterable[str]) -> str:
     return f"no job type {name!r} in this app{hint}"
 
 
-def _wrong_connection(conn: object, expected: str, opened_by: str) -> str:
+def _wrong_connection(conn: object, expected: str, opened_by: str, raw: str = "") -> str:
     kind = f"{type(conn).__module__}.{type(conn).__qualname__}"
     return (
         f"pass the SQLAlchemy {expected} of your transaction (`with engine.{opened_by} as conn`,"
-        f" the engine from jobrelay.create_engine or sqlalchemy), not a {kind}"
+        f" the engine from jobrelay.create_engine or sqlalchemy){raw}, not a {kind}"
     )
+
+
+_RAW_KINDS = (
+    " or the psycopg 3 or sqlite3 connection your framework holds"
+    " (Django: `django.db.connection.connection`)"
+)
 
 
 @contextlib.contextmanager
@@ -179,26 +192,39 @@ class JobDefinition(Generic[P]):
 
     def enqueue_sync(
         self,
-        conn: Connection,
+        conn: Connection | DBAPIConnection,
         params: P | Mapping[str, Any],
         *,
         key: str | None = None,
         account: str | None = None,
         job_id: str | None = None,
     ) -> str:
-        """``enqueue`` for a synchronous application (psycopg 3 or sqlite3 connection)."""
-        if not isinstance(conn, Connection):
-            raise ConfigError("enqueue_sync", _wrong_connection(conn, "Connection", "begin()"))
+        """``enqueue`` for a synchronous application: on a SQLAlchemy ``Connection``, or on
+        the DB-API connection a framework holds (psycopg 3, sqlite3: Django's
+        ``connection.connection`` inside ``transaction.atomic()``), never committed here."""
+        if isinstance(conn, Connection):
+            with _schema_missing_hint("enqueue_sync"):
+                steps = self._enqueue_steps(conn.engine, params, key, account, job_id)
+                return run_sync(conn, steps)
+        dialect = dbapi_dialect(conn)
+        if dialect is None:
+            raise ConfigError(
+                "enqueue_sync", _wrong_connection(conn, "Connection", "begin()", _RAW_KINDS)
+            )
+        require_atomic(conn, dialect)
         with _schema_missing_hint("enqueue_sync"):
-            return run_sync(conn, self._enqueue_steps(conn.engine, params, key, account, job_id))
+            database = connection_identity(conn, dialect) if key is not None else dialect
+            steps = self._enqueue_steps(database, params, key, account, job_id, dialect)
+            return run_dbapi(conn, dialect, steps)
 
     def _enqueue_steps(
         self,
-        engine: Engine,
+        engine: Engine | str,
         params: P | Mapping[str, Any],
         key: str | None,
         account: str | None,
         job_id: str | None,
+        dialect: str | None = None,
     ) -> Steps[str]:
         now = _now()
         keys = None
@@ -206,7 +232,8 @@ class JobDefinition(Generic[P]):
             keys = yield from self.app.id_key_cache(engine).steps(now)
         job = self.new_job(params, key=key, account=account, job_id=job_id, keys=keys)
         try:
-            written, _ = yield from new_job_steps(engine.dialect.name, job, now)
+            dialect = dialect or cast("Engine", engine).dialect.name
+            written, _ = yield from new_job_steps(dialect, job, now)
         except IdempotencyConflict:
             raise IdempotencyConflict(
                 f"key {key!r} was already used for {self.type} with other params"

@@ -97,7 +97,7 @@ class Pipeline:
 
     async def start_worker(self) -> None:
         """A worker "process": its own broker connection, so killing it drops only its own."""
-        transport = build_transport(self.rt.settings, self.rt.engine, self.rt.clock)
+        transport = build_transport(self.rt.settings, self.rt.engine, self.rt.clock, self.rt.app)
         await transport.connect()
         self.worker_transports.append(transport)
         self._start(Worker(dataclasses.replace(self.rt, transport=transport)).run, self.workers)

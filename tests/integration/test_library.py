@@ -360,17 +360,16 @@ async def test_progress_is_the_jobs_and_survives_its_success(
     assert "5/10" in shown and "rows" not in shown  # "rows" is the export's word, not a job's
 
 
-async def test_a_raw_sqlite3_connection_is_refused_saying_what_to_pass(tmp_path: Path) -> None:
+async def test_a_raw_sqlite3_connection_is_refused_by_the_async_enqueue(tmp_path: Path) -> None:
+    """``enqueue_sync`` takes a raw sqlite3 connection (test_library_dbapi.py); the async
+    ``enqueue`` does not, and says what to pass."""
     raw = sqlite3.connect(tmp_path / "raw.db")
     try:
-        with pytest.raises(jobrelay.ConfigError, match="SQLAlchemy Connection") as sync:
-            resize.enqueue_sync(raw, {"image_id": 1, "width": 1})  # type: ignore[arg-type]
         with pytest.raises(jobrelay.ConfigError, match="SQLAlchemy AsyncConnection") as aio:
             await resize.enqueue(raw, {"image_id": 1, "width": 1})  # type: ignore[arg-type]
     finally:
         raw.close()
-    for raised in (sync, aio):
-        assert "sqlite3.Connection" in str(raised.value) and "\n" not in str(raised.value)
+    assert "sqlite3.Connection" in str(aio.value) and "\n" not in str(aio.value)
 
 
 async def test_a_database_without_the_schema_says_run_db_upgrade(tmp_path: Path) -> None:
