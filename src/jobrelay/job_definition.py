@@ -187,7 +187,10 @@ class JobDefinition(Generic[P]):
             raise ConfigError("enqueue", _wrong_connection(conn, "AsyncConnection", "begin()"))
         with _schema_missing_hint("enqueue"):
             return await run_async(
-                conn, self._enqueue_steps(conn.sync_engine, params, key, account, job_id)
+                conn,
+                self._enqueue_steps(
+                    conn.sync_engine, conn.dialect.name, params, key, account, job_id
+                ),
             )
 
     def enqueue_sync(
@@ -204,7 +207,9 @@ class JobDefinition(Generic[P]):
         ``connection.connection`` inside ``transaction.atomic()``), never committed here."""
         if isinstance(conn, Connection):
             with _schema_missing_hint("enqueue_sync"):
-                steps = self._enqueue_steps(conn.engine, params, key, account, job_id)
+                steps = self._enqueue_steps(
+                    conn.engine, conn.dialect.name, params, key, account, job_id
+                )
                 return run_sync(conn, steps)
         dialect = dbapi_dialect(conn)
         if dialect is None:
@@ -214,25 +219,24 @@ class JobDefinition(Generic[P]):
         require_atomic(conn, dialect)
         with _schema_missing_hint("enqueue_sync"):
             database = connection_identity(conn, dialect) if key is not None else dialect
-            steps = self._enqueue_steps(database, params, key, account, job_id, dialect)
+            steps = self._enqueue_steps(database, dialect, params, key, account, job_id)
             return run_dbapi(conn, dialect, steps)
 
     def _enqueue_steps(
         self,
-        engine: Engine | str,
+        database: Engine | str,
+        dialect: str,
         params: P | Mapping[str, Any],
         key: str | None,
         account: str | None,
         job_id: str | None,
-        dialect: str | None = None,
     ) -> Steps[str]:
         now = _now()
         keys = None
         if key is not None and job_id is None:
-            keys = yield from self.app.id_key_cache(engine).steps(now)
+            keys = yield from self.app.id_key_cache(database).steps(now)
         job = self.new_job(params, key=key, account=account, job_id=job_id, keys=keys)
         try:
-            dialect = dialect or cast("Engine", engine).dialect.name
             written, _ = yield from new_job_steps(dialect, job, now)
         except IdempotencyConflict:
             raise IdempotencyConflict(

@@ -154,13 +154,18 @@ _SNAPSHOT_START_PG = text("SELECT 1")
 _SNAPSHOT_START_SQLITE = text("SELECT 1 FROM sqlite_master LIMIT 1")  # reads a page
 
 
+# What a statement's driver, connection or binding raises; ``store_error`` tells a refusal of
+# the data (retrying cannot help) from an outage.
+_DRIVER_ERRORS = (StatementError, OSError, OverflowError, UnicodeEncodeError)
+
+
 @contextlib.asynccontextmanager
 async def write_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnection]:
     """A write transaction whose driver errors surface as StoreError("<what> write failed")."""
     try:
         async with engine.begin() as conn:
             yield conn
-    except (StatementError, OSError, OverflowError, UnicodeEncodeError) as exc:
+    except _DRIVER_ERRORS as exc:
         raise store_error(f"{what} write failed", exc) from exc
 
 
@@ -181,7 +186,7 @@ async def statement_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncCon
         async with engine.connect() as conn:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
             yield conn
-    except (StatementError, OSError, OverflowError, UnicodeEncodeError) as exc:
+    except _DRIVER_ERRORS as exc:
         raise store_error(f"{what} write failed", exc) from exc
 
 
@@ -191,7 +196,7 @@ async def read_tx(engine: AsyncEngine, what: str) -> AsyncIterator[AsyncConnecti
     try:
         async with read_only(engine) as conn:
             yield conn
-    except (StatementError, OSError, OverflowError, UnicodeEncodeError) as exc:
+    except _DRIVER_ERRORS as exc:
         raise store_error(f"{what} read failed", exc) from exc
 
 
