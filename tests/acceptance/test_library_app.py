@@ -264,6 +264,14 @@ def test_own_app_under_jobrelay_up_on_the_embedded_default(tmp_path: Path) -> No
     with processes(tmp_path) as start:
         up = start("up", "up", "--app", "shopapp.jobs:app", "--port", str(port), env=env, cwd=root)
         wait_http(f"http://127.0.0.1:{port}", up)
+        # One human line says where it listens and what it runs (the logs are JSON).
+        [line] = [text for text in up.log().splitlines() if text.startswith("jobrelay up: ")]
+        base = f"http://127.0.0.1:{port}"
+        assert line.startswith(
+            f"jobrelay up: listening on {base} (console {base}/console, API docs {base}/docs); "
+            "app shopapp.jobs:app ("
+        )
+        assert f"; database sqlite:///{db}; the local transport;" in line
         out = run_client(root, env)
         url = f"sqlite:///{db}"
         check_client_results(url, out)

@@ -70,3 +70,30 @@ def test_queues_commands_pause_resume_and_refuse_bad_input(
     assert (paused.kind, paused.actor, paused.reason) == ("paused", "alice", "deploy")
     assert (resumed.kind, resumed.reason) == ("resumed", "done")
     assert resumed.actor.startswith("cli:")
+
+
+def test_job_show_names_the_pause_holding_a_queued_job(database_url: str, tmp_path: Path) -> None:
+    from .test_cli_job_ids import cli as job_cli
+    from .test_cli_jobs_list import submit
+
+    job_id = submit(database_url, "acme", "2020-05")
+    runner = CliRunner()
+    env = {
+        "JOBRELAY_DATABASE_URL": database_url,
+        "JOBRELAY_RESULTS_URL": f"file://{tmp_path}/exports",
+        "JOBRELAY_BROKER_URL": "local",
+    }
+    paused = runner.invoke(
+        app, ["queues", "pause", "default", "--reason", "deploy 42", "--actor", "alice"], env=env
+    )
+    assert paused.exit_code == 0, paused.stdout
+    code, out, _ = job_cli(database_url, tmp_path, "job", "show", job_id)
+    assert code == 0, out
+    assert "queue default is paused since " in out and "by alice: deploy 42" in out
+    [next_line] = [line for line in out.splitlines() if line.startswith("next: ")]
+    assert next_line.startswith("next: queue default is paused since ")
+    assert "is a worker running" not in next_line
+    # params as JSON; a job with an account names it, one without prints no "account None"
+    assert '{"period": "2020-05"' in out or '"period": "2020-05"' in out
+    code, out, _ = job_cli(database_url, tmp_path, "job", "show", job_id, "--json")
+    assert code == 0 and json.loads(out)["queuePause"]["by"] == "alice"

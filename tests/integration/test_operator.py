@@ -327,6 +327,57 @@ async def test_explain_and_whoami_follow_the_read_rules(
     assert (await client.get("/v1/whoami", headers=admin)).json()["admin"] is True
 
 
+async def test_replay_grants_the_job_types_own_max_attempts(runtime: Runtime) -> None:
+    import dataclasses
+
+    from pydantic import BaseModel
+
+    import jobrelay
+
+    class Sync(BaseModel):
+        shop: str
+
+    app = jobrelay.App()
+
+    @app.job("shop.sync", params=Sync, max_attempts=MAX_ATTEMPTS + 4)
+    async def sync(ctx: jobrelay.JobContext[Sync], params: Sync) -> None:
+        return None
+
+    rt = dataclasses.replace(runtime, app=app)
+    async with rt.engine.begin() as conn:
+        job_id = await sync.enqueue(conn, {"shop": "acme"})
+    assert await rt.store.quarantine(job_id, "operator test", rt.clock())
+    outcome = await Operator(rt).replay(job_id, actor="cli:alice@ops", reason="fixed")
+    assert outcome.done
+    job = await rt.store.get_job(job_id)
+    assert job is not None and job.max_attempts == job.attempt + MAX_ATTEMPTS + 4
+    # A type this app does not define (an old job of a removed type) gets the global budget.
+    other = await job_in_state(rt.store, S.QUARANTINED, T0)
+    assert Operator(rt).attempt_budget("report.gone") == MAX_ATTEMPTS
+    assert (await Operator(runtime).replay(other, actor="a", reason="r")).done
+
+
+async def test_explain_names_a_paused_queue_to_operators_only(
+    client: httpx.AsyncClient, runtime: Runtime
+) -> None:
+    from jobrelay.storage.queue_pauses import set_paused
+
+    job_id = await job_in_state(runtime.store, S.QUEUED, T0)
+    await set_paused(runtime.store, "default", True, actor="alice", reason="deploy 42", now=T0)
+    admin = await admin_headers(runtime)
+    body = (await client.get(f"/v1/jobs/{job_id}/explain", headers=admin)).json()
+    assert body["queue"] == "default"
+    assert body["queuePause"] == {"since": T0.isoformat(), "by": "alice", "reason": "deploy 42"}
+    assert body["nextStep"].startswith(
+        f"queue default is paused since {T0.isoformat(timespec='seconds')}"
+    )
+    assert "by alice: deploy 42" in body["nextStep"]
+    # An account reads its own job's story, not the operator's name or notes.
+    acme = bearer(await make_token(runtime, "acme"))
+    account = (await client.get(f"/v1/jobs/{job_id}/explain", headers=acme)).json()
+    assert "queuePause" not in account and "alice" not in str(account)
+
+
 async def test_admin_resends_a_stuck_queued_job_over_http(
     client: httpx.AsyncClient, runtime: Runtime
 ) -> None:

@@ -141,3 +141,31 @@ def test_explain_document_is_json_ready() -> None:
     assert document["events"] == [
         {"at": ago(40).isoformat(), "kind": "accepted", "detail": {"type": "report.export"}}
     ]
+
+
+def test_a_paused_queue_is_named_before_anything_else_about_a_waiting_job() -> None:
+    from jobrelay.storage.queue_pauses import QueuePause
+
+    pause = QueuePause("default", True, ago(120), "alice", "deploy 42")
+    waiting = next_step(job(), NOW, pause)
+    assert waiting.startswith(
+        "queue default is paused since 2026-01-01T11:58:00+00:00 (2 min ago) by alice: "
+        "deploy 42; no worker takes its jobs until `jobrelay queues resume default"
+    )
+    assert "is a worker running" not in waiting
+    retry = next_step(
+        job(state=S.RETRY_WAIT, attempt=1, last_error="timeout", next_attempt_at=ago(300)),
+        NOW,
+        pause,
+    )
+    assert retry.endswith("its retry is due 5 min ago after: timeout")
+    # A pause does not hold a running or a finished job: their line is unchanged.
+    running = job(state=S.RUNNING, attempt=2, lease_owner="h:1:a", lease_expires_at=ago(90))
+    assert next_step(running, NOW, pause) == next_step(running, NOW)
+    document = explain_document(job(), [], NOW, pause=pause)
+    assert document["queuePause"] == {
+        "since": ago(120).isoformat(),
+        "by": "alice",
+        "reason": "deploy 42",
+    }
+    assert explain_document(job(), [], NOW)["queuePause"] is None

@@ -30,6 +30,7 @@ from jobrelay.ops.explain import explain_document
 from jobrelay.ops.operator import Operator, refusal
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.admin import ActionOutcome, AdminQueries
+from jobrelay.storage.queue_pauses import pause_of
 from jobrelay.storage.store import JobRecord
 
 INVALID_TRANSITION = "urn:jobrelay:problem:invalid-transition"
@@ -238,7 +239,8 @@ async def explain_job(
     events = await runtime.store.events(job.id)
     trace_id = await AdminQueries(runtime.store).trace_id(job.id)
     if principal.is_admin:
-        return explain_document(job, events, runtime.clock(), trace_id)
+        pause = await pause_of(runtime.store, job.queue)
+        return explain_document(job, events, runtime.clock(), trace_id, pause)
     return account_explain_document(job, events, runtime.clock(), trace_id)
 
 

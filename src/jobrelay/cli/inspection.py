@@ -47,7 +47,7 @@ def jobs_list_cmd(
 ) -> None:
     """Recent jobs, newest first."""
     from jobrelay.domain.states import JobState
-    from jobrelay.ops.explain import list_jobs
+    from jobrelay.ops.job_list import list_jobs
     from jobrelay.transport.topology import QUEUE_NAME
 
     try:

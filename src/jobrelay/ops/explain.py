@@ -18,11 +18,13 @@ from datetime import datetime
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from jobrelay.domain.states import JobState
 from jobrelay.roles.runtime import open_runtime, utc_now
 from jobrelay.settings import Settings
+from jobrelay.storage.queue_pauses import QueuePause, pause_of
 from jobrelay.storage.store import EventRecord, JobRecord
 
 # Piped into a file or grep, lines are not wrapped at 80 columns (job ids stay whole).
@@ -41,7 +43,28 @@ def _span(when: datetime | None, now: datetime) -> str:
     return ago(when, now).removesuffix(" ago").removeprefix("in ")
 
 
-def next_step(job: JobRecord, now: datetime) -> str:
+def paused_line(pause: QueuePause, now: datetime) -> str:
+    """The pause as ``job show`` names it: since when, by whom, why."""
+    since = pause.changed_at.isoformat(timespec="seconds")
+    return (
+        f"queue {pause.queue} is paused since {since} ({ago(pause.changed_at, now)}) by "
+        f"{pause.changed_by}: {pause.reason}"
+    )
+
+
+def next_step(job: JobRecord, now: datetime, pause: QueuePause | None = None) -> str:
+    """The one line that says where the job waits; ``pause`` is its queue's, if paused."""
+    waiting = job.state in (JobState.QUEUED, JobState.RETRY_WAIT)
+    if pause is not None and waiting:
+        step = _next_step(job, now, paused=True)
+        return (
+            f"{paused_line(pause, now)}; no worker takes its jobs until "
+            f"`jobrelay queues resume {pause.queue} --reason ...`; {step}"
+        )
+    return _next_step(job, now, paused=False)
+
+
+def _next_step(job: JobRecord, now: datetime, *, paused: bool) -> str:
     if job.state is JobState.SUCCEEDED:
         return f"done: result at {job.result_key}"
     if job.state is JobState.QUARANTINED:
@@ -78,6 +101,8 @@ def next_step(job: JobRecord, now: datetime) -> str:
         )
     if job.state is JobState.RETRY_WAIT:
         due = job.next_attempt_at
+        if paused:
+            return f"its retry is due {ago(due, now)} after: {job.last_error}"
         if due is not None and due <= now:
             return (
                 f"retry was due {ago(due, now)} after: {job.last_error}; is a worker running "
@@ -87,6 +112,8 @@ def next_step(job: JobRecord, now: datetime) -> str:
             f"waiting to retry ({ago(due, now)}) after: {job.last_error}; "
             "the retry message is in the delay route"
         )
+    if paused:
+        return f"published and waiting (accepted {ago(job.created_at, now)})"
     return (
         f"published and waiting for a worker (accepted {ago(job.created_at, now)}): "
         "is a worker running and consuming?"
@@ -154,7 +181,11 @@ def attempts(job: JobRecord, events: list[EventRecord]) -> list[Attempt]:
 
 
 def explain_document(
-    job: JobRecord, events: list[EventRecord], now: datetime, trace_id: str | None = None
+    job: JobRecord,
+    events: list[EventRecord],
+    now: datetime,
+    trace_id: str | None = None,
+    pause: QueuePause | None = None,
 ) -> dict[str, Any]:
     """Everything ``job show`` prints, as camelCase JSON."""
 
@@ -167,6 +198,16 @@ def explain_document(
         "accountId": job.account_id,
         "params": job.params,
         "state": job.state.value,
+        "queue": job.queue,
+        "queuePause": (
+            {
+                "since": iso(pause.changed_at),
+                "by": pause.changed_by,
+                "reason": pause.reason,
+            }
+            if pause is not None
+            else None
+        ),
         "published": job.published,
         "unpublishedSince": iso(job.unpublished_since),
         "lastPublishError": job.last_publish_error,
@@ -200,17 +241,24 @@ def explain_document(
             }
             for a in attempts(job, events)
         ],
-        "nextStep": next_step(job, now),
+        "nextStep": next_step(job, now, pause),
         "events": [{"at": iso(e.at), "kind": e.kind, "detail": e.detail} for e in events],
     }
 
 
 def render_job(
-    job: JobRecord, events: list[EventRecord], now: datetime, trace_id: str | None = None
+    job: JobRecord,
+    events: list[EventRecord],
+    now: datetime,
+    trace_id: str | None = None,
+    pause: QueuePause | None = None,
 ) -> None:
-    console.print(f"[bold]job {job.id}[/bold]  {job.type}  account {job.account_id}")
+    owner = f"  account {job.account_id}" if job.account_id is not None else ""
+    console.print(f"[bold]job {job.id}[/bold]  {escape(job.type + owner)}")
     facts = Table.grid(padding=(0, 2))
     facts.add_row("state", f"[bold]{job.state.value}[/bold]")
+    queue = job.queue if pause is None else f"{job.queue} ({paused_line(pause, now)})"
+    facts.add_row("queue", queue)
     facts.add_row(
         "published",
         "yes"
@@ -233,7 +281,7 @@ def render_job(
     facts.add_row("result key", job.result_key or "-")
     if job.progress_total is not None:
         facts.add_row("progress", f"{job.progress_done or 0}/{job.progress_total}")
-    facts.add_row("params", str(job.params))
+    facts.add_row("params", escape(json.dumps(job.params, ensure_ascii=False, default=str)))
     facts.add_row("trace id", trace_id or "-")
     facts.add_row(
         "accepted", f"{job.created_at.isoformat(timespec='seconds')} ({ago(job.created_at, now)})"
@@ -260,7 +308,7 @@ def render_job(
         detail = ", ".join(f"{k}={_shown(v)}" for k, v in event.detail.items() if v is not None)
         timeline.add_row(event.at.isoformat(timespec="milliseconds"), event.kind, detail)
     console.print(timeline)
-    console.print(f"next: {next_step(job, now)}")
+    console.print(f"next: {next_step(job, now, pause)}")
 
 
 async def show_job(settings: Settings, job_id: str, *, as_json: bool = False) -> bool:
@@ -272,72 +320,13 @@ async def show_job(settings: Settings, job_id: str, *, as_json: bool = False) ->
             return False
         events = await rt.store.events(job_id)
         trace_id = await AdminQueries(rt.store).trace_id(job_id)
+        pause = await pause_of(rt.store, job.queue)
     now = utc_now()
     if as_json:
-        print(json.dumps(explain_document(job, events, now, trace_id), indent=2))
+        print(json.dumps(explain_document(job, events, now, trace_id, pause), indent=2))
     else:
-        render_job(job, events, now, trace_id)
+        render_job(job, events, now, trace_id, pause)
     return True
-
-
-async def list_jobs(
-    settings: Settings,
-    state: JobState | None,
-    limit: int,
-    *,
-    reason: str | None = None,
-    job_type: str | None = None,
-    queue: str | None = None,
-    account: str | None = None,
-) -> None:
-    from jobrelay.storage.admin import AdminQueries
-
-    async with open_runtime(settings, connect_transport=False) as rt:
-        admin = AdminQueries(rt.store)
-        jobs = await admin.find_jobs(
-            state=state,
-            reason=reason,
-            job_type=job_type,
-            queue=queue,
-            account_id=account,
-            limit=limit,
-        )
-        if job_type is not None and not jobs:
-            known = await admin.stored_types()
-            if rt.app is not None:
-                known |= {*rt.app.jobs, *rt.app.included_types}
-            if job_type not in known:
-                names = ", ".join(sorted(known)) or "none"
-                print(
-                    f"jobrelay: warning: --type: no job type {job_type!r} here (known: {names})",
-                    file=sys.stderr,
-                )
-    table = Table(show_edge=False)
-    table.add_column("job id", no_wrap=True)
-    for column in (
-        "type",
-        "account",
-        "state",
-        "published",
-        "attempt",
-        "updated",
-        "reason / last error",
-    ):
-        table.add_column(column)
-    now = utc_now()
-    for job in jobs:
-        table.add_row(
-            job.id,
-            job.type,
-            job.account_id,
-            job.state.value,
-            "yes" if job.published else "no",
-            f"{job.attempt}/{job.max_attempts}",
-            ago(job.updated_at, now),
-            (job.quarantine_reason or job.last_error or "")[:80],
-        )
-    console.print(table)
-    console.print(f"{len(jobs)} job(s)")
 
 
 def _shown(value: Any) -> str:

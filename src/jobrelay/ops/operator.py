@@ -63,18 +63,28 @@ class Operator:
     async def replay(
         self, job_id: str, *, actor: str, reason: str, headers: dict[str, str] | None = None
     ) -> ActionOutcome:
-        """A quarantined job back to ``queued`` with a fresh budget of ``max_attempts`` more
-        attempts, through the outbox."""
+        """A quarantined job back to ``queued`` with a fresh budget of its type's
+        ``max_attempts`` more attempts (``JOBRELAY_MAX_ATTEMPTS`` for a type this app does not
+        define), through the outbox."""
         outcome = await self.queries.replay(
             job_id,
             actor=actor,
             reason=reason,
-            budget=self.rt.settings.max_attempts,
+            budget=self.attempt_budget,
             now=self.rt.clock(),
             headers=headers,
         )
         self._record("replay", outcome, actor, reason)
         return outcome
+
+    def attempt_budget(self, job_type: str) -> int:
+        """What a replay grants: the type's own ``max_attempts``, so a type declared with 10
+        attempts is not replayed with the global 3."""
+        definition = self.rt.job_app().jobs.get(job_type)
+        settings = self.rt.settings
+        return (
+            settings.max_attempts if definition is None else definition.max_attempts_under(settings)
+        )
 
     async def cancel(self, job_id: str, *, actor: str, reason: str) -> ActionOutcome:
         outcome = await self.queries.cancel(job_id, actor=actor, reason=reason, now=self.rt.clock())

@@ -230,6 +230,7 @@ async def _run_up(
         }
         for name, task in parts.items():
             task.add_done_callback(_stop_if_dead(name, stop))
+        print(start_line(settings, rt, sock), flush=True)
         try:
             await serve_until(build_server(rt, host, port), stop, sock)
         finally:
@@ -238,6 +239,29 @@ async def _run_up(
         failed = [n for n, t in parts.items() if not t.cancelled() and t.exception()]
         if failed:
             raise SystemExit(f"jobrelay: error: {', '.join(failed)} died; see the log above")
+
+
+def start_line(settings: Settings, rt: Runtime, sock: socket.socket) -> str:
+    """What ``up`` tells the person who started it, on stdout (the logs are JSON on stderr):
+    where to point a browser, which app runs which job types, and on what."""
+    from jobrelay.loader import DEFAULT_APP
+    from jobrelay.settings import redact_url
+
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    url = f"http://{shown_host}:{bound_port}"
+    app = rt.job_app()
+    types = sorted({*app.jobs, *app.included_types})
+    transport = (
+        "the local transport"
+        if settings.uses_local_broker
+        else f"RabbitMQ {redact_url(settings.broker_url)}"
+    )
+    return (
+        f"jobrelay up: listening on {url} (console {url}/console, API docs {url}/docs); "
+        f"app {settings.app or DEFAULT_APP} ({', '.join(types) or 'no job types'}); "
+        f"database {redact_url(settings.database_url)}; {transport}; Ctrl-C stops"
+    )
 
 
 def _stop_if_dead(name: str, stop: asyncio.Event) -> Callable[[asyncio.Task[None]], None]:

@@ -10,6 +10,7 @@ nothing and says so; a finished job is never overwritten.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -54,14 +55,15 @@ class AdminQueries:
         *,
         actor: str,
         reason: str,
-        budget: int,
+        budget: int | Callable[[str], int],
         now: datetime,
         headers: dict[str, str] | None = None,
     ) -> ActionOutcome:
         """quarantined -> queued with ``budget`` more attempts, and a new work message.
 
         ``attempt`` keeps counting (attempt 3 is still attempt 3 in the timeline); the budget
-        becomes ``attempt + budget``.
+        becomes ``attempt + budget``. A callable is asked with the job's type (the type's own
+        ``max_attempts``), read in the same transaction as the row it replays.
         """
         store = self.store
         async with store.writing() as conn:
@@ -81,13 +83,14 @@ class AdminQueries:
             if row is None:
                 return ActionOutcome(job_id, False, None)
             state = JobState(row.state)
+            granted = budget(row.type) if callable(budget) else budget
             won = await store.transition(
                 conn,
                 job_id,
                 JobState.QUEUED,
                 now,
                 sources=sources_for(JobState.QUEUED, by=OPERATOR),
-                max_attempts=jobs.c.attempt + budget,
+                max_attempts=jobs.c.attempt + granted,
                 quarantine_reason=None,
                 next_attempt_at=None,
                 lease_owner=None,
@@ -114,7 +117,7 @@ class AdminQueries:
                 reason=reason,
                 previousReason=row.quarantine_reason,
                 attempt=row.attempt,
-                maxAttempts=row.attempt + budget,
+                maxAttempts=row.attempt + granted,
             )
         store.wake_relays()
         return ActionOutcome(job_id, True, JobState.QUEUED, state)

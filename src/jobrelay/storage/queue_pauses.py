@@ -44,6 +44,19 @@ async def pauses(store: StoreBase) -> dict[str, QueuePause]:
     }
 
 
+async def pause_of(store: StoreBase, queue: str) -> QueuePause | None:
+    """The pause holding ``queue`` now, or None: what ``job show`` and explain name."""
+    async with store.reading() as conn:
+        row = (
+            await conn.execute(
+                select(queue_pauses).where(queue_pauses.c.queue == queue, queue_pauses.c.paused)
+            )
+        ).first()
+    if row is None:
+        return None
+    return QueuePause(row.queue, True, row.changed_at, row.changed_by, row.reason)
+
+
 async def paused_queues(store: StoreBase) -> set[str]:
     """The queues workers must not consume now (what each worker polls)."""
     async with store.reading() as conn:
@@ -84,4 +97,12 @@ async def queue_history(store: StoreBase, queue: str, limit: int = 50) -> list[Q
     return [QueueEvent(r.queue, r.at, r.kind, r.actor, r.reason) for r in rows]
 
 
-__all__ = ["QueueEvent", "QueuePause", "paused_queues", "pauses", "queue_history", "set_paused"]
+__all__ = [
+    "QueueEvent",
+    "QueuePause",
+    "pause_of",
+    "paused_queues",
+    "pauses",
+    "queue_history",
+    "set_paused",
+]
