@@ -10,12 +10,11 @@ import asyncio
 import sys
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
-from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+import jobrelay
 from examples.first_job.app import Welcome, app, send_welcome
 
-ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
 metadata = MetaData()
 signups = Table(
     "signups",
@@ -25,11 +24,12 @@ signups = Table(
 )
 
 
+# The application's own engine, on the same database as jobrelay's tables.
+# ``jobrelay.create_engine`` takes the same URL as ``JOBRELAY_DATABASE_URL`` and picks the
+# async driver; on SQLite it also sets the WAL mode and the write transactions jobrelay's own
+# processes use, so the app's writes wait for theirs instead of failing "database is locked".
 def app_engine() -> AsyncEngine:
-    """The application's own engine, on the same database as jobrelay's tables."""
-    url = make_url(app.settings.database_url)
-    url = url.set(drivername=ASYNC_DRIVERS.get(url.drivername, url.drivername))
-    return create_async_engine(url)
+    return jobrelay.create_engine(app.settings.database_url)
 
 
 async def sign_up(conn: AsyncConnection, email: str) -> tuple[int, str]:

@@ -104,6 +104,10 @@ def test_prune_counts_and_refuses_a_bad_age_in_one_line(sqlite_env: dict[str, st
     assert len(bogus.stderr.strip().splitlines()) == 1 and "Traceback" not in bogus.stderr
     dry = run_cli("prune", "--dry-run", env=sqlite_env)
     assert dry.returncode == 0 and "nothing changed" in dry.stdout
+    assert dry.stdout.startswith("prune, older than 30 day(s): ")  # the retention setting
+    minute = run_cli("prune", "--dry-run", "--older-than", "1m", env=sqlite_env)
+    # The age as given, not "0.000694444 day(s)".
+    assert minute.returncode == 0 and minute.stdout.startswith("prune, older than 1m: ")
     assert "jobs             0" in dry.stdout.splitlines()
 
 

@@ -43,3 +43,27 @@ def test_every_public_name_resolves() -> None:
     for name in jobrelay.__all__:
         assert getattr(jobrelay, name) is not None, name
     assert jobrelay.Job.__name__ == "JobRecord"
+
+
+def test_every_command_summary_is_one_line() -> None:
+    """The command list shows a command's first help paragraph with its line breaks: a
+    summary wrapped at the source's 100 columns breaks mid-sentence in a wide terminal."""
+    import typer.main
+
+    from jobrelay.cli.main import app
+
+    found: list[tuple[str, object]] = []
+
+    def walk(command: object, path: str) -> None:
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+        found.append((path, command))
+
+    walk(typer.main.get_command(app), "jobrelay")
+    assert len(found) > 30  # the whole tree, groups and commands
+    broken = {
+        path: summary
+        for path, command in found
+        if "\n" in (summary := (getattr(command, "help", None) or "").strip().split("\n\n")[0])
+    }
+    assert broken == {}

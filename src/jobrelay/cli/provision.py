@@ -64,9 +64,12 @@ def seed_cmd(
         typer.Option(min=1, max=20_000_000, help="Generated rows for that account-month."),
     ] = None,
 ) -> None:
-    """Fill the app's sample data (the export app: ledger_entries for acme, globex, initech;
-    2019-2021; kept when already there unless --replace; or, with --account/--period/--rows,
-    one account-month of N generated rows)."""
+    """Fill the app's sample data.
+
+    For the export app: ledger_entries for acme, globex and initech, 2019-2021, kept when
+    already there unless --replace; or, with --account/--period/--rows, one account-month of
+    N generated rows.
+    """
     from jobrelay.roles.database_files import require_database
 
     require_database(settings.database_url)

@@ -67,8 +67,11 @@ def prune_cmd(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="The counts as JSON.")] = False,
 ) -> None:
-    """Delete finished jobs (with their events, outbox rows and results), published outbox
-    rows and dead-lettered local-queue rows older than the retention; print counts."""
+    """Delete what is older than the retention, and print the counts.
+
+    Finished jobs (with their events, outbox rows and results), published outbox rows and
+    dead-lettered local-queue rows.
+    """
     from jobrelay.observe import logs
 
     try:
@@ -83,8 +86,9 @@ def prune_cmd(
         return
     label = "would delete (dry run, nothing changed)" if dry_run else "deleted"
     kept = " (result objects kept: JOBRELAY_RETENTION_KEEP_RESULTS)"
+    age = f"{days:g} day(s)" if older_than is None else older_than.strip()
     typer.echo(
-        f"prune, older than {days:g} day(s): {label}"
+        f"prune, older than {age}: {label}"
         + (kept if settings.retention_keep_results else "")
     )
     for table, n in counts.tables().items():
