@@ -88,8 +88,7 @@ def prune_cmd(
     kept = " (result objects kept: JOBRELAY_RETENTION_KEEP_RESULTS)"
     age = f"{days:g} day(s)" if older_than is None else older_than.strip()
     typer.echo(
-        f"prune, older than {age}: {label}"
-        + (kept if settings.retention_keep_results else "")
+        f"prune, older than {age}: {label}" + (kept if settings.retention_keep_results else "")
     )
     for table, n in counts.tables().items():
         typer.echo(f"{table:<16} {n}")
