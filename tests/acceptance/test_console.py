@@ -2,9 +2,10 @@
 
 A ``jobrelay up`` process on SQLite serves the console; one job succeeds and one is
 quarantined by an injected fault on its first attempt. Through the page, an admin looks the
-first up, finds the second in the quarantined list with its reason, and replays it; the
-database then shows the ``replayed`` event naming the admin token. An account token sees
-no admin controls. A screenshot is saved under test-artifacts/ for the CI run.
+first up, finds the second in the quarantined list with its reason, opens the collapsed
+traceback of its failure, and replays it; the database then shows the ``replayed`` event
+naming the admin token. An account token sees no admin controls and no traceback. A
+screenshot is saved under test-artifacts/ for the CI run.
 
 With ``JOBRELAY_REQUIRE_SERVICES=1`` (CI) a missing browser or Playwright fails the test;
 otherwise it is skipped with the reason. ``.ci/run`` installs the browser.
@@ -121,12 +122,20 @@ def test_console_looks_up_and_replays(browser: Any, tmp_path: Path) -> None:
         expect(page.locator("#next-step")).to_contain_text("done: result at exports/acme/")
         expect(page.locator('#timeline tr[data-kind="result_saved"]')).to_have_count(1)
         expect(page.locator("#replay")).to_be_hidden()
+        expect(page.locator("#traceback")).to_be_hidden()  # it never failed
 
         # The quarantined list shows the other job with its reason; replay it from the page.
         row = page.locator(f'#quarantined tr[data-job-id="{quarantined}"]')
         expect(row).to_contain_text("injected invalid")
         row.locator("a").click()
         expect(page.locator("#job-state")).to_have_text("quarantined")
+        # Where its attempt raised, for the admin: collapsed until opened.
+        traceback = page.locator("#traceback")
+        expect(traceback).to_be_visible()
+        expect(traceback).not_to_have_attribute("open", "")
+        expect(page.locator("#traceback-text")).to_be_hidden()
+        traceback.locator("summary").click()
+        expect(page.locator("#traceback-text")).to_contain_text("injected invalid payload")
         page.fill("#action-reason", "fault removed")
         page.click("#replay")
         expect(page.locator("#message")).to_contain_text("is now queued (was quarantined)")
@@ -142,6 +151,7 @@ def test_console_looks_up_and_replays(browser: Any, tmp_path: Path) -> None:
         page.fill("#job-id", quarantined)
         page.click("#show-job")
         expect(page.locator("#job-title")).to_contain_text(quarantined)
+        expect(page.locator("#traceback")).to_be_hidden()  # operators' only
         expect(page.locator("#replay")).to_be_hidden()
         expect(page.locator("#cancel")).to_be_hidden()
         assert errors == []

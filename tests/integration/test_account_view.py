@@ -36,6 +36,8 @@ S3_ERROR = (
 PG_ERROR = 'connection to server at "pg-primary" (10.0.0.5), port 5432 failed'
 REPLAY_NOTE = "customer called; see ticket SEC-42"
 CANCEL_NOTE = "fraud suspected by risk team"
+# The last failure's traceback (jobs.last_traceback): operators' only.
+TRACEBACK = 'Traceback (most recent call last):\n  File "/srv/vault-agent/job.py"\nOSError\n'
 # Every string an account must never read. Each appears in the admin's view (checked below).
 PRIVATE = (
     "db-host.internal",
@@ -51,6 +53,7 @@ PRIVATE = (
     "ops-host",
     "smtp.corp.internal",
     "cli:root@",
+    "/srv/vault-agent",
 )
 
 # The whole account view, field by field. A field added to an event, the job or the
@@ -129,7 +132,7 @@ async def leaky_job(rt: Runtime, client: httpx.AsyncClient, admin: dict[str, str
     claim = await store.claim_job(job_id, WORKER, later, LEASE)
     assert claim is not None
     reason = f"attempts exhausted (2/3): {PG_ERROR}"
-    assert await store.quarantine(job_id, reason, T0, claim=claim)
+    assert await store.quarantine(job_id, reason, T0, claim=claim, traceback=TRACEBACK)
     await store.record_events(
         [
             PendingEvent(

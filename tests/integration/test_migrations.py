@@ -1,5 +1,6 @@
-"""Migrations keep what is there: 0003 (jobs without an account), 0004 (job queues) and 0005
-(retention: tombstones, autovacuum settings on PostgreSQL) on a database with data.
+"""Migrations keep what is there: 0003 (jobs without an account), 0004 (job queues), 0005
+(retention: tombstones, autovacuum settings on PostgreSQL) and 0012 (the last failure's
+traceback) on a database with data.
 
 On SQLite, 0003 rebuilds the ``jobs`` table (batch mode). With foreign keys on, dropping the
 old table would cascade into every outbox row, event and effects-ledger row of every job, so
@@ -9,6 +10,7 @@ the migration must run with them off; this test would lose those rows otherwise.
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from pathlib import Path
 
 from alembic import command
@@ -165,3 +167,34 @@ def test_the_schema_head_the_code_expects_is_the_newest_migration(tmp_path: Path
             await engine.dispose()
 
     assert asyncio.run(current()) == SCHEMA_HEAD
+
+
+def test_0012_adds_the_last_traceback_to_the_jobs_there_and_goes_down_again(
+    database_url: str,
+) -> None:
+    command.downgrade(alembic_config(database_url), "0011")
+    job_id = "00000000-0000-4000-8000-000000000001"
+    asyncio.run(_insert_old(database_url, "acme", job_id))
+
+    upgrade(database_url)
+
+    async def fail_with_traceback() -> tuple[str | None, str | None]:
+        engine = create_engine(database_url)
+        try:
+            store = Store(engine)
+            before = await store.get_job(job_id)
+            assert before is not None
+            claim = await store.claim_job(job_id, "w", T0, timedelta(seconds=30))
+            assert claim is not None
+            assert await store.quarantine(job_id, "boom", T0, claim=claim, traceback="tb\n")
+            after = await store.get_job(job_id)
+            assert after is not None
+            return before.last_traceback, after.last_traceback
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(fail_with_traceback()) == (None, "tb\n")
+    command.downgrade(alembic_config(database_url), "0011")
+    # The job, its outbox row and its three events kept (SQLite rebuilds the table).
+    assert asyncio.run(_counts(database_url)) == (1, 1, 3)
+    upgrade(database_url)

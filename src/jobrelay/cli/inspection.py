@@ -18,13 +18,20 @@ def job_show_cmd(
     settings: Settings,
     job_id: Annotated[str, typer.Argument()],
     as_json: Annotated[bool, typer.Option("--json", help="The explanation as JSON.")] = False,
+    traceback: Annotated[
+        bool,
+        typer.Option(
+            "--traceback",
+            help="Also print the traceback of the job's last failure (scrubbed, at most 8 KiB).",
+        ),
+    ] = False,
 ) -> None:
     """State, facts, attempts and timeline of one job, and where to look next."""
     from jobrelay.cli.retention import fail_missing
     from jobrelay.ops.explain import show_job
 
     job_id = known_job_id(job_id)
-    if not run(show_job(settings, job_id, as_json=as_json)):
+    if not run(show_job(settings, job_id, as_json=as_json, traceback=traceback)):
         raise fail_missing(settings, job_id, f"no job {job_id}")
 
 

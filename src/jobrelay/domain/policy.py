@@ -68,12 +68,14 @@ class TransientFailure:
     # instead of ``retry_delays``.
     delay: int | None = None
     asked_delay: float | None = None  # what the job asked, kept in the event
+    traceback: str | None = None  # where the job raised, for operators (observe.tracebacks)
 
 
 @dataclass(frozen=True)
 class PermanentFailure:
     error: str
     public: str = FAILED
+    traceback: str | None = None
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,8 @@ def explain_document(
         "maxAttempts": job.max_attempts,
         "lastError": job.last_error,
         "quarantineReason": job.quarantine_reason,
+        # Operators' only: not in the account view's keys (ops.account_view).
+        "lastTraceback": job.last_traceback,
         "nextAttemptAt": iso(job.next_attempt_at),
         "leaseOwner": job.lease_owner,
         "leaseExpiresAt": iso(job.lease_expires_at),
@@ -311,7 +313,26 @@ def render_job(
     console.print(f"next: {next_step(job, now, pause)}")
 
 
-async def show_job(settings: Settings, job_id: str, *, as_json: bool = False) -> bool:
+def render_traceback(job: JobRecord, wanted: bool) -> None:
+    """After the view: the last failure's traceback (``wanted``), else a hint that there is one.
+
+    Printed as stored, not as rich markup: a traceback quotes code and messages, whose
+    brackets and colons rich would read as styles and emoji.
+    """
+    if not wanted:
+        if job.last_traceback:
+            console.print("last failure has a traceback: --traceback")
+        return
+    if not job.last_traceback:
+        console.print("no traceback stored for this job")
+        return
+    console.print("traceback of the last failure:")
+    console.print(job.last_traceback.rstrip("\n"), markup=False, emoji=False)
+
+
+async def show_job(
+    settings: Settings, job_id: str, *, as_json: bool = False, traceback: bool = False
+) -> bool:
     from jobrelay.storage.admin import AdminQueries
 
     async with open_runtime(settings, connect_transport=False) as rt:
@@ -326,6 +347,7 @@ async def show_job(settings: Settings, job_id: str, *, as_json: bool = False) ->
         print(json.dumps(explain_document(job, events, now, trace_id, pause), indent=2))
     else:
         render_job(job, events, now, trace_id, pause)
+        render_traceback(job, traceback)
     return True
 
 

@@ -25,10 +25,6 @@ from typing import Any
 
 from jobrelay.domain.disclosure import (
     INTERRUPTED,
-    REFUSED,
-    RETRY,
-    TEMPORARY,
-    UNEXPECTED,
     public_error,
 )
 from jobrelay.domain.policy import (
@@ -43,7 +39,6 @@ from jobrelay.domain.policy import (
 from jobrelay.domain.states import JobState
 from jobrelay.errors import (
     OperationError,
-    Permanent,
     PermanentError,
     Retry,
     StoreDataError,
@@ -52,6 +47,7 @@ from jobrelay.errors import (
 from jobrelay.operations.base import OperationContext, Registry
 from jobrelay.results.staging import StagingResults
 from jobrelay.roles.backoff import Backoff
+from jobrelay.roles.failures import failure_texts, failure_traceback
 from jobrelay.roles.leases import LeaseRenewer
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.storable import outcome_json
@@ -59,30 +55,6 @@ from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, Ne
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
-
-
-def failure_texts(exc: BaseException) -> tuple[str, str]:
-    """(raw, public): what operators read of a failed attempt, and what its account reads.
-
-    The account reads the job's own words only when the job chose them for it, as the
-    message of ``Retry`` or ``Permanent``; the cause of such an exception (``raise
-    Retry("ledger unavailable") from exc``) is added to the operators' text alone. Any other
-    exception's text (a driver's, an S3 client's, an OS error with its path) is the
-    operators' only, and the account reads jobrelay's message for its kind.
-    """
-    raw = str(exc)
-    if isinstance(exc, Retry | Permanent):
-        public = public_error(RETRY if isinstance(exc, Retry) else REFUSED, raw)
-        cause = exc.__cause__
-        if cause is not None:
-            lines = str(getattr(cause, "orig", None) or cause).strip().splitlines()
-            raw = f"{raw}: {lines[0] if lines else type(cause).__name__}"
-        return raw, public
-    if isinstance(exc, PermanentError):
-        return raw, public_error(REFUSED)
-    if isinstance(exc, OperationError | StoreError):
-        return raw, public_error(TEMPORARY)
-    return f"unexpected {type(exc).__name__}: {exc}", public_error(UNEXPECTED)
 
 
 Settle = Callable[[Delivery, str, Action, int], Awaitable[None]]
@@ -173,15 +145,17 @@ class AttemptRun:
                     job, claim.attempt, "lease lost: the run was stopped", public_error(INTERRUPTED)
                 )
             except PermanentError as exc:
-                observation = PermanentFailure(*failure_texts(exc))
+                observation = PermanentFailure(*failure_texts(exc), failure_traceback(exc))
             except (OperationError, StoreError) as exc:
                 asked = exc.delay if isinstance(exc, Retry) else None
-                observation = self._transient(job, claim.attempt, *failure_texts(exc), asked)
+                trace = failure_traceback(exc)
+                observation = self._transient(job, claim.attempt, *failure_texts(exc), asked, trace)
             except Exception as exc:  # an operation bug: retried, then quarantined, no hot loop
                 log.exception(
                     "operation raised", extra={"event": "operation_error", "jobId": job.id}
                 )
-                observation = self._transient(job, claim.attempt, *failure_texts(exc))
+                trace = failure_traceback(exc)
+                observation = self._transient(job, claim.attempt, *failure_texts(exc), None, trace)
             if not isinstance(observation, ResultSaved):
                 await results.discard()
             try:
@@ -205,14 +179,23 @@ class AttemptRun:
         return min(1.0, self.lease.total_seconds() / 10)
 
     def _transient(
-        self, job: JobRecord, attempt: int, error: str, public: str, asked: float | None = None
+        self,
+        job: JobRecord,
+        attempt: int,
+        error: str,
+        public: str,
+        asked: float | None = None,
+        trace: str | None = None,
     ) -> TransientFailure:
         """A transient failure; ``asked``: the next delay the job asked for (``Retry(delay=)``),
-        as this topology can wait it (``Topology.retry_delay``), else the type's delays."""
+        as this topology can wait it (``Topology.retry_delay``), else the type's delays;
+        ``trace``: where it raised (``roles.failures``)."""
         operation = self.registry.get(job.type)
         delays = getattr(operation, "retry_delays", None) or self.rt.settings.retry_delays
         delay = None if asked is None else self.rt.topology.retry_delay(asked)
-        return TransientFailure(error, attempt, job.max_attempts, delays, public, delay, asked)
+        return TransientFailure(
+            error, attempt, job.max_attempts, delays, public, delay, asked, trace
+        )
 
     async def _commit_outcome(
         self,
@@ -266,7 +249,8 @@ class AttemptRun:
                 await backoff.wait()
             except OperationError as exc:  # the staged result could not be published
                 await results.discard()
-                observation = self._transient(job, claim.attempt, *failure_texts(exc))
+                trace = failure_traceback(exc)
+                observation = self._transient(job, claim.attempt, *failure_texts(exc), None, trace)
         self._stop_renewing()
         won = fenced.won
         if won:
@@ -325,6 +309,7 @@ class AttemptRun:
                 now,
                 public=decision.public,
                 asked_delay=getattr(observation, "asked_delay", None),
+                traceback=getattr(observation, "traceback", None),
             )
         won = await store.quarantine(
             job.id,
@@ -332,6 +317,7 @@ class AttemptRun:
             now,
             claim=claim,
             public=decision.public,
+            traceback=getattr(observation, "traceback", None),
             attempt=claim.attempt,
         )
         return Fenced(True) if won else await self._current(job.id)

@@ -206,14 +206,16 @@ class ClaimsStore(StoreBase):
         *,
         public: str | None = None,
         asked_delay: float | None = None,
+        traceback: str | None = None,
     ) -> Fenced:
         """running -> retry_wait, and the retry message into the outbox, in one transaction.
 
         Fenced on the claim; the due time is the store's clock + ``delay``; ``asked_delay``
         (kept in the event) is what the job asked with ``Retry(delay=)``. ``public`` is the
-        error as the job's account reads it (``domain.disclosure``); ``error`` the operators'.
-        Both are stored with their NUL bytes escaped (``storable``): they must not make the
-        write fail.
+        error as the job's account reads it (``domain.disclosure``); ``error`` the operators',
+        and ``traceback`` where the run raised (``roles.failures``; None clears an earlier
+        one). All are stored with their NUL bytes escaped (``storable``): they must not make
+        the write fail.
         """
         error = safe_text(error)
         public = None if public is None else safe_text(public)
@@ -226,6 +228,7 @@ class ClaimsStore(StoreBase):
                     updated_at=now,
                     last_error=error[:4000],
                     public_error=public,
+                    last_traceback=None if traceback is None else safe_text(traceback),
                     next_attempt_at=self.now_sql(timedelta(seconds=delay)),
                     lease_owner=None,
                     lease_expires_at=None,
@@ -268,6 +271,7 @@ class ClaimsStore(StoreBase):
         claim: Claim | None = None,
         seen: JobView | None = None,
         public: str | None = None,
+        traceback: str | None = None,
         **detail: Any,
     ) -> bool:
         """-> quarantined with the reason kept.
@@ -276,14 +280,18 @@ class ClaimsStore(StoreBase):
         with ``seen`` (a delivery-time decision) only if the job is still exactly as the
         policy saw it: same state, same attempt, same lease. A bad copy read while the job
         was ``queued`` therefore never quarantines a job a good copy has claimed since.
-        The reason is stored with its NUL bytes escaped (``storable``).
+        The reason is stored with its NUL bytes escaped (``storable``). A worker's quarantine
+        (``claim``) also stores ``traceback``, where its run raised (None clears an earlier
+        one); a delivery-time one ran nothing and keeps the last failure's.
         """
         reason = safe_text(reason)
         public = None if public is None else safe_text(public)
         where: list[Any] = []
+        values: dict[str, Any] = {}
         if claim is not None:
             where += self.fenced(claim)
             detail = {**detail, "attempt": claim.attempt, "worker": claim.worker_id}
+            values["last_traceback"] = None if traceback is None else safe_text(traceback)
         if seen is not None:
             where += self.as_seen(seen)
         async with self.writing() as conn:
@@ -299,6 +307,7 @@ class ClaimsStore(StoreBase):
                 lease_owner=None,
                 lease_expires_at=None,
                 next_attempt_at=None,
+                **values,
             )
             if won:
                 await self.add_event(

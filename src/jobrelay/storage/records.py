@@ -101,6 +101,8 @@ class JobRecord:
     observed_at: datetime | None = None
     queue: str = DEFAULT_QUEUE  # the queue its messages go to (retries and re-sends too)
     public_error: str | None = None  # last_error as the account reads it (domain.disclosure)
+    # The last failed attempt's traceback (roles.failures): operators' only, never an account's.
+    last_traceback: str | None = None
 
     def view(self) -> JobView:
         return JobView(
@@ -202,6 +204,7 @@ def job_record(row: Row[Any] | Mapping[str, Any]) -> JobRecord:
         observed_at=aware_time(m.get("observed_at")),
         queue=m.get("queue") or DEFAULT_QUEUE,
         public_error=m.get("public_error"),
+        last_traceback=m.get("last_traceback"),
     )
 
 

@@ -95,6 +95,9 @@ jobs = Table(
     # the operators' raw text in last_error and quarantine_reason (migration 0010). Last, as
     # the migration adds it: the claim's ``RETURNING jobs.*`` is read by position.
     Column("public_error", Text),
+    # Where the last failed attempt raised: its traceback, scrubbed and cut to 8 KiB
+    # (roles.failures), for operators only (migration 0012). Kept after a later success.
+    Column("last_traceback", Text),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)

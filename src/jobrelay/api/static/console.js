@@ -134,6 +134,12 @@
     fact(facts, "trace id", job.traceId);
     fact(facts, "accepted", when(job.createdAt));
     fact(facts, "updated", when(job.updatedAt));
+    // Operators' only: the account view has no lastTraceback, and an admin's shows it
+    // collapsed (it is long; the facts above say what failed, this says where).
+    const traceback = session.admin && job.lastTraceback ? job.lastTraceback : "";
+    $("traceback").hidden = !traceback;
+    $("traceback").open = false;
+    $("traceback-text").textContent = traceback;
 
     renderLane(job);
     const admin = "leaseOwner" in job; // the operator document; the account view has no workers
