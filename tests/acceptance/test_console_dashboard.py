@@ -23,7 +23,12 @@ import httpx
 import pytest
 
 from .procs import FAST_ENV, Proc, clean_env, free_port, poll, processes, run_cli, wait_http
-from .test_console import ARTIFACTS, TIMEOUT_MS, browser  # noqa: F401 (the module's browser)
+from .test_console import (  # noqa: F401 (the module's browser)
+    ARTIFACTS,
+    TIMEOUT_MS,
+    browser,
+    overflowing,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 POISONED = ("2020-01", "2020-02", "2020-03")
@@ -371,27 +376,6 @@ def test_bulk_replay_of_quarantined_jobs_by_reason_runs_to_the_end(
         assert replayed["detail"]["actor"].endswith("(support-console)")
     assert errors == []
     page.context.close()
-
-
-def overflowing(page: Any, width: int) -> list[str]:
-    """The visible elements whose right edge is past ``width``, other than those inside a
-    table's own scroll box (``.scroll``, which scrolls and clips them)."""
-    return list(
-        page.evaluate(
-            """(width) => {
-              const out = [];
-              for (const node of document.querySelectorAll("body *")) {
-                if (node.parentElement && node.parentElement.closest(".scroll")) continue;
-                const box = node.getBoundingClientRect();
-                if (box.width === 0 || box.height === 0) continue;
-                const name = node.tagName + "#" + node.id + "." + node.className;
-                if (box.right > width + 0.5) out.push(name + " right=" + box.right);
-              }
-              return out;
-            }""",
-            width,
-        )
-    )
 
 
 def test_at_390_px_nothing_runs_past_the_edge_ids_copy_whole_and_gone_processes_show(
