@@ -253,10 +253,10 @@ def test_state_cards_and_type_and_queue_rows_open_the_filtered_list(
     expect(page.locator("#f-state")).to_have_value("succeeded")
     expect(page.locator("#f-account")).to_have_value("globex")
     expect(rows).to_have_count(1)
-    # The params column: the job's own params as compact JSON, all of them on hover.
+    # The params column: the job's own params as JSON, all of them on hover.
     params = page.locator(f'#job-list tr[data-job-id="{stack.globex}"] td.params')
-    expect(params).to_have_text('{"accountId":"globex","period":"2020-07"}')
-    expect(params).to_have_attribute("title", '{"accountId":"globex","period":"2020-07"}')
+    expect(params).to_have_text('{"accountId": "globex", "period": "2020-07"}')
+    expect(params).to_have_attribute("title", '{"accountId": "globex", "period": "2020-07"}')
 
     # A search from the form is kept in the address too, and the Jobs link lists them all.
     page.select_option("#f-state", "quarantined")
@@ -385,7 +385,15 @@ def test_at_390_px_nothing_runs_past_the_edge_ids_copy_whole_and_gone_processes_
 ) -> None:
     from playwright.sync_api import expect
 
-    retried = submit(stack.base, stack.acme, "acme", RETRIED)
+    address = "accounts-payable.quarterly-reports@acme.example"  # params past 60 characters
+    response = httpx.post(
+        f"{stack.base}/v1/exports",
+        json={"accountId": "acme", "period": RETRIED, "notifyEmail": address},
+        headers={"Authorization": f"Bearer {stack.acme}"},
+        timeout=10,
+    )
+    assert response.status_code == 202, response.text
+    retried = str(response.json()["jobId"])
     doc = poll(
         lambda: (d := stack.show(retried))["state"] == "retry_wait" and d, 60, "the retry_wait"
     )
@@ -423,6 +431,11 @@ def test_at_390_px_nothing_runs_past_the_edge_ids_copy_whole_and_gone_processes_
     expect(row.locator(".next-attempt")).to_contain_text("next attempt in")
     shown = row.locator(".next-attempt").get_attribute("datetime")
     assert shown and parse_time(shown) == parse_time(doc["nextAttemptAt"])
+    # Long params are cut, with all of them on hover.
+    params = row.locator("td.params")
+    full = f'{{"accountId": "acme", "period": "{RETRIED}", "notifyEmail": "{address}"}}'
+    expect(params).to_have_attribute("title", full)
+    expect(params).to_have_text(full[:59] + "…")
     # Its id shortened to 8 characters; the button copies the whole id.
     expect(row.locator(".job-id a")).to_have_text(retried[:8] + "…")
     expect(row.locator(".job-id a")).to_have_attribute("title", retried)

@@ -88,8 +88,16 @@
     if (ignored.length) $("jobs-note").textContent += " (not a filter, left out: " + ignored.join(", ") + ")";
   }
 
+  // Compact JSON with a space after each top-level comma and colon, so a narrow column
+  // wraps it between fields rather than inside a value.
+  function paramsText(params) {
+    if (!params || typeof params !== "object" || Array.isArray(params)) return JSON.stringify(params);
+    const fields = Object.entries(params).map(([key, value]) => JSON.stringify(key) + ": " + JSON.stringify(value));
+    return "{" + fields.join(", ") + "}";
+  }
+
   function paramsCell(params) {
-    const text = JSON.stringify(params || {});
+    const text = paramsText(params || {});
     const cell = el("td", text.length > PARAMS_SHOWN ? text.slice(0, PARAMS_SHOWN - 1) + "…" : text, "params");
     cell.title = text;
     return cell;
