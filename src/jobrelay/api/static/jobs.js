@@ -83,7 +83,7 @@
     if (location.hash !== hash) history.replaceState(null, "", hash);
   }
 
-  // The address's filter into the controls, then the note says what it could not show.
+  // Say which of the address's keys no control could show (a state that does not exist).
   function routeNote(ignored) {
     if (ignored.length) $("jobs-note").textContent += " (not a filter, left out: " + ignored.join(", ") + ")";
   }

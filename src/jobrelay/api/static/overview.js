@@ -22,6 +22,10 @@
   function listLink(key, value, text) {
     const link = el("a", text === undefined ? value : text, "list-link");
     link.href = "#jobs?" + new URLSearchParams({ [key]: value }).toString();
+    link.addEventListener("click", () => {
+      // The address already names this list (its controls since edited): list it again.
+      if (location.hash === link.hash) window.dispatchEvent(new HashChangeEvent("hashchange"));
+    });
     return link;
   }
 
