@@ -63,6 +63,32 @@ def browser() -> Iterator[Any]:
             browser.close()
 
 
+def overflowing(page: Any, width: int) -> list[str]:
+    """The visible elements whose right edge is past ``width``, other than those inside a box
+    that clips or scrolls them (a table's ``.scroll``, the chart's box)."""
+    return list(
+        page.evaluate(
+            """(width) => {
+              const clipped = (node) => {
+                let up = node.parentElement;
+                for (; up && up !== document.body; up = up.parentElement) {
+                  if (getComputedStyle(up).overflowX !== "visible") return true;
+                }
+                return false;
+              };
+              const out = [];
+              for (const node of document.querySelectorAll("body *")) {
+                const box = node.getBoundingClientRect();
+                if (box.width === 0 || box.height === 0 || box.right <= width + 0.5) continue;
+                if (!clipped(node)) out.push(node.tagName + "#" + node.id + "." + node.className);
+              }
+              return out;
+            }""",
+            width,
+        )
+    )
+
+
 def cli_ok(*args: str, env: dict[str, str]) -> str:
     result = run_cli(*args, env=env)
     assert result.returncode == 0, result.stderr

@@ -16,17 +16,26 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import httpx
 import pytest
 
 from .procs import FAST_ENV, Proc, clean_env, free_port, poll, processes, run_cli, wait_http
-from .test_console import ARTIFACTS, TIMEOUT_MS, browser  # noqa: F401 (the module's browser)
+from .test_console import (  # noqa: F401 (the module's browser)
+    ARTIFACTS,
+    TIMEOUT_MS,
+    browser,
+    overflowing,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 POISONED = ("2020-01", "2020-02", "2020-03")
 FINE = ("2020-04", "2020-05", "2020-06")
+RETRIED = "2020-08"  # fails once, transiently: it waits RETRY_SECONDS in retry_wait
+RETRY_SECONDS = 600
+PHONE = {"width": 390, "height": 844}
 SHOTS = ARTIFACTS / "dashboard"
 VIEWS = ("overview", "jobs", "queues", "schedules", "lookup")
 WIDE = {"width": 1280, "height": 900}
@@ -81,7 +90,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = clean_env(
         JOBRELAY_DATABASE_URL=f"sqlite:///{tmp}/jr.db",
         JOBRELAY_RESULTS_URL=f"file://{tmp}/exports",
-        **FAST_ENV,  # pause polls every 0.2 s
+        **{**FAST_ENV, "JOBRELAY_RETRY_DELAYS": str(RETRY_SECONDS)},  # pause polls every 0.2 s
     )
     cli_ok("db", "upgrade", env=env)
     cli_ok("seed", "--rows-per-month", "20", env=env)
@@ -91,6 +100,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         made = cli_ok("token", "create", "--account", account, env=env)
         tokens[account] = made.strip().splitlines()[-1]
     faults = ",".join(f"export.run:invalid:1@period={p}" for p in POISONED)
+    faults += f",export.run:transient:1@period={RETRIED}"
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with processes(tmp) as start:
@@ -208,6 +218,59 @@ def test_every_view_renders_real_data_and_filters_narrow_the_list(
             shot.context.close()
 
 
+def test_state_cards_and_type_and_queue_rows_open_the_filtered_list(
+    browser: Any,  # noqa: F811
+    stack: Stack,
+) -> None:
+    from playwright.sync_api import expect
+
+    page, errors = open_console(browser, stack, stack.admin, viewport=WIDE)
+    expect(page.locator("#overview")).to_have_attribute("data-loaded", "true")
+    rows = page.locator("#job-list tbody tr")
+    expect(rows).to_have_count(7)
+
+    page.click('#state-counts a[data-state="quarantined"]')
+    expect(page).to_have_url(f"{stack.base}/console#jobs?state=quarantined")
+    expect(page.locator("#f-state")).to_have_value("quarantined")
+    expect(rows).to_have_count(3)
+    expect(page.locator('#job-list tr[data-state="quarantined"]')).to_have_count(3)
+
+    page.click('#type-counts tr[data-name="report.export"] a')
+    expect(page).to_have_url(f"{stack.base}/console#jobs?type=report.export")
+    expect(page.locator("#f-type")).to_have_value("report.export")
+    expect(page.locator("#f-state")).to_have_value("")  # the address is the whole filter
+    expect(rows).to_have_count(7)
+
+    page.click('#queue-counts tr[data-name="default"] a')
+    expect(page.locator("#f-queue")).to_have_value("default")
+    expect(page.locator("#f-type")).to_have_value("")
+    expect(rows).to_have_count(7)
+
+    # The address alone, as a bookmark: read when the page loads (the tab keeps the token).
+    page.goto(f"{stack.base}/console#jobs?state=succeeded&accountId=globex")
+    page.reload()
+    expect(page.locator("#whoami")).to_have_text("admin token")
+    expect(page.locator("#f-state")).to_have_value("succeeded")
+    expect(page.locator("#f-account")).to_have_value("globex")
+    expect(rows).to_have_count(1)
+    # The params column: the job's own params as JSON, all of them on hover.
+    params = page.locator(f'#job-list tr[data-job-id="{stack.globex}"] td.params')
+    expect(params).to_have_text('{"accountId": "globex", "period": "2020-07"}')
+    expect(params).to_have_attribute("title", '{"accountId": "globex", "period": "2020-07"}')
+
+    # A search from the form is kept in the address too, and the Jobs link lists them all.
+    page.select_option("#f-state", "quarantined")
+    page.fill("#f-account", "")
+    page.click("#jobs-search")
+    expect(page).to_have_url(f"{stack.base}/console#jobs?state=quarantined")
+    expect(rows).to_have_count(3)
+    page.click('nav a[href="#jobs"]')
+    expect(page.locator("#f-state")).to_have_value("")
+    expect(rows).to_have_count(7)
+    assert errors == []
+    page.context.close()
+
+
 def test_an_account_token_sees_only_its_own_jobs_and_no_operator_details(
     browser: Any,  # noqa: F811
     stack: Stack,
@@ -313,3 +376,107 @@ def test_bulk_replay_of_quarantined_jobs_by_reason_runs_to_the_end(
         assert replayed["detail"]["actor"].endswith("(support-console)")
     assert errors == []
     page.context.close()
+
+
+def test_at_390_px_nothing_runs_past_the_edge_ids_copy_whole_and_gone_processes_show(
+    browser: Any,  # noqa: F811
+    stack: Stack,
+    tmp_path: Any,
+) -> None:
+    from playwright.sync_api import expect
+
+    address = "accounts-payable.quarterly-reports@acme.example"  # params past 60 characters
+    response = httpx.post(
+        f"{stack.base}/v1/exports",
+        json={"accountId": "acme", "period": RETRIED, "notifyEmail": address},
+        headers={"Authorization": f"Bearer {stack.acme}"},
+        timeout=10,
+    )
+    assert response.status_code == 202, response.text
+    retried = str(response.json()["jobId"])
+    doc = poll(
+        lambda: (d := stack.show(retried))["state"] == "retry_wait" and d, 60, "the retry_wait"
+    )
+    # A second worker that dies without a word (kill -9): its heartbeat row stays behind.
+    with processes(tmp_path) as start:
+        extra = start("worker", "worker", env=stack.env)
+        poll(lambda: extra.pid in {p["pid"] for p in overview(stack)["processes"]}, 60, "its beat")
+        extra.kill9()
+    poll(
+        lambda: (
+            [p["status"] for p in overview(stack)["processes"] if p["pid"] == extra.pid] == ["gone"]
+        ),
+        60,
+        "the killed worker to be marked gone",
+    )
+
+    page, errors = open_console(
+        browser,
+        stack,
+        stack.admin,
+        viewport=PHONE,
+        permissions=["clipboard-read", "clipboard-write"],
+    )
+    expect(page.locator("#overview")).to_have_attribute("data-loaded", "true")
+    gone = page.locator(f'#process-list tr[data-status="gone"]:has(td:text-is("{extra.pid}"))')
+    expect(gone).to_have_class("gone")
+    expect(gone.locator("td.last-seen")).to_contain_text("gone since")
+    expect(page.locator('#process-list tr[data-role="worker"][data-status="alive"]')).to_have_count(
+        1
+    )
+
+    # The retry_wait card lists the waiting job, with its next attempt in words.
+    page.click('#state-counts a[data-state="retry_wait"]')
+    row = page.locator(f'#job-list tr[data-job-id="{retried}"]')
+    expect(row.locator(".next-attempt")).to_contain_text("next attempt in")
+    shown = row.locator(".next-attempt").get_attribute("datetime")
+    assert shown and parse_time(shown) == parse_time(doc["nextAttemptAt"])
+    # Long params are cut, with all of them on hover.
+    params = row.locator("td.params")
+    full = f'{{"accountId": "acme", "period": "{RETRIED}", "notifyEmail": "{address}"}}'
+    expect(params).to_have_attribute("title", full)
+    expect(params).to_have_text(full[:59] + "…")
+    # Its id shortened to 8 characters; the button copies the whole id.
+    expect(row.locator(".job-id a")).to_have_text(retried[:8] + "…")
+    expect(row.locator(".job-id a")).to_have_attribute("title", retried)
+    row.locator("button.copy-id").click()
+    expect(row.locator("button.copy-id")).to_have_attribute("data-copied", retried)
+    assert page.evaluate("navigator.clipboard.readText()") == retried
+
+    views = {
+        "overview": "#overview",
+        "jobs": "#jobs?state=retry_wait",
+        "queues": "#queues",
+        "quarantine": "#quarantine",
+        "schedules": "#schedules",
+    }
+    for view, address in views.items():
+        page.goto(f"{stack.base}/console{address}")
+        expect(page.locator(f"#{view}")).to_be_visible()
+        assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"], view
+        assert overflowing(page, PHONE["width"]) == [], view
+    # The job view, reached from the list's shortened id; its copy button copies the whole id.
+    page.locator(f'#job-list tr[data-job-id="{retried}"] .job-id a').click()
+    expect(page.locator("#job-state")).to_have_text("retry_wait")
+    page.click("#copy-job-id")
+    expect(page.locator("#copy-job-id")).to_have_attribute("data-copied", retried)
+    assert page.evaluate("navigator.clipboard.readText()") == retried
+    assert overflowing(page, PHONE["width"]) == [], "job view"
+    assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+    page.locator("#lookup").screenshot(path=str(SHOTS / "job-retry-wait-390-light.png"))
+    assert errors == []
+    page.context.close()
+
+
+def parse_time(iso: str) -> datetime:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00"))
+
+
+def overview(stack: Stack) -> dict[str, Any]:
+    response = httpx.get(
+        f"{stack.base}/v1/overview",
+        headers={"Authorization": f"Bearer {stack.admin}"},
+        timeout=10,
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())

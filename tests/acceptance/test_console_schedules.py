@@ -10,13 +10,14 @@ token sees no schedules.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from .procs import FAST_ENV, clean_env, free_port, poll, processes, run_cli, wait_http
-from .test_console import TIMEOUT_MS, browser  # noqa: F401 (the module's browser fixture)
+from .test_console import TIMEOUT_MS, browser, overflowing  # noqa: F401 (the module's browser)
 from .test_schedules import NAME, count_at_least, write_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -83,6 +84,17 @@ def test_console_lists_pauses_and_resumes_a_schedule(browser: Any, tmp_path: Pat
         row.locator("button.schedule-toggle").click()
         expect(page.locator("#schedules-note")).to_contain_text("runs again")
         expect(row).to_have_attribute("data-paused", "false")
+
+        # At a phone's 390 px the schedules run past no edge; the last job's id is shortened.
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.goto(f"{base}/console#schedules")
+        link = row.locator(".job-id a")
+        expect(link).to_have_text(re.compile(r"^[0-9a-f]{8}…$"))
+        whole = link.get_attribute("title") or ""
+        assert re.fullmatch(r"[0-9a-f-]{36}", whole) and link.inner_text() == whole[:8] + "…"
+        expect(row.locator("button.copy-id")).to_have_attribute("data-copy", whole)
+        assert overflowing(page, 390) == []
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
 
         page.fill("#token", acme)
         page.click("#use-token")

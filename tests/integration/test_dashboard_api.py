@@ -292,6 +292,53 @@ async def test_the_overview_lists_processes_seen_lately_and_beats_prune_old_ones
     assert default["consumers"] == 1
 
 
+async def test_the_overview_marks_a_process_gone_after_three_missed_heartbeats(
+    client: httpx.AsyncClient, runtime: Runtime, admin: dict[str, str]
+) -> None:
+    now = runtime.clock()
+    interval = timedelta(seconds=runtime.settings.heartbeat_seconds)
+    for name, seen in [
+        ("w-now", now),
+        ("w-late", now - 2.5 * interval),  # two missed beats: late, not gone
+        ("w-gone", now - 3.5 * interval),
+        ("r-gone", now - timedelta(minutes=4)),  # still listed, so an operator sees it went
+    ]:
+        started = seen - timedelta(minutes=1)
+        role = "worker" if name.startswith("w") else "relay"
+        queues = ("default",) if role == "worker" else ()
+        process = ProcessBeat(name, role, "h", 7, queues, started, started)
+        await beat(runtime.store, process, seen)
+    view = (await client.get("/v1/overview", headers=admin)).json()
+    assert [(p["id"], p["status"]) for p in view["processes"]] == [
+        ("w-now", "alive"),
+        ("w-late", "alive"),
+        ("w-gone", "gone"),
+        ("r-gone", "gone"),
+    ]
+    gone = next(p for p in view["processes"] if p["id"] == "w-gone")
+    assert datetime.fromisoformat(gone["lastSeenAt"]) == now - 3.5 * interval
+    # The local transport's consumers are the live workers of the queue, by the same rule.
+    [default] = [q for q in view["queues"] if q["queue"] == "default"]
+    assert default["consumers"] == 2
+
+
+async def test_the_jobs_list_carries_params_and_a_retry_waits_next_attempt(
+    client: httpx.AsyncClient, runtime: Runtime, admin: dict[str, str]
+) -> None:
+    now = runtime.clock()
+    waiting = await job_in_state(runtime.store, S.RETRY_WAIT, now, "2020-04")
+    queued = await job_in_state(runtime.store, S.QUEUED, now, "2020-05")
+    acme = bearer(await make_token(runtime, "acme"))
+    for headers in (admin, acme):  # params are the account's own: both views carry them
+        response = await client.get("/v1/jobs", headers=headers)
+        assert response.status_code == 200, response.text
+        rows = {j["jobId"]: j for j in response.json()["jobs"]}
+        assert rows[waiting]["params"] == {"accountId": "acme", "period": "2020-04"}
+        assert rows[waiting]["state"] == "retry_wait"
+        assert datetime.fromisoformat(rows[waiting]["nextAttemptAt"]) == now + timedelta(seconds=5)
+        assert rows[queued]["nextAttemptAt"] is None
+
+
 async def test_the_overview_shows_the_reconcilers_findings_without_repairing(
     client: httpx.AsyncClient, runtime: Runtime, admin: dict[str, str]
 ) -> None:

@@ -9,7 +9,12 @@ when it answers; the local transport: ready and in-flight rows, consumers from t
 heartbeats) with its pause flag (``api.queues``). A number
 the broker cannot give is ``null``, never a guess; a broker that does not answer leaves
 the counts ``null`` with ``queuesError`` saying why, and the rest of the overview still comes.
-The processes are the workers and relays whose heartbeat (``roles.heartbeat``) is recent.
+The processes are the workers and relays whose heartbeat (``roles.heartbeat``) is recent,
+each with a ``status``: ``gone`` once it missed ``GONE_AFTER_BEATS`` beats in a row (the rule
+the local transport's consumer count uses too), else ``alive``. It is computed here, from the
+database's ``last_seen_at`` and this process's ``JOBRELAY_HEARTBEAT_SECONDS``, so a page that
+sits open never judges a process by the browser's clock. A gone process stays listed for a
+while (``process_window``) so an operator sees what stopped, and when.
 
 The reconciler's current findings are a dry-run pass made for each read (``run_once(dry_run,
 scan_quarantine=False)``, at most 50 jobs of each kind): always current, never a repair,
@@ -20,6 +25,7 @@ for a page refreshed every few seconds.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import Field
@@ -40,6 +46,7 @@ router = APIRouter()
 
 WINDOW_MINUTES = 60
 PROCESS_MINUTES = 5  # a process not seen for this long is left out of the overview
+GONE_AFTER_BEATS = 3  # a process that missed this many heartbeats in a row is gone
 FINDINGS_SHOWN = 20
 
 
@@ -68,6 +75,9 @@ class Outbox(WireModel):
     last_published_at: datetime | None
 
 
+ProcessStatus = Literal["alive", "gone"]
+
+
 class ProcessOut(WireModel):
     id: str
     role: str = Field(description="worker or relay")
@@ -76,6 +86,27 @@ class ProcessOut(WireModel):
     queues: list[str]
     started_at: datetime
     last_seen_at: datetime
+    status: ProcessStatus = Field(
+        description=(
+            f"`gone` when its last heartbeat is more than {GONE_AFTER_BEATS} heartbeat "
+            "intervals (`JOBRELAY_HEARTBEAT_SECONDS`) old, else `alive`."
+        )
+    )
+
+
+def process_status(last_seen: datetime, now: datetime, heartbeat_seconds: float) -> ProcessStatus:
+    """``gone`` once ``GONE_AFTER_BEATS`` beats were missed: one late beat (a busy event
+    loop, a slow write) is not a dead process, three in a row are."""
+    late = now - last_seen > timedelta(seconds=GONE_AFTER_BEATS * heartbeat_seconds)
+    return "gone" if late else "alive"
+
+
+def process_window(heartbeat_seconds: float) -> timedelta:
+    """How far back the overview lists processes: ``PROCESS_MINUTES``, or longer when the
+    heartbeat is so slow that a live process would otherwise drop out between two beats
+    (a gone one then stays listed as long again as it took to be called gone)."""
+    gone_after = timedelta(seconds=GONE_AFTER_BEATS * heartbeat_seconds)
+    return max(timedelta(minutes=PROCESS_MINUTES), 2 * gone_after)
 
 
 class FindingOut(WireModel):
@@ -100,7 +131,11 @@ class OverviewOut(WireModel):
         description="A dry-run reconciler pass made for this read, without the quarantine scan."
     )
     processes: list[ProcessOut] = Field(
-        description=f"Workers and relays whose heartbeat is under {PROCESS_MINUTES} min old."
+        description=(
+            f"Workers and relays whose heartbeat is under {PROCESS_MINUTES} min old (longer "
+            f"with a slow heartbeat: {2 * GONE_AFTER_BEATS} heartbeat intervals), the latest "
+            "first; see `status`."
+        )
     )
 
 
@@ -122,7 +157,8 @@ async def overview(runtime: RuntimeDep, actor: AdminActor) -> OverviewOut:
     backlog, oldest = await AdminQueries(store).outbox_stats()
     lag = await relay_lag(store)
     queues = await queue_rows(runtime)
-    processes = await seen_since(store, now - timedelta(minutes=PROCESS_MINUTES))
+    beat_seconds = runtime.settings.heartbeat_seconds
+    processes = await seen_since(store, now - process_window(beat_seconds))
     look = Reconciler(runtime, actor="overview", batch=50)
     report = await look.run_once(dry_run=True, scan_quarantine=False, record=False)
     return OverviewOut(
@@ -161,6 +197,7 @@ async def overview(runtime: RuntimeDep, actor: AdminActor) -> OverviewOut:
                 queues=list(p.queues),
                 started_at=p.started_at,
                 last_seen_at=p.last_seen_at,
+                status=process_status(p.last_seen_at, now, beat_seconds),
             )
             for p in processes
         ],

@@ -95,6 +95,56 @@ window.JR = (function () {
     return link;
   }
 
+  // The clipboard API where the page may use it (a secure context: https or localhost),
+  // else a selected, off-screen textarea and the older copy command. True when copied.
+  async function copyText(text) {
+    if (navigator.clipboard && window.isSecureContext) {
+      try {
+        await navigator.clipboard.writeText(text);
+        return true;
+      } catch (ignored) {
+        // denied (no permission, page not focused): try the fallback
+      }
+    }
+    const area = el("textarea", text, "copy-source");
+    area.setAttribute("readonly", "");
+    document.body.append(area);
+    area.select();
+    let done = false;
+    try {
+      done = document.execCommand("copy");
+    } catch (ignored) {
+      done = false;
+    }
+    area.remove();
+    return done;
+  }
+
+  // A job id as a table shows it: the first 8 characters (which tell jobs apart) as the
+  // link, the whole id on hover and to screen readers, and a button copying the whole id,
+  // so a 36-character id never widens a column past a phone's edge.
+  function jobId(id, open) {
+    const box = el("span", null, "job-id");
+    const link = jobLink(id, open);
+    link.textContent = id.length > 9 ? id.slice(0, 8) + "…" : id;
+    link.title = id;
+    link.setAttribute("aria-label", "job " + id);
+    const copy = el("button", "copy", "copy-id");
+    copy.type = "button";
+    copy.dataset.copy = id;
+    copy.title = "Copy the job id";
+    copy.setAttribute("aria-label", "Copy job id " + id);
+    copy.addEventListener("click", async (event) => {
+      event.stopPropagation();
+      const done = await copyText(id);
+      copy.dataset.copied = done ? id : "";
+      copy.textContent = done ? "copied" : "copy failed";
+      if (!done) window.prompt("Copy the job id", id);
+    });
+    box.append(link, copy);
+    return box;
+  }
+
   return {
     TOKEN_KEY: TOKEN_KEY,
     session: session,
@@ -106,6 +156,8 @@ window.JR = (function () {
     api: api,
     jobRow: jobRow,
     jobLink: jobLink,
+    jobId: jobId,
+    copyText: copyText,
     onToken: (fn) => listeners.push(fn),
     tokenChanged: async () => {
       for (const fn of listeners) await fn();

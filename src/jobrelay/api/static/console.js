@@ -113,6 +113,10 @@
     $("job").hidden = false;
     $("job").dataset.jobId = job.jobId;
     $("job-title").textContent = job.type + " " + job.jobId;
+    const copy = $("copy-job-id");
+    copy.dataset.copy = job.jobId;
+    copy.dataset.copied = "";
+    copy.textContent = "copy id";
     const badge = $("job-state");
     badge.textContent = job.state;
     badge.className = "state " + job.state;
@@ -230,7 +234,7 @@
         replay.addEventListener("click", () => act("replay", job.jobId));
         buttons.append(replay);
         row.append(
-          wrap("td", window.JR.jobLink(job.jobId, lookUp)),
+          wrap("td", window.JR.jobId(job.jobId, lookUp)),
           el("td", job.accountId),
           el("td", job.type),
           el("td", job.attempt + "/" + job.maxAttempts),
@@ -276,7 +280,7 @@
         row.dataset.schedule = s.name;
         row.dataset.paused = String(s.paused);
         const last = el("td");
-        if (s.lastJobId) last.append(window.JR.jobLink(s.lastJobId, lookUp));
+        if (s.lastJobId) last.append(window.JR.jobId(s.lastJobId, lookUp));
         else last.textContent = "-";
         const state = el("td", s.lastJobId ? s.lastJobState || "pruned" : "-", "state " + (s.lastJobState || ""));
         const buttons = el("td");
@@ -349,6 +353,12 @@
     $("resend").addEventListener("click", () => session.job && act("resend", session.job.jobId));
     $("refresh-quarantine").addEventListener("click", () => loadQuarantined());
     $("refresh-schedules").addEventListener("click", () => loadSchedules());
+    $("copy-job-id").addEventListener("click", async () => {
+      const copy = $("copy-job-id");
+      const done = await window.JR.copyText(copy.dataset.copy || "");
+      copy.dataset.copied = done ? copy.dataset.copy : "";
+      copy.textContent = done ? "copied" : "copy failed";
+    });
     const fromHash = new URLSearchParams(location.hash.slice(1)).get("job");
     (async () => {
       if (session.token) {

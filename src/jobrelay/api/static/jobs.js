@@ -1,11 +1,25 @@
 // jobrelay console: the jobs list (GET /v1/jobs with filters, a keyset page at a time) and
 // the bulk actions on what the filter matches (POST /v1/bulk/replay|cancel, in batches).
+// The filter is also the address: #jobs?state=retry_wait&type=report.export (the keys of
+// GET /v1/jobs), so the overview's cards and rows link to a filtered list and a list can be
+// bookmarked or sent to a colleague.
 "use strict";
 
 (function () {
-  const { session, $, el, when, api } = window.JR;
+  const { session, $, el, ago, when, api } = window.JR;
   const PAGE = 25;
   const BATCH = 50;
+  const PARAMS_SHOWN = 60; // characters of a job's params in the list; all of them on hover
+  // hash key (GET /v1/jobs's own) -> the form control that shows it
+  const ROUTE_FIELDS = {
+    state: "f-state",
+    type: "f-type",
+    queue: "f-queue",
+    accountId: "f-account",
+    reason: "f-reason",
+    createdAfter: "f-after",
+    createdBefore: "f-before",
+  };
   let cursors = []; // the cursor of each page shown so far ("" for the first)
 
   function wrap(tag, child) {
@@ -28,6 +42,81 @@
     return f;
   }
 
+  // An ISO time as a datetime-local control shows it: the browser's zone, to the second.
+  function localInput(iso) {
+    const at = new Date(iso);
+    if (Number.isNaN(at.getTime())) return "";
+    const pad = (n) => String(n).padStart(2, "0");
+    return at.getFullYear() + "-" + pad(at.getMonth() + 1) + "-" + pad(at.getDate()) + "T"
+      + pad(at.getHours()) + ":" + pad(at.getMinutes()) + ":" + pad(at.getSeconds());
+  }
+
+  // The filter the address names (#jobs?…), or null when the address is not the jobs list.
+  function routed() {
+    const hash = location.hash.slice(1);
+    if (hash !== "jobs" && !hash.startsWith("jobs?")) return null;
+    return new URLSearchParams(hash.slice(5));
+  }
+
+  // Show the address's filter in the controls (every control: a key left out is "any").
+  // An account token's account control keeps its own account (jobs.js's onToken sets it).
+  function applyRoute(query) {
+    const ignored = [];
+    for (const [key, id] of Object.entries(ROUTE_FIELDS)) {
+      const control = $(id);
+      if (control.disabled) continue;
+      const value = query.get(key) || "";
+      control.value = id === "f-after" || id === "f-before" ? (value ? localInput(value) : "") : value;
+      if (value && !control.value) ignored.push(key + "=" + value);
+    }
+    $("bulk-run").disabled = true;
+    return ignored;
+  }
+
+  // The address for the filter as the form states it, without adding a history entry; only
+  // when the address is a jobs list already or the person searched with the form (a list
+  // loaded beside an open job or at start leaves the address alone).
+  function remember(f, fromForm) {
+    if (!fromForm && routed() === null) return;
+    const query = new URLSearchParams(f).toString();
+    const hash = "#jobs" + (query ? "?" + query : "");
+    if (location.hash !== hash) history.replaceState(null, "", hash);
+  }
+
+  // Say which of the address's keys no control could show (a state that does not exist).
+  function routeNote(ignored) {
+    if (ignored.length) $("jobs-note").textContent += " (not a filter, left out: " + ignored.join(", ") + ")";
+  }
+
+  // Compact JSON with a space after each top-level comma and colon, so a narrow column
+  // wraps it between fields rather than inside a value.
+  function paramsText(params) {
+    if (!params || typeof params !== "object" || Array.isArray(params)) return JSON.stringify(params);
+    const fields = Object.entries(params).map(([key, value]) => JSON.stringify(key) + ": " + JSON.stringify(value));
+    return "{" + fields.join(", ") + "}";
+  }
+
+  function paramsCell(params) {
+    const text = paramsText(params || {});
+    const cell = el("td", text.length > PARAMS_SHOWN ? text.slice(0, PARAMS_SHOWN - 1) + "…" : text, "params");
+    cell.title = text;
+    return cell;
+  }
+
+  // The state, and for a retry_wait the next attempt: "in 12 seconds", the time on hover.
+  function stateCell(job) {
+    const cell = el("td", job.state, "state " + job.state);
+    if (job.state === "retry_wait" && job.nextAttemptAt) {
+      const next = el("time", null, "next-attempt");
+      next.dateTime = job.nextAttemptAt;
+      next.title = new Date(job.nextAttemptAt).toLocaleString() + " (" + job.nextAttemptAt + ")";
+      const due = Date.parse(job.nextAttemptAt) <= Date.now();
+      next.textContent = (due ? "next attempt due, " : "next attempt ") + ago(job.nextAttemptAt);
+      cell.append(el("br"), next);
+    }
+    return cell;
+  }
+
   async function load(cursor) {
     const note = $("jobs-note");
     const body = $("job-list").tBodies[0];
@@ -41,11 +130,12 @@
         const row = window.JR.jobRow(job.jobId, window.JR.open);
         row.dataset.state = job.state;
         row.append(
-          wrap("td", window.JR.jobLink(job.jobId, window.JR.open)),
-          el("td", job.state, "state " + job.state),
+          wrap("td", window.JR.jobId(job.jobId, window.JR.open)),
+          stateCell(job),
           el("td", job.type),
           el("td", job.queue),
           el("td", job.accountId || "-"),
+          paramsCell(job.params),
           el("td", job.attempt + "/" + job.maxAttempts, "num"),
           wrap("td", when(job.createdAt)),
           el("td", job.quarantineReason || job.lastError || "", "reason"),
@@ -66,9 +156,22 @@
     }
   }
 
-  async function search() {
+  async function search(fromForm) {
     cursors = [""];
+    remember(filter(), fromForm === true);
     await load("");
+  }
+
+  // The address changed to a jobs list (a card or a row of the overview, a bookmark, Back):
+  // show its filter, list what it matches, and bring the list into view.
+  async function follow() {
+    const query = routed();
+    if (query === null) return;
+    const ignored = applyRoute(query);
+    if (!session.token) return;
+    await search();
+    routeNote(ignored);
+    $("jobs").scrollIntoView();
   }
 
   // --- bulk -------------------------------------------------------------------------------
@@ -151,13 +254,19 @@
     $("f-account").disabled = !session.admin;
     $("f-account").value = session.admin ? "" : session.accountId || "";
     $("jobs-note").textContent = session.token ? "" : "Listing jobs needs a token.";
-    if (session.token) await search();
+    if (!session.token) return;
+    const query = routed();
+    const ignored = query === null ? [] : applyRoute(query);
+    await search();
+    routeNote(ignored);
+    if (query !== null) $("jobs").scrollIntoView();
   });
 
   document.addEventListener("DOMContentLoaded", () => {
+    window.addEventListener("hashchange", () => follow());
     $("jobs-filter").addEventListener("submit", (event) => {
       event.preventDefault();
-      search();
+      search(true);
     });
     $("jobs-next").addEventListener("click", () => {
       const cursor = $("jobs-next").dataset.cursor;

@@ -18,15 +18,27 @@
     return getComputedStyle(document.documentElement).getPropertyValue("--" + name).trim() || "#888";
   }
 
-  function countTable(id, counts, label) {
+  // The jobs list filtered by one value (jobs.js reads the address): #jobs?type=report.export
+  function listLink(key, value, text) {
+    const link = el("a", text === undefined ? value : text, "list-link");
+    link.href = "#jobs?" + new URLSearchParams({ [key]: value }).toString();
+    link.addEventListener("click", () => {
+      // The address already names this list (its controls since edited): list it again.
+      if (location.hash === link.hash) window.dispatchEvent(new HashChangeEvent("hashchange"));
+    });
+    return link;
+  }
+
+  function countTable(id, counts, label, key) {
     const body = $(id).tBodies[0];
     body.replaceChildren();
     const entries = Object.entries(counts).sort((a, b) => b[1] - a[1]);
     for (const [name, n] of entries) {
       const row = el("tr");
       row.dataset.name = name;
-      const th = el("th", name);
+      const th = el("th");
       th.scope = "row";
+      th.append(listLink(key, name));
       row.append(th, el("td", n, "num"));
       body.append(row);
     }
@@ -81,8 +93,9 @@
       const row = el("tr");
       row.dataset.queue = q.queue;
       row.dataset.paused = String(q.paused);
-      const th = el("th", q.queue);
+      const th = el("th");
       th.scope = "row";
+      th.append(listLink("queue", q.queue));
       const buttons = el("td");
       const toggle = el("button", q.paused ? "Resume" : "Pause");
       toggle.type = "button";
@@ -109,9 +122,15 @@
     for (const p of processes) {
       const row = el("tr");
       row.dataset.role = p.role;
+      row.dataset.status = p.status;
+      if (p.status === "gone") row.className = "gone";
       const th = el("th", p.id);
       th.scope = "row";
-      row.append(th, el("td", p.role), el("td", p.host), el("td", p.pid, "num"), el("td", p.queues.join(", ") || "-"), el("td", ago(p.startedAt)), el("td", ago(p.lastSeenAt)));
+      // Seen: the server's verdict (it knows the heartbeat interval), the time from the row.
+      const seen = el("td", null, "last-seen");
+      if (p.status === "gone") seen.append("gone since ", window.JR.when(p.lastSeenAt));
+      else seen.textContent = ago(p.lastSeenAt);
+      row.append(th, el("td", p.role), el("td", p.host), el("td", p.pid, "num"), el("td", p.queues.join(", ") || "-"), el("td", ago(p.startedAt)), seen);
       body.append(row);
     }
     if (!processes.length) {
@@ -148,13 +167,15 @@
       const cards = $("state-counts");
       cards.replaceChildren();
       for (const state of ["queued", "running", "retry_wait", "succeeded", "quarantined", "cancelled"]) {
-        const card = el("div", null, "card state-card " + state);
+        const card = listLink("state", state, null);
+        card.className = "card state-card " + state;
         card.dataset.state = state;
+        card.setAttribute("aria-label", (byState[state] || 0) + " " + state.replace("_", " ") + ": list them");
         card.append(el("span", byState[state] || 0, "big"), el("span", state.replace("_", " ")));
         cards.append(card);
       }
-      countTable("type-counts", view.counts.byType, "jobs per type");
-      countTable("queue-counts", view.counts.byQueue, "jobs per queue");
+      countTable("type-counts", view.counts.byType, "jobs per type", "type");
+      countTable("queue-counts", view.counts.byQueue, "jobs per queue", "queue");
       drawChart(view.throughput);
       const out = view.outbox;
       $("outbox-backlog").textContent = String(out.backlog);
