@@ -264,8 +264,13 @@ def test_own_app_under_jobrelay_up_on_the_embedded_default(tmp_path: Path) -> No
     with processes(tmp_path) as start:
         up = start("up", "up", "--app", "shopapp.jobs:app", "--port", str(port), env=env, cwd=root)
         wait_http(f"http://127.0.0.1:{port}", up)
-        # One human line says where it listens and what it runs (the logs are JSON).
-        [line] = [text for text in up.log().splitlines() if text.startswith("jobrelay up: ")]
+        # One human line says where it listens and what it runs: a JSON log record like
+        # every line it writes (plain text on stdout too when that is a terminal).
+        [line] = [
+            record["msg"]
+            for text in up.log().splitlines()
+            if (record := json.loads(text)).get("event") == "up_listening"
+        ]
         base = f"http://127.0.0.1:{port}"
         assert line.startswith(
             f"jobrelay up: listening on {base} (console {base}/console, API docs {base}/docs); "

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -230,7 +231,7 @@ async def _run_up(
         }
         for name, task in parts.items():
             task.add_done_callback(_stop_if_dead(name, stop))
-        print(start_line(settings, rt, sock), flush=True)
+        announce(start_line(settings, rt, sock))
         try:
             await serve_until(build_server(rt, host, port), stop, sock)
         finally:
@@ -241,9 +242,17 @@ async def _run_up(
             raise SystemExit(f"jobrelay: error: {', '.join(failed)} died; see the log above")
 
 
+def announce(line: str) -> None:
+    """``up``'s start line, as a log record (every line a process logs is JSON, for whatever
+    collects them) and, for a person at a terminal, as plain text on stdout too."""
+    log.info(line, extra={"event": "up_listening"})
+    if sys.stdout.isatty():
+        print(line, flush=True)
+
+
 def start_line(settings: Settings, rt: Runtime, sock: socket.socket) -> str:
-    """What ``up`` tells the person who started it, on stdout (the logs are JSON on stderr):
-    where to point a browser, which app runs which job types, and on what."""
+    """What ``up`` tells the person who started it: where to point a browser, which app runs
+    which job types, and on what."""
     from jobrelay.loader import DEFAULT_APP
     from jobrelay.settings import redact_url
 
