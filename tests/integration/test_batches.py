@@ -138,6 +138,36 @@ async def test_a_claim_does_not_wait_for_an_open_event_insert_of_the_same_job(
     assert claimed is not None and claimed[0].attempt == 1
 
 
+@pytest.mark.parametrize("pg", ["asyncpg"], indirect=True)
+async def test_a_connection_cut_mid_prepare_is_an_outage_not_a_crash(
+    pg: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncpg raises ``InternalClientError`` ("cannot switch to state 12; another operation
+    is in progress") when a backend is terminated while a statement is being prepared (seen
+    in a loaded run of the test below). It is the connection's fault: a ``StoreError`` the
+    worker holds its delivery on, not an unclassified exception that releases it."""
+    import asyncpg
+
+    assert pg.store.hot is not None and pg.store.hot.active
+    real_fetch = asyncpg.connection.Connection.fetch
+    cut = {"left": 1}
+
+    async def fetch_cut_once(self: asyncpg.Connection, *args: object, **kw: object) -> object:
+        if cut["left"]:
+            cut["left"] -= 1
+            raise asyncpg.exceptions.InternalClientError(
+                "cannot switch to state 12; another operation (2) is in progress"
+            )
+        return await real_fetch(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(asyncpg.connection.Connection, "fetch", fetch_cut_once)
+    one = HotStatement(text("SELECT 1 AS one"))
+    with pytest.raises(StoreError) as lost:
+        await pg.store.hot_rows(one, {})
+    assert not isinstance(lost.value, StoreDataError)
+    assert [row["one"] for row in await pg.store.hot_rows(one, {})] == [1]
+
+
 async def test_a_refused_value_is_a_data_error_and_a_lost_connection_an_outage(
     pg: Runtime,
 ) -> None:

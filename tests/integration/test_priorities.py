@@ -80,7 +80,12 @@ async def test_a_backlog_in_default_does_not_delay_a_job_in_high(
             states = await _states(p)
             assert states.get(JobState.SUCCEEDED.value, 0) == 0
             assert states.get(JobState.RUNNING.value, 0) <= PREFETCH
-            assert states.get(JobState.QUEUED.value, 0) >= BACKLOG - PREFETCH
+            # Not started: queued, or back in retry_wait when a loaded machine let a held
+            # lease lapse (seen once in a 36-minute run on two busy cores); none finished.
+            waiting = states.get(JobState.QUEUED.value, 0) + states.get(
+                JobState.RETRY_WAIT.value, 0
+            )
+            assert waiting >= BACKLOG - PREFETCH
             gate["open"].set()
             for job_id in backlog:  # finished in any order (PREFETCH at a time)
                 await p.wait_for(job_id, lambda j: j.state is JobState.SUCCEEDED, timeout=60)

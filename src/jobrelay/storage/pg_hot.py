@@ -152,7 +152,14 @@ class HotPool:
             args = statement.args(params)
             async with pool.acquire() as conn:
                 rows: list[asyncpg.Record] = await conn.fetch(statement.sql, *args)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+        except (
+            asyncpg.PostgresError,
+            asyncpg.InterfaceError,
+            asyncpg.exceptions.InternalClientError,
+            OSError,
+        ) as exc:
+            # InternalClientError: the connection was cut while a statement was still being
+            # prepared (seen when its backend is terminated mid-Parse): the connection's fault.
             self.failures[type(exc).__name__] += 1
             raise hot_error(f"{what} write failed", exc) from exc
         except (TypeError, ValueError, OverflowError) as exc:  # a bind processor refused it
