@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from jobrelay.domain.delays import runs_at_text
 from jobrelay.domain.states import JobState
 from jobrelay.roles.runtime import open_runtime, utc_now
 from jobrelay.settings import Settings
@@ -63,6 +64,12 @@ def next_step(job: JobRecord, now: datetime) -> str:
             f"running attempt {job.attempt}/{job.max_attempts} on {job.lease_owner}, lease "
             f"expires {ago(lease, now)}; if that worker died the job is taken over when the "
             "lease expires"
+        )
+    if job.waiting_for_run_at(now):
+        assert job.run_at is not None
+        return (
+            f"delayed, not stuck: {runs_at_text(job.run_at, now)}; its message is held in the "
+            "outbox until then (no worker holds it); `jobrelay job cancel` stops it first"
         )
     if not job.published and job.unpublished_since is not None:
         hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
@@ -175,6 +182,7 @@ def explain_document(
         "lastError": job.last_error,
         "quarantineReason": job.quarantine_reason,
         "nextAttemptAt": iso(job.next_attempt_at),
+        "runAt": iso(job.run_at),
         "leaseOwner": job.lease_owner,
         "leaseExpiresAt": iso(job.lease_expires_at),
         "resultKey": job.result_key,
@@ -211,10 +219,17 @@ def render_job(
     console.print(f"[bold]job {job.id}[/bold]  {job.type}  account {job.account_id}")
     facts = Table.grid(padding=(0, 2))
     facts.add_row("state", f"[bold]{job.state.value}[/bold]")
+    if job.waiting_for_run_at(now):
+        assert job.run_at is not None
+        facts.add_row("delayed", runs_at_text(job.run_at, now))
+    elif job.run_at is not None:
+        facts.add_row("run at", job.run_at.isoformat(timespec="seconds"))
     facts.add_row(
         "published",
         "yes"
         if job.published
+        else "not yet: held until its run time"
+        if job.waiting_for_run_at(now)
         else f"no (an outbox row waits since {ago(job.unpublished_since, now)})"
         if job.unpublished_since is not None
         else "no",
@@ -334,7 +349,9 @@ async def list_jobs(
             "yes" if job.published else "no",
             f"{job.attempt}/{job.max_attempts}",
             ago(job.updated_at, now),
-            (job.quarantine_reason or job.last_error or "")[:80],
+            runs_at_text(job.run_at, now)
+            if job.run_at is not None and job.waiting_for_run_at(now)
+            else (job.quarantine_reason or job.last_error or "")[:80],
         )
     console.print(table)
     console.print(f"{len(jobs)} job(s)")

@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
+from jobrelay.storage.delayed import due_since
 from jobrelay.storage.effects import EffectsLedger
 from jobrelay.storage.engine import read_tx, statement_tx, write_tx
 from jobrelay.storage.enqueue import queued_job_row
@@ -217,7 +218,8 @@ class StoreBase:
     def job_query(self) -> Any:
         waiting = (
             select(
-                func.min(outbox.c.created_at).label("unpublished_since"),
+                # Since it was due: a delayed job's row counts from its run time.
+                func.min(due_since()).label("unpublished_since"),
             )
             .where(outbox.c.job_id == jobs.c.id, outbox.c.published_at.is_(None))
             .scalar_subquery()

@@ -55,15 +55,16 @@ Steps = Generator[Step, Any, T]
 _PG_NEW_JOB = text(
     """WITH nj_job AS (
     INSERT INTO jobs (id, type, account_id, params, idempotency_key, request_hash, state,
-                      attempt, max_attempts, queue, created_at, updated_at)
+                      attempt, max_attempts, queue, created_at, updated_at, run_at)
     VALUES (:nj_id, :nj_type, :nj_account, :nj_params, :nj_key, :nj_hash, :nj_state,
-            0, :nj_max_attempts, :nj_queue, :nj_now, :nj_now)
+            0, :nj_max_attempts, :nj_queue, :nj_now, :nj_now, :nj_run_at)
     ON CONFLICT (id) DO NOTHING
     RETURNING id
 ), nj_outbox AS (
-    INSERT INTO outbox (job_id, destination, body, headers, created_at)
+    INSERT INTO outbox (job_id, destination, body, headers, created_at, available_at)
     SELECT id, CAST(:nj_destination AS varchar), CAST(:nj_body AS text),
-           CAST(:nj_headers AS json), CAST(:nj_now AS timestamptz) FROM nj_job
+           CAST(:nj_headers AS json), CAST(:nj_now AS timestamptz),
+           CAST(:nj_run_at AS timestamptz) FROM nj_job
 ), nj_event AS (
     INSERT INTO job_events (job_id, at, kind, detail)
     SELECT id, CAST(:nj_now AS timestamptz), 'accepted', CAST(:nj_detail AS json) FROM nj_job
@@ -82,6 +83,7 @@ SELECT (SELECT id FROM nj_job) AS inserted,
     bindparam("nj_max_attempts", type_=Integer()),
     bindparam("nj_queue", type_=String()),
     bindparam("nj_now", type_=jobs.c.created_at.type),
+    bindparam("nj_run_at", type_=jobs.c.run_at.type),
     bindparam("nj_destination", type_=String()),
     bindparam("nj_body", type_=String()),
     bindparam("nj_headers", type_=JSON()),
@@ -106,7 +108,15 @@ def queued_job_row(job: NewJob, now: datetime) -> dict[str, Any]:
         "queue": job.queue,
         "created_at": now,
         "updated_at": now,
+        "run_at": job.run_at,
     }
+
+
+def accepted_detail(job: NewJob) -> dict[str, Any]:
+    """The ``accepted`` event's detail: the type, and a delayed job's run time."""
+    if job.run_at is None:
+        return {"type": job.type}
+    return {"type": job.type, "runAt": job.run_at.isoformat()}
 
 
 def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, bool]]:
@@ -141,10 +151,11 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
                     "nj_max_attempts": job.max_attempts,
                     "nj_queue": job.queue,
                     "nj_now": now,
+                    "nj_run_at": job.run_at,
                     "nj_destination": destination,
                     "nj_body": body,
                     "nj_headers": dict(job.headers or {}),
-                    "nj_detail": {"type": job.type},
+                    "nj_detail": accepted_detail(job),
                     # Delivered at commit, to listening relays only: a hint, never the only path.
                     "nj_channel": NOTIFY_CHANNEL,
                 },
@@ -176,12 +187,13 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
             body=body,
             headers=dict(job.headers or {}),
             created_at=now,
+            available_at=job.run_at,
         ),
         None,
     )
     yield (
         insert(job_events).values(
-            job_id=job.job_id, at=now, kind="accepted", detail={"type": job.type}
+            job_id=job.job_id, at=now, kind="accepted", detail=accepted_detail(job)
         ),
         None,
     )

@@ -46,6 +46,8 @@ class NewJob:
     # The id the same request had under the installation's previous id secret, while that
     # one still counts (a rotation's window): a job there is this request's job.
     previous_job_id: str | None = None
+    # A delayed job's due time (``domain.delays``): its outbox row is held until then.
+    run_at: datetime | None = None
 
 
 Clock = Callable[[], datetime]
@@ -101,6 +103,11 @@ class JobRecord:
     observed_at: datetime | None = None
     queue: str = DEFAULT_QUEUE  # the queue its messages go to (retries and re-sends too)
     public_error: str | None = None  # last_error as the account reads it (domain.disclosure)
+    run_at: datetime | None = None  # a delayed job's due time (kept after it ran)
+
+    def waiting_for_run_at(self, now: datetime) -> bool:
+        """Queued, and its run time not reached: waiting on purpose, not stuck."""
+        return self.state is JobState.QUEUED and self.run_at is not None and self.run_at > now
 
     def view(self) -> JobView:
         return JobView(
@@ -202,6 +209,7 @@ def job_record(row: Row[Any] | Mapping[str, Any]) -> JobRecord:
         observed_at=aware_time(m.get("observed_at")),
         queue=m.get("queue") or DEFAULT_QUEUE,
         public_error=m.get("public_error"),
+        run_at=aware_time(m.get("run_at")),
     )
 
 

@@ -28,6 +28,13 @@
     return f;
   }
 
+  // A delayed job not yet due: when it runs, not "no error".
+  function runsAt(iso) {
+    const node = when(iso);
+    node.textContent = "runs at " + node.textContent;
+    return node;
+  }
+
   async function load(cursor) {
     const note = $("jobs-note");
     const body = $("job-list").tBodies[0];
@@ -48,7 +55,9 @@
           el("td", job.accountId || "-"),
           el("td", job.attempt + "/" + job.maxAttempts, "num"),
           wrap("td", when(job.createdAt)),
-          el("td", job.quarantineReason || job.lastError || "", "reason"),
+          job.state === "queued" && job.runAt && Date.parse(job.runAt) > Date.now()
+            ? wrap("td", runsAt(job.runAt))
+            : el("td", job.quarantineReason || job.lastError || "", "reason"),
         );
         body.append(row);
       }
