@@ -119,10 +119,10 @@ async def test_a_delayed_job_cancelled_before_its_time_is_never_published(
         job = await p.store.get_job(cancelled)
         kinds = await p.kinds(cancelled)
         rows = await held_rows(p.rt, cancelled)
+        events = await p.store.events(cancelled)
     assert job is not None and job.state is JobState.CANCELLED
     assert "published" not in kinds and "claimed" not in kinds
     assert rows == 0  # the held message was deleted with the cancel
-    events = await p.store.events(cancelled)
     assert next(e for e in events if e.kind == "cancelled").detail["heldMessagesDropped"] == 1
 
 
