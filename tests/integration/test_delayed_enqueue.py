@@ -21,6 +21,11 @@ from jobrelay.storage.engine import read_only
 from jobrelay.storage.tables import jobs, outbox
 
 from .api_fixtures import api_client, bearer, build_runtime, make_token
+from .test_cli_job_ids import (
+    cli,
+    restore_logging,  # noqa: F401 (its autouse fixture)
+)
+from .test_cli_jobs_list import submit
 
 app = jobrelay.App()
 
@@ -217,3 +222,14 @@ async def test_post_v1_jobs_with_a_key_and_another_run_at_is_a_conflict(rt: Runt
     assert conflict.status_code == 422
     assert [e["field"] for e in conflict.json()["errors"]] == ["key"]
     assert await count(rt, jobs) == 1
+
+
+def test_job_show_and_jobs_list_say_when_it_runs(database_url: str, tmp_path: Path) -> None:
+    run_at = datetime.now(UTC) + timedelta(hours=1)
+    job_id = submit(database_url, "acme", "2020-05", run_at=run_at)
+    code, out, _ = cli(database_url, tmp_path, "job", "show", job_id)
+    assert code == 0, out
+    assert f"runs at {run_at.isoformat()} (in " in out
+    assert "delayed, not stuck" in out and "is a relay running?" not in out
+    code, out, _ = cli(database_url, tmp_path, "jobs", "list")
+    assert code == 0 and "runs at" in out and "1 job(s)" in out
