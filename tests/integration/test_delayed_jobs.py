@@ -145,6 +145,28 @@ async def test_reconcile_and_gauges_do_not_count_a_held_row_as_stuck(
         assert [r.job_id for r in stale] == [job_id] and stale[0].created_at == job.run_at
 
 
+async def test_a_resend_before_its_time_is_held_until_then_too(
+    make_pipeline: Callable[..., Any],
+) -> None:
+    from jobrelay.storage.repairs import RepairQueries
+
+    async with make_pipeline() as p:
+        job_id = await enqueue(p.rt, delay=timedelta(hours=1))
+        outcome = await RepairQueries(p.store).resend_queued(
+            job_id, actor="test", reason="lost?", now=datetime.now(UTC)
+        )
+        assert outcome.done
+        job = await p.store.get_job(job_id)
+        async with p.store.reading() as conn:
+            held = (await conn.execute(select(outbox.c.available_at))).scalars().all()
+        assert job is not None and held == [job.run_at, job.run_at]
+        # And the cancel drops both.
+        assert (
+            await AdminQueries(p.store).cancel(job_id, actor="t", reason="t", now=p.rt.clock())
+        ).done
+        assert await held_rows(p.rt, job_id) == 0
+
+
 # --- a restart in between: real processes -----------------------------------------------
 
 APP = """

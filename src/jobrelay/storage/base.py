@@ -157,7 +157,9 @@ class StoreBase:
         headers: Mapping[str, str] | None = None,
         *,
         extra_headers: Mapping[str, str] | None = None,
+        available_at: datetime | None = None,
     ) -> None:
+        """``available_at``: held until then (a delayed job's message, ``storage.delayed``)."""
         if headers is None:
             # Retries, deferrals and repairs carry on the trace of the job's first message.
             first = await conn.scalar(
@@ -175,6 +177,7 @@ class StoreBase:
                 body=(message if isinstance(message, bytes) else message.encode()).decode(),
                 headers={**(headers or {}), **(extra_headers or {})},
                 created_at=now,
+                available_at=available_at,
             )
         )
         if self.is_postgres:

@@ -261,7 +261,7 @@ class RepairQueries:
         async with store.writing() as conn:
             row = (
                 await conn.execute(
-                    select(jobs.c.state, jobs.c.type, jobs.c.queue, jobs.c.attempt)
+                    select(jobs.c.state, jobs.c.type, jobs.c.queue, jobs.c.attempt, jobs.c.run_at)
                     .where(jobs.c.id == job_id)
                     .with_for_update()
                 )
@@ -275,8 +275,15 @@ class RepairQueries:
             )
             if result.rowcount != 1:
                 return ActionOutcome(job_id, False, JobState(row.state))
+            # A delayed job re-sent before its time: the new message is held until then too.
+            held = row.run_at if row.run_at is not None and row.run_at > now else None
             await store.add_message(
-                conn, job_id, JobMessage(job_id, row.type), work_destination(row.queue), now
+                conn,
+                job_id,
+                JobMessage(job_id, row.type),
+                work_destination(row.queue),
+                now,
+                available_at=held,
             )
             await store.add_event(
                 conn, job_id, RESENT, now, actor=actor, reason=reason, queue=row.queue
