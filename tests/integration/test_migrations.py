@@ -129,8 +129,7 @@ def test_0005_keeps_every_row_and_tunes_autovacuum_on_postgres(
     command.downgrade(alembic_config(database_url), "0004")
     if database_url.startswith("postgresql"):
         assert all(not options for options in asyncio.run(_reloptions(database_url)).values())
-    # Written with the columns of that revision (today's enqueue writes 0012's run_at).
-    asyncio.run(_insert_old(database_url, "acme", "00000000-0000-4000-8000-000000000001"))
+    asyncio.run(_submit(database_url, "acme", "00000000-0000-4000-8000-000000000001"))
 
     upgrade(database_url)
 

@@ -177,7 +177,7 @@ class StoreBase:
                 body=(message if isinstance(message, bytes) else message.encode()).decode(),
                 headers={**(headers or {}), **(extra_headers or {})},
                 created_at=now,
-                available_at=available_at,
+                **({"available_at": available_at} if available_at is not None else {}),
             )
         )
         if self.is_postgres:
