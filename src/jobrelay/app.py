@@ -30,6 +30,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Mapping, MutableMapping
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -37,6 +38,7 @@ from sqlalchemy import Engine, MetaData
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobrelay.domain.delays import Delay
 from jobrelay.errors import ConfigError
 from jobrelay.job_definition import JobDefinition as JobDefinition
 from jobrelay.job_definition import JobFunction, P, unknown_type
@@ -300,13 +302,18 @@ class App:
         key: str | None = None,
         account: str | None = None,
         job_id: str | None = None,
+        delay: Delay | None = None,
+        run_at: datetime | None = None,
     ) -> str:
-        """Enqueue in a transaction of its own (for callers with no transaction to join)."""
+        """Enqueue in a transaction of its own (for callers with no transaction to join);
+        ``delay`` / ``run_at`` as for ``JobDefinition.enqueue``."""
         definition = self._jobs.get(name)
         if definition is None:
             raise ConfigError("App.enqueue", unknown_type(name, self._jobs))
         async with self._engine_for_calls().begin() as conn:
-            return await definition.enqueue(conn, params, key=key, account=account, job_id=job_id)
+            return await definition.enqueue(
+                conn, params, key=key, account=account, job_id=job_id, delay=delay, run_at=run_at
+            )
 
     async def get_job(self, job_id: str) -> JobRecord | None:
         from jobrelay.storage.store import Store

@@ -85,6 +85,16 @@ class InvalidParams(JobrelayError):
         self.errors = errors
 
 
+class InvalidRunTime(JobrelayError):
+    """A job's ``delay`` or ``run_at`` is unusable (negative, naive, both given, too far
+    ahead); nothing was written. ``field`` names the argument as the caller spelt it."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
 class JobNotFound(JobrelayError):
     """No job with that id, or one the caller may not see."""
 

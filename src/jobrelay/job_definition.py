@@ -18,6 +18,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobrelay.context import JobContext, Result
+from jobrelay.domain import delays
+from jobrelay.domain.delays import Delay, RunTime
 from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
 from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidParams, PermanentError
 from jobrelay.operations.base import OperationContext, OperationResult
@@ -141,10 +143,12 @@ class JobDefinition(Generic[P]):
         headers: Mapping[str, str] | None = None,
         max_attempts: int | None = None,
         keys: IdKeys | None = None,
+        when: RunTime = delays.NOW,
     ) -> NewJob:
         """The job to write. Its id: ``job_id``; else, with ``key``, keyed with ``keys`` (the
         installation's, required then: ``Store.id_keys``), and also the id under the previous
-        secret while that one counts; else a fresh UUIDv7."""
+        secret while that one counts; else a fresh UUIDv7. ``when``: its run time
+        (``domain.delays.resolve``), part of the request hash as it was asked for."""
         stored = self.parse(params).model_dump(mode="json")
         previous = None
         if job_id is None and key is not None:
@@ -158,13 +162,14 @@ class JobDefinition(Generic[P]):
             type=self.type,
             account_id=account,
             params=stored,
-            request_hash=request_hash(account, self.type, stored),
+            request_hash=request_hash(account, self.type, stored, when.requested),
             max_attempts=max_attempts or self.max_attempts,
             idempotency_key=key,
             headers=headers,
             destination=work_destination(self.queue),
             queue=self.queue,
             previous_job_id=previous,
+            run_at=when.due,
         )
 
     async def enqueue(
@@ -175,6 +180,8 @@ class JobDefinition(Generic[P]):
         key: str | None = None,
         account: str | None = None,
         job_id: str | None = None,
+        delay: Delay | None = None,
+        run_at: datetime | None = None,
     ) -> str:
         """Write the job on ``conn`` (the caller's open transaction); returns its id.
 
@@ -182,6 +189,11 @@ class JobDefinition(Generic[P]):
         with other parameters it raises ``IdempotencyConflict``. ``job_id`` replaces the
         id derived from ``key`` (an application with its own id scheme); the same id with
         the same parameters is again the same job.
+
+        ``delay`` (seconds or a ``timedelta``) or ``run_at`` (an aware ``datetime``) hold the
+        job until then: it is not published, so no worker holds it while it waits. A bad one
+        raises ``InvalidRunTime`` before anything is written; the run time is part of the
+        request (the same key with another run time is an ``IdempotencyConflict``).
         """
         if not isinstance(conn, AsyncConnection):
             raise ConfigError("enqueue", _wrong_connection(conn, "AsyncConnection", "begin()"))
@@ -189,7 +201,13 @@ class JobDefinition(Generic[P]):
             return await run_async(
                 conn,
                 self._enqueue_steps(
-                    conn.sync_engine, conn.dialect.name, params, key, account, job_id
+                    conn.sync_engine,
+                    conn.dialect.name,
+                    params,
+                    key,
+                    account,
+                    job_id,
+                    _resolved(delay, run_at),
                 ),
             )
 
@@ -201,14 +219,17 @@ class JobDefinition(Generic[P]):
         key: str | None = None,
         account: str | None = None,
         job_id: str | None = None,
+        delay: Delay | None = None,
+        run_at: datetime | None = None,
     ) -> str:
         """``enqueue`` for a synchronous application: on a SQLAlchemy ``Connection``, or on
         the DB-API connection a framework holds (psycopg 3, sqlite3: Django's
         ``connection.connection`` inside ``transaction.atomic()``), never committed here."""
+        when = _resolved(delay, run_at)
         if isinstance(conn, Connection):
             with _schema_missing_hint("enqueue_sync"):
                 steps = self._enqueue_steps(
-                    conn.engine, conn.dialect.name, params, key, account, job_id
+                    conn.engine, conn.dialect.name, params, key, account, job_id, when
                 )
                 return run_sync(conn, steps)
         dialect = dbapi_dialect(conn)
@@ -219,7 +240,7 @@ class JobDefinition(Generic[P]):
         require_atomic(conn, dialect)
         with _schema_missing_hint("enqueue_sync"):
             database = connection_identity(conn, dialect) if key is not None else dialect
-            steps = self._enqueue_steps(database, dialect, params, key, account, job_id)
+            steps = self._enqueue_steps(database, dialect, params, key, account, job_id, when)
             return run_dbapi(conn, dialect, steps)
 
     def _enqueue_steps(
@@ -230,12 +251,13 @@ class JobDefinition(Generic[P]):
         key: str | None,
         account: str | None,
         job_id: str | None,
+        when: RunTime,
     ) -> Steps[str]:
         now = _now()
         keys = None
         if key is not None and job_id is None:
             keys = yield from self.app.id_key_cache(database).steps(now)
-        job = self.new_job(params, key=key, account=account, job_id=job_id, keys=keys)
+        job = self.new_job(params, key=key, account=account, job_id=job_id, keys=keys, when=when)
         try:
             written, _ = yield from new_job_steps(dialect, job, now)
         except IdempotencyConflict:
@@ -313,3 +335,8 @@ class JobDefinition(Generic[P]):
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def _resolved(delay: Delay | None, run_at: datetime | None) -> RunTime:
+    """The run time by this host's clock, at the call (before any statement is sent)."""
+    return delays.resolve(_now(), delay=delay, run_at=run_at)

@@ -70,6 +70,7 @@ ACCOUNT_JOB_FIELDS = {
     "resultKey",
     "lastError",
     "nextAttemptAt",
+    "runAt",
     "progress",
     "createdAt",
     "updatedAt",
@@ -87,6 +88,7 @@ ACCOUNT_EXPLAIN_FIELDS = {
     "lastError",
     "quarantineReason",
     "nextAttemptAt",
+    "runAt",
     "resultKey",
     "progress",
     "traceId",
@@ -98,7 +100,7 @@ ACCOUNT_EXPLAIN_FIELDS = {
 }
 ACCOUNT_ATTEMPT_FIELDS = {"attempt", "startedAt", "outcome", "error", "endedAt", "durationSeconds"}
 ACCOUNT_EVENT_FIELDS = {
-    "accepted": {"type"},
+    "accepted": {"type"},  # and runAt for a delayed job (not enqueued here)
     "claimed": {"attempt"},  # the store's claim; a delivery adds redelivered (unit test)
     "published": set(),
     "retry_scheduled": {"error", "delaySeconds", "nextAttemptAt", "attempt"},

@@ -44,7 +44,7 @@ BODY = {"accountId": "acme", "period": "2020-05"}
 PROBLEM = "application/problem+json"
 JOB_FIELDS = {
     "jobId", "type", "accountId", "params", "state", "published", "attempt", "maxAttempts",
-    "resultKey", "lastError", "nextAttemptAt", "progress", "createdAt", "updatedAt",
+    "resultKey", "lastError", "nextAttemptAt", "runAt", "progress", "createdAt", "updatedAt",
 }  # fmt: skip
 
 
@@ -296,6 +296,7 @@ async def test_job_has_exactly_the_contract_fields(
         "resultKey": None,
         "lastError": None,
         "nextAttemptAt": None,
+        "runAt": None,
         "progress": None,
     }
     for name in ("createdAt", "updatedAt"):

@@ -198,3 +198,55 @@ def test_0012_adds_the_last_traceback_to_the_jobs_there_and_goes_down_again(
     # The job, its outbox row and its three events kept (SQLite rebuilds the table).
     assert asyncio.run(_counts(database_url)) == (1, 1, 3)
     upgrade(database_url)
+
+
+async def _delay_columns(url: str, job_id: str) -> tuple[object, object]:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            run_at = await conn.scalar(select(jobs.c.run_at).where(jobs.c.id == job_id))
+            held = await conn.scalar(select(outbox.c.available_at).where(outbox.c.job_id == job_id))
+            return run_at, held
+    finally:
+        await engine.dispose()
+
+
+async def _outbox_indexes(url: str) -> dict[str, str]:
+    """The outbox's index names and their definitions (the partial WHERE), as stored."""
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            if url.startswith("postgresql"):
+                rows = await conn.execute(
+                    text("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox'")
+                )
+            else:
+                rows = await conn.execute(
+                    text("SELECT name, sql FROM sqlite_master WHERE tbl_name = 'outbox'")
+                )
+            return {str(r[0]): str(r[1] or "") for r in rows}
+    finally:
+        await engine.dispose()
+
+
+def test_0013_adds_the_run_time_columns_and_splits_the_relays_index(database_url: str) -> None:
+    # Back to 0012 (the fixture's database is at head), a job as it was, then 0013 again.
+    command.downgrade(alembic_config(database_url), "0012")
+    before = asyncio.run(_outbox_indexes(database_url))
+    assert "ix_outbox_delayed" not in before
+    assert "available_at" not in before["ix_outbox_unpublished"]
+    job_id = "00000000-0000-4000-8000-000000000012"
+    asyncio.run(_insert_old(database_url, "acme", job_id))
+
+    upgrade(database_url)
+
+    assert asyncio.run(_counts(database_url)) == (1, 1, 1)
+    assert asyncio.run(_delay_columns(database_url, job_id)) == (None, None)  # due at once
+    after = asyncio.run(_outbox_indexes(database_url))
+    assert "available_at IS NULL" in after["ix_outbox_unpublished"]
+    assert "available_at IS NOT NULL" in after["ix_outbox_delayed"]
+    # And down again keeps the job, with the index as 0012 had it.
+    command.downgrade(alembic_config(database_url), "0012")
+    assert asyncio.run(_counts(database_url)) == (1, 1, 1)
+    assert "available_at" not in asyncio.run(_outbox_indexes(database_url))["ix_outbox_unpublished"]
+    upgrade(database_url)

@@ -26,7 +26,9 @@ from jobrelay.api.problems import (
 )
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.schemas import IDEMPOTENCY_KEY_PATTERN, Accepted, WireModel
-from jobrelay.errors import IdempotencyConflict, InvalidParams
+from jobrelay.domain import delays
+from jobrelay.domain.delays import RunTime
+from jobrelay.errors import IdempotencyConflict, InvalidParams, InvalidRunTime
 from jobrelay.storage.engine import statement_tx
 from jobrelay.storage.enqueue import new_job_steps, run_async
 
@@ -45,6 +47,47 @@ class JobRequest(WireModel):
         pattern=IDEMPOTENCY_KEY_PATTERN,
         description="Optional idempotency key: the same key and params give the same job.",
     )
+    run_at: str | None = Field(
+        default=None,
+        max_length=64,
+        description="Run no earlier than this RFC 3339 time with an offset (a past one: now).",
+        examples=["2026-12-02T16:00:00Z"],
+    )
+    delay_seconds: float | None = Field(
+        default=None,
+        description="Run no earlier than this many seconds from now (0 to 365 days).",
+    )
+
+
+def run_time(body: JobRequest, now: datetime) -> RunTime:
+    """The body's run time, or a 422 naming ``runAt`` / ``delaySeconds`` (domain.delays)."""
+    run_at = None
+    if body.run_at is not None:
+        try:
+            run_at = datetime.fromisoformat(body.run_at)
+        except ValueError:
+            raise _run_time_problem(
+                InvalidRunTime("runAt", "not an RFC 3339 time (2026-12-02T16:00:00Z)")
+            ) from None
+    try:
+        return delays.resolve(
+            now,
+            delay=body.delay_seconds,
+            run_at=run_at,
+            delay_name="delaySeconds",
+            run_at_name="runAt",
+        )
+    except InvalidRunTime as exc:
+        raise _run_time_problem(exc) from None
+
+
+def _run_time_problem(exc: InvalidRunTime) -> ProblemError:
+    return ProblemError(
+        422,
+        str(exc),
+        title="Invalid run time",
+        errors=[FieldError(field=exc.field, message=exc.problem).model_dump()],
+    )
 
 
 @router.post(
@@ -57,7 +100,8 @@ class JobRequest(WireModel):
         404: problem_openapi("No such job type, or it is not exposed over HTTP."),
         413: problem_openapi(f"The body is larger than {MAX_BODY_BYTES} bytes."),
         422: problem_openapi(
-            "Invalid body or params, or a key reused with other params.", ValidationProblem
+            "Invalid body, params or run time, or a key reused with another request.",
+            ValidationProblem,
         ),
         503: problem_openapi("The database is unavailable; nothing was changed."),
         **RATE_LIMIT_RESPONSES,
@@ -77,10 +121,13 @@ async def create_job(
     if definition is None or not definition.http:
         raise ProblemError(404, "no such job type is exposed over HTTP")
     now = datetime.now(UTC)
+    when = run_time(body, now)
     # A keyed job's id is keyed with the installation's secret (cached: no statement).
     keys = await runtime.store.id_keys(now) if body.key is not None else None
     try:
-        job = definition.new_job(body.params, key=body.key, account=principal.account_id, keys=keys)
+        job = definition.new_job(
+            body.params, key=body.key, account=principal.account_id, keys=keys, when=when
+        )
         # One statement on PostgreSQL (see storage/enqueue.py), so no BEGIN and no COMMIT:
         # it commits by itself, before the 202. Driver errors are a 503 (StoreError).
         async with statement_tx(runtime.engine, "database") as conn:

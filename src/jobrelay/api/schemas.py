@@ -56,6 +56,11 @@ class JobOut(WireModel):
     result_key: str | None
     last_error: str | None
     next_attempt_at: datetime | None
+    run_at: datetime | None = Field(
+        default=None,
+        description="A delayed job's run time: not published, so not run, before it. Kept as "
+        "history after it ran.",
+    )
     progress: Progress | None
     created_at: datetime
     updated_at: datetime
@@ -80,6 +85,7 @@ class JobOut(WireModel):
             result_key=job.result_key,
             last_error=job.last_error if admin else account_error(job.last_error, job.public_error),
             next_attempt_at=job.next_attempt_at,
+            run_at=job.run_at,
             progress=progress,
             created_at=job.created_at,
             updated_at=job.updated_at,

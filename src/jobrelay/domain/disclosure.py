@@ -73,7 +73,7 @@ _VALUE = "value"
 
 # kind -> {detail key: _VALUE (shown as is) | _TEXT (shown redacted)}
 ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
-    "accepted": {"type": _VALUE, "parentJobId": _VALUE},
+    "accepted": {"type": _VALUE, "parentJobId": _VALUE, "runAt": _VALUE},
     "published": {},  # destination, outbox id and relay are the operators' business
     "claimed": {"attempt": _VALUE, "redelivered": _VALUE},
     # result_saved also carries the operation's own metadata (Result.meta): see below.

@@ -61,13 +61,25 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def request_hash(account_id: str | None, job_type: str, params: dict[str, Any]) -> str:
+def request_hash(
+    account_id: str | None,
+    job_type: str,
+    params: dict[str, Any],
+    when: dict[str, Any] | None = None,
+) -> str:
     """Digest of the request body, kept with the job to detect a reused idempotency key.
 
     Unkeyed, so it must never be shown as an id or to an account: it is stored, compared
     with the next request's under the same id, and read by nothing else.
+
+    ``when`` is the run time as the request asked for it (``domain.delays.requested``): part
+    of the request, so the same key with another run time is a conflict. Absent, the digest
+    is the one jobs had before delays existed.
     """
-    material = canonical_json({"account": account_id, "type": job_type, "params": params})
+    body: dict[str, Any] = {"account": account_id, "type": job_type, "params": params}
+    if when:
+        body["when"] = when
+    material = canonical_json(body)
     return hashlib.sha256(material.encode()).hexdigest()
 
 

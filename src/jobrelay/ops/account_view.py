@@ -13,6 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from jobrelay.domain.delays import runs_at_text
 from jobrelay.domain.disclosure import FAILED, PUBLIC_KEY, account_detail, account_error
 from jobrelay.domain.states import JobState
 from jobrelay.ops.explain import ago, explain_document
@@ -33,6 +34,7 @@ ACCOUNT_EXPLAIN_KEYS = (
     "lastError",
     "quarantineReason",
     "nextAttemptAt",
+    "runAt",
     "resultKey",
     "progress",
     "traceId",
@@ -101,4 +103,7 @@ def account_next_step(job: JobRecord, now: datetime) -> str:
             f"waiting to retry ({ago(job.next_attempt_at, now)}), attempt {job.attempt} of "
             f"{job.max_attempts} used{after}"
         )
+    if job.waiting_for_run_at(now):
+        assert job.run_at is not None
+        return f"scheduled: {runs_at_text(job.run_at, now)}"
     return f"accepted {ago(job.created_at, now)}, waiting for a worker"

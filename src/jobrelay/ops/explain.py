@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from jobrelay.domain.delays import runs_at_text
 from jobrelay.domain.states import JobState
 from jobrelay.roles.runtime import open_runtime, utc_now
 from jobrelay.settings import Settings
@@ -86,6 +87,12 @@ def _next_step(job: JobRecord, now: datetime, *, paused: bool) -> str:
             f"running attempt {job.attempt}/{job.max_attempts} on {job.lease_owner}, lease "
             f"expires {ago(lease, now)}; if that worker died the job is taken over when the "
             "lease expires"
+        )
+    if job.waiting_for_run_at(now):
+        assert job.run_at is not None
+        return (
+            f"delayed, not stuck: {runs_at_text(job.run_at, now)}; its message is held in the "
+            "outbox until then (no worker holds it); `jobrelay job cancel` stops it first"
         )
     if not job.published and job.unpublished_since is not None:
         hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
@@ -218,6 +225,7 @@ def explain_document(
         # Operators' only: not in the account view's keys (ops.account_view).
         "lastTraceback": job.last_traceback,
         "nextAttemptAt": iso(job.next_attempt_at),
+        "runAt": iso(job.run_at),
         "leaseOwner": job.lease_owner,
         "leaseExpiresAt": iso(job.lease_expires_at),
         "resultKey": job.result_key,
@@ -261,10 +269,17 @@ def render_job(
     facts.add_row("state", f"[bold]{job.state.value}[/bold]")
     queue = job.queue if pause is None else f"{job.queue} ({paused_line(pause, now)})"
     facts.add_row("queue", queue)
+    if job.waiting_for_run_at(now):
+        assert job.run_at is not None
+        facts.add_row("delayed", runs_at_text(job.run_at, now))
+    elif job.run_at is not None:
+        facts.add_row("run at", job.run_at.isoformat(timespec="seconds"))
     facts.add_row(
         "published",
         "yes"
         if job.published
+        else "not yet: held until its run time"
+        if job.waiting_for_run_at(now)
         else f"no (an outbox row waits since {ago(job.unpublished_since, now)})"
         if job.unpublished_since is not None
         else "no",

@@ -10,6 +10,7 @@ import sys
 
 from rich.table import Table
 
+from jobrelay.domain.delays import runs_at_text
 from jobrelay.domain.states import JobState
 from jobrelay.ops.explain import ago, console
 from jobrelay.roles.runtime import open_runtime, utc_now
@@ -70,7 +71,9 @@ async def list_jobs(
             "yes" if job.published else "no",
             f"{job.attempt}/{job.max_attempts}",
             ago(job.updated_at, now),
-            (job.quarantine_reason or job.last_error or "")[:80],
+            runs_at_text(job.run_at, now)
+            if job.run_at is not None and job.waiting_for_run_at(now)
+            else (job.quarantine_reason or job.last_error or "")[:80],
         )
     console.print(table)
     console.print(f"{len(jobs)} job(s)")

@@ -124,6 +124,15 @@ class Relay:
         seconds = min(base * 2 ** max(row.publish_attempts - 1, 0), _MAX_BACKOFF_SECONDS)
         return timedelta(seconds=seconds)
 
+    async def _idle_seconds(self, poll: float) -> float:
+        """How long to wait for a wake-up: the poll, or less when a delayed job's row falls
+        due before it (a NOTIFY comes at enqueue, not at the due time)."""
+        try:
+            due_in = await self.rt.store.seconds_to_next_due()
+        except StoreError:
+            return poll  # the next round meets the outage and backs off
+        return poll if due_in is None else min(poll, due_in)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until ``stop``; wake on NOTIFY or an in-process hint, else poll.
 
@@ -160,7 +169,7 @@ class Relay:
                         failures = 0
                     if claimed >= self.rt.settings.relay_batch:
                         continue  # more waiting: go again at once
-                    await _wait_any(stop, wake, seconds=poll)
+                    await _wait_any(stop, wake, seconds=await self._idle_seconds(poll))
             finally:
                 self.rt.store.outbox_listeners.remove(wake)
         log.info("relay stopped", extra={"event": "relay_stopped", "published": self.published})

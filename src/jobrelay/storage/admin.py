@@ -19,6 +19,7 @@ from sqlalchemy import delete, func, select
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
+from jobrelay.storage.delayed import drop_held, due_since, waiting_due
 from jobrelay.storage.records import work_destination
 from jobrelay.storage.store import JobRecord, Store, aware_time, job_record
 from jobrelay.storage.tables import jobs, local_messages, outbox, pruned_jobs
@@ -123,7 +124,8 @@ class AdminQueries:
         return ActionOutcome(job_id, True, JobState.QUEUED, state)
 
     async def cancel(self, job_id: str, *, actor: str, reason: str, now: datetime) -> ActionOutcome:
-        """queued | retry_wait | quarantined -> cancelled; later deliveries are acked unworked."""
+        """queued | retry_wait | quarantined -> cancelled; later deliveries are acked unworked,
+        and a delayed job's held message is deleted before it is ever published."""
         store = self.store
         async with store.writing() as conn:
             current = await conn.scalar(
@@ -144,6 +146,8 @@ class AdminQueries:
             )
             if not won:
                 return ActionOutcome(job_id, False, state)
+            # A delayed job's message is still held: drop it, so none is ever published.
+            held = await drop_held(conn, job_id)
             await store.add_event(
                 conn,
                 job_id,
@@ -152,6 +156,7 @@ class AdminQueries:
                 actor=actor,
                 reason=reason,
                 previousState=state.value,
+                **({"heldMessagesDropped": held} if held else {}),
             )
         return ActionOutcome(job_id, True, JobState.CANCELLED, state)
 
@@ -208,12 +213,13 @@ class AdminQueries:
     # --- metrics --------------------------------------------------------------------------
 
     async def outbox_stats(self) -> tuple[int, datetime | None]:
-        """How many outbox rows wait, and when the oldest of them was written."""
+        """How many outbox rows wait, and since when the oldest of them has been due (a
+        delayed job's row not yet due is not waiting: it is not counted)."""
         async with self.store.reading() as conn:
             row = (
                 await conn.execute(
-                    select(func.count(), func.min(outbox.c.created_at)).where(
-                        outbox.c.published_at.is_(None)
+                    select(func.count(), func.min(due_since())).where(
+                        waiting_due(self.store.now_sql())
                     )
                 )
             ).one()

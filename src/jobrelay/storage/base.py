@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
+from jobrelay.storage.delayed import due_since
 from jobrelay.storage.effects import EffectsLedger
 from jobrelay.storage.engine import read_tx, statement_tx, write_tx
 from jobrelay.storage.enqueue import queued_job_row
@@ -156,7 +157,9 @@ class StoreBase:
         headers: Mapping[str, str] | None = None,
         *,
         extra_headers: Mapping[str, str] | None = None,
+        available_at: datetime | None = None,
     ) -> None:
+        """``available_at``: held until then (a delayed job's message, ``storage.delayed``)."""
         if headers is None:
             # Retries, deferrals and repairs carry on the trace of the job's first message.
             first = await conn.scalar(
@@ -174,6 +177,7 @@ class StoreBase:
                 body=(message if isinstance(message, bytes) else message.encode()).decode(),
                 headers={**(headers or {}), **(extra_headers or {})},
                 created_at=now,
+                **({"available_at": available_at} if available_at is not None else {}),
             )
         )
         if self.is_postgres:
@@ -217,7 +221,8 @@ class StoreBase:
     def job_query(self) -> Any:
         waiting = (
             select(
-                func.min(outbox.c.created_at).label("unpublished_since"),
+                # Since it was due: a delayed job's row counts from its run time.
+                func.min(due_since()).label("unpublished_since"),
             )
             .where(outbox.c.job_id == jobs.c.id, outbox.c.published_at.is_(None))
             .scalar_subquery()

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import and_, exists, func, or_, select
 
 from jobrelay.domain.job_filter import STATE_ENTRY_KINDS, THROUGHPUT_KINDS, JobFilter, PageKey
+from jobrelay.storage.delayed import due_since
 from jobrelay.storage.store import JobRecord, Store, aware_time, job_record
 from jobrelay.storage.tables import job_events, jobs, outbox
 
@@ -145,7 +146,8 @@ async def throughput(store: Store, since: datetime) -> list[tuple[datetime, str,
 
 async def relay_lag(store: Store) -> RelayLag:
     query = (
-        select(outbox.c.created_at, outbox.c.published_at)
+        # From when it was due: a delayed job's wait is not the relay's lag.
+        select(due_since().label("created_at"), outbox.c.published_at)
         .where(outbox.c.published_at.is_not(None))
         .order_by(outbox.c.id.desc())
         .limit(LAG_SAMPLE)

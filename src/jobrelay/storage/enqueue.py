@@ -52,18 +52,19 @@ Steps = Generator[Step, Any, T]
 # a job that was already there. NOTIFY is a scalar subquery of the outer SELECT, which is
 # what makes it run. Parameters are ``nj_*``, never a column's name; those in a SELECT list
 # are cast, as a driver binding them untyped (psycopg) would otherwise send text.
-_PG_NEW_JOB = text(
-    """WITH nj_job AS (
+# A delayed job adds ``run_at`` to the job and ``available_at`` to its outbox row; a job due
+# at once writes neither, so its statement is the one it was before delays existed.
+_PG_NEW_JOB_TEXT = """WITH nj_job AS (
     INSERT INTO jobs (id, type, account_id, params, idempotency_key, request_hash, state,
-                      attempt, max_attempts, queue, created_at, updated_at)
+                      attempt, max_attempts, queue, created_at, updated_at{job_cols})
     VALUES (:nj_id, :nj_type, :nj_account, :nj_params, :nj_key, :nj_hash, :nj_state,
-            0, :nj_max_attempts, :nj_queue, :nj_now, :nj_now)
+            0, :nj_max_attempts, :nj_queue, :nj_now, :nj_now{job_vals})
     ON CONFLICT (id) DO NOTHING
     RETURNING id
 ), nj_outbox AS (
-    INSERT INTO outbox (job_id, destination, body, headers, created_at)
+    INSERT INTO outbox (job_id, destination, body, headers, created_at{outbox_cols})
     SELECT id, CAST(:nj_destination AS varchar), CAST(:nj_body AS text),
-           CAST(:nj_headers AS json), CAST(:nj_now AS timestamptz) FROM nj_job
+           CAST(:nj_headers AS json), CAST(:nj_now AS timestamptz){outbox_vals} FROM nj_job
 ), nj_event AS (
     INSERT INTO job_events (job_id, at, kind, detail)
     SELECT id, CAST(:nj_now AS timestamptz), 'accepted', CAST(:nj_detail AS json) FROM nj_job
@@ -71,7 +72,7 @@ _PG_NEW_JOB = text(
 SELECT (SELECT id FROM nj_job) AS inserted,
        (SELECT count(*) FROM (SELECT pg_notify(:nj_channel, '') FROM nj_job) AS n) AS notified,
        (SELECT request_hash FROM jobs WHERE id = :nj_id) AS existing_hash"""
-).bindparams(
+_PG_BINDS = (
     bindparam("nj_id", type_=String()),
     bindparam("nj_type", type_=String()),
     bindparam("nj_account", type_=String()),
@@ -88,6 +89,17 @@ SELECT (SELECT id FROM nj_job) AS inserted,
     bindparam("nj_detail", type_=JSON()),
     bindparam("nj_channel", type_=String()),
 )
+_PG_NEW_JOB = text(
+    _PG_NEW_JOB_TEXT.format(job_cols="", job_vals="", outbox_cols="", outbox_vals="")
+).bindparams(*_PG_BINDS)
+_PG_NEW_DELAYED_JOB = text(
+    _PG_NEW_JOB_TEXT.format(
+        job_cols=", run_at",
+        job_vals=", :nj_run_at",
+        outbox_cols=", available_at",
+        outbox_vals=",\n           CAST(:nj_run_at AS timestamptz)",
+    )
+).bindparams(*_PG_BINDS, bindparam("nj_run_at", type_=jobs.c.run_at.type))
 _EXISTING_HASH = select(jobs.c.request_hash).where(jobs.c.id == bindparam("nj_id", type_=String()))
 
 
@@ -106,7 +118,16 @@ def queued_job_row(job: NewJob, now: datetime) -> dict[str, Any]:
         "queue": job.queue,
         "created_at": now,
         "updated_at": now,
+        # Only when set: a job due at once is written as before delays existed.
+        **({"run_at": job.run_at} if job.run_at is not None else {}),
     }
+
+
+def accepted_detail(job: NewJob) -> dict[str, Any]:
+    """The ``accepted`` event's detail: the type, and a delayed job's run time."""
+    if job.run_at is None:
+        return {"type": job.type}
+    return {"type": job.type, "runAt": job.run_at.isoformat()}
 
 
 def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, bool]]:
@@ -129,7 +150,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     if dialect == "postgresql":
         row = (
             yield (
-                _PG_NEW_JOB,
+                _PG_NEW_JOB if job.run_at is None else _PG_NEW_DELAYED_JOB,
                 {
                     "nj_id": job.job_id,
                     "nj_type": job.type,
@@ -141,10 +162,11 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
                     "nj_max_attempts": job.max_attempts,
                     "nj_queue": job.queue,
                     "nj_now": now,
+                    **({"nj_run_at": job.run_at} if job.run_at is not None else {}),
                     "nj_destination": destination,
                     "nj_body": body,
                     "nj_headers": dict(job.headers or {}),
-                    "nj_detail": {"type": job.type},
+                    "nj_detail": accepted_detail(job),
                     # Delivered at commit, to listening relays only: a hint, never the only path.
                     "nj_channel": NOTIFY_CHANNEL,
                 },
@@ -176,12 +198,13 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
             body=body,
             headers=dict(job.headers or {}),
             created_at=now,
+            **({"available_at": job.run_at} if job.run_at is not None else {}),
         ),
         None,
     )
     yield (
         insert(job_events).values(
-            job_id=job.job_id, at=now, kind="accepted", detail={"type": job.type}
+            job_id=job.job_id, at=now, kind="accepted", detail=accepted_detail(job)
         ),
         None,
     )

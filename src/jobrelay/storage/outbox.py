@@ -18,6 +18,7 @@ from sqlalchemy import (
     bindparam,
     func,
     insert,
+    literal_column,
     or_,
     select,
     text,
@@ -25,6 +26,8 @@ from sqlalchemy import (
 )
 
 from jobrelay.storage.base import StoreBase
+from jobrelay.storage.claims import guard_sql
+from jobrelay.storage.delayed import outbox_due, seconds_to_next_due, waiting_due
 from jobrelay.storage.pg_hot import HotStatement
 from jobrelay.storage.records import (
     OutboxRow,
@@ -38,16 +41,19 @@ from jobrelay.storage.tables import (
 # PostgreSQL: the relay's two statements, each its own transaction (``pg_hot``). The
 # claim: rows waiting and not claimed by a live relay, skipped when another claim holds
 # them, taken for ``o_claim_for`` by the store's clock, which is also their ``taken_at``.
+# Only rows due by then (``delayed.outbox_due``: a delayed job's row is held until its time).
 _CLAIM_OUTBOX = HotStatement(
     text(
-        """
+        f"""
 WITH clock AS (SELECT COALESCE(:o_clock, now()) AS now),
 picked AS (
-    SELECT o.id FROM outbox o, clock
-    WHERE o.published_at IS NULL AND (o.claimed_until IS NULL OR o.claimed_until < clock.now)
-    ORDER BY o.id
+    SELECT outbox.id FROM outbox, clock
+    WHERE outbox.published_at IS NULL
+      AND (outbox.claimed_until IS NULL OR outbox.claimed_until < clock.now)
+      AND ({guard_sql([outbox_due(literal_column("clock.now"))])})
+    ORDER BY outbox.id
     LIMIT :o_limit
-    FOR UPDATE OF o SKIP LOCKED
+    FOR UPDATE OF outbox SKIP LOCKED
 )
 UPDATE outbox SET
     claimed_by = :o_relay, claimed_until = clock.now + :o_claim_for,
@@ -124,9 +130,17 @@ class OutboxStore(StoreBase):
     async def outbox_backlog(self) -> int:
         async with self.reading() as conn:
             n = await conn.scalar(
-                select(func.count()).select_from(outbox).where(outbox.c.published_at.is_(None))
+                select(func.count()).select_from(outbox).where(waiting_due(self.now_sql()))
             )
         return int(n or 0)
+
+    async def seconds_to_next_due(self) -> float | None:
+        """Seconds until the earliest held row (a delayed job's) falls due; None: none held.
+
+        The relay sleeps no longer than that when it has nothing else to do, so a job due in
+        2 s is published about 2 s later, not at the next poll after."""
+        async with self.reading() as conn:
+            return await seconds_to_next_due(conn, self.now_sql())
 
     async def claim_outbox(
         self, relay_id: str, limit: int, claim_for: timedelta
@@ -166,6 +180,7 @@ class OutboxStore(StoreBase):
                             outbox.c.claimed_until.is_(None),
                             outbox.c.claimed_until < self.now_sql(),
                         ),
+                        outbox_due(self.now_sql()),
                     )
                     .order_by(outbox.c.id)
                     .limit(limit)

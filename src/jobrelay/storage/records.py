@@ -46,6 +46,8 @@ class NewJob:
     # The id the same request had under the installation's previous id secret, while that
     # one still counts (a rotation's window): a job there is this request's job.
     previous_job_id: str | None = None
+    # A delayed job's due time (``domain.delays``): its outbox row is held until then.
+    run_at: datetime | None = None
 
 
 Clock = Callable[[], datetime]
@@ -103,6 +105,11 @@ class JobRecord:
     public_error: str | None = None  # last_error as the account reads it (domain.disclosure)
     # The last failed attempt's traceback (roles.failures): operators' only, never an account's.
     last_traceback: str | None = None
+    run_at: datetime | None = None  # a delayed job's due time (kept after it ran)
+
+    def waiting_for_run_at(self, now: datetime) -> bool:
+        """Queued, and its run time not reached: waiting on purpose, not stuck."""
+        return self.state is JobState.QUEUED and self.run_at is not None and self.run_at > now
 
     def view(self) -> JobView:
         return JobView(
@@ -205,6 +212,7 @@ def job_record(row: Row[Any] | Mapping[str, Any]) -> JobRecord:
         queue=m.get("queue") or DEFAULT_QUEUE,
         public_error=m.get("public_error"),
         last_traceback=m.get("last_traceback"),
+        run_at=aware_time(m.get("run_at")),
     )
 
 

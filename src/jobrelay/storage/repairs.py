@@ -20,6 +20,7 @@ from jobrelay.domain.disclosure import WORKER_LOST, public_error
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.storage.admin import ActionOutcome
+from jobrelay.storage.delayed import due_since
 from jobrelay.storage.records import work_destination
 from jobrelay.storage.store import JobRecord, Store, aware_time, job_record
 from jobrelay.storage.tables import job_events, jobs, outbox
@@ -46,7 +47,7 @@ class StaleOutboxRow:
     job_id: str
     job_state: JobState
     destination: str
-    created_at: datetime
+    created_at: datetime  # since when it has been due (a delayed job's: its run time)
     publish_attempts: int
     last_error: str | None
     claimed_by: str | None
@@ -142,11 +143,12 @@ class RepairQueries:
         ]
 
     async def stale_outbox(self, before: datetime, limit: int) -> list[StaleOutboxRow]:
-        """Outbox rows written before ``before`` and still not confirmed by a broker."""
+        """Outbox rows due before ``before`` and still not confirmed by a broker: a delayed
+        job's row counts from its run time, so one still held is never "stuck"."""
         query = (
-            select(outbox, jobs.c.state.label("job_state"))
+            select(outbox, due_since().label("due_since"), jobs.c.state.label("job_state"))
             .join(jobs, jobs.c.id == outbox.c.job_id)
-            .where(outbox.c.published_at.is_(None), outbox.c.created_at < before)
+            .where(outbox.c.published_at.is_(None), due_since() < before)
             .order_by(outbox.c.id)
             .limit(limit)
         )
@@ -158,7 +160,7 @@ class RepairQueries:
                 job_id=r.job_id,
                 job_state=JobState(r.job_state),
                 destination=r.destination,
-                created_at=r.created_at,
+                created_at=aware_time(r.due_since) or r.created_at,
                 publish_attempts=r.publish_attempts,
                 last_error=r.last_error,
                 claimed_by=r.claimed_by,
@@ -259,7 +261,7 @@ class RepairQueries:
         async with store.writing() as conn:
             row = (
                 await conn.execute(
-                    select(jobs.c.state, jobs.c.type, jobs.c.queue, jobs.c.attempt)
+                    select(jobs.c.state, jobs.c.type, jobs.c.queue, jobs.c.attempt, jobs.c.run_at)
                     .where(jobs.c.id == job_id)
                     .with_for_update()
                 )
@@ -273,8 +275,15 @@ class RepairQueries:
             )
             if result.rowcount != 1:
                 return ActionOutcome(job_id, False, JobState(row.state))
+            # A delayed job re-sent before its time: the new message is held until then too.
+            held = row.run_at if row.run_at is not None and row.run_at > now else None
             await store.add_message(
-                conn, job_id, JobMessage(job_id, row.type), work_destination(row.queue), now
+                conn,
+                job_id,
+                JobMessage(job_id, row.type),
+                work_destination(row.queue),
+                now,
+                available_at=held,
             )
             await store.add_event(
                 conn, job_id, RESENT, now, actor=actor, reason=reason, queue=row.queue

@@ -26,6 +26,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    and_,
     text,
 )
 from sqlalchemy.types import TypeDecorator
@@ -98,6 +99,10 @@ jobs = Table(
     # Where the last failed attempt raised: its traceback, scrubbed and cut to 8 KiB
     # (roles.failures), for operators only (migration 0012). Kept after a later success.
     Column("last_traceback", Text),
+    # When a delayed job may first run (``enqueue(delay=…, run_at=…)``, migration 0013): its
+    # outbox row is held until then. None: it ran as soon as it was published. Kept after the
+    # job ran, as its history. Last, as the migration adds it (see above).
+    Column("run_at", UTCDateTime()),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)
@@ -118,14 +123,26 @@ outbox = Table(
     Column("claimed_until", UTCDateTime()),
     Column("publish_attempts", Integer, nullable=False, server_default=text("0")),
     Column("last_error", Text),
+    # Not to be published before this (a delayed job's first message, migration 0013).
+    # None: publish at once. The relay's one guard on it is ``outbox_due``.
+    Column("available_at", UTCDateTime()),
 )
 Index("ix_outbox_job", outbox.c.job_id)
-# Partial index: the relay only ever scans rows that still wait.
+# Partial indexes: the relay only ever scans rows that still wait, those due when written by
+# id, and those held for a due time by that time (it also tells the relay when to wake).
+_due_when_written = and_(outbox.c.published_at.is_(None), outbox.c.available_at.is_(None))
+_held = and_(outbox.c.published_at.is_(None), outbox.c.available_at.is_not(None))
 Index(
     "ix_outbox_unpublished",
     outbox.c.id,
-    postgresql_where=outbox.c.published_at.is_(None),
-    sqlite_where=outbox.c.published_at.is_(None),
+    postgresql_where=_due_when_written,
+    sqlite_where=_due_when_written,
+)
+Index(
+    "ix_outbox_delayed",
+    outbox.c.available_at,
+    postgresql_where=_held,
+    sqlite_where=_held,
 )
 
 job_events = Table(

@@ -126,7 +126,9 @@
     facts.replaceChildren();
     fact(facts, "account", job.accountId);
     fact(facts, "params", JSON.stringify(job.params));
-    fact(facts, "published", job.published ? "yes" : job.unpublishedSince ? "no (an outbox row waits since " + ago(job.unpublishedSince) + ")" : "no");
+    const delayed = job.state === "queued" && job.runAt && Date.parse(job.runAt) > Date.now();
+    if (job.runAt) fact(facts, delayed ? "runs at" : "run at", when(job.runAt));
+    fact(facts, "published", job.published ? "yes" : delayed ? "not yet: held until its run time" : job.unpublishedSince ? "no (an outbox row waits since " + ago(job.unpublishedSince) + ")" : "no");
     if (!job.published && job.lastPublishError) fact(facts, "publish error", job.lastPublishError);
     fact(facts, "attempts", job.attempt + "/" + job.maxAttempts);
     fact(facts, "last error", job.lastError);

@@ -117,6 +117,13 @@
     return cell;
   }
 
+  // A delayed job not yet due: when it runs, not "no error".
+  function runsAt(iso) {
+    const node = when(iso);
+    node.textContent = "runs at " + node.textContent;
+    return node;
+  }
+
   async function load(cursor) {
     const note = $("jobs-note");
     const body = $("job-list").tBodies[0];
@@ -138,7 +145,9 @@
           paramsCell(job.params),
           el("td", job.attempt + "/" + job.maxAttempts, "num"),
           wrap("td", when(job.createdAt)),
-          el("td", job.quarantineReason || job.lastError || "", "reason"),
+          job.state === "queued" && job.runAt && Date.parse(job.runAt) > Date.now()
+            ? wrap("td", runsAt(job.runAt))
+            : el("td", job.quarantineReason || job.lastError || "", "reason"),
         );
         body.append(row);
       }

@@ -1,0 +1,109 @@
+"""When a delayed job may first run: ``delay`` or ``run_at``, resolved once, at enqueue.
+
+A delayed job is a queued job whose outbox row is held until its due time (``run_at``): the
+relay does not publish it before then, so it holds no worker memory and no broker message
+while it waits, and a restart in between loses nothing (the row is in the database).
+
+Pure: the caller passes the clock. The rules are the library's, the HTTP API's and the
+CLI's alike, so they are stated here once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from jobrelay.errors import InvalidRunTime
+
+# Further ahead than this is a mistake (milliseconds taken for seconds), not a plan: a job
+# meant for next year is a schedule.
+MAX_AHEAD = timedelta(days=365)
+
+Delay = float | int | timedelta
+
+
+@dataclass(frozen=True)
+class RunTime:
+    """A resolved run time: ``due`` (None: run now) and the request as asked, for the hash."""
+
+    due: datetime | None
+    requested: dict[str, Any] | None
+
+    @property
+    def delayed(self) -> bool:
+        return self.due is not None
+
+
+NOW = RunTime(due=None, requested=None)
+
+
+def resolve(
+    now: datetime,
+    *,
+    delay: Delay | None = None,
+    run_at: datetime | None = None,
+    delay_name: str = "delay",
+    run_at_name: str = "run_at",
+) -> RunTime:
+    """The due time of a job enqueued at ``now`` with ``delay`` seconds or at ``run_at``.
+
+    ``InvalidRunTime`` (naming the argument as the caller spells it: ``delay_name``,
+    ``run_at_name``) for both given, a negative or non-finite delay, a naive ``run_at``, or
+    a time more than ``MAX_AHEAD`` away. A ``run_at`` already past is "now": the job runs at
+    once, as a clock a little behind the database's would otherwise make it fail.
+    """
+    if delay is not None and run_at is not None:
+        raise InvalidRunTime(run_at_name, f"give {delay_name} or {run_at_name}, not both")
+    if delay is not None:
+        seconds = _seconds(delay, delay_name)
+        due = now + timedelta(seconds=seconds)
+        requested: dict[str, Any] = {"delaySeconds": seconds}
+    elif run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise InvalidRunTime(run_at_name, "must be a datetime with a time zone")
+        if run_at.tzinfo is None or run_at.utcoffset() is None:
+            raise InvalidRunTime(
+                run_at_name, "a naive datetime is ambiguous: give one with a time zone (UTC)"
+            )
+        due = run_at.astimezone(UTC)
+        requested = {"runAt": due.isoformat()}
+    else:
+        return NOW
+    if due - now > MAX_AHEAD:
+        raise InvalidRunTime(
+            delay_name if delay is not None else run_at_name,
+            f"at most {MAX_AHEAD.days} days ahead (a periodic job is a schedule)",
+        )
+    return RunTime(due=due if due > now else None, requested=requested)
+
+
+def _seconds(delay: Delay, name: str) -> float:
+    if isinstance(delay, timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, bool) or not isinstance(delay, int | float):
+        raise InvalidRunTime(name, "must be a number of seconds or a timedelta")
+    else:
+        seconds = float(delay)
+    if not math.isfinite(seconds):
+        raise InvalidRunTime(name, "must be a finite number of seconds")
+    if seconds < 0:
+        raise InvalidRunTime(name, "must be zero or more seconds")
+    if seconds > MAX_AHEAD.total_seconds():
+        raise InvalidRunTime(name, f"at most {MAX_AHEAD.days} days ahead")
+    return seconds
+
+
+def waiting(due: datetime | None, now: datetime) -> float | None:
+    """Seconds until ``due`` (None when not delayed or already due): "runs at … (in N s)"."""
+    if due is None or due <= now:
+        return None
+    return (due - now).total_seconds()
+
+
+def runs_at_text(due: datetime, now: datetime) -> str:
+    """``runs at 2026-12-02T15:00:00+00:00 (in 42 s)``, the one wording the CLI and explain use."""
+    left = waiting(due, now)
+    suffix = f" (in {math.ceil(left)} s)" if left is not None else " (due)"
+    return f"runs at {due.isoformat()}{suffix}"
