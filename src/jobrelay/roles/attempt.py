@@ -24,7 +24,6 @@ from datetime import timedelta
 from typing import Any
 
 from jobrelay.domain.disclosure import (
-    INTERRUPTED,
     REFUSED,
     RETRY,
     TEMPORARY,
@@ -54,6 +53,7 @@ from jobrelay.results.staging import StagingResults
 from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.leases import LeaseRenewer
 from jobrelay.roles.runtime import Runtime
+from jobrelay.roles.stopping import RunStop, end_cancelled, time_limit
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, NewJob
 from jobrelay.transport.base import Delivery
@@ -155,10 +155,11 @@ class AttemptRun:
         result: Any = None
         started = time.monotonic()
         work = asyncio.create_task(operation.run(context))
+        stop = RunStop(work, time_limit(operation, self.rt.settings))
         # The renewal outlives the operation: the worker's renewer renews the lease until
         # the outcome is committed (``_commit_outcome`` releases it then), however long that
         # write is held.
-        self._leases.hold(claim, granted, work, lease_lost)
+        self._leases.hold(claim, granted, work, lease_lost, stop.cancelled)
         self._renewed = claim
         try:
             try:
@@ -166,12 +167,12 @@ class AttemptRun:
                 observation = ResultSaved(result.result_key)
             except asyncio.CancelledError:
                 current = asyncio.current_task()
-                if (current is not None and current.cancelling()) or not lease_lost.is_set():
+                stopped = lease_lost.is_set() or stop.stopped
+                if (current is not None and current.cancelling()) or not stopped:
                     await results.discard()
                     raise  # we are being stopped: leave the delivery unsettled
-                observation = self._transient(
-                    job, claim.attempt, "lease lost: the run was stopped", public_error(INTERRUPTED)
-                )
+                why = stop.why(lease_lost=lease_lost.is_set())
+                observation = self._transient(job, claim.attempt, *why)
             except PermanentError as exc:
                 observation = PermanentFailure(*failure_texts(exc))
             except (OperationError, StoreError) as exc:
@@ -192,6 +193,7 @@ class AttemptRun:
                 await results.discard()
                 raise
         finally:
+            stop.close()
             self._stop_renewing()
 
     def _stop_renewing(self) -> None:
@@ -282,6 +284,9 @@ class AttemptRun:
         self._measure(job, decision, won, started)
         if not won:
             await results.discard()
+            if await end_cancelled(self.rt, claim, fenced):
+                await self._settle(delivery, claim.job_id, Action.ACK, claim.attempt)
+                return
             await self._lease_lost(delivery, claim, fenced)
             return
         await self._settle(delivery, job.id, decision.action, claim.attempt)

@@ -5,7 +5,7 @@ No I/O here: the store modules build these from rows, and the roles pass them ar
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -64,6 +64,18 @@ class Claim:
     worker_id: str
 
 
+class Renewed(frozenset[Claim]):
+    """The claims a lease renewal found holding their job (so renewed), and among them
+    ``cancel_requested``: those an operator has asked to cancel (``storage.cancels``)."""
+
+    cancel_requested: frozenset[Claim]
+
+    def __new__(cls, held: Iterable[Claim] = (), cancel_requested: Iterable[Claim] = ()) -> Renewed:
+        renewed = super().__new__(cls, held)
+        renewed.cancel_requested = frozenset(cancel_requested)
+        return renewed
+
+
 @dataclass(frozen=True)
 class Fenced:
     """What a fenced write found: ``won``, or the attempt that holds the job now."""
@@ -101,6 +113,10 @@ class JobRecord:
     observed_at: datetime | None = None
     queue: str = DEFAULT_QUEUE  # the queue its messages go to (retries and re-sends too)
     public_error: str | None = None  # last_error as the account reads it (domain.disclosure)
+    # An operator asked to cancel it while it ran (``storage.cancels``): when, who, why.
+    cancel_requested_at: datetime | None = None
+    cancel_requested_by: str | None = None
+    cancel_reason: str | None = None
 
     def view(self) -> JobView:
         return JobView(
@@ -202,6 +218,9 @@ def job_record(row: Row[Any] | Mapping[str, Any]) -> JobRecord:
         observed_at=aware_time(m.get("observed_at")),
         queue=m.get("queue") or DEFAULT_QUEUE,
         public_error=m.get("public_error"),
+        cancel_requested_at=aware_time(m.get("cancel_requested_at")),
+        cancel_requested_by=m.get("cancel_requested_by"),
+        cancel_reason=m.get("cancel_reason"),
     )
 
 

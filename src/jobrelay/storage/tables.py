@@ -95,6 +95,11 @@ jobs = Table(
     # the operators' raw text in last_error and quarantine_reason (migration 0010). Last, as
     # the migration adds it: the claim's ``RETURNING jobs.*`` is read by position.
     Column("public_error", Text),
+    # An operator's cancel of a running job (migration 0012): recorded here, learnt by the
+    # worker with its lease renewal; the outcome fences refuse a claim once it is set.
+    Column("cancel_requested_at", UTCDateTime()),
+    Column("cancel_requested_by", String(255)),
+    Column("cancel_reason", Text),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)
