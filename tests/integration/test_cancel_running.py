@@ -33,6 +33,7 @@ from jobrelay.api import create_app
 from jobrelay.domain.ids import follow_up_job_id
 from jobrelay.domain.states import JobState
 from jobrelay.errors import AttemptSuperseded
+from jobrelay.ops.explain import next_step
 from jobrelay.ops.operator import Operator
 from jobrelay.roles.reconcile import LEASE_EXPIRED, Reconciler
 from jobrelay.roles.runtime import Runtime
@@ -235,6 +236,7 @@ async def test_a_cancel_request_is_recorded_once_and_refuses_the_claims_outcomes
     assert (await kinds(runtime, job_id)).count("cancel_requested") == 1
     job = await store.get_job(job_id)
     assert job is not None and job.cancel_reason == "r" and job.cancel_requested_by == "a"
+    assert next_step(job, T0).startswith("cancel requested by a 0 s ago (r): ")  # job show
     # Every outcome of the claim is refused; the lease renewal is not, and says so.
     assert not (await store.complete(claim, "k", {}, T0)).won
     if store.is_postgres:  # the batched completion too
