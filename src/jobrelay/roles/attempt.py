@@ -155,7 +155,7 @@ class AttemptRun:
         result: Any = None
         started = time.monotonic()
         work = asyncio.create_task(operation.run(context))
-        stop = RunStop(work, time_limit(operation, self.rt.settings))
+        stop = RunStop(work, lease_lost, time_limit(operation, self.rt.settings))
         # The renewal outlives the operation: the worker's renewer renews the lease until
         # the outcome is committed (``_commit_outcome`` releases it then), however long that
         # write is held.
@@ -167,12 +167,10 @@ class AttemptRun:
                 observation = ResultSaved(result.result_key)
             except asyncio.CancelledError:
                 current = asyncio.current_task()
-                stopped = lease_lost.is_set() or stop.stopped
-                if (current is not None and current.cancelling()) or not stopped:
+                if (current is not None and current.cancelling()) or not stop.stopped:
                     await results.discard()
                     raise  # we are being stopped: leave the delivery unsettled
-                why = stop.why(lease_lost=lease_lost.is_set())
-                observation = self._transient(job, claim.attempt, *why)
+                observation = self._transient(job, claim.attempt, *stop.why())
             except PermanentError as exc:
                 observation = PermanentFailure(*failure_texts(exc))
             except (OperationError, StoreError) as exc:
@@ -284,10 +282,10 @@ class AttemptRun:
         self._measure(job, decision, won, started)
         if not won:
             await results.discard()
-            if await end_cancelled(self.rt, claim, fenced):
+            if await end_cancelled(self.rt, claim, fenced):  # an operator cancelled it
                 await self._settle(delivery, claim.job_id, Action.ACK, claim.attempt)
-                return
-            await self._lease_lost(delivery, claim, fenced)
+            else:
+                await self._lease_lost(delivery, claim, fenced)
             return
         await self._settle(delivery, job.id, decision.action, claim.attempt)
 

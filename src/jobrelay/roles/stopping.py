@@ -1,5 +1,5 @@
-"""Why a run is stopped before it returns, besides a lost lease: an operator's cancel, or
-its time limit; and how a cancelled run ends.
+"""Why a run is stopped before it returns: a lost lease, an operator's cancel, or its time
+limit; and how a cancelled run ends.
 
 Both stop the run the way a lost lease does (its task is cancelled; a ``def`` job's thread
 is signalled through ``ctx.cancelled`` and abandoned, ``sync_context``) and both are then
@@ -46,10 +46,14 @@ def time_limit_reason(limit: float) -> str:
 
 
 class RunStop:
-    """The stops of one run: ``cancelled`` (set by the lease renewer) and its time limit."""
+    """Why one run may be stopped: its lease lost (``lease_lost``) or an operator's cancel
+    (``cancelled``), both set by the lease renewer, or its time limit (a timer here)."""
 
-    def __init__(self, work: asyncio.Task[Any], limit: float | None) -> None:
+    def __init__(
+        self, work: asyncio.Task[Any], lease_lost: asyncio.Event, limit: float | None
+    ) -> None:
         self.work = work
+        self.lease_lost = lease_lost
         self.limit = limit
         self.cancelled = asyncio.Event()
         self.expired = False
@@ -64,11 +68,12 @@ class RunStop:
 
     @property
     def stopped(self) -> bool:
-        return self.cancelled.is_set() or self.expired
+        """The run was cancelled for one of these (else the worker itself is stopping)."""
+        return self.lease_lost.is_set() or self.cancelled.is_set() or self.expired
 
-    def why(self, *, lease_lost: bool) -> tuple[str, str]:
+    def why(self) -> tuple[str, str]:
         """(raw, public) of the failed attempt a stopped run is recorded as."""
-        if lease_lost:
+        if self.lease_lost.is_set():
             return LEASE_LOST, public_error(INTERRUPTED)
         if self.cancelled.is_set():
             return CANCELLED, public_error(INTERRUPTED, CANCELLED)
