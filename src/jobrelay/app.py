@@ -101,12 +101,16 @@ class App:
         schedule: str | None = None,
         schedule_params: Mapping[str, Any] | None = None,
         schedule_timezone: str = "UTC",
+        timeout: float | None = None,
     ) -> Callable[[JobFunction[P] | SyncJobFunction[P]], JobDefinition[P]]:
         """Define job type ``name``; the decorated function runs it.
 
         ``result_filename(job_id, params)``: the result object of a succeeded job is
         downloadable at ``GET /v1/jobs/{jobId}/result`` (``text/csv``) under this file name
         (without the extension). Without it that route answers 404 for jobs of this type.
+
+        ``timeout``: seconds an attempt may run (else ``JOBRELAY_JOB_TIMEOUT``, else no
+        limit); past it the attempt is stopped and counts as failed (``library.md``).
 
         ``schedule``: a cron expression; the job also runs periodically with
         ``schedule_params``, as the schedule named ``name`` (``App.schedule`` for more).
@@ -120,6 +124,9 @@ class App:
         if retry_delays is not None and (not retry_delays or min(retry_delays) < 1):
             raise ConfigError("@app.job", f"retry_delays must be positive seconds: {retry_delays}")
 
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise ConfigError("@app.job", f"timeout must be positive seconds, got {timeout!r}")
+
         def define(fn: JobFunction[P] | SyncJobFunction[P]) -> JobDefinition[P]:
             definition = JobDefinition(
                 self,
@@ -131,6 +138,7 @@ class App:
                 queue=queue,
                 http=http,
                 result_filename=result_filename,
+                timeout=timeout,
             )
             if schedule is not None:
                 self.schedule(

@@ -99,6 +99,7 @@ class JobDefinition(Generic[P]):
         queue: str,
         http: bool,
         result_filename: Callable[[str, Mapping[str, Any]], str] | None = None,
+        timeout: float | None = None,
     ) -> None:
         self.app = app
         self.type = name
@@ -110,6 +111,7 @@ class JobDefinition(Generic[P]):
         self.queue = queue
         self.http = http
         self.result_filename = result_filename
+        self.timeout = timeout  # seconds an attempt may run (the worker's ``roles.stopping``)
 
     def __repr__(self) -> str:
         return f"<jobrelay job {self.type}>"

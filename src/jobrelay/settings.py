@@ -44,6 +44,11 @@ class Settings(BaseSettings):
     prefetch: int = Field(default=8, ge=1, le=1000)
     # Threads that run plain ``def`` jobs, per process (an app's bounded pool).
     sync_threads: int = Field(default=8, ge=1, le=256)
+    # How often, at most, a worker asks whether an operator cancelled a running job: its
+    # lease renewal carries the answer, and is sent at least this often while a job runs.
+    cancel_check_seconds: float = Field(default=2.0, gt=0, le=300)
+    # The time limit of an attempt of a job type without its own ``timeout=``; none: no limit.
+    job_timeout: float | None = Field(default=None, gt=0)
     # PostgreSQL: claims and completions of concurrent deliveries share one statement each.
     batching: bool = True
     # Crash-loop backstop on the work queue (RabbitMQ x-delivery-limit; local transport too).

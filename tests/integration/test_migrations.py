@@ -1,6 +1,7 @@
 """Migrations keep what is there: 0003 (jobs without an account), 0004 (job queues), 0005
-(retention: tombstones, autovacuum settings on PostgreSQL) and 0012 (the last failure's
-traceback) on a database with data.
+(retention: tombstones, autovacuum settings on PostgreSQL), 0012 (the last failure's
+traceback), 0013 (delayed jobs) and 0014 (a running job's cancel request) on a database
+with data.
 
 On SQLite, 0003 rebuilds the ``jobs`` table (batch mode). With foreign keys on, dropping the
 old table would cascade into every outbox row, event and effects-ledger row of every job, so
@@ -12,9 +13,10 @@ from __future__ import annotations
 import asyncio
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from alembic import command
-from sqlalchemy import func, insert, select, text
+from sqlalchemy import func, insert, inspect, select, text
 
 from jobrelay.storage.engine import alembic_config, create_engine, upgrade
 from jobrelay.storage.store import NewJob, Store
@@ -249,4 +251,46 @@ def test_0013_adds_the_run_time_columns_and_splits_the_relays_index(database_url
     command.downgrade(alembic_config(database_url), "0012")
     assert asyncio.run(_counts(database_url)) == (1, 1, 1)
     assert "available_at" not in asyncio.run(_outbox_indexes(database_url))["ix_outbox_unpublished"]
+    upgrade(database_url)
+
+
+async def _job_columns(url: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+
+            def names(sync_conn: Any) -> set[str]:
+                return {c["name"] for c in inspect(sync_conn).get_columns("jobs")}
+
+            return await conn.run_sync(names)
+    finally:
+        await engine.dispose()
+
+
+def test_0014_adds_the_cancel_request_columns_and_keeps_every_row(database_url: str) -> None:
+    """0014 (a running job's cancel request): three nullable columns at the end of ``jobs``;
+    a job written before it reads as never asked to cancel; down again drops only them."""
+    command.downgrade(alembic_config(database_url), "0013")
+    cancel_columns = {"cancel_requested_at", "cancel_requested_by", "cancel_reason"}
+    assert not cancel_columns & asyncio.run(_job_columns(database_url))
+    old = "00000000-0000-4000-8000-000000000012"
+    asyncio.run(_insert_old(database_url, "acme", old))
+
+    upgrade(database_url)
+
+    assert cancel_columns <= asyncio.run(_job_columns(database_url))
+    assert asyncio.run(_counts(database_url)) == (1, 1, 1)
+
+    async def read() -> Any:
+        engine = create_engine(database_url)
+        try:
+            return await Store(engine).get_job(old)
+        finally:
+            await engine.dispose()
+
+    job = asyncio.run(read())
+    assert job is not None and job.cancel_requested_at is None and job.cancel_reason is None
+    command.downgrade(alembic_config(database_url), "0013")
+    assert not cancel_columns & asyncio.run(_job_columns(database_url))
+    assert asyncio.run(_counts(database_url)) == (1, 1, 1)
     upgrade(database_url)

@@ -34,7 +34,8 @@ one outcome or in ``lease_lost``; the outcome recorded (and the result's attempt
 latest claim's; a superseded claim records ``lease_lost`` naming the holder and is acked;
 each delivery is settled exactly once.
 
-``test_fixed_run`` plays a few fixed runs of the same machine (replay, cancel from each state,
+``test_fixed_run`` plays a few fixed runs of the same machine (replay, cancel from each state
+(a running one: requested, then ended once its dead worker's lease expired),
 lease take-over, reconciler repair, two copies in one process, skewed worker clocks), so that
 every run of the suite reaches those cases even when the random search misses one.
 """
@@ -446,6 +447,10 @@ class PipelineModel(RuleBasedStateMachine):
                 assert not claims and deferred, new
                 assert deferred[0].detail.get("reason") == f"lease held by {before.lease_owner}"
                 self.case("deliver: live lease deferred", skew)
+            elif before.cancel_requested_at is not None:
+                # An operator cancelled it and its worker died: ended, never run again.
+                assert not claims and "cancelled" in {e.kind for e in new}, new
+                self.case("deliver: cancel requested, expired lease ended cancelled", skew)
             elif before.attempt < before.max_attempts:
                 # The lease expired: this redelivery takes the job over with a new attempt.
                 self._claimed_by(worker_id, before, claims, new)
@@ -700,6 +705,14 @@ class PipelineModel(RuleBasedStateMachine):
             target = JobState.CANCELLED
             outcome = self.run(self.operator.cancel(job_id, actor="model", reason="model"))
         after = self.job(job_id)
+        if action == "cancel" and before.state is JobState.RUNNING:
+            # A running job's cancel is a request: recorded, the job still running; its
+            # worker (dead or alive), the next delivery or the reconciler ends it.
+            assert outcome.done and outcome.requested, outcome
+            assert after.state is JobState.RUNNING and after.cancel_requested_at is not None
+            assert "cancel_requested" in self.kinds(job_id)
+            self.case("operator: cancel requested while running")
+            return
         allowed = can_transition(before.state, target, by="operator")
         assert outcome.done is allowed, (action, before.state, outcome)
         if not outcome.done:
@@ -888,7 +901,6 @@ def crashes_take_over_expired_leases_until_quarantined_then_replay(s: Steps) -> 
     s.submit(account="acme", period="2020-01", duplicate=False)
     s.relay()
     s.deliver(pick=0, fault="export.run:crash", duplicate=False)  # attempt 1 dies
-    s.operator_action(action="cancel", allowed=False, pick=0)  # running: refused
     s.deliver(pick=0, fault=None, duplicate=False)  # the lease still runs: deferred
     s.relay()  # the re-check, through the delay tier
     s.advance(seconds=31)
@@ -905,7 +917,6 @@ def crashes_take_over_expired_leases_until_quarantined_then_replay(s: Steps) -> 
         {
             "deliver: expired lease taken over by a redelivery",
             "deliver: expired lease with no attempt left quarantined",
-            "operator: cancel refused from running",
             "operator: replay from quarantined",
             "operator: replay refused from succeeded",
         },
@@ -935,6 +946,24 @@ def cancel_from_each_state_then_deliveries_are_acked(s: Steps) -> None:
             "deliver: cancelled job settled without work",
         },
         cancelled=3,
+    )
+
+
+def cancel_a_running_job_whose_worker_died(s: Steps) -> None:
+    s.submit(account="acme", period="2020-01", duplicate=False)
+    s.relay()
+    s.deliver(pick=0, fault="export.run:crash", duplicate=False)  # attempt 1 dies, running
+    s.operator_action(action="cancel", allowed=False, pick=0)  # running: requested
+    s.deliver(pick=0, fault=None, duplicate=False)  # the lease still runs: deferred
+    s.relay()  # the re-check, through the delay tier
+    s.advance(seconds=31)
+    s.deliver(pick=0, fault=None, duplicate=False)  # lease expired: ended, not run again
+    s.expect(
+        {
+            "operator: cancel requested while running",
+            "deliver: cancel requested, expired lease ended cancelled",
+        },
+        cancelled=1,
     )
 
 
@@ -1038,6 +1067,7 @@ def skewed_worker_clocks_do_not_judge_leases_or_due_times(s: Steps) -> None:
         replay_after_a_permanent_failure,
         crashes_take_over_expired_leases_until_quarantined_then_replay,
         cancel_from_each_state_then_deliveries_are_acked,
+        cancel_a_running_job_whose_worker_died,
         the_reconciler_repairs_a_lease_whose_message_was_dead_lettered,
         drain_finishes_every_job_after_a_dead_letter,
         two_copies_in_one_worker_the_later_claim_wins,

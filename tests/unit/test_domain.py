@@ -50,6 +50,8 @@ LEGAL_PIPELINE = {
     (S.RUNNING, S.QUARANTINED),
     (S.QUEUED, S.QUARANTINED),
     (S.RETRY_WAIT, S.QUARANTINED),
+    # An operator's cancel of a running job is carried out by its worker (or the reconciler).
+    (S.RUNNING, S.CANCELLED),
 }
 LEGAL_OPERATOR = {
     (S.QUEUED, S.CANCELLED),

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from jobrelay.roles.leases import LeaseRenewer
+from jobrelay.storage.records import Renewed
 from jobrelay.storage.store import Claim
 
 
@@ -28,7 +29,7 @@ class HeldRenewal:
 
     async def renew_leases(
         self, claims: Sequence[Claim], lease: timedelta, now: datetime
-    ) -> set[Claim]:
+    ) -> Renewed:
         self.sizes.append(len(claims))
         self.entered.set()
         try:
@@ -36,7 +37,7 @@ class HeldRenewal:
         except asyncio.CancelledError:
             self.cancelled = True
             raise
-        return set(claims)
+        return Renewed(claims)
 
 
 def _renewer(store: HeldRenewal) -> LeaseRenewer:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Path, Request
+from fastapi import APIRouter, Depends, Header, Path, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -82,6 +82,11 @@ class ActionOut(WireModel):
     state: str
     previous_state: str
     actor: str
+    cancel_requested: bool = Field(
+        default=False,
+        description="A running job's cancel was recorded (HTTP 202): its worker stops it and "
+        "it ends `cancelled`; `state` is still `running` until then.",
+    )
 
 
 class WhoAmI(WireModel):
@@ -174,21 +179,36 @@ async def replay_job(
 @router.post(
     "/v1/jobs/{jobId}/cancel",
     response_model=ActionOut,
-    summary="Cancel a job that is not running or finished (admin)",
-    responses=_ACTION_RESPONSES,
+    summary="Cancel a job that has not finished (admin)",
+    responses={
+        **_ACTION_RESPONSES,
+        202: {
+            "description": "The job is running: the cancel is recorded (`cancelRequested`), "
+            "its worker stops it and it ends `cancelled` with this reason.",
+            "model": ActionOut,
+        },
+        409: problem_openapi("The job already finished (succeeded or cancelled)."),
+    },
     openapi_extra=body_of(CancelRequest, required=True),
 )
 async def cancel_job(
     request: Request,
+    response: Response,
     job_id: JobIdPath,
     runtime: RuntimeDep,
     actor: AdminActor,
     principal: PrincipalDep,
 ) -> ActionOut:
-    """``queued | retry_wait | quarantined -> cancelled``; later deliveries are acked without
-    work. The timeline gets a ``cancelled`` event naming this token."""
+    """``queued | retry_wait | quarantined -> cancelled`` at once (200); later deliveries
+    are acked without work. A ``running`` job's cancel is recorded (202): its worker learns
+    it within ``JOBRELAY_CANCEL_CHECK_SECONDS``, stops the run and ends it ``cancelled``.
+    The timeline gets a ``cancel_requested`` and then a ``cancelled`` event naming this
+    token. A job that finished first is a 409."""
     body = parse_body(CancelRequest, await read_body(request))
-    return await _act(runtime, job_id, "cancel", actor, body.reason, None, principal)
+    out = await _act(runtime, job_id, "cancel", actor, body.reason, None, principal)
+    if out.cancel_requested:
+        response.status_code = 202
+    return out
 
 
 @router.post(
@@ -282,6 +302,7 @@ async def _act(
         state=outcome.state.value,
         previous_state=outcome.previous_state.value,
         actor=actor,
+        cancel_requested=outcome.requested,
     )
 
 

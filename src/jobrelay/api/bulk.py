@@ -17,12 +17,15 @@ replay it once per round); a job that arrived meanwhile is not swept in. A call 
 ``before`` starts a new operation, so an interrupted run is run again by starting afresh.
 
 The filter is kept to the action's legal source states (replay: ``quarantined``; cancel:
-``queued``, ``retry_wait``, ``quarantined``): each body's schema allows only those, so
-another state is a 422 like any other invalid body.
+``queued``, ``running``, ``retry_wait``, ``quarantined``): each body's schema allows only
+those, so another state is a 422 like any other invalid body. A running job's cancel is a
+request (``storage.cancels``): it counts as done, and the job no longer matches (its worker
+ends it ``cancelled``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
@@ -40,6 +43,9 @@ from jobrelay.domain.states import JobState
 from jobrelay.ops.operator import CANCELLABLE, REPLAYABLE, Operator
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.dashboard import count_jobs, event_ceiling, search_jobs
+
+# A running job's cancel is recorded and carried out by its worker (``Operator.cancel``).
+BULK_CANCELLABLE = CANCELLABLE | {JobState.RUNNING}
 
 router = APIRouter()
 V = TypeVar("V")
@@ -89,7 +95,7 @@ class ReplayFilter(_Filter):
 
 
 class CancelFilter(_Filter):
-    state: Literal["queued", "retry_wait", "quarantined"] | None = None
+    state: Literal["queued", "running", "retry_wait", "quarantined"] | None = None
 
 
 class _Bulk(_Reasoned):
@@ -151,7 +157,7 @@ async def bulk_replay(request: Request, runtime: RuntimeDep, actor: AdminActor) 
 @router.post(
     "/v1/bulk/cancel",
     response_model=BulkOut,
-    summary="Cancel the jobs matching a filter that are not running or finished (admin)",
+    summary="Cancel the jobs matching a filter that have not finished (admin)",
     responses=_RESPONSES,
     openapi_extra=body_of(BulkCancelRequest, required=True),
 )
@@ -166,7 +172,9 @@ def _filter(action: str, body: BulkReplayRequest | BulkCancelRequest) -> JobFilt
     base = job_filter(
         state, f.type, f.queue, f.account_id, f.reason, f.created_after, f.created_before
     )
-    return base.only(REPLAYABLE if action == "replay" else CANCELLABLE)
+    if action == "replay":
+        return base.only(REPLAYABLE)
+    return replace(base.only(BULK_CANCELLABLE), uncancelled=True)
 
 
 async def _run(

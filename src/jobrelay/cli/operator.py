@@ -78,7 +78,7 @@ def job_cancel_cmd(
     reason: Annotated[str, typer.Option(help="Why; kept in the timeline (required).")],
     actor: Actor = None,
 ) -> None:
-    """Cancel a queued, retry_wait or quarantined job; later deliveries are acked unworked."""
+    """Cancel a job that has not finished; a running one is stopped by its worker first."""
     from jobrelay.ops.operator import cli_actor, refusal
 
     if not reason.strip():
@@ -90,6 +90,11 @@ def job_cancel_cmd(
     if not outcome.done:
         raise fail(refusal("cancel", outcome))
     assert outcome.previous_state is not None
+    if outcome.requested:
+        typer.echo(
+            f"cancel of running job {job_id} requested: its worker stops it and it ends cancelled"
+        )
+        return
     typer.echo(f"cancelled {job_id} (was {outcome.previous_state.value})")
 
 

@@ -102,7 +102,9 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
         "limit": _VALUE,
     },  # jobrelay's  # which worker, and its delivery count, are operators'
     "replayed": {"previousReason": _TEXT, "attempt": _VALUE, "maxAttempts": _VALUE},
-    "cancelled": {"previousState": _VALUE},  # not who, not why: that is the operator's note
+    # Not who, not why, nor which worker: the operator's note and the operators' machines.
+    "cancel_requested": {"attempt": _VALUE},
+    "cancelled": {"previousState": _VALUE, "attempt": _VALUE, "leaseExpired": _VALUE},
     "resent": {},  # not who, not why: that is the operator's note
     "reconciled_lease_expired": {"leaseExpiredAt": _VALUE, "attempt": _VALUE},
     "reconciled_retry_overdue": {"nextAttemptAt": _VALUE, "attempt": _VALUE},

@@ -31,10 +31,12 @@ THROUGHPUT_KINDS: Mapping[str, str] = {
 }
 
 
-# The events that put a job into a state a bulk action moves (queued, retry_wait, quarantined):
-# a job with one of them after an operation's ``event_ceiling`` entered its state since.
+# The events that put a job into a state a bulk action moves (queued, running, retry_wait,
+# quarantined): a job with one of them after an operation's ``event_ceiling`` entered its
+# state since.
 STATE_ENTRY_KINDS: tuple[str, ...] = (
     "accepted",
+    "claimed",
     "replayed",
     "retry_scheduled",
     "reconciled_lease_expired",
@@ -64,6 +66,8 @@ class JobFilter:
     created_before: datetime | None = None
     event_ceiling: int | None = None
     reason_public: bool = False
+    # Only jobs no operator has asked to cancel yet (a bulk cancel of running jobs).
+    uncancelled: bool = False
 
     def only(self, allowed: Iterable[JobState]) -> JobFilter:
         """The same filter kept to ``allowed`` states (a bulk action's legal sources)."""

@@ -39,6 +39,9 @@ TRANSITIONS: dict[tuple[JobState, JobState], str] = {
     # A bad payload or an exhausted budget is found before the job is claimed.
     (JobState.QUEUED, JobState.QUARANTINED): "pipeline",
     (JobState.RETRY_WAIT, JobState.QUARANTINED): "pipeline",
+    # An operator's cancel of a running job is a request (``storage.cancels``): the job is
+    # ended by its worker (fenced on the claim) or, its lease expired, by the reconciler.
+    (JobState.RUNNING, JobState.CANCELLED): "pipeline",
     (JobState.QUEUED, JobState.CANCELLED): "operator",
     (JobState.RETRY_WAIT, JobState.CANCELLED): "operator",
     (JobState.QUARANTINED, JobState.CANCELLED): "operator",

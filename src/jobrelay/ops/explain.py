@@ -75,6 +75,12 @@ def _next_step(job: JobRecord, now: datetime, *, paused: bool) -> str:
         )
     if job.state is JobState.CANCELLED:
         return "cancelled by an operator; later deliveries are acked without work"
+    if job.state is JobState.RUNNING and job.cancel_requested_at is not None:
+        return (
+            f"cancel requested by {job.cancel_requested_by} {ago(job.cancel_requested_at, now)}"
+            f" ({job.cancel_reason}): {job.lease_owner} stops attempt {job.attempt} and ends it "
+            "cancelled; if that worker died, it is ended once its lease expires"
+        )
     if job.state is JobState.RUNNING:
         lease = job.lease_expires_at
         if lease is not None and lease <= now:

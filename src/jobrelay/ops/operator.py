@@ -41,6 +41,8 @@ def refusal(action: str, outcome: ActionOutcome) -> str:
         return f"no job {outcome.job_id}"
     if action == "resend":
         return f"job {outcome.job_id} is {outcome.state.value}; resend is allowed only from queued"
+    if action == "cancel" and outcome.state.is_terminal and outcome.state not in CANCELLABLE:
+        return f"job {outcome.job_id} already {outcome.state.value}; nothing to cancel"
     allowed = ", ".join(
         sorted(s.value for s in (REPLAYABLE if action == "replay" else CANCELLABLE))
     )
@@ -87,7 +89,22 @@ class Operator:
         )
 
     async def cancel(self, job_id: str, *, actor: str, reason: str) -> ActionOutcome:
-        outcome = await self.queries.cancel(job_id, actor=actor, reason=reason, now=self.rt.clock())
+        """queued | retry_wait | quarantined -> cancelled at once; a running job's cancel is
+        recorded (``requested``), its worker stops it and ends it ``cancelled``
+        (``storage.cancels``). A job that finished first is refused, as it is."""
+        for _ in range(3):  # the job may move between the two guarded writes: look again
+            now = self.rt.clock()
+            outcome = await self.queries.cancel(job_id, actor=actor, reason=reason, now=now)
+            if outcome.done or outcome.state is not JobState.RUNNING:
+                break
+            asked = await self.rt.store.request_cancel(job_id, actor=actor, reason=reason, now=now)
+            if asked.requested:
+                running = JobState.RUNNING
+                outcome = ActionOutcome(job_id, True, running, running, requested=True)
+                break
+            outcome = ActionOutcome(job_id, False, asked.state)
+            if asked.state is None or asked.state.is_terminal:
+                break
         self._record("cancel", outcome, actor, reason)
         return outcome
 
@@ -143,7 +160,14 @@ class Operator:
 
     def _record(self, action: str, outcome: ActionOutcome, actor: str, reason: str) -> None:
         event = "replayed" if action == "replay" else "cancelled"
-        if outcome.done:
+        if outcome.requested:
+            self.rt.metrics.operator_actions.labels(action=action).inc()
+            log.info(
+                "cancel of a running job requested by %s",
+                actor,
+                extra={"event": "cancel_requested", "jobId": outcome.job_id, "actor": actor},
+            )
+        elif outcome.done:
             assert outcome.previous_state is not None and outcome.state is not None
             self.rt.metrics.operator_actions.labels(action=action).inc()
             self.rt.metrics.transition(outcome.previous_state.value, outcome.state.value)

@@ -23,10 +23,6 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
-from jobrelay.domain.disclosure import (
-    INTERRUPTED,
-    public_error,
-)
 from jobrelay.domain.policy import (
     Action,
     Decision,
@@ -50,6 +46,7 @@ from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.failures import failure_texts, failure_traceback
 from jobrelay.roles.leases import LeaseRenewer
 from jobrelay.roles.runtime import Runtime
+from jobrelay.roles.stopping import RunStop, end_cancelled, time_limit
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, NewJob
 from jobrelay.transport.base import Delivery
@@ -127,10 +124,11 @@ class AttemptRun:
         result: Any = None
         started = time.monotonic()
         work = asyncio.create_task(operation.run(context))
+        stop = RunStop(work, lease_lost, time_limit(operation, self.rt.settings))
         # The renewal outlives the operation: the worker's renewer renews the lease until
         # the outcome is committed (``_commit_outcome`` releases it then), however long that
         # write is held.
-        self._leases.hold(claim, granted, work, lease_lost)
+        self._leases.hold(claim, granted, work, lease_lost, stop.cancelled)
         self._renewed = claim
         try:
             try:
@@ -138,12 +136,10 @@ class AttemptRun:
                 observation = ResultSaved(result.result_key)
             except asyncio.CancelledError:
                 current = asyncio.current_task()
-                if (current is not None and current.cancelling()) or not lease_lost.is_set():
+                if (current is not None and current.cancelling()) or not stop.stopped:
                     await results.discard()
                     raise  # we are being stopped: leave the delivery unsettled
-                observation = self._transient(
-                    job, claim.attempt, "lease lost: the run was stopped", public_error(INTERRUPTED)
-                )
+                observation = self._transient(job, claim.attempt, *stop.why())
             except PermanentError as exc:
                 observation = PermanentFailure(*failure_texts(exc), failure_traceback(exc))
             except (OperationError, StoreError) as exc:
@@ -166,6 +162,7 @@ class AttemptRun:
                 await results.discard()
                 raise
         finally:
+            stop.close()
             self._stop_renewing()
 
     def _stop_renewing(self) -> None:
@@ -266,7 +263,10 @@ class AttemptRun:
         self._measure(job, decision, won, started)
         if not won:
             await results.discard()
-            await self._lease_lost(delivery, claim, fenced)
+            if await end_cancelled(self.rt, claim, fenced):  # an operator cancelled it
+                await self._settle(delivery, claim.job_id, Action.ACK, claim.attempt)
+            else:
+                await self._lease_lost(delivery, claim, fenced)
             return
         await self._settle(delivery, job.id, decision.action, claim.attempt)
 

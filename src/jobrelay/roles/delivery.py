@@ -91,7 +91,7 @@ class DeliveryHandler:
                 self._complete_many, key=lambda r: r.claim.job_id, alone_on=alone_on
             )
         # Every running claim's lease, renewed in one statement (one renewer per worker).
-        self.leases = LeaseRenewer(rt, lease)
+        self.leases = LeaseRenewer(rt, lease, rt.settings.cancel_check_seconds)
         # Deliveries of each job being claimed or run in this process (a lost claim's reply
         # is adopted only by the one delivery that holds the job here).
         self._holding: Counter[str] = Counter()
@@ -157,6 +157,8 @@ class DeliveryHandler:
                     delivery, f"type {message.type} != job type {job.type}", job.id, meta
                 )
                 return
+            if job.cancel_requested_at is not None and await self._end_abandoned(delivery, job):
+                return
             observation = observe_delivery(job.view(), self._seen_at(job))
             if isinstance(observation, AttemptsExhausted):
                 observation = await self._with_last_release(job.id, observation)
@@ -165,6 +167,14 @@ class DeliveryHandler:
         await self._defer(
             delivery, message.job_id, message.encode(), "claim kept losing races", None
         )
+
+    async def _end_abandoned(self, delivery: Delivery, job: JobRecord) -> bool:
+        """A running job an operator cancelled whose lease expired (its worker died): end it
+        ``cancelled`` now, as the reconciler would, and ack (``storage.cancels``)."""
+        if not await self.rt.store.end_abandoned(job.id, self.rt.clock()):
+            return False  # its worker still holds it (the policy defers), or it moved on
+        await self._settle(delivery, job.id, Action.ACK, job.attempt)
+        return True
 
     async def _with_last_release(
         self, job_id: str, observation: AttemptsExhausted

@@ -9,6 +9,9 @@ renewal where it sent 16. Each claim keeps its own rules, as its heartbeat had t
 
 - a renewal that finds another claim holding the job loses that claim only: its run is
   cancelled (``lease_lost``), its neighbours in the statement are renewed;
+- a renewal that finds an operator asked to cancel the job (``storage.cancels``) renews it
+  and cancels its run (``cancelled``): so a claim is renewed at least every
+  ``JOBRELAY_CANCEL_CHECK_SECONDS`` while its work runs, however long its lease;
 - a renewal that fails (an outage, a timeout) is tried again soon; a claim whose lease may
   have ended before a renewal succeeded is lost while its work still runs, and once the work
   is done it keeps being renewed until its outcome commits (``release``), so a result
@@ -42,28 +45,40 @@ class _Held:
     lost: asyncio.Event
     expires: float  # monotonic: when the lease may have ended without a renewal
     due: float  # monotonic: when it is renewed next
+    cancelled: asyncio.Event | None = None  # set when an operator's cancel is learnt
 
 
 class LeaseRenewer:
-    def __init__(self, rt: Runtime, lease: timedelta) -> None:
+    def __init__(self, rt: Runtime, lease: timedelta, cancel_check: float | None = None) -> None:
         self.rt = rt
         self.lease = lease.total_seconds()
         self._lease = lease
+        # How long a claim goes unrenewed: a third of the lease, or less, so a cancel
+        # request is learnt within ``cancel_check`` seconds.
+        self._every = min(self.lease / 3, cancel_check or self.lease)
         self._margin = min(1.0, self.lease / 10)
-        self._window = self.lease / 6
+        self._window = min(self.lease / 6, self._every / 2)
         self._held: dict[Claim, _Held] = {}
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.statements = 0  # renewal statements sent (tests, metrics)
 
     def hold(
-        self, claim: Claim, granted: float, work: asyncio.Task[Any], lost: asyncio.Event
+        self,
+        claim: Claim,
+        granted: float,
+        work: asyncio.Task[Any],
+        lost: asyncio.Event,
+        cancelled: asyncio.Event | None = None,
     ) -> None:
         """Renew ``claim`` from now on; ``granted`` is when its lease began (monotonic).
 
-        When it is lost, ``lost`` is set and ``work`` cancelled.
+        When it is lost, ``lost`` is set and ``work`` cancelled; when a renewal finds an
+        operator's cancel of the job, ``cancelled`` is set and ``work`` cancelled.
         """
-        self._held[claim] = _Held(claim, work, lost, granted + self.lease, granted + self.lease / 3)
+        self._held[claim] = _Held(
+            claim, work, lost, granted + self.lease, granted + self._every, cancelled
+        )
         self._changed.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -129,7 +144,9 @@ class LeaseRenewer:
             if self._held.get(held.claim) is not held:
                 continue  # released while the statement ran: its outcome is committed
             if held.claim in renewed:
-                held.expires, held.due = sent + self.lease, sent + self.lease / 3
+                held.expires, held.due = sent + self.lease, sent + self._every
+                if held.claim in renewed.cancel_requested:
+                    self._cancel(held)
             else:
                 self._lose(held, "another claim holds the job")
 
@@ -148,6 +165,18 @@ class LeaseRenewer:
             held.due = time.monotonic() + min(self.lease / 6, 1.0)
             return
         self._lose(held, f"lease could not be renewed before it ended ({exc or 'timed out'})")
+
+    def _cancel(self, held: _Held) -> None:
+        """An operator cancelled the job: stop its work (once); the lease is still ours and
+        is renewed until the run has ended the job ``cancelled``."""
+        if held.cancelled is None or held.cancelled.is_set() or held.work.done():
+            return
+        log.info(
+            "cancel requested by an operator, stopping the run",
+            extra={"event": "cancel_learnt", "jobId": held.claim.job_id},
+        )
+        held.cancelled.set()
+        held.work.cancel()
 
     def _lose(self, held: _Held, reason: str) -> None:
         log.warning(

@@ -7,6 +7,8 @@ on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for five things, e
 - ``lease_expired``: ``running``, but the worker's lease ran out (it died, and no redelivery
   took the job over). Repair: ``running -> retry_wait`` due now, plus a work message; the
   next delivery claims it, or quarantines it if no attempt is left.
+  A job an operator asked to cancel while it ran (``storage.cancels``) is ended
+  ``cancelled`` with the operator's reason instead: its worker died before it could.
 - ``retry_overdue``: ``retry_wait`` past its due time with no message of it in the outbox.
   Repair: re-send the retry as a work message, once per wait; still overdue after that, the
   pass only reports it (are workers consuming?).
@@ -205,13 +207,25 @@ class Reconciler:
 
     async def _expired_leases(self, report: Report, before: datetime, now: datetime) -> None:
         for job in await self.queries.expired_leases(before, self.batch):
-            repaired = not report.dry_run and await self.queries.requeue_expired_lease(
-                job.id, job.lease_owner, before, now, self.actor
-            )
+            cancel = job.cancel_requested_at is not None
+            if report.dry_run:
+                repaired = False
+            elif cancel:
+                repaired = await self.rt.store.end_abandoned(job.id, now)
+            else:
+                repaired = await self.queries.requeue_expired_lease(
+                    job.id, job.lease_owner, before, now, self.actor
+                )
+            target = JobState.CANCELLED if cancel else JobState.RETRY_WAIT
             if repaired:
                 self.rt.metrics.reconcile_repairs.labels(finding=LEASE_EXPIRED).inc()
-                self.rt.metrics.transition(JobState.RUNNING.value, JobState.RETRY_WAIT.value)
-            action = "re-queued" if repaired else ("would re-queue" if report.dry_run else _MOVED)
+                self.rt.metrics.transition(JobState.RUNNING.value, target.value)
+            done, would = (
+                ("cancelled", "would cancel") if cancel else ("re-queued", "would re-queue")
+            )
+            action = done if repaired else (would if report.dry_run else _MOVED)
+            if cancel:
+                action = f"cancel requested by {job.cancel_requested_by}: {action}"
             report.findings.append(
                 Finding(
                     LEASE_EXPIRED,

@@ -35,6 +35,8 @@ class ActionOutcome:
     done: bool
     state: JobState | None  # None: no such job
     previous_state: JobState | None = None
+    # A cancel of a running job is a request (``storage.cancels``): recorded, not yet done.
+    requested: bool = False
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from sqlalchemy import (
 from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
-from jobrelay.storage.claims import claimable, fenced, guard_sql
+from jobrelay.storage.claims import claimable, fenced, guard_sql, holds
 from jobrelay.storage.hot_path import (
     COMPLETABLE,
     HotPathStore,
@@ -51,7 +51,7 @@ from jobrelay.storage.hot_path import (
     result_saved_detail,
 )
 from jobrelay.storage.pg_hot import HotStatement
-from jobrelay.storage.records import Claim, JobRecord, job_record, jsonable
+from jobrelay.storage.records import Claim, JobRecord, Renewed, job_record, jsonable
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.tables import UTCDateTime, jobs
 
@@ -181,6 +181,18 @@ SELECT id FROM done
     )
 )
 
+# A renewal is no outcome: guarded on the claim holding the job (``claims.holds``), and it
+# answers, per claim, whether an operator asked to cancel it (``storage.cancels``).
+_RENEW_HOLDS = guard_sql(
+    holds(
+        Claim(
+            literal_column("req.id"),  # type: ignore[arg-type]
+            literal_column("req.attempt"),  # type: ignore[arg-type]
+            literal_column("req.worker"),  # type: ignore[arg-type]
+        )
+    )
+)
+
 # Every running claim of a worker renewed at once (its one lease renewer), fenced per row as
 # a completion is, rows locked in id order as the completions lock them.
 _RENEW_MANY = HotStatement(
@@ -197,8 +209,8 @@ locked AS (
 )
 UPDATE jobs SET lease_expires_at = clock.now + :l_lease, updated_at = :l_now
 FROM req JOIN locked ON locked.id = req.id, clock
-WHERE jobs.id = req.id AND {_COMPLETE_FENCE}
-RETURNING jobs.id
+WHERE jobs.id = req.id AND {_RENEW_HOLDS}
+RETURNING jobs.id, jobs.cancel_requested_at IS NOT NULL AS cancel_requested
 """
     ).bindparams(
         bindparam("l_ids", type_=ARRAY(String())),
@@ -259,24 +271,30 @@ class BatchStore(HotPathStore):
 
     async def renew_leases(
         self, claims: Sequence[Claim], lease: timedelta, now: datetime
-    ) -> set[Claim]:
+    ) -> Renewed:
         """``renew_lease`` for many claims in one statement (one transaction on SQLite):
         the claims that still hold their job, each lease now ending at the store's clock
-        + ``lease``."""
+        + ``lease``, and which of them an operator has asked to cancel."""
         if not claims:
-            return set()
+            return Renewed()
         if not self.is_postgres:
-            held: set[Claim] = set()
+            held: list[Claim] = []
+            cancels: list[Claim] = []
             async with self.writing() as conn:
                 for claim in claims:
-                    result = await conn.execute(
-                        update(jobs)
-                        .where(jobs.c.id == claim.job_id, *self.fenced(claim))
-                        .values(lease_expires_at=self.now_sql(lease), updated_at=now)
-                    )
-                    if result.rowcount == 1:
-                        held.add(claim)
-            return held
+                    row = (
+                        await conn.execute(
+                            update(jobs)
+                            .where(jobs.c.id == claim.job_id, *holds(claim))
+                            .values(lease_expires_at=self.now_sql(lease), updated_at=now)
+                            .returning(jobs.c.cancel_requested_at)
+                        )
+                    ).first()
+                    if row is not None:
+                        held.append(claim)
+                        if row.cancel_requested_at is not None:
+                            cancels.append(claim)
+            return Renewed(held, cancels)
         params = {
             "l_ids": [c.job_id for c in claims],
             "l_attempts": [c.attempt for c in claims],
@@ -285,8 +303,11 @@ class BatchStore(HotPathStore):
             "l_now": now,
             "l_clock": self._clock() if self._clock is not None else None,
         }
-        won = {row["id"] for row in await self.hot_rows(_RENEW_MANY, params)}
-        return {c for c in claims if c.job_id in won}
+        rows = await self.hot_rows(_RENEW_MANY, params)
+        won = {row["id"]: bool(row["cancel_requested"]) for row in rows}
+        return Renewed(
+            (c for c in claims if c.job_id in won), (c for c in claims if won.get(c.job_id))
+        )
 
 
 __all__ = ["BatchStore", "ClaimRequest", "CompleteRequest"]

@@ -42,17 +42,29 @@ from jobrelay.storage.tables import (
 from jobrelay.transport.topology import DEFAULT_QUEUE
 
 
-def fenced(claim: Claim) -> list[Any]:
-    """The claim token: a write of this run lands only while this claim holds the job.
+def holds(claim: Claim) -> list[Any]:
+    """The claim holds the job: running, at its attempt, under its lease owner.
 
-    The one statement of the fence: the SQLAlchemy path uses it with values, the batched
-    statements (``batches``, run on SQLAlchemy or raw asyncpg) with their arrays' columns.
+    What a lease renewal, a progress report and the end of a cancelled run are guarded on:
+    they are no outcome of the work, so an operator's cancel request does not refuse them.
     """
     return [
         jobs.c.state == JobState.RUNNING.value,
         jobs.c.attempt == claim.attempt,
         jobs.c.lease_owner == claim.worker_id,
     ]
+
+
+def fenced(claim: Claim) -> list[Any]:
+    """The claim token: an outcome of this run lands only while this claim holds the job
+    and no operator has asked to cancel it (``storage.cancels``).
+
+    The one statement of the fence: the SQLAlchemy path uses it with values, the batched
+    statements (``batches``, run on SQLAlchemy or raw asyncpg) with their arrays' columns.
+    A run that finishes after a cancel was requested therefore cannot become ``succeeded``
+    (nor ``retry_wait``): its worker ends the job ``cancelled`` instead (``end_cancelled``).
+    """
+    return [*holds(claim), jobs.c.cancel_requested_at.is_(None)]
 
 
 def claimable(now: ColumnElement[datetime], due_by: ColumnElement[datetime]) -> list[Any]:
@@ -65,6 +77,8 @@ def claimable(now: ColumnElement[datetime], due_by: ColumnElement[datetime]) -> 
     return [
         StoreBase.state_in(sources_for(JobState.RUNNING)),
         jobs.c.attempt < jobs.c.max_attempts,
+        # A job an operator asked to cancel is never claimed again (the reconciler ends it).
+        jobs.c.cancel_requested_at.is_(None),
         or_(
             jobs.c.state == JobState.QUEUED.value,
             and_(
@@ -167,7 +181,7 @@ class ClaimsStore(StoreBase):
         async with self.writing() as conn:
             result = await conn.execute(
                 update(jobs)
-                .where(jobs.c.id == claim.job_id, *self.fenced(claim))
+                .where(jobs.c.id == claim.job_id, *holds(claim))
                 .values(lease_expires_at=self.now_sql(lease), updated_at=now)
             )
         return bool(result.rowcount == 1)
@@ -176,7 +190,7 @@ class ClaimsStore(StoreBase):
         async with self.writing() as conn:
             result = await conn.execute(
                 update(jobs)
-                .where(jobs.c.id == claim.job_id, *self.fenced(claim))
+                .where(jobs.c.id == claim.job_id, *holds(claim))
                 .values(progress_done=done, progress_total=total, updated_at=now)
             )
         return bool(result.rowcount == 1)

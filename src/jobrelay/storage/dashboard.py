@@ -63,6 +63,8 @@ def _where(query: Any, f: JobFilter) -> Any:
     elif f.reason:
         text = func.lower(func.coalesce(jobs.c.quarantine_reason, jobs.c.last_error, ""))
         query = query.where(text.contains(f.reason.lower(), autoescape=True))
+    if f.uncancelled:
+        query = query.where(jobs.c.cancel_requested_at.is_(None))
     if f.event_ceiling is not None:
         entered_since = select(job_events.c.id).where(
             job_events.c.job_id == jobs.c.id,

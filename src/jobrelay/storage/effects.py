@@ -91,8 +91,11 @@ class EffectsLedger:
     async def _superseded(
         self, conn: AsyncConnection, job_id: str, attempt: int, worker: str | None
     ) -> dict[str, Any] | None:
-        """None while the claim (``attempt``, ``worker``) holds the job, else what holds it."""
-        query = select(jobs.c.state, jobs.c.attempt, jobs.c.lease_owner).where(jobs.c.id == job_id)
+        """None while the claim (``attempt``, ``worker``) holds the job and no operator has
+        asked to cancel it (``storage.cancels``), else what holds it."""
+        query = select(
+            jobs.c.state, jobs.c.attempt, jobs.c.lease_owner, jobs.c.cancel_requested_at
+        ).where(jobs.c.id == job_id)
         if self._lock_rows:
             query = query.with_for_update()
         row = (await conn.execute(query)).first()
@@ -103,9 +106,11 @@ class EffectsLedger:
             and row.attempt == attempt
             and worker is not None
             and row.lease_owner == worker
+            and row.cancel_requested_at is None
         ):
             return None
-        return {"currentState": row.state, "currentAttempt": row.attempt}
+        found = {"currentState": row.state, "currentAttempt": row.attempt}
+        return found if row.cancel_requested_at is None else {**found, "cancelRequested": True}
 
     async def begin(
         self,

@@ -5,7 +5,7 @@ No I/O here: the store modules build these from rows, and the roles pass them ar
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -66,6 +66,18 @@ class Claim:
     worker_id: str
 
 
+class Renewed(frozenset[Claim]):
+    """The claims a lease renewal found holding their job (so renewed), and among them
+    ``cancel_requested``: those an operator has asked to cancel (``storage.cancels``)."""
+
+    cancel_requested: frozenset[Claim]
+
+    def __new__(cls, held: Iterable[Claim] = (), cancel_requested: Iterable[Claim] = ()) -> Renewed:
+        renewed = super().__new__(cls, held)
+        renewed.cancel_requested = frozenset(cancel_requested)
+        return renewed
+
+
 @dataclass(frozen=True)
 class Fenced:
     """What a fenced write found: ``won``, or the attempt that holds the job now."""
@@ -110,6 +122,11 @@ class JobRecord:
     def waiting_for_run_at(self, now: datetime) -> bool:
         """Queued, and its run time not reached: waiting on purpose, not stuck."""
         return self.state is JobState.QUEUED and self.run_at is not None and self.run_at > now
+
+    # An operator asked to cancel it while it ran (``storage.cancels``): when, who, why.
+    cancel_requested_at: datetime | None = None
+    cancel_requested_by: str | None = None
+    cancel_reason: str | None = None
 
     def view(self) -> JobView:
         return JobView(
@@ -213,6 +230,9 @@ def job_record(row: Row[Any] | Mapping[str, Any]) -> JobRecord:
         public_error=m.get("public_error"),
         last_traceback=m.get("last_traceback"),
         run_at=aware_time(m.get("run_at")),
+        cancel_requested_at=aware_time(m.get("cancel_requested_at")),
+        cancel_requested_by=m.get("cancel_requested_by"),
+        cancel_reason=m.get("cancel_reason"),
     )
 
 

@@ -1,7 +1,7 @@
 """The job store: every query jobrelay runs against its own tables, each a named method.
 
 One class for callers, assembled from one module per concept (``jobs``, ``claims`` and
-its ``hot_path`` and ``batches``,
+its ``hot_path`` and ``batches``, ``cancels``,
 ``outbox``, ``events``, ``tokens``) over ``base`` (the engine, the one clock
 and the SQL they share). The records it reads and writes are in ``records``.
 """
@@ -9,6 +9,7 @@ and the SQL they share). The records it reads and writes are in ``records``.
 from __future__ import annotations
 
 from jobrelay.storage.batches import BatchStore, ClaimRequest, CompleteRequest
+from jobrelay.storage.cancels import CancelsStore
 from jobrelay.storage.events import EventsStore
 from jobrelay.storage.jobs import JobsStore
 from jobrelay.storage.outbox import OutboxStore
@@ -30,7 +31,7 @@ from jobrelay.storage.records import (
 from jobrelay.storage.tokens import TokensStore
 
 
-class Store(JobsStore, BatchStore, OutboxStore, EventsStore, TokensStore):
+class Store(JobsStore, BatchStore, CancelsStore, OutboxStore, EventsStore, TokensStore):
     """All of the store; see the modules it is made of."""
 
 

@@ -103,6 +103,11 @@ jobs = Table(
     # outbox row is held until then. None: it ran as soon as it was published. Kept after the
     # job ran, as its history. Last, as the migration adds it (see above).
     Column("run_at", UTCDateTime()),
+    # An operator's cancel of a running job (migration 0014): recorded here, learnt by the
+    # worker with its lease renewal; the outcome fences refuse a claim once it is set.
+    Column("cancel_requested_at", UTCDateTime()),
+    Column("cancel_requested_by", String(255)),
+    Column("cancel_reason", Text),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)

@@ -180,7 +180,8 @@
 
   function renderActions(job) {
     const replayable = job.state === "quarantined";
-    const cancellable = ["queued", "retry_wait", "quarantined"].includes(job.state);
+    // A running job's cancel is a request: its worker stops it and it ends cancelled.
+    const cancellable = ["queued", "running", "retry_wait", "quarantined"].includes(job.state);
     $("replay").hidden = !(session.admin && replayable);
     $("cancel").hidden = !(session.admin && cancellable);
     renderResend(job);
@@ -205,7 +206,11 @@
       const done = await api("POST", "/v1/jobs/" + encodeURIComponent(jobId) + "/" + action, body);
       $("action-reason").value = "";
       await lookUp(jobId);
-      say(action + " done: job " + done.jobId + " is now " + done.state + " (was " + done.previousState + ")");
+      if (done.cancelRequested) {
+        say("cancel requested: job " + done.jobId + " is stopped by its worker and ends cancelled");
+      } else {
+        say(action + " done: job " + done.jobId + " is now " + done.state + " (was " + done.previousState + ")");
+      }
     } catch (error) {
       say(action + " refused: " + error.message, true);
     }

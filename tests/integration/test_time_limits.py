@@ -1,0 +1,187 @@
+"""Time limits (issue 24, item 4): ``@app.job(timeout=)`` and ``JOBRELAY_JOB_TIMEOUT``.
+
+An attempt still running at its limit is stopped, its staged result discarded, and it counts
+as a failed attempt with the reason ``time limit of 0.5 s exceeded``: retried, then
+quarantined once its attempts are used. A ``def`` job cannot be interrupted: its attempt is
+recorded as failed at the limit, its thread is abandoned (``ctx.cancelled`` set, whatever it
+returns later discarded) and keeps its slot of the pool until it ends, so the worker never
+runs more threads than its pool. The worker tests run on SQLite and PostgreSQL
+(``database_url``); the retry through the broker on SQLite + local transport and on
+PostgreSQL + RabbitMQ (``backend``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+import jobrelay
+from jobrelay.domain.states import JobState
+from jobrelay.errors import ConfigError
+from jobrelay.roles.runtime import Runtime
+from jobrelay.roles.worker import Worker
+
+from .api_fixtures import build_runtime
+from .ops_fixtures import eventually
+from .test_library import Delivery  # a delivery that records its ack or reject
+
+pytestmark = pytest.mark.timeout(120)
+S = JobState
+APP = "tests.integration.test_time_limits:app"
+REASON = "time limit of 0.5 s exceeded"
+
+
+class Item(BaseModel):
+    n: int = 0
+
+
+app = jobrelay.App()
+stuck_started = threading.Event()
+stuck_release = threading.Event()
+quick_started = threading.Event()
+returned: list[bool] = []  # the abandoned def body returned, seeing ctx.cancelled
+
+
+@app.job("limits.slow", params=Item, timeout=0.5, max_attempts=2, retry_delays=(1,))
+async def slow(ctx: jobrelay.JobContext[Item], params: Item) -> jobrelay.Result:
+    key = ctx.result_key("out.csv")
+    async with ctx.writer(key) as w:  # staged: visible only with a committed success
+        await w.write(b"partial\n")
+    await asyncio.Event().wait()  # never returns by itself
+    return jobrelay.Result(key=key)
+
+
+@app.job("limits.unlimited", params=Item, max_attempts=2)
+async def unlimited(ctx: jobrelay.JobContext[Item], params: Item) -> None:
+    await asyncio.Event().wait()  # stopped only by JOBRELAY_JOB_TIMEOUT
+
+
+@app.job("limits.stuck", params=Item, timeout=0.5, max_attempts=3)
+def stuck(ctx: jobrelay.SyncJobContext[Item], params: Item) -> jobrelay.Result:
+    stuck_started.set()
+    stuck_release.wait(60)  # a body that cannot be interrupted
+    returned.append(ctx.cancelled.is_set())
+    return jobrelay.Result(key="late", meta={"late": True})
+
+
+@app.job("limits.quick", params=Item)
+def quick(ctx: jobrelay.SyncJobContext[Item], params: Item) -> jobrelay.Result:
+    quick_started.set()
+    return jobrelay.Result(meta={"n": params.n})
+
+
+@pytest.fixture
+async def rt(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
+    runtime = build_runtime(database_url, tmp_path)
+    # One thread in the pool: the abandoned body's slot is the only one.
+    settings = runtime.settings.model_copy(update={"sync_threads": 1})
+    runtime = dataclasses.replace(runtime, settings=settings, app=app)
+    for event in (stuck_started, stuck_release, quick_started):
+        event.clear()
+    returned.clear()
+    yield runtime
+    stuck_release.set()
+    await runtime.engine.dispose()
+
+
+async def enqueue(rt: Runtime, job: jobrelay.JobDefinition[Any], n: int = 0) -> str:
+    async with rt.engine.begin() as conn:
+        return await job.enqueue(conn, Item(n=n))
+
+
+async def run_job(rt: Runtime, job_id: str, job_type: str) -> Delivery:
+    delivery = Delivery(json.dumps({"jobId": job_id, "type": job_type, "version": 1}).encode())
+    await Worker(rt).handle(delivery)
+    return delivery
+
+
+async def test_an_async_job_past_its_limit_is_retried_then_quarantined(rt: Runtime) -> None:
+    job_id = await enqueue(rt, slow)
+
+    assert (await run_job(rt, job_id, slow.type)).outcomes == ["ack"]
+
+    job = await rt.store.get_job(job_id)
+    assert job is not None and job.state is S.RETRY_WAIT and job.attempt == 1
+    assert job.last_error == REASON
+    assert job.public_error is not None and REASON in job.public_error
+    assert not await rt.results.exists(slow.type + f"/{job_id}/out.csv")  # discarded
+    [retry] = [e.detail for e in await rt.store.events(job_id) if e.kind == "retry_scheduled"]
+    assert retry["error"] == REASON and retry["delaySeconds"] == 1
+
+    rt.clock.advance(2)  # type: ignore[attr-defined]
+    assert (await run_job(rt, job_id, slow.type)).outcomes == ["reject"]
+
+    job = await rt.store.get_job(job_id)
+    assert job is not None and job.state is S.QUARANTINED and job.attempt == 2
+    assert job.quarantine_reason == f"attempts exhausted (2/2): {REASON}"
+    assert job.result_key is None
+
+
+async def test_the_default_time_limit_applies_to_a_type_without_its_own(rt: Runtime) -> None:
+    settings = rt.settings.model_copy(update={"job_timeout": 0.5})
+    limited = dataclasses.replace(rt, settings=settings)
+    job_id = await enqueue(limited, unlimited)
+
+    assert (await run_job(limited, job_id, unlimited.type)).outcomes == ["ack"]
+
+    job = await rt.store.get_job(job_id)
+    assert job is not None and job.state is S.RETRY_WAIT and job.last_error == REASON
+
+
+async def test_a_def_job_past_its_limit_is_abandoned_and_keeps_its_thread(rt: Runtime) -> None:
+    stuck_id = await enqueue(rt, stuck)
+    quick_id = await enqueue(rt, quick, n=5)
+
+    # The attempt fails at the limit while its body still runs in the pool's one thread.
+    assert (await run_job(rt, stuck_id, stuck.type)).outcomes == ["ack"]
+    job = await rt.store.get_job(stuck_id)
+    assert job is not None and job.state is S.RETRY_WAIT and job.last_error == REASON
+    assert stuck_started.is_set() and returned == []
+
+    # The next def job is claimed, but its body waits for the slot the abandoned one holds.
+    second = asyncio.create_task(run_job(rt, quick_id, quick.type))
+
+    async def claimed() -> bool:
+        found = await rt.store.get_job(quick_id)
+        return found is not None and found.state is S.RUNNING
+
+    await eventually(claimed, what="the second def job to be claimed")
+    assert not quick_started.is_set()  # one thread: the pool is not exceeded
+    stuck_release.set()  # the abandoned body returns; its thread takes the next job
+    assert (await asyncio.wait_for(second, 30)).outcomes == ["ack"]
+
+    done = await rt.store.get_job(quick_id)
+    assert done is not None and done.state is S.SUCCEEDED and done.result_meta is not None
+    assert done.result_meta["n"] == 5
+    assert returned == [True]  # it saw ctx.cancelled; what it returned was discarded
+    job = await rt.store.get_job(stuck_id)
+    assert job is not None and job.state is S.RETRY_WAIT and job.result_key is None
+    assert "result_saved" not in [e.kind for e in await rt.store.events(stuck_id)]
+
+
+@pytest.mark.parametrize("bad", [0, -1, True])
+def test_a_time_limit_must_be_positive_seconds(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="timeout must be positive seconds"):
+        jobrelay.App().job("x.y", params=Item, timeout=bad)
+
+
+async def test_a_timed_out_job_retries_through_the_broker(make_pipeline: Any) -> None:
+    async with make_pipeline(app=APP) as p:
+        p.start_relay()
+        await p.start_worker()
+        job_id = await enqueue(p.rt, slow)
+
+        job = await p.wait_for(job_id, lambda j: j.state is S.QUARANTINED, timeout=60)
+
+        assert job.attempt == 2 and job.quarantine_reason == f"attempts exhausted (2/2): {REASON}"
+        timeline = await p.kinds(job_id)
+        assert timeline.count("claimed") == 2 and "retry_scheduled" in timeline
+        assert "result_saved" not in timeline
