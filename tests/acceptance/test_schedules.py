@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
+from jobrelay.domain.schedules import LISTED
+
 from .procs import FAST_ENV, clean_env, free_port, poll, processes, run_cli, wait_http
 
 NAME = "every-second"
@@ -82,8 +84,15 @@ def skipped_ticks(url: str) -> list[datetime]:
     out: list[datetime] = []
     for (raw,) in found:
         detail = raw if isinstance(raw, dict) else json.loads(raw)
-        assert detail["countComplete"] and detail["count"] == len(detail["ticks"])
-        out.extend(datetime.fromisoformat(t) for t in detail["ticks"])
+        # Every skipped tick is counted; only the first LISTED are named (a pause that a
+        # loaded machine stretches past 20 s skips more): rebuild the run from first..last.
+        every = consecutive(
+            datetime.fromisoformat(detail["first"]), datetime.fromisoformat(detail["last"])
+        )
+        listed = [datetime.fromisoformat(t) for t in detail["ticks"]]
+        assert detail["countComplete"] and detail["count"] == len(every)
+        assert listed == every[:LISTED]
+        out.extend(every)
     return out
 
 
