@@ -68,8 +68,17 @@ async def states(rt: Any, job_ids: list[str]) -> list[JobState]:
 
 async def test_pause_and_resume_cycles_never_count_a_delivery(make_pipeline: Any) -> None:
     gates.clear()
+    # A lease of 10 s, not the suite's 1.5: the long jobs are held through three pause
+    # cycles, and on a loaded CI machine a SQLite renewal once took longer than 1.5 s allows
+    # (the job lost its lease and, with one attempt, was quarantined): leases are not what
+    # this test is about.
     async with make_pipeline(
-        queue_pause_poll_seconds="0.05", prefetch="3", delivery_limit="1", reconcile_seconds="0"
+        queue_pause_poll_seconds="0.05",
+        prefetch="3",
+        delivery_limit="1",
+        reconcile_seconds="0",
+        lease_seconds="10",
+        visibility_seconds="10",
     ) as p:
         rt = p.rt
         p.start_relay()
