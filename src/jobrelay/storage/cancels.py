@@ -22,7 +22,7 @@ from sqlalchemy import select, update
 
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
-from jobrelay.storage.claims import holds
+from jobrelay.storage.claims import holds, lease_expired
 from jobrelay.storage.records import Claim
 from jobrelay.storage.storable import safe_text
 from jobrelay.storage.tables import jobs
@@ -101,9 +101,8 @@ class CancelsStore(StoreBase):
     async def end_abandoned(self, job_id: str, now: datetime) -> bool:
         """running -> cancelled for a job whose cancel was requested and whose lease has
         expired by the store's clock: its worker died before it could end the job."""
-        expired = jobs.c.lease_expires_at.is_(None) | (jobs.c.lease_expires_at <= self.now_sql())
         return await self._end(
-            [jobs.c.id == job_id, jobs.c.state == _RUNNING, expired],
+            [jobs.c.id == job_id, jobs.c.state == _RUNNING, lease_expired(self.now_sql())],
             job_id,
             now,
             leaseExpired=True,
@@ -117,7 +116,7 @@ class CancelsStore(StoreBase):
                 .where(
                     jobs.c.state == _RUNNING,
                     jobs.c.cancel_requested_at.is_not(None),
-                    jobs.c.lease_expires_at.is_(None) | (jobs.c.lease_expires_at <= self.now_sql()),
+                    lease_expired(self.now_sql()),
                 )
                 .order_by(jobs.c.cancel_requested_at)
                 .limit(limit)

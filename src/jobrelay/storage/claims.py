@@ -67,6 +67,12 @@ def fenced(claim: Claim) -> list[Any]:
     return [*holds(claim), jobs.c.cancel_requested_at.is_(None)]
 
 
+def lease_expired(now: ColumnElement[datetime]) -> ColumnElement[bool]:
+    """The job's lease has ended by the clock ``now`` (or it has none): whoever held it is
+    presumed lost. A claim takes such a job over; the reconciler ends an abandoned cancel."""
+    return or_(jobs.c.lease_expires_at.is_(None), jobs.c.lease_expires_at <= now)
+
+
 def claimable(now: ColumnElement[datetime], due_by: ColumnElement[datetime]) -> list[Any]:
     """Exactly the policy's ``ReadyToRun``, judged by the clock ``now``.
 
@@ -85,10 +91,7 @@ def claimable(now: ColumnElement[datetime], due_by: ColumnElement[datetime]) -> 
                 jobs.c.state == JobState.RETRY_WAIT.value,
                 or_(jobs.c.next_attempt_at.is_(None), jobs.c.next_attempt_at <= due_by),
             ),
-            and_(
-                jobs.c.state == JobState.RUNNING.value,
-                or_(jobs.c.lease_expires_at.is_(None), jobs.c.lease_expires_at <= now),
-            ),
+            and_(jobs.c.state == JobState.RUNNING.value, lease_expired(now)),
         ),
     ]
 
