@@ -41,7 +41,12 @@ class Settings(BaseSettings):
     retry_delays: Annotated[tuple[int, ...], NoDecode] = (5, 30)
     # A claimed job's lease; the heartbeat renews it every third of this.
     lease_seconds: float = Field(default=30.0, gt=0)
-    prefetch: int = Field(default=8, ge=1, le=1000)
+    # The broker window: deliveries a worker holds unsettled per queue, started or waiting
+    # for a slot; a full window keeps the next batch at hand and lets acks go as one frame.
+    prefetch: int = Field(default=256, ge=1, le=5000)
+    # Jobs a worker runs at once per queue (capped by ``prefetch``); each is claimed only
+    # when it has a slot, so a crash never spends an attempt of a job that was not started.
+    concurrency: int = Field(default=16, ge=1, le=1000)
     # Threads that run plain ``def`` jobs, per process (an app's bounded pool).
     sync_threads: int = Field(default=8, ge=1, le=256)
     # How often, at most, a worker asks whether an operator cancelled a running job: its

@@ -43,6 +43,7 @@ from jobrelay.roles.delivery import DeliveryHandler
 from jobrelay.roles.heartbeat import heartbeat
 from jobrelay.roles.queue_gate import QueueGate
 from jobrelay.roles.runtime import Runtime
+from jobrelay.roles.slots import Slots
 from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.queue_pauses import paused_queues
 from jobrelay.storage.storable import safe_text
@@ -127,6 +128,7 @@ class Worker:
 
     async def _run(self, stop: asyncio.Event) -> None:
         prefetch = self.rt.settings.prefetch
+        concurrency = min(self.rt.settings.concurrency, prefetch)
         in_flight: set[asyncio.Task[None]] = set()
         log.info(
             "worker started",
@@ -134,6 +136,7 @@ class Worker:
                 "event": "worker_started",
                 "worker": self.worker_id,
                 "prefetch": prefetch,
+                "concurrency": concurrency,
                 "queues": list(self.queues),
             },
         )
@@ -144,7 +147,7 @@ class Worker:
         beating = contextlib.AsyncExitStack()
         await beating.enter_async_context(heartbeat(self.rt, self.worker_id, "worker", self.queues))
         consumers = [
-            asyncio.create_task(self._consume(queue, prefetch, halt, in_flight))
+            asyncio.create_task(self._consume(queue, prefetch, concurrency, halt, in_flight))
             for queue in self.queues
         ]
         stopping = asyncio.ensure_future(stop.wait())
@@ -182,17 +185,22 @@ class Worker:
                 raise failure
 
     async def _consume(
-        self, queue: str, prefetch: int, halt: asyncio.Event, in_flight: set[asyncio.Task[None]]
+        self,
+        queue: str,
+        prefetch: int,
+        concurrency: int,
+        halt: asyncio.Event,
+        in_flight: set[asyncio.Task[None]],
     ) -> None:
         """One queue's consumer, left while an operator has the queue paused and started
-        again on resume. ``busy`` (this queue's deliveries in flight) outlives the sessions,
-        so work still running from before a pause keeps its slots after the resume."""
-        busy: set[asyncio.Task[None]] = set()
+        again on resume. Its ``slots`` (this queue's deliveries in flight) outlive the
+        sessions, so work still running from before a pause keeps its slots after the resume."""
+        slots = Slots(concurrency, set())
         while await self.gate.wait_running(queue, halt):
             leave = asyncio.Event()
             watcher = asyncio.create_task(self.gate.leave_when_paused(queue, halt, leave))
             try:
-                ended = await self._session(queue, prefetch, busy, leave, in_flight)
+                ended = await self._session(queue, prefetch, slots, leave, in_flight)
             finally:
                 watcher.cancel()
             if ended:
@@ -202,7 +210,7 @@ class Worker:
         self,
         queue: str,
         prefetch: int,
-        busy: set[asyncio.Task[None]],
+        slots: Slots,
         leave: asyncio.Event,
         in_flight: set[asyncio.Task[None]],
     ) -> bool:
@@ -214,8 +222,12 @@ class Worker:
         grow on RabbitMQ). So after a resume it never holds messages it cannot start while
         long jobs run, messages a next pause would have to give back. Its consumers keep
         their deliveries in flight settleable after it ends (``keep_in_flight``).
+
+        Within that window a delivery is taken from the transport only for a free slot
+        (``roles.slots``): the rest wait unclaimed in the transport's prefetch, the next
+        batch of claims at hand.
         """
-        foreign = set(busy)
+        foreign = set(slots.busy)
         changed = asyncio.Event()  # a foreign task ended: slots to ask the broker for
 
         def foreign_ended(task: asyncio.Task[None]) -> None:
@@ -232,7 +244,7 @@ class Worker:
             while not leave.is_set():
                 changed.clear()
                 if (free := prefetch - len(foreign) - granted) > 0:
-                    feeds.append(asyncio.create_task(self._feed(queue, free, inbox)))
+                    feeds.append(asyncio.create_task(self._feed(queue, free, inbox, slots)))
                     granted += free
                 waits: set[asyncio.Future[Any]] = {leaving, asyncio.ensure_future(changed.wait())}
                 getting: asyncio.Future[Any]
@@ -257,7 +269,7 @@ class Worker:
                 if isinstance(item, BaseException):
                     raise item
                 if item is not True:  # True: the database is back
-                    self._start(item, busy, in_flight)
+                    self._start(item, slots, in_flight)
         finally:
             leaving.cancel()
             for task in foreign:
@@ -269,32 +281,41 @@ class Worker:
             # while the database is away), never dropped.
             while not inbox.empty():
                 if not isinstance(left := inbox.get_nowait(), BaseException):
-                    self._start(left, busy, in_flight)
+                    self._start(left, slots, in_flight)  # its slot was reserved
         return False
 
     async def _feed(
-        self, queue: str, prefetch: int, inbox: asyncio.Queue[Delivery | BaseException]
+        self,
+        queue: str,
+        prefetch: int,
+        inbox: asyncio.Queue[Delivery | BaseException],
+        slots: Slots,
     ) -> None:
-        """One consumer of a session: its deliveries into ``inbox``, then how it ended."""
+        """One consumer of a session: its deliveries into ``inbox``, each with a slot
+        reserved for it, then how it ended."""
         deliveries = self.rt.transport.consume(prefetch, queue=queue, keep_in_flight=True)
         try:
-            async for delivery in deliveries:
+            while True:
+                await slots.reserve()
+                try:
+                    delivery = await anext(deliveries)
+                except BaseException:
+                    slots.unreserve()
+                    raise
                 inbox.put_nowait(delivery)
+        except StopAsyncIteration:
+            inbox.put_nowait(StopAsyncIteration())
         except Exception as exc:
             inbox.put_nowait(exc)
-        else:
-            inbox.put_nowait(StopAsyncIteration())
         finally:
             with contextlib.suppress(Exception):
                 await deliveries.aclose()  # type: ignore[attr-defined]
 
-    def _start(
-        self, delivery: Delivery, busy: set[asyncio.Task[None]], in_flight: set[asyncio.Task[None]]
-    ) -> None:
+    def _start(self, delivery: Delivery, slots: Slots, in_flight: set[asyncio.Task[None]]) -> None:
         task = asyncio.create_task(self._handle_safely(delivery))
-        for tracked in (in_flight, busy):
-            tracked.add(task)
-            task.add_done_callback(tracked.discard)
+        slots.started(task)
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
         task.add_done_callback(_log_abandoned)
 
     async def _drain(self, in_flight: set[asyncio.Task[None]]) -> None:

@@ -23,6 +23,12 @@ each choice here protects against:
   ``close()``, and the broker requeues whatever is still unsettled then. With
   ``keep_in_flight`` (a worker leaving a paused queue) there is no such deadline: its long
   jobs are still running and must not be handed to another consumer.
+- Acks are batched (issue 23): the acks asked for in one turn of the event loop go as one
+  ``basic.ack(multiple=True)`` for the contiguous run of delivery tags from the oldest
+  unsettled one, and the stragglers (a tag above one still unsettled) one by one. A tag still
+  unsettled (running, waiting in the prefetch, being rejected) is never covered, so a multiple
+  ack settles exactly the deliveries that asked for it; each ``ack()`` returns once the frame
+  that covers it is written. Rejects and releases go singly, at once.
 - What was prefetched and never handed out goes back uncounted: a quorum queue counts every
   ``nack(requeue=True)`` in ``x-delivery-count`` towards its delivery limit, so a message
   held by consumers that kept leaving (pauses, restarts) would be dead-lettered though no
@@ -56,6 +62,7 @@ from aio_pika.abc import (
 
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.transport.base import Delivery, OutgoingMessage, QueueStats
+from jobrelay.transport.rabbit_acks import AckBatcher
 from jobrelay.transport.rabbit_declare import (
     declare,
     declare_error,
@@ -91,18 +98,26 @@ class _Consumer:
     """The state of one ``consume()`` call and its channel."""
 
     channel: AbstractChannel
-    give_back: Callable[[AbstractIncomingMessage], Awaitable[None]]
+    give_back_copy: Callable[[AbstractIncomingMessage], Awaitable[None]]
     inbox: asyncio.Queue[AbstractIncomingMessage | None] = field(default_factory=asyncio.Queue)
     unsettled: int = 0  # handed out, neither acked nor rejected yet
     stopping: bool = False
     deadline: asyncio.TimerHandle | None = None
     closer: asyncio.Task[None] | None = None
+    acks: AckBatcher = field(default_factory=AckBatcher)
 
     async def on_message(self, message: AbstractIncomingMessage) -> None:
+        self.acks.received(message)
         if self.stopping:  # raced the basic.cancel: give it straight back, uncounted
             await self.give_back(message)
         else:
             self.inbox.put_nowait(message)
+
+    async def give_back(self, message: AbstractIncomingMessage) -> None:
+        try:
+            await self.give_back_copy(message)
+        finally:
+            self.acks.forget(message)
 
     def stop(self, grace: float | None) -> None:
         """Close the channel once nothing is unsettled, or after ``grace`` seconds at most
@@ -176,11 +191,15 @@ class _RabbitDelivery:
             if _stale(self._message):
                 raise aiormq.exceptions.ChannelInvalidStateError("channel closed")
             if action == "ack":
-                await self._message.ack()
-            elif action == "release":
-                await self._message.nack(requeue=True)
-            else:
-                await self._message.reject(requeue=False)
+                await self._consumer.acks.ack(self._message)
+                return True
+            try:
+                if action == "release":
+                    await self._message.nack(requeue=True)
+                else:
+                    await self._message.reject(requeue=False)
+            finally:
+                self._consumer.acks.forget(self._message)
         except AMQP_ERRORS as exc:
             log.warning(
                 "%s ignored: the channel this delivery came on is gone and the broker has "
@@ -411,7 +430,7 @@ class RabbitTransport:
                 await _quietly(declared.cancel(tag))
             while not consumer.inbox.empty():
                 if (left := consumer.inbox.get_nowait()) is not None and not _stale(left):
-                    await self._give_back(left, queue=queue)
+                    await consumer.give_back(left)
             consumer.stop(None if keep_in_flight else self.settle_grace_seconds)
             if consumer.closer is not None:
                 self._consumers.discard(consumer)
