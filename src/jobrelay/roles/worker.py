@@ -261,15 +261,25 @@ class Worker:
                 if not getting.done() or getting.cancelled():
                     continue
                 item = getting.result()
-                if isinstance(item, StopAsyncIteration):
-                    log.warning(
-                        "delivery stream ended", extra={"event": "consume_ended", "queue": queue}
-                    )
-                    return True
-                if isinstance(item, BaseException):
-                    raise item
-                if item is not True:  # True: the database is back
-                    self._start(item, slots, in_flight)
+                if item is True:  # the database is back
+                    continue
+                # What else is buffered starts in this same turn: their claims go together
+                # in one statement (the claim batcher takes a turn's requests at once).
+                taken = [item]
+                while not inbox.empty():
+                    taken.append(inbox.get_nowait())
+                ends = [each for each in taken if isinstance(each, BaseException)]
+                for each in taken:
+                    if not isinstance(each, BaseException):
+                        self._start(each, slots, in_flight)
+                for end in ends:  # how a consumer ended, once what it delivered started
+                    if isinstance(end, StopAsyncIteration):
+                        log.warning(
+                            "delivery stream ended",
+                            extra={"event": "consume_ended", "queue": queue},
+                        )
+                        return True
+                    raise end
         finally:
             leaving.cancel()
             for task in foreign:
