@@ -1,5 +1,7 @@
 """What a failed attempt leaves for people: the operators' text, the account's, where it raised.
 
+``record_release`` says why a delivery went back to the broker (a bug, a broker error).
+
 ``failure_texts`` is the reason, twice: the raw text operators read and the public error the
 job's account reads (``domain.disclosure``).
 
@@ -16,13 +18,20 @@ operators (admin tokens, the CLI) read it; account views never do (docs/security
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import traceback
+from typing import TYPE_CHECKING
 
 from jobrelay.domain.disclosure import REFUSED, RETRY, TEMPORARY, UNEXPECTED, public_error
+from jobrelay.domain.messages import dead_letter_reason, peek_job_id
 from jobrelay.errors import OperationError, Permanent, PermanentError, Retry, StoreError
 from jobrelay.observe.logs import scrub
 from jobrelay.storage.storable import safe_text
+
+if TYPE_CHECKING:
+    from jobrelay.roles.runtime import Runtime
+    from jobrelay.transport.base import Delivery
 
 MAX_TRACEBACK_BYTES = 8 * 1024
 _NEAR = 1024  # characters: how far the cut may move forward to a line start
@@ -82,3 +91,39 @@ def bounded(text: str, limit: int = MAX_TRACEBACK_BYTES) -> str:
     if 0 <= line < min(len(tail) - 1, _NEAR):
         tail = tail[line + 1 :]
     return CUT_MARKER + tail
+
+
+async def record_release(rt: Runtime, delivery: Delivery, exc: Exception, worker: str) -> None:
+    """A ``released`` event on the job's timeline saying why its delivery went back.
+
+    Best effort: for a body that names no job (or a job that does not exist) there is
+    no timeline, and a database that fails here must not hide the release.
+    """
+    job_id = peek_job_id(delivery.body)
+    if job_id is None:
+        return
+    reason = safe_text(f"{type(exc).__name__}: {exc}")[:1000]
+    with contextlib.suppress(StoreError):
+        if await rt.store.get_job(job_id) is not None:
+            now = rt.clock()
+            await rt.store.record_event(
+                job_id,
+                "released",
+                now,
+                reason=reason,
+                worker=worker,
+                deliveryCount=delivery.delivery_count,
+            )
+            limit = rt.settings.delivery_limit
+            if not rt.settings.uses_local_broker and delivery.delivery_count >= limit:
+                # RabbitMQ dead-letters this release silently (x-delivery-limit; the
+                # local transport records its own when it moves the row aside).
+                deliveries = delivery.delivery_count + 1
+                await rt.store.record_event(
+                    job_id,
+                    "dead_lettered",
+                    now,
+                    reason=dead_letter_reason(deliveries, limit),
+                    deliveries=deliveries,
+                    limit=limit,
+                )

@@ -19,8 +19,11 @@ limit. It resumes by itself when the database answers again.
 
 The worker publishes nothing itself: retries and deferrals are outbox rows the relay sends.
 
-This module is the consume loop (a consumer per queue, the prefetch slots, the drain on
-SIGTERM, the outage pause); what one delivery means is ``roles.delivery``.
+This module is the consume loop (a consumer per queue, its broker window of ``prefetch``
+deliveries and its ``concurrency`` slots, the drain on SIGTERM, the outage pause); what one
+delivery means is ``roles.delivery``. Each turn starts every buffered delivery a free slot
+allows, so their claims go as one statement, and their completions and acks batch likewise
+(``batching``, ``transport.rabbit_acks``).
 """
 
 from __future__ import annotations
@@ -35,18 +38,17 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from jobrelay.domain.messages import dead_letter_reason, peek_job_id
 from jobrelay.errors import ConfigError, StoreDataError, StoreError
 from jobrelay.operations.base import Registry
 from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.delivery import DeliveryHandler
+from jobrelay.roles.failures import record_release
 from jobrelay.roles.heartbeat import heartbeat
 from jobrelay.roles.queue_gate import QueueGate
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.slots import Slots
 from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.queue_pauses import paused_queues
-from jobrelay.storage.storable import safe_text
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
@@ -382,44 +384,9 @@ class Worker:
                 log.warning(
                     "release failed: %s (after %s)", exc2, exc, extra={"event": "release_failed"}
                 )
-            await self._record_release(delivery, exc)
+            await record_release(self.rt, delivery, exc, self.worker_id)
         finally:
             self.handled += 1
-
-    async def _record_release(self, delivery: Delivery, exc: Exception) -> None:
-        """A ``released`` event on the job's timeline saying why its delivery went back.
-
-        Best effort: for a body that names no job (or a job that does not exist) there is
-        no timeline, and a database that fails here must not hide the release.
-        """
-        job_id = peek_job_id(delivery.body)
-        if job_id is None:
-            return
-        reason = safe_text(f"{type(exc).__name__}: {exc}")[:1000]
-        with contextlib.suppress(StoreError):
-            if await self.rt.store.get_job(job_id) is not None:
-                now = self.rt.clock()
-                await self.rt.store.record_event(
-                    job_id,
-                    "released",
-                    now,
-                    reason=reason,
-                    worker=self.worker_id,
-                    deliveryCount=delivery.delivery_count,
-                )
-                limit = self.rt.settings.delivery_limit
-                if not self.rt.settings.uses_local_broker and delivery.delivery_count >= limit:
-                    # RabbitMQ dead-letters this release silently (x-delivery-limit; the
-                    # local transport records its own when it moves the row aside).
-                    deliveries = delivery.delivery_count + 1
-                    await self.rt.store.record_event(
-                        job_id,
-                        "dead_lettered",
-                        now,
-                        reason=dead_letter_reason(deliveries, limit),
-                        deliveries=deliveries,
-                        limit=limit,
-                    )
 
     async def _wait_for_database(self) -> None:
         """Block until the database answers; one probe per worker, however many wait."""
