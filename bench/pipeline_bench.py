@@ -96,7 +96,8 @@ POLL_SECONDS = 0.05
 READY_TIMEOUT = 60.0
 RESULT_SAMPLES = 3
 FIXED_RATE_SECONDS = 10.0  # how long the fixed-rate phase sends
-DEFAULT_PREFETCH = 8  # JOBRELAY_PREFETCH's default: each worker's concurrency
+DEFAULT_PREFETCH = 256  # JOBRELAY_PREFETCH's default: each worker's broker window
+DEFAULT_CONCURRENCY = 16  # JOBRELAY_CONCURRENCY's default: the jobs each worker runs at once
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,11 @@ def parse_args(argv: list[str] | None) -> Options:
     parser.add_argument("--skip-peers", action="store_true", help="do not measure the peers")
     parser.add_argument("--phase-timeout", type=float, default=300.0, help="seconds per phase")
     parser.add_argument("--prefetch", type=int, help="JOBRELAY_PREFETCH for the workers")
+    parser.add_argument(
+        "--worker-concurrency",
+        type=int,
+        help="JOBRELAY_CONCURRENCY for the workers (and the queue peers' concurrency)",
+    )
     parser.add_argument("--relay-batch", type=int, help="JOBRELAY_RELAY_BATCH for the relay")
     parser.add_argument("--log-level", help="JOBRELAY_LOG_LEVEL for every process")
     parser.add_argument(
@@ -146,6 +152,7 @@ def parse_args(argv: list[str] | None) -> Options:
         name: str(value)
         for name, value in (
             ("prefetch", args.prefetch),
+            ("concurrency", args.worker_concurrency),
             ("relay_batch", args.relay_batch),
             ("log_level", args.log_level),
         )
@@ -215,7 +222,8 @@ class Bench:
         await self.account_database_work()
         if not self.options.skip_peers:
             prefetch = int(self.options.tuning.get("prefetch", DEFAULT_PREFETCH))
-            await pipeline_peers.measure_peers(self, prefetch)
+            concurrency = int(self.options.tuning.get("concurrency", DEFAULT_CONCURRENCY))
+            await pipeline_peers.measure_peers(self, prefetch, min(concurrency, prefetch))
 
     async def set_up(self) -> None:
         options = self.options

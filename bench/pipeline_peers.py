@@ -41,7 +41,7 @@ QUEUE_PEER_RUNS = {
 }
 
 
-async def measure_peers(bench: Bench, prefetch: int) -> None:
+async def measure_peers(bench: Bench, prefetch: int, concurrency: int) -> None:
     sample = bench.peer_sample
     body: str = sample["body"]
     headers = {str(k): str(v) for k, v in json.loads(sample["headers"] or "{}").items()}
@@ -77,7 +77,7 @@ async def measure_peers(bench: Bench, prefetch: int) -> None:
             async with bench.bounded(f"peer {key}"):
                 runs[key].append(await measure())
     if options.job == "noop":
-        await measure_queue_peers(bench, prefetch)
+        await measure_queue_peers(bench, concurrency)
         async with bench.bounded("embedded"):
             rate = await embedded_drain(
                 options.jobs, bench.env, bench.log_dir, options.phase_timeout
@@ -94,7 +94,7 @@ async def measure_peers(bench: Bench, prefetch: int) -> None:
 
 async def measure_queue_peers(bench: Bench, concurrency: int) -> None:
     """Dramatiq (quorum and classic), Celery and Procrastinate draining N no-op jobs with
-    the same budget: our worker processes, each with our prefetch as its concurrency."""
+    the same budget: our worker processes, each with our concurrency (JOBRELAY_CONCURRENCY)."""
     options = bench.options
     for key, (name, queue_type) in QUEUE_PEER_RUNS.items():
         async with bench.bounded(f"peer {key}"):
