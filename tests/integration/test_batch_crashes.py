@@ -4,7 +4,8 @@ A worker runs N jobs with C slots (so its claims and completions go in batches o
 and its acks as ``multiple`` frames), and dies at a named point: right after a completion
 statement committed and before any of its acks (``worker.after_complete``), or at the n-th
 ack, when earlier batches were acked and the next statement was sent (``worker.before_ack``).
-A fresh worker then takes what came back. On SQLite + the local transport and on PostgreSQL
+A fresh worker then takes what came back. Fixed cases run every time; hypothesis adds random
+sizes, slots and crash points. On SQLite + the local transport and on PostgreSQL
 + RabbitMQ (``backend``). What must hold, read from the database and the broker:
 
 - nothing is lost: every job ends ``succeeded``, and the work queue drains to empty;
@@ -16,9 +17,12 @@ A fresh worker then takes what came back. On SQLite + the local transport and on
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jobrelay.domain.states import JobState
 from jobrelay.operations.base import OperationContext, OperationResult
@@ -52,11 +56,43 @@ async def _done(ctx: OperationContext) -> OperationResult:
 async def test_a_crashed_batch_loses_nothing_and_does_nothing_twice(
     make_pipeline: Any, jobs: int, slots: int, fault: str
 ) -> None:
+    await crash_and_recover(make_pipeline, "acme", jobs, slots, fault)
+
+
+_examples = itertools.count()
+
+
+@settings(
+    max_examples=3,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # a factory: fresh each time
+)
+@given(
+    jobs=st.integers(min_value=1, max_value=100),
+    slots=st.integers(min_value=1, max_value=100),
+    point=st.sampled_from(["worker.after_complete", "worker.before_ack"]),
+    nth=st.integers(min_value=1, max_value=40),
+)
+async def test_random_batches_crashed_anywhere_lose_nothing(
+    make_pipeline: Any, jobs: int, slots: int, point: str, nth: int
+) -> None:
+    # The n-th hit must come: one ack per job; a completion statement holds at most
+    # ``slots`` jobs, so there are at least ceil(jobs / slots) of them.
+    most = jobs if point == "worker.before_ack" else -(-jobs // slots)
+    fault = f"{point}:crash:{min(nth, most)}"
+    await crash_and_recover(make_pipeline, f"h{next(_examples)}", jobs, slots, fault)
+
+
+async def crash_and_recover(
+    make_pipeline: Any, account: str, jobs: int, slots: int, fault: str
+) -> None:
+    """Run ``jobs`` jobs of ``account`` on a worker with ``slots`` slots that dies at
+    ``fault``, then on a fresh one; check the promises."""
     async with make_pipeline(
         faults=fault, prefetch=str(max(slots, 8)), concurrency=str(slots), lease_seconds="5"
     ) as p:
         periods = [_period(i) for i in range(jobs)]
-        job_ids = [await p.submit(period=period) for period in periods]
+        job_ids = [await p.submit(account=account, period=period) for period in periods]
         operation = Scripted(dict.fromkeys(periods, _done))
         p.start_relay()
         await start_worker(p, operation)
@@ -66,8 +102,9 @@ async def test_a_crashed_batch_loses_nothing_and_does_nothing_twice(
             for job_id in job_ids
             if (job := await p.rt.store.get_job(job_id)) and job.state is JobState.SUCCEEDED
         }
-        assert committed  # the crash came after at least one completion committed
-        await start_worker(p, operation)
+        if fault.startswith("worker.after_complete"):
+            assert committed  # the crash came after a completion committed
+        await start_worker(p, operation)  # the fault fired once: the fresh worker runs clean
         for job_id in job_ids:
             await p.wait_for(job_id, lambda j: j.state is JobState.SUCCEEDED, timeout=60)
 
