@@ -54,7 +54,7 @@ def import_times(env: dict[str, str], top: int = 10) -> tuple[float, list[tuple[
         text=True,
         check=True,
     )
-    entries: list[tuple[float, str]] = []
+    entries: list[tuple[float, str, bool]] = []
     for line in done.stderr.splitlines():
         if not line.startswith("import time:") or "cumulative" in line:
             continue
@@ -92,8 +92,8 @@ async def main() -> int:
         shown = " ".join(f"{s:.2f}" for s in seconds)
         print(f"startup: {role} spawn→ready median {statistics.median(seconds):.2f}s ({shown})")
     print(f"startup: imports {total:.2f}s in all; the ten largest (cumulative):")
-    for seconds, name in top:
-        print(f"  {seconds:6.3f}s  {name.strip()}")
+    for cumulative, name in top:
+        print(f"  {cumulative:6.3f}s  {name}")
     medians = " ".join(f"{r}_ready_s={statistics.median(s):.2f}" for r, s in figures.items())
     print(f"startup: {medians} imports_s={total:.2f}")
     return 0
