@@ -10,8 +10,15 @@ the next is spawned, so the runs do not compete with each other.
 Then ``python -X importtime`` of what those two commands import before they are ready, the
 ten largest cumulative entries: the import share of the figure above.
 
-Usage: ``python bench/startup_bench.py [--runs 7]``. Asserts nothing about speed; it fails
-only when a process does not become ready.
+Python's bytecode cache decides a good part of the figure: without one, every module of
+``src/`` is compiled from source at each start (a checkout run with
+``PYTHONDONTWRITEBYTECODE=1``, as on the project's machine). By default the children write
+and read a cache of their own (``PYTHONPYCACHEPREFIX`` in a temporary directory, filled by
+one spawn of each role that is not counted), as an installed wheel has one; ``--no-bytecode-cache``
+measures the other case.
+
+Usage: ``python bench/startup_bench.py [--runs 7] [--no-bytecode-cache]``. Asserts nothing
+about speed; it fails only when a process does not become ready.
 """
 
 from __future__ import annotations
@@ -34,9 +41,19 @@ IMPORTS = "import jobrelay.cli.entry, jobrelay.roles.processes, jobrelay.roles.w
 )
 
 
-async def spawn_to_ready(sandbox: Sandbox, role: str, run: int) -> float:
-    """Seconds from Popen to the role's ready line (its own timestamp)."""
+def child_env(sandbox: Sandbox, *, bytecode_cache: bool) -> dict[str, str]:
     env = sandbox.env({})
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    if bytecode_cache:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(sandbox.root / "pycache")
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+async def spawn_to_ready(env: dict[str, str], sandbox: Sandbox, role: str, run: int) -> float:
+    """Seconds from Popen to the role's ready line (its own timestamp)."""
     proc = RoleProcess.spawn(f"{role}-{run}", [role], env, sandbox.log_dir, profile=False)
     try:
         ready_at = await proc.wait_for_event(ROLES[role], READY_TIMEOUT)
@@ -70,16 +87,24 @@ def import_times(env: dict[str, str], top: int = 10) -> tuple[float, list[tuple[
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7, help="spawns per role")
+    parser.add_argument(
+        "--no-bytecode-cache", action="store_true", help="compile every module at each start"
+    )
     args = parser.parse_args()
+    cached = not args.no_bytecode_cache
     sandbox = Sandbox.new(Path(tempfile.mkdtemp(prefix="jobrelay-startup-")))
     await sandbox.create()
     try:
-        env = sandbox.env({})
+        env = child_env(sandbox, bytecode_cache=cached)
         await run_command([sys.executable, "-m", "jobrelay", "db", "upgrade"], env=env)
+        if cached:  # fill the cache with everything the two roles import
+            for role in ROLES:
+                await spawn_to_ready(env, sandbox, role, -1)
+        print(f"startup: bytecode cache {'on' if cached else 'off'}, {args.runs} runs per role")
         figures: dict[str, list[float]] = {role: [] for role in ROLES}
         for run in range(args.runs):
             for role in ROLES:
-                figures[role].append(await spawn_to_ready(sandbox, role, run))
+                figures[role].append(await spawn_to_ready(env, sandbox, role, run))
         total, top = import_times(env)
     except BenchFailure as exc:
         print(f"startup: FAILED: {exc}", file=sys.stderr)
