@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jobrelay.roles.processes import build_server
+from jobrelay.roles.api_server import build_server
 from jobrelay.roles.runtime import Runtime
 from tests.integration.api_fixtures import api_client, bearer, build_runtime, make_token
 

@@ -31,6 +31,31 @@ def test_the_command_tree_imports_no_runtime() -> None:
     assert _heavy(_modules_after("import jobrelay.cli.main")) == set()
 
 
+# What ``jobrelay worker`` and ``jobrelay relay`` import before they are ready (issue 23,
+# item 8), and what only the API, the migrations and the exports need.
+PROCESSES = (
+    "import jobrelay.cli.main, jobrelay.roles.processes, jobrelay.roles.worker, "
+    "jobrelay.roles.relay, jobrelay.roles.reconcile, jobrelay.roles.scheduler"
+)
+NOT_FOR_WORKERS = (
+    "uvicorn",
+    "httptools",
+    "fastapi",
+    "starlette",
+    "jobrelay.api",
+    "jobrelay.roles.http_guard",
+    "jobrelay.roles.api_server",
+    "alembic",
+    "mako",
+    "jobrelay.exports",
+)
+
+
+def test_the_worker_and_the_relay_import_no_http_server_and_no_migrations() -> None:
+    modules = _modules_after(PROCESSES)
+    assert {m for m in modules if m.startswith(NOT_FOR_WORKERS)} == set()
+
+
 def test_the_package_imports_its_public_names_on_first_use() -> None:
     assert _heavy(_modules_after("import jobrelay")) == set()
     loaded = _modules_after("import jobrelay\njobrelay.App")

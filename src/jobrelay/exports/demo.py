@@ -23,12 +23,8 @@ from rich.table import Table
 
 from jobrelay.exports.seed import seed_database
 from jobrelay.observe.faults import Faults
-from jobrelay.roles.processes import (
-    build_server,
-    create_token,
-    serve_until,
-    upgrade_database,
-)
+from jobrelay.roles.api_server import build_server, serve_until
+from jobrelay.roles.processes import create_token, upgrade_database
 from jobrelay.roles.relay import Relay
 from jobrelay.roles.runtime import open_runtime
 from jobrelay.roles.worker import Worker

@@ -7,15 +7,12 @@ import contextlib
 import logging
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
-
 from jobrelay.roles.database_files import new_database, require_database
-from jobrelay.roles.http_guard import HeadLimits, guarded_protocol
 from jobrelay.roles.listen import listen_socket
 from jobrelay.roles.runtime import Runtime, open_runtime, schema_revision, topology_for
 from jobrelay.settings import Settings
@@ -28,74 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jobrelay")
 
-# How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals httpx's
-# and many clients' own idle expiry (5 s), so a client could send a request on a connection
-# just as the server closed it: the request is lost and the client sees a reset (the
-# benchmark's ReadError). The server must outlast every client's and proxy's idle timeout
-# (AWS ALB 60 s, nginx upstream keepalive_timeout 60 s), never race it.
-KEEP_ALIVE_SECONDS = 75
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: our handler drains relay and worker first."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def build_server(rt: Runtime, host: str, port: int) -> _Server:
-    from jobrelay.api.app import create_app
-
-    settings = rt.settings
-    app = create_app(settings, runtime=rt)
-    proxies = [p.strip() for p in settings.trusted_proxies.split(",") if p.strip()]
-    limits = HeadLimits(
-        max_head_bytes=settings.api_max_head_bytes,
-        head_timeout=settings.api_head_timeout_seconds,
-        max_connections=settings.api_max_connections,
-    )
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        # httptools, with the head size, head deadline and connection cap it lacks.
-        http=guarded_protocol(limits),
-        # Which server and version answers is nobody's business but the operator's.
-        server_header=False,
-        timeout_keep_alive=KEEP_ALIVE_SECONDS,
-        # uvicorn believes X-Forwarded-* from 127.0.0.1 by default: only from the proxies
-        # the operator named (JOBRELAY_TRUSTED_PROXIES), and from nobody without one.
-        proxy_headers=bool(proxies),
-        forwarded_allow_ips=proxies or None,
-    )
-    return _Server(config)
-
-
-async def serve_until(
-    server: _Server, stop: asyncio.Event, sock: socket.socket | None = None
-) -> None:
-    """Serve on ``sock`` (bound by ``listen_socket``; bound here when not given) until
-    ``stop``."""
-    if sock is None:
-        sock = listen_socket(server.config.host, server.config.port)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    server.should_exit = True
-    stopping.cancel()
-    await task
-    if not server.started:
-        raise SystemExit(
-            f"jobrelay: error: could not serve on {server.config.host}:"
-            f"{server.config.port} (see the log above)"
-        )
-
 
 async def serve_api(settings: Settings, host: str, port: int, stop: asyncio.Event) -> None:
+    from jobrelay.roles.api_server import build_server, serve_until
+
     sock = listen_socket(host, port)  # a busy port fails before the database is touched
     with sock:
         async with open_runtime(settings) as rt:
@@ -216,6 +149,7 @@ async def run_up(settings: Settings, host: str, port: int, stop: asyncio.Event) 
 async def _run_up(
     settings: Settings, host: str, port: int, stop: asyncio.Event, sock: socket.socket
 ) -> None:
+    from jobrelay.roles.api_server import build_server, serve_until
     from jobrelay.roles.reconcile import Reconciler
     from jobrelay.roles.relay import Relay
     from jobrelay.roles.scheduler import Scheduler
