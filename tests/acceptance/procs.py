@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 
@@ -90,6 +91,18 @@ class Proc:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def events(self) -> list[str]:
+        """The ``event`` of each JSON line logged so far, in order (a line cut short by a
+        write still under way, or a line that is not JSON, is skipped)."""
+        found: list[str] = []
+        for line in self.log().splitlines():
+            if line.startswith("{"):
+                with suppress(ValueError):
+                    event = json.loads(line).get("event")
+                    if isinstance(event, str):
+                        found.append(event)
+        return found
 
     def wait_exit(self, timeout: float = 30) -> int:
         return self.popen.wait(timeout)

@@ -153,7 +153,7 @@ def test_worker_sigkilled_mid_export_completes_once(
         job_id = _submit(db, env, period="2021-06")
         victim = start("worker", "worker", env={**env, "JOBRELAY_FAULTS": "export.run:stall:120:1"})
         poll(
-            lambda: '"event": "fault_fired"' in victim.log() and "stall" in victim.log(),
+            lambda: "fault_fired" in victim.events() and "stall" in victim.log(),
             60,
             "attempt 1 to be held in the export",
         )
@@ -189,7 +189,7 @@ def test_sigterm_drains_the_export_in_flight(env: dict[str, str], db: Db, tmp_pa
         job = db.job(job_id)
     assert job is not None and job.state is JobState.SUCCEEDED and job.attempt == 1
     assert [k for k in db.kinds(job_id) if k != "published"][-1] == "ack_sent"
-    assert '"event": "worker_draining"' in worker.log()
+    assert "worker_draining" in worker.events()
 
 
 def test_worker_killed_after_commit_before_ack_does_not_redo(

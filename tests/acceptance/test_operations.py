@@ -66,7 +66,9 @@ def test_quarantine_replay_and_cancel_from_the_cli(env: dict[str, str], tmp_path
     auth = {"Authorization": f"Bearer {token(env, '--account', 'acme')}"}
     faults = "export.run:invalid:1@period=2020-01"
     with processes(tmp_path) as start:
-        up = start("up", "up", "--port", str(port), env={**env, "JOBRELAY_FAULTS": faults})
+        # DEBUG: each job's lifecycle lines, read at the end (INFO has a line per batch).
+        debug = {"JOBRELAY_FAULTS": faults, "JOBRELAY_LOG_LEVEL": "DEBUG"}
+        up = start("up", "up", "--port", str(port), env={**env, **debug})
         wait_http(base, up)
         accepted = httpx.post(
             f"{base}/v1/exports",
@@ -173,7 +175,13 @@ def test_separate_processes_log_json_and_serve_metrics(env: dict[str, str], tmp_
     with processes(tmp_path) as start:
         api = start("api", "api", "--port", str(api_port), env=env)
         relay = start("relay", "relay", "--metrics-port", str(relay_port), env=env)
-        worker = start("worker", "worker", env={**env, "JOBRELAY_METRICS_PORT": str(worker_port)})
+        # DEBUG: the job's own result_saved line, read at the end (INFO: a line per batch).
+        worker_env = {
+            **env,
+            "JOBRELAY_METRICS_PORT": str(worker_port),
+            "JOBRELAY_LOG_LEVEL": "DEBUG",
+        }
+        worker = start("worker", "worker", env=worker_env)
         wait_http(base, api)
         response = httpx.post(
             f"{base}/v1/exports",

@@ -34,7 +34,7 @@ class JsonLines(logging.Handler):
     """Formats each record as it is emitted, as the stderr handler does (context included)."""
 
     def __init__(self) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.setFormatter(JsonFormatter("test"))
         self.lines: list[str] = []
 
@@ -47,12 +47,17 @@ class JsonLines(logging.Handler):
 
 @pytest.fixture
 def json_lines() -> Iterator[JsonLines]:
+    # Each job's lifecycle lines are DEBUG (JOBRELAY_LOG_LEVEL=DEBUG); INFO has a summary
+    # per batch of settles.
     handler = JsonLines()
     root = logging.getLogger()
+    ours = logging.getLogger("jobrelay")
     root.addHandler(handler)
+    ours.setLevel(logging.DEBUG)
     try:
         yield handler
     finally:
+        ours.setLevel(logging.NOTSET)
         root.removeHandler(handler)
 
 
@@ -83,6 +88,32 @@ async def test_trace_reaches_the_worker_lines_through_a_retry(
     assert claims == [1, 2]
     published = [e for e in entries if e.get("event") == "published" and e.get("jobId") == job_id]
     assert len(published) == 2 and all(e["traceId"] == TRACE_ID for e in published)
+
+
+async def test_at_info_the_worker_logs_a_line_per_batch_of_settles_not_per_job(
+    make_pipeline: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with make_pipeline(faults="export.run:invalid@period=2020-04") as p:
+        jobs = [await p.submit(period=f"2020-0{n}") for n in range(1, 5)]
+        p.start_relay()
+        await p.start_worker()
+        for job_id in jobs:
+            await p.wait_for(job_id, lambda j: j.state.is_terminal)
+        await p.stop_all()  # the worker's last batch is logged as it stops
+        kinds = {job_id: await p.kinds(job_id) for job_id in jobs}
+    worker = [r for r in caplog.records if r.name == "jobrelay.worker"]
+    per_job = [r for r in worker if getattr(r, "event", None) in LIFECYCLE]
+    assert not per_job, [r.getMessage() for r in per_job]  # DEBUG lines, not captured
+    assert [getattr(r, "event", None) for r in worker].count("quarantined") == 1  # still INFO
+    settled = [r for r in worker if getattr(r, "event", None) == "settled"]
+    assert sum(r.acked for r in settled) == 3
+    assert sum(r.rejected for r in settled) == 1
+    assert sum(r.count for r in settled) == len(jobs)
+    # The timeline still has every job's story.
+    for job_id in jobs:
+        assert "claimed" in kinds[job_id]
+        assert ("ack_sent" in kinds[job_id]) != ("rejected" in kinds[job_id])
 
 
 async def test_api_lines_carry_the_trace_and_never_the_token(

@@ -82,8 +82,9 @@ def run_until_signalled(
 ) -> None:
     """Run ``main(stop)``; SIGTERM/SIGINT set ``stop`` so it can drain, a second one aborts.
 
-    ``fast_loop``: on uvloop when it is installed (the API, where the loop's socket work is
-    a large share of each request), else on asyncio's own loop.
+    ``fast_loop``: on uvloop when it is installed, else on asyncio's own loop. The API, the
+    relay, the worker and ``up`` ask for it: the loop's own work (sockets, timers, task
+    switches) is a large share of each request and of each job.
     """
 
     async def runner() -> None:

@@ -110,7 +110,7 @@ def relay_cmd(
 
     logs.configure("relay", settings.log_level)
     at = _metrics_at(metrics_host, metrics_port)
-    run_until_signalled(lambda stop: run_relay(settings, stop, at))
+    run_until_signalled(lambda stop: run_relay(settings, stop, at), fast_loop=True)
 
 
 @app.command("worker")
@@ -135,7 +135,7 @@ def worker_cmd(
     logs.configure("worker", settings.log_level)
     at = _metrics_at(metrics_host, metrics_port)
     queues = tuple(queue or ())
-    run_until_signalled(lambda stop: run_worker(settings, stop, at, queues))
+    run_until_signalled(lambda stop: run_worker(settings, stop, at, queues), fast_loop=True)
 
 
 @app.command("up")
@@ -149,7 +149,7 @@ def up_cmd(
     from jobrelay.roles.processes import run_up
 
     logs.configure("up", settings.log_level)
-    run_until_signalled(lambda stop: run_up(settings, host, port, stop))
+    run_until_signalled(lambda stop: run_up(settings, host, port, stop), fast_loop=True)
 
 
 @app.command("demo")

@@ -89,7 +89,7 @@ class AttemptRun:
     async def run(self, delivery: Delivery, job: JobRecord, claim: Claim) -> None:
         """Run the operation under the claim, then commit its outcome and settle."""
         granted = time.monotonic() - self._claim_latency_allowance()
-        log.info(
+        log.debug(  # per job at DEBUG; at INFO, the timeline writer's line per batch
             "job claimed",
             extra={
                 "event": "claimed",
@@ -251,7 +251,10 @@ class AttemptRun:
         self._stop_renewing()
         won = fenced.won
         if won:
-            log.info(
+            # A success is counted in the line per batch of settles (DEBUG per job); a retry
+            # or a quarantine keeps its own INFO line.
+            log.log(
+                logging.DEBUG if decision.event == "result_saved" else logging.INFO,
                 decision.event,
                 extra={
                     "event": decision.event,

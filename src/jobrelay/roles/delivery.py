@@ -352,7 +352,10 @@ class DeliveryHandler:
         if not taken:
             detail["action"] = kind
             kind = "settle_lost"
-        log.info(kind, extra={"event": kind, "jobId": job_id, "attempt": attempt})
+        # Per job at DEBUG: the timeline writer logs one INFO line per batch of settles. A
+        # settle the broker did not take is rare and worth a line of its own.
+        level = logging.INFO if kind == "settle_lost" else logging.DEBUG
+        log.log(level, kind, extra={"event": kind, "jobId": job_id, "attempt": attempt})
         await self.timeline.record(job_id, kind, self.rt.clock(), **detail)
 
     async def _defer(

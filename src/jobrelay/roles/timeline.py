@@ -6,6 +6,11 @@ job a transaction of its own: they are gathered for a few milliseconds and writt
 statement. A process killed inside that window loses those lines of the timeline, exactly
 as a kill between the settle and a write of its own would; the outcome they follow is
 committed either way. A database outage keeps them (up to ``limit``) and retries.
+
+The writer also gives the operator the worker's progress at INFO: one line per second of
+settles (``"event": "settled"``, how many acked, rejected and lost, the first and last job),
+instead of a line per job. The lines of each job (``claimed``, ``result_saved``,
+``ack_sent``) are DEBUG (``JOBRELAY_LOG_LEVEL=DEBUG``); its timeline has them all anyway.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from datetime import datetime
 from typing import Any
 
@@ -20,8 +26,14 @@ from jobrelay.errors import StoreError
 from jobrelay.storage.store import PendingEvent, Store
 
 log = logging.getLogger(__name__)
+# The summary is the worker's line, with its lines per job: one logger to follow.
+progress_log = logging.getLogger("jobrelay.worker")
 
 _MAX_BACKOFF_SECONDS = 5.0
+# Settles counted in one INFO line: a second's worth.
+SUMMARY_SECONDS = 1.0
+# What the summary calls each kind of settle.
+_SUMMARY_FIELDS = {"ack_sent": "acked", "rejected": "rejected", "settle_lost": "settleLost"}
 
 
 class TimelineWriter:
@@ -32,6 +44,10 @@ class TimelineWriter:
         self._pending: list[PendingEvent] = []
         self._writing: asyncio.Task[None] | None = None
         self._batching = False
+        self._tally: Counter[str] = Counter()
+        self._first_job: str | None = None
+        self._last_job: str | None = None
+        self._summary_due: asyncio.TimerHandle | None = None
 
     def start_batching(self) -> None:
         """From now on (a worker's consume loop) events are batched; ``close`` ends it.
@@ -41,6 +57,7 @@ class TimelineWriter:
         self._batching = True
 
     async def record(self, job_id: str, kind: str, at: datetime, **detail: Any) -> None:
+        self._count(job_id, kind)
         if self._batching:
             self.add(job_id, kind, at, **detail)
             return
@@ -57,6 +74,39 @@ class TimelineWriter:
         self._pending.append(PendingEvent(job_id, kind, at, detail))
         if self._writing is None or self._writing.done():
             self._writing = asyncio.get_running_loop().create_task(self._write_soon())
+
+    def _count(self, job_id: str, kind: str) -> None:
+        """Count a settle for the next summary line; the first one starts its second."""
+        self._tally[kind] += 1
+        if self._first_job is None:
+            self._first_job = job_id
+        self._last_job = job_id
+        if self._summary_due is None:
+            loop = asyncio.get_running_loop()
+            self._summary_due = loop.call_later(SUMMARY_SECONDS, self.log_summary)
+
+    def log_summary(self) -> None:
+        """One INFO line for the settles counted since the last one (none: no line)."""
+        if self._summary_due is not None:
+            self._summary_due.cancel()
+            self._summary_due = None
+        tally, self._tally = self._tally, Counter()
+        if not tally:
+            return
+        counts = {field: tally[kind] for kind, field in _SUMMARY_FIELDS.items()}
+        progress_log.info(
+            "settled %d deliveries: %d acked, %d rejected, %d lost",
+            tally.total(),
+            *counts.values(),
+            extra={
+                "event": "settled",
+                "count": tally.total(),
+                **counts,
+                "firstJobId": self._first_job,
+                "lastJobId": self._last_job,
+            },
+        )
+        self._first_job = self._last_job = None
 
     async def _write_soon(self) -> None:
         wait = self._window
@@ -76,8 +126,10 @@ class TimelineWriter:
                 )
 
     async def close(self, timeout: float = 5.0) -> None:
-        """Write what is pending; after ``timeout`` (the database is down) give up on it."""
+        """Log the last summary and write what is pending; after ``timeout`` (the database
+        is down) give up on it."""
         self._batching = False
+        self.log_summary()
         if self._writing is None:
             return
         try:

@@ -21,7 +21,6 @@ duplicates — commit-before-ack per job, batched.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -40,6 +39,7 @@ from sqlalchemy import (
     update,
 )
 
+from jobrelay import fastjson
 from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
@@ -232,7 +232,7 @@ class BatchStore(HotPathStore):
             "b_ids": [r.job_id for r in requests],
             "b_types": [r.job_type for r in requests],
             "b_workers": [r.worker_id for r in requests],
-            "b_details": [json.dumps(claimed_detail(r.worker_id, r.detail)) for r in requests],
+            "b_details": [fastjson.dumps(claimed_detail(r.worker_id, r.detail)) for r in requests],
             "b_now": now,
             "b_lease": lease,
             "b_slack": RETRY_SLACK,
@@ -262,7 +262,7 @@ class BatchStore(HotPathStore):
             "b_keys": [r.result_key for r in requests],
             "b_metas": [outcome_json(r.result_key, r.result_meta) for r in requests],
             "b_details": [
-                json.dumps(jsonable(result_saved_detail(r.claim, r.result_key, r.result_meta)))
+                fastjson.dumps(jsonable(result_saved_detail(r.claim, r.result_key, r.result_meta)))
                 for r in requests
             ],
             "b_now": now,

@@ -15,7 +15,6 @@ SQLite runs the same writes as separate statements in one transaction (no networ
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -38,6 +37,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from jobrelay import fastjson
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.claims import ClaimsStore
 from jobrelay.storage.engine import statement_tx
@@ -123,7 +123,7 @@ class HotPathStore(ClaimsStore):
             "hp_worker_id": worker_id,
             "hp_now": now,
             "hp_lease": lease,
-            "hp_detail": json.dumps(claimed_detail(worker_id, detail)),
+            "hp_detail": fastjson.dumps(claimed_detail(worker_id, detail)),
         }
         return (await conn.execute(self._statement("claim", self._build_claim), params)).first()
 

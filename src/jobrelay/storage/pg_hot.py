@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -34,6 +33,7 @@ from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 from sqlalchemy.engine import URL
 from sqlalchemy.sql.expression import Executable
 
+from jobrelay import fastjson
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.storage.engine import first_line, refuses_data
 
@@ -69,7 +69,7 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     # JSON as the SQLAlchemy dialect reads it (asyncpg would hand back the text).
     for type_name in ("json", "jsonb"):
         await conn.set_type_codec(
-            type_name, encoder=str, decoder=json.loads, schema="pg_catalog", format="text"
+            type_name, encoder=str, decoder=fastjson.loads, schema="pg_catalog", format="text"
         )
 
 

@@ -1,0 +1,92 @@
+"""At INFO a worker logs its settles as one line per batch, not a line per job
+(roles/timeline.py): how many acked, rejected and lost, the first and last job; the last
+batch is logged when the writer closes, and every event still reaches the store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+import pytest
+
+from jobrelay.roles import timeline
+from jobrelay.roles.timeline import TimelineWriter
+from jobrelay.storage.records import PendingEvent
+
+NOW = datetime(2026, 1, 2, tzinfo=UTC)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.written: list[PendingEvent] = []
+
+    async def record_events(self, events: Sequence[PendingEvent]) -> None:
+        self.written.extend(events)
+
+
+def _summaries(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "event", None) == "settled"]
+
+
+def _writer(store: Events) -> TimelineWriter:
+    return TimelineWriter(store)  # type: ignore[arg-type]  # the one method it calls
+
+
+async def test_one_info_line_counts_the_settles_of_a_batch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    store = Events()
+    writer = _writer(store)
+    writer.start_batching()
+    kinds = ["ack_sent", "ack_sent", "rejected", "ack_sent", "settle_lost"]
+    for n, kind in enumerate(kinds):
+        await writer.record(f"job-{n}", kind, NOW, attempt=1)
+    assert not _summaries(caplog)  # the batch's second has not ended
+    writer.log_summary()
+    [line] = _summaries(caplog)
+    assert line.levelno == logging.INFO and line.name == "jobrelay.worker"
+    fields = {k: getattr(line, k) for k in ("count", "acked", "rejected", "settleLost")}
+    assert fields == {"count": 5, "acked": 3, "rejected": 1, "settleLost": 1}
+    assert (line.firstJobId, line.lastJobId) == ("job-0", "job-4")
+    assert line.getMessage() == "settled 5 deliveries: 3 acked, 1 rejected, 1 lost"
+
+    await writer.record("job-5", "ack_sent", NOW, attempt=2)
+    await writer.close()  # the last batch is logged, its events written
+    assert [r.count for r in _summaries(caplog)] == [5, 1]
+    assert _summaries(caplog)[-1].firstJobId == "job-5"
+    assert [(e.job_id, e.kind) for e in store.written] == [
+        *((f"job-{n}", kind) for n, kind in enumerate(kinds)),
+        ("job-5", "ack_sent"),
+    ]
+    writer.log_summary()  # nothing settled since: no line
+    assert len(_summaries(caplog)) == 2
+
+
+async def test_the_line_comes_when_the_batch_window_ends(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(timeline, "SUMMARY_SECONDS", 0.01)
+    writer = _writer(Events())
+    logged = asyncio.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if getattr(record, "event", None) == "settled":
+                logged.set()
+
+    seen = Seen()
+    timeline.progress_log.addHandler(seen)
+    try:
+        await writer.record("job-1", "ack_sent", NOW, attempt=1)
+        async with asyncio.timeout(10):
+            await logged.wait()  # the timer's line, with nothing else calling for it
+    finally:
+        timeline.progress_log.removeHandler(seen)
+    [line] = _summaries(caplog)
+    assert line.acked == 1
+    await writer.close()
+    assert len(_summaries(caplog)) == 1
