@@ -659,7 +659,13 @@ class PipelineModel(RuleBasedStateMachine):
         assert all(f.repaired for f in found), report.as_dict()
         waiting_after = self.run(self._work_rows_waiting())
         for job in self.run(self.store.list_jobs(limit=1000)):
-            if job.id in expired:
+            if job.id in expired and before[job.id].cancel_requested_at is not None:
+                # An operator asked to cancel it and its worker is gone: the pass ends it
+                # cancelled (storage/cancels.py), with no work message.
+                assert job.state is JobState.CANCELLED and job.lease_owner is None, job
+                assert waiting_after[job.id] == waiting[job.id], "a message for a cancel"
+                self.case("reconcile: abandoned cancel ended")
+            elif job.id in expired:
                 assert job.state is JobState.RETRY_WAIT
                 assert job.next_attempt_at == now and job.lease_owner is None
                 assert waiting_after[job.id] == waiting[job.id] + 1, "repaired without a message"
