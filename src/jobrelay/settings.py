@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     delivery_limit: int = Field(default=5, ge=1)
     confirm_timeout: float = Field(default=10.0, gt=0)
     relay_batch: int = Field(default=200, ge=1, le=10_000)
+    # Rows a relay may have published and not yet confirmed and marked: it claims the next
+    # batch while earlier batches' confirms are pending, up to this many rows in flight.
+    relay_window: int = Field(default=1000, ge=1, le=100_000)
     relay_poll_seconds: float = Field(default=1.0, gt=0)
     # How often a worker reads which queues an operator paused (``jobrelay queues pause``).
     queue_pause_poll_seconds: float = Field(default=2.0, gt=0, le=60)

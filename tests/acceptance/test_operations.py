@@ -174,8 +174,10 @@ def test_separate_processes_log_json_and_serve_metrics(env: dict[str, str], tmp_
     auth = {"Authorization": f"Bearer {secret}"}
     with processes(tmp_path) as start:
         api = start("api", "api", "--port", str(api_port), env=env)
-        relay = start("relay", "relay", "--metrics-port", str(relay_port), env=env)
-        # DEBUG: the job's own result_saved line, read at the end (INFO: a line per batch).
+        # DEBUG: the job's own published and result_saved lines, read at the end (INFO: a
+        # line per batch).
+        relay_env = {**env, "JOBRELAY_LOG_LEVEL": "DEBUG"}
+        relay = start("relay", "relay", "--metrics-port", str(relay_port), env=relay_env)
         worker_env = {
             **env,
             "JOBRELAY_METRICS_PORT": str(worker_port),
