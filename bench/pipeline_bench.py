@@ -236,7 +236,10 @@ class Bench:
                 f"bench: PROFILING {', '.join(sorted(options.profile))}: figures are not comparable"
             )
         level = options.tuning.get("log_level", "INFO").upper()
-        per_job = "3 worker lines and 1 relay line per job" if level in ("DEBUG", "INFO") else ""
+        per_job = {
+            "DEBUG": "3 worker lines and 1 relay line per job",
+            "INFO": "none per job: a worker line per second, a relay line per batch",
+        }.get(level, "")
         say(
             f"bench: log policy: jobrelay at {level}{f' ({per_job})' if per_job else ''}; "
             "Dramatiq at INFO, Celery and Procrastinate at WARNING (none per job)"
