@@ -21,7 +21,7 @@ import secrets
 import socket
 from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -173,11 +173,26 @@ class Metrics:
         # lock that makes concurrent scrapes wait for one reading instead of each doing one.
         self.gauges_read_at: datetime | None = None
         self.gauges_lock = asyncio.Lock()
+        # The labelled children the hot path updates per job, looked up once: ``labels()``
+        # takes a lock and builds a key each call (about 3 µs; the child's own update 0.6).
+        self._transition_children: dict[tuple[str, str], Any] = {}
+        self._duration_children: dict[tuple[str, str], Any] = {}
 
     # --- recording helpers (one line at each call site) -----------------------------------
 
     def transition(self, source: str, target: str) -> None:
-        self.transitions.labels(from_state=source, to_state=target).inc()
+        child = self._transition_children.get((source, target))
+        if child is None:
+            child = self.transitions.labels(from_state=source, to_state=target)
+            self._transition_children[(source, target)] = child
+        child.inc()
+
+    def job_took(self, job_type: str, outcome: str, seconds: float) -> None:
+        child = self._duration_children.get((job_type, outcome))
+        if child is None:
+            child = self.job_duration.labels(type=job_type, outcome=outcome)
+            self._duration_children[(job_type, outcome)] = child
+        child.observe(seconds)
 
     def quarantined(self, source: str, reason: str) -> None:
         self.transition(source, "quarantined")

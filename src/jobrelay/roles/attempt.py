@@ -376,9 +376,7 @@ class AttemptRun:
         target = decision.new_state.value if decision.new_state is not None else "unchanged"
         if started is not None:
             outcome = target if won else "lease_lost"
-            metrics.job_duration.labels(type=job.type, outcome=outcome).observe(
-                time.monotonic() - started
-            )
+            metrics.job_took(job.type, outcome, time.monotonic() - started)
         if not won:
             return
         if decision.new_state is JobState.QUARANTINED:
