@@ -4,10 +4,9 @@
 and no network to save round trips on: what costs there is the commit (the write lock
 taken and given back; at ``synchronous=NORMAL`` in WAL no fsync per commit, as for every
 write there) and the Python per statement. So a batch is ONE write transaction of few
-statements: three for a batch of claims, one per job plus one for their events for a batch
-of completions. The guards are the policy's (``claims``: ``claimable``, ``fenced``), row by
-row, with the same events and the same answers as the PostgreSQL statements: each job wins
-or loses on its own.
+statements: three for a batch of claims, two for a batch of completions. The guards are the
+policy's (``claims``: ``claimable``, ``fenced``), row by row, with the same events and the
+same answers as the PostgreSQL statements: each job wins or loses on its own.
 
 A row that cannot be stored fails the transaction, all of it rolled back, with a
 ``StoreDataError``: the worker's batcher then sends each request alone, so only that job
@@ -21,14 +20,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, String, Text, bindparam, insert, select, update
+from sqlalchemy import Text, and_, case, insert, literal, or_, select, update
 
 from jobrelay.domain.states import JobState
 from jobrelay.storage.claims import fenced
 from jobrelay.storage.hot_path import COMPLETABLE, HotPathStore, result_saved_detail
 from jobrelay.storage.records import Claim, JobRecord, job_record, jsonable
 from jobrelay.storage.storable import outcome_json
-from jobrelay.storage.tables import UTCDateTime, job_events, jobs
+from jobrelay.storage.tables import job_events, jobs
 
 
 @dataclass(frozen=True)
@@ -106,8 +105,10 @@ class SqliteBatches(HotPathStore):
     async def _complete_many_sqlite(
         self, requests: Sequence[CompleteRequest], now: datetime
     ) -> set[str]:
-        """The batch's completions in one transaction: each row's fenced update (its values
-        are its own), then the ``result_saved`` events of those that won in one insert.
+        """The batch's completions in one transaction of two statements: ONE update fenced
+        per row (``fenced`` of each claim; each row's key and meta its own, by ``CASE``),
+        ``RETURNING`` the jobs whose completion won, and their ``result_saved`` events in
+        one insert.
 
         Every row is checked (``outcome_json``) before the transaction begins; a value the
         driver still refuses (a lone surrogate in a key) rolls the whole batch back with a
@@ -115,20 +116,36 @@ class SqliteBatches(HotPathStore):
         fails."""
         for r in requests:
             outcome_json(r.result_key, r.result_meta)
-        done = self._statement("complete_sqlite", self._build_complete_sqlite)
-        won: list[CompleteRequest] = []
+        by_id = {r.claim.job_id: r for r in requests}
+        meta = jobs.c.result_meta.type
+        done = (
+            update(jobs)
+            .where(
+                jobs.c.id.in_(list(by_id)),
+                self.state_in(COMPLETABLE),
+                # Each row on its own claim: the policy's fence, per job.
+                or_(*(and_(jobs.c.id == r.claim.job_id, *fenced(r.claim)) for r in requests)),
+            )
+            .values(
+                state=JobState.SUCCEEDED.value,
+                updated_at=now,
+                result_key=case(
+                    *((jobs.c.id == i, literal(r.result_key, Text())) for i, r in by_id.items()),
+                    else_=jobs.c.result_key,
+                ),
+                result_meta=case(
+                    *((jobs.c.id == i, literal(r.result_meta, meta)) for i, r in by_id.items()),
+                    else_=jobs.c.result_meta,
+                ),
+                lease_owner=None,
+                lease_expires_at=None,
+                last_error=None,
+            )
+            .returning(jobs.c.id)
+        )
         async with self.writing() as conn:
-            for r in requests:
-                params = {
-                    "c_id": r.claim.job_id,
-                    "c_attempt": r.claim.attempt,
-                    "c_worker": r.claim.worker_id,
-                    "c_now": now,
-                    "c_key": r.result_key,
-                    "c_meta": r.result_meta,
-                }
-                if (await conn.execute(done, params)).rowcount == 1:
-                    won.append(r)
+            ids = {row.id for row in await conn.execute(done)}
+            won = [r for r in requests if r.claim.job_id in ids]
             if won:
                 await conn.execute(
                     insert(job_events),
@@ -145,27 +162,6 @@ class SqliteBatches(HotPathStore):
                     ],
                 )
         return {r.claim.job_id for r in won}
-
-    def _build_complete_sqlite(self) -> Any:
-        """``complete``'s fenced running -> succeeded with bind parameters, built once."""
-        token = Claim(
-            bindparam("c_id", type_=String()),  # type: ignore[arg-type]
-            bindparam("c_attempt", type_=Integer()),  # type: ignore[arg-type]
-            bindparam("c_worker", type_=String()),  # type: ignore[arg-type]
-        )
-        return (
-            update(jobs)
-            .where(jobs.c.id == token.job_id, self.state_in(COMPLETABLE), *fenced(token))
-            .values(
-                state=JobState.SUCCEEDED.value,
-                updated_at=bindparam("c_now", type_=UTCDateTime()),
-                result_key=bindparam("c_key", type_=Text()),
-                result_meta=bindparam("c_meta", type_=jobs.c.result_meta.type),
-                lease_owner=None,
-                lease_expires_at=None,
-                last_error=None,
-            )
-        )
 
 
 __all__ = ["ClaimRequest", "CompleteRequest", "SqliteBatches"]
