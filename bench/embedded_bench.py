@@ -10,7 +10,9 @@ Nothing here is asserted about speed: it fails only if the jobs do not all succe
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
 import sqlite3
 import sys
 import tempfile
@@ -31,8 +33,11 @@ def _succeeded(path: Path) -> tuple[int, int]:
     return int(rows.get("succeeded", 0)), int(rows.get("quarantined", 0))
 
 
-async def embedded_drain(n: int, env: dict[str, str], log_dir: Path, timeout: float) -> float:
-    """Jobs per second through one ``jobrelay up`` on a fresh SQLite file."""
+async def embedded_drain(
+    n: int, env: dict[str, str], log_dir: Path, timeout: float, *, profile: bool = False
+) -> float:
+    """Jobs per second through one ``jobrelay up`` on a fresh SQLite file (under cProfile,
+    to ``LOG_DIR/embedded.prof``, with ``profile``: for diagnosis, not a comparable figure)."""
     with tempfile.TemporaryDirectory(prefix="jobrelay-embedded-") as scratch:
         database = Path(scratch) / "jobrelay.db"
         env = {
@@ -48,7 +53,7 @@ async def embedded_drain(n: int, env: dict[str, str], log_dir: Path, timeout: fl
             [sys.executable, "-m", "jobrelay", "db", "upgrade"], env=env, log=log_dir / "setup.log"
         )
         up = RoleProcess.spawn(
-            "embedded", ["up", "--port", str(free_port())], env, log_dir, profile=False
+            "embedded", ["up", "--port", str(free_port())], env, log_dir, profile=profile
         )
         try:
             await up.wait_for_event("worker_started", READY_TIMEOUT)
@@ -71,3 +76,23 @@ async def embedded_drain(n: int, env: dict[str, str], log_dir: Path, timeout: fl
                 await asyncio.sleep(POLL_SECONDS)
         finally:
             await up.stop()
+
+
+def main() -> None:
+    """``python embedded_bench.py --jobs 3000``: the embedded drain alone, from ``bench/``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--jobs", type=int, default=3000, help="jobs (default 3000)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    parser.add_argument("--profile", action="store_true", help="run jobrelay up under cProfile")
+    parser.add_argument("--log-dir", type=Path, default=Path("bench-results/logs/embedded"))
+    args = parser.parse_args()
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    rate = asyncio.run(
+        embedded_drain(args.jobs, env, args.log_dir, args.timeout, profile=args.profile)
+    )
+    print(f"bench: embedded_jobs_s={rate:.1f} jobs={args.jobs} profile={args.profile}")
+
+
+if __name__ == "__main__":
+    main()

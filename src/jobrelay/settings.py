@@ -54,7 +54,8 @@ class Settings(BaseSettings):
     cancel_check_seconds: float = Field(default=2.0, gt=0, le=300)
     # The time limit of an attempt of a job type without its own ``timeout=``; none: no limit.
     job_timeout: float | None = Field(default=None, gt=0)
-    # PostgreSQL: claims and completions of concurrent deliveries share one statement each.
+    # Claims and completions of concurrent deliveries share one statement each (SQLite: one
+    # write transaction each).
     batching: bool = True
     # Crash-loop backstop on the work queue (RabbitMQ x-delivery-limit; local transport too).
     delivery_limit: int = Field(default=5, ge=1)

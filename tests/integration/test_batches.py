@@ -1,10 +1,12 @@
-"""Batched claims and completions on PostgreSQL: each job in a batch wins or loses alone.
+"""Batched claims and completions: each job in a batch wins or loses alone.
 
 The worker sends the claims (and completions) of concurrent deliveries as one statement
 (``storage/batches.py``); these check that statement's guards row by row, the same guards
-the one-job path has (``test_claims.py`` runs the worker through both). Each runs on both
-ways the store sends them: through SQLAlchemy, and on the raw asyncpg connections a worker
-or relay holds (``storage/pg_hot.py``): the same statements, so the same answers.
+the one-job path has (``test_claims.py`` runs the worker through both). Each runs on SQLite
+(a batch is one write transaction there) and on both ways PostgreSQL gets them: through
+SQLAlchemy, and on the raw asyncpg connections a worker or relay holds
+(``storage/pg_hot.py``): the same guards, so the same answers. The tests of PostgreSQL's
+own locks and errors run on PostgreSQL only.
 """
 
 from __future__ import annotations
@@ -36,12 +38,22 @@ from tests.integration.test_claims import (
 LEASE = timedelta(seconds=30)
 
 
-@pytest.fixture(params=["sqlalchemy", "asyncpg"])
-async def pg(pg_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Runtime]:
-    runtime = runtime_for(pg_url, tmp_path)
+@pytest.fixture(params=["sqlite", "sqlalchemy", "asyncpg"])
+def way(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """(database URL, how PostgreSQL's statements are sent); resolved outside the loop."""
+    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+    return url, request.param
+
+
+@pytest.fixture
+async def db(way: tuple[str, str], tmp_path: Path) -> AsyncIterator[Runtime]:
+    """The store on SQLite (one write transaction per batch, ``sqlite_batches``) and on
+    PostgreSQL through both ways it sends the statements."""
+    url, how = way
+    runtime = runtime_for(url, tmp_path)
     await seed(runtime.engine, ROWS)
     async with contextlib.AsyncExitStack() as held:
-        if request.param == "asyncpg":
+        if how == "asyncpg":
             await held.enter_async_context(runtime.store.hot_connections())
             assert runtime.store.hot is not None and runtime.store.hot.active
         yield runtime
@@ -53,21 +65,21 @@ def ask(job_id: str, worker: str = "w-1", job_type: str = "report.export") -> Cl
 
 
 async def test_a_batch_claims_the_ready_jobs_and_leaves_the_rest_to_the_policy(
-    pg: Runtime,
+    db: Runtime,
 ) -> None:
-    ready = await submit(pg, period="2020-01")
-    leased = await submit(pg, period="2020-02")
-    finished = await submit(pg, period="2020-03")
-    wrong_type = await submit(pg, period="2020-04")
-    now = pg.clock()
-    first = await pg.store.claim_many([ask(leased, "w-other"), ask(finished)], now, LEASE)
+    ready = await submit(db, period="2020-01")
+    leased = await submit(db, period="2020-02")
+    finished = await submit(db, period="2020-03")
+    wrong_type = await submit(db, period="2020-04")
+    now = db.clock()
+    first = await db.store.claim_many([ask(leased, "w-other"), ask(finished)], now, LEASE)
     assert all(r is not None for r in first)
     claim = first[1]
     assert claim is not None
-    done = await pg.store.complete_many([CompleteRequest(claim[0], "k", {"rows": 3})], now)
+    done = await db.store.complete_many([CompleteRequest(claim[0], "k", {"rows": 3})], now)
     assert done == {finished}
 
-    results = await pg.store.claim_many(
+    results = await db.store.claim_many(
         [ask(ready), ask(leased), ask(finished), ask(wrong_type, job_type="notify.email")],
         now,
         LEASE,
@@ -76,71 +88,72 @@ async def test_a_batch_claims_the_ready_jobs_and_leaves_the_rest_to_the_policy(
     assert results[0] is not None
     claim_ready, job, claimed_from = results[0]
     assert (claim_ready.attempt, job.state, claimed_from) == (1, JobState.RUNNING, JobState.QUEUED)
-    assert await job_state(pg, leased) == (JobState.RUNNING, 1)  # untouched
-    assert [e["attempt"] for e in await events_of(pg, ready, "claimed")] == [1]
-    assert [e["worker"] for e in await events_of(pg, leased, "claimed")] == ["w-other"]
+    assert await job_state(db, leased) == (JobState.RUNNING, 1)  # untouched
+    assert [e["attempt"] for e in await events_of(db, ready, "claimed")] == [1]
+    assert [e["worker"] for e in await events_of(db, leased, "claimed")] == ["w-other"]
 
 
-async def test_an_expired_lease_is_claimed_again_by_the_store_clock(pg: Runtime) -> None:
-    job_id = await submit(pg)
-    [won] = await pg.store.claim_many([ask(job_id, "w-dead")], pg.clock(), LEASE)
+async def test_an_expired_lease_is_claimed_again_by_the_store_clock(db: Runtime) -> None:
+    job_id = await submit(db)
+    [won] = await db.store.claim_many([ask(job_id, "w-dead")], db.clock(), LEASE)
     assert won is not None
-    [early] = await pg.store.claim_many([ask(job_id)], pg.clock(), LEASE)
+    [early] = await db.store.claim_many([ask(job_id)], db.clock(), LEASE)
     assert early is None
-    clock_of(pg).advance(LEASE.total_seconds() + 1)
-    [late] = await pg.store.claim_many([ask(job_id)], pg.clock(), LEASE)
+    clock_of(db).advance(LEASE.total_seconds() + 1)
+    [late] = await db.store.claim_many([ask(job_id)], db.clock(), LEASE)
     assert late is not None and late[0].attempt == 2 and late[2] is JobState.RUNNING
 
 
-async def test_a_batch_completion_is_fenced_per_job(pg: Runtime) -> None:
-    a, b = await submit(pg, period="2020-01"), await submit(pg, period="2020-02")
-    claims = await pg.store.claim_many([ask(a), ask(b)], pg.clock(), LEASE)
+async def test_a_batch_completion_is_fenced_per_job(db: Runtime) -> None:
+    a, b = await submit(db, period="2020-01"), await submit(db, period="2020-02")
+    claims = await db.store.claim_many([ask(a), ask(b)], db.clock(), LEASE)
     assert all(c is not None for c in claims)
     claim_a, claim_b = (c[0] for c in claims if c is not None)
     stale_b = Claim(b, claim_b.attempt - 1, claim_b.worker_id)  # an attempt that lost
-    assert await pg.store.report_progress(claim_a, 1, 4, pg.clock())
-    won = await pg.store.complete_many(
+    assert await db.store.report_progress(claim_a, 1, 4, db.clock())
+    won = await db.store.complete_many(
         [CompleteRequest(claim_a, "ka", {"rows": 1}), CompleteRequest(stale_b, "kb", {})],
-        pg.clock(),
+        db.clock(),
     )
     assert won == {a}
-    assert await job_state(pg, a) == (JobState.SUCCEEDED, 1)
-    assert await job_state(pg, b) == (JobState.RUNNING, 1)
-    assert await events_of(pg, b, "result_saved") == []
-    saved = await events_of(pg, a, "result_saved")
+    assert await job_state(db, a) == (JobState.SUCCEEDED, 1)
+    assert await job_state(db, b) == (JobState.RUNNING, 1)
+    assert await events_of(db, b, "result_saved") == []
+    saved = await events_of(db, a, "result_saved")
     assert [(e["resultKey"], e["meta"]["rows"], e["worker"]) for e in saved] == [("ka", 1, "w-1")]
-    job = await pg.store.get_job(a)
+    job = await db.store.get_job(a)
     # The progress is the job's own: the meta's "rows" does not overwrite it.
     assert job is not None and job.result_key == "ka"
     assert (job.progress_done, job.progress_total) == (1, 4)
 
 
+@pytest.mark.parametrize("way", ["sqlalchemy", "asyncpg"], indirect=True)
 @pytest.mark.parametrize("batched", [True, False], ids=["batch", "one"])
 async def test_a_claim_does_not_wait_for_an_open_event_insert_of_the_same_job(
-    pg: Runtime, batched: bool
+    db: Runtime, batched: bool
 ) -> None:
     # A relay marking a row published inserts its ``published`` event, whose foreign key
     # takes a key-share lock on the job. A claim that locked the job FOR UPDATE waited for
     # that transaction, and with the relay waiting on another job the worker held, the two
     # deadlocked (seen in the benchmark). FOR NO KEY UPDATE does not conflict with it.
-    job_id = await submit(pg)
-    async with pg.engine.connect() as other:
+    job_id = await submit(db)
+    async with db.engine.connect() as other:
         transaction = await other.begin()
-        await pg.store.add_event(other, job_id, "published", pg.clock())
+        await db.store.add_event(other, job_id, "published", db.clock())
         async with asyncio.timeout(10):
             if batched:
-                [claimed] = await pg.store.claim_many([ask(job_id)], pg.clock(), LEASE)
+                [claimed] = await db.store.claim_many([ask(job_id)], db.clock(), LEASE)
             else:
-                claimed = await pg.store.claim_delivered(
-                    job_id, "report.export", "w-1", pg.clock(), LEASE
+                claimed = await db.store.claim_delivered(
+                    job_id, "report.export", "w-1", db.clock(), LEASE
                 )
         await transaction.rollback()
     assert claimed is not None and claimed[0].attempt == 1
 
 
-@pytest.mark.parametrize("pg", ["asyncpg"], indirect=True)
+@pytest.mark.parametrize("way", ["asyncpg"], indirect=True)
 async def test_a_connection_cut_mid_prepare_is_an_outage_not_a_crash(
-    pg: Runtime, monkeypatch: pytest.MonkeyPatch
+    db: Runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """asyncpg raises ``InternalClientError`` ("cannot switch to state 12; another operation
     is in progress") when a backend is terminated while a statement is being prepared (seen
@@ -148,7 +161,7 @@ async def test_a_connection_cut_mid_prepare_is_an_outage_not_a_crash(
     worker holds its delivery on, not an unclassified exception that releases it."""
     import asyncpg
 
-    assert pg.store.hot is not None and pg.store.hot.active
+    assert db.store.hot is not None and db.store.hot.active
     real_fetch = asyncpg.connection.Connection.fetch
     cut = {"left": 1}
 
@@ -163,34 +176,35 @@ async def test_a_connection_cut_mid_prepare_is_an_outage_not_a_crash(
     monkeypatch.setattr(asyncpg.connection.Connection, "fetch", fetch_cut_once)
     one = HotStatement(text("SELECT 1 AS one"))
     with pytest.raises(StoreError) as lost:
-        await pg.store.hot_rows(one, {})
+        await db.store.hot_rows(one, {})
     assert not isinstance(lost.value, StoreDataError)
-    assert [row["one"] for row in await pg.store.hot_rows(one, {})] == [1]
+    assert [row["one"] for row in await db.store.hot_rows(one, {})] == [1]
 
 
+@pytest.mark.parametrize("way", ["sqlalchemy", "asyncpg"], indirect=True)
 async def test_a_refused_value_is_a_data_error_and_a_lost_connection_an_outage(
-    pg: Runtime,
+    db: Runtime,
 ) -> None:
     """Issue 21, item 2, on both paths: a value the driver cannot encode (an attempt out
     of the column's range) or the server refuses (text that is not JSON: SQLSTATE 22P02) is
     a ``StoreDataError``, never retried as it is; a connection the server closed is a plain
     ``StoreError`` (an outage), and the next statement goes through."""
-    [claimed] = await pg.store.claim_many([ask(await submit(pg))], pg.clock(), LEASE)
+    [claimed] = await db.store.claim_many([ask(await submit(db))], db.clock(), LEASE)
     assert claimed is not None
     with pytest.raises(StoreDataError):
-        await pg.store.complete_many(
+        await db.store.complete_many(
             [CompleteRequest(Claim(claimed[0].job_id, 2**40, claimed[0].worker_id), "k", {})],
-            pg.clock(),
+            db.clock(),
         )
     not_json = HotStatement(
         text("SELECT CAST(:value AS jsonb) AS v").bindparams(bindparam("value", type_=Text()))
     )
     with pytest.raises(StoreDataError, match="json"):
-        await pg.store.hot_rows(not_json, {"value": "not json"})
+        await db.store.hot_rows(not_json, {"value": "not json"})
 
     sleep = HotStatement(text("SELECT pg_sleep(30) AS slept"))
-    sleeping = asyncio.create_task(pg.store.hot_rows(sleep, {}))
-    async with pg.engine.connect() as admin:  # the backend running that statement goes away
+    sleeping = asyncio.create_task(db.store.hot_rows(sleep, {}))
+    async with db.engine.connect() as admin:  # the backend running that statement goes away
         # Autocommit: in a transaction pg_stat_activity would show its first snapshot only.
         await admin.execution_options(isolation_level="AUTOCOMMIT")
         for _ in range(100):
@@ -207,21 +221,38 @@ async def test_a_refused_value_is_a_data_error_and_a_lost_connection_an_outage(
     with pytest.raises(StoreError) as lost:
         await asyncio.wait_for(sleeping, timeout=10)
     assert not isinstance(lost.value, StoreDataError)
-    [row] = await pg.store.hot_rows(not_json, {"value": '{"a": 1}'})
+    [row] = await db.store.hot_rows(not_json, {"value": '{"a": 1}'})
     assert row["v"] == {"a": 1}
 
 
-async def test_leases_are_renewed_together_and_fenced_per_job(pg: Runtime) -> None:
+async def test_leases_are_renewed_together_and_fenced_per_job(db: Runtime) -> None:
     """The worker's lease renewer: one statement for every running claim; a claim another
     claim has superseded is not renewed, its neighbours are, by the store's clock."""
-    a, b = await submit(pg, period="2020-01"), await submit(pg, period="2020-02")
-    claims = await pg.store.claim_many([ask(a), ask(b)], pg.clock(), LEASE)
+    a, b = await submit(db, period="2020-01"), await submit(db, period="2020-02")
+    claims = await db.store.claim_many([ask(a), ask(b)], db.clock(), LEASE)
     claim_a, claim_b = (c[0] for c in claims if c is not None)
     stale_b = Claim(b, claim_b.attempt + 1, claim_b.worker_id)  # not the claim holding b
-    clock_of(pg).advance(10)
-    renewed = await pg.store.renew_leases([claim_a, stale_b], LEASE, pg.clock())
+    clock_of(db).advance(10)
+    renewed = await db.store.renew_leases([claim_a, stale_b], LEASE, db.clock())
     assert renewed == {claim_a}
-    job_a, job_b = await pg.store.get_job(a), await pg.store.get_job(b)
+    job_a, job_b = await db.store.get_job(a), await db.store.get_job(b)
     assert job_a is not None and job_b is not None
-    assert job_a.lease_expires_at == pg.clock() + LEASE
-    assert job_b.lease_expires_at == pg.clock() - timedelta(seconds=10) + LEASE
+    assert job_a.lease_expires_at == db.clock() + LEASE
+    assert job_b.lease_expires_at == db.clock() - timedelta(seconds=10) + LEASE
+
+
+async def test_a_batch_holding_an_unstorable_row_is_refused_whole(db: Runtime) -> None:
+    """A completion the driver refuses (a result key with a lone surrogate) fails its batch
+    with a ``StoreDataError`` and nothing of the batch commits: its neighbour is still
+    running, without a ``result_saved``, and completes alone (what the worker's batcher does
+    on that error). On SQLite the batch is one transaction, rolled back whole."""
+    a, b = await submit(db, period="2020-01"), await submit(db, period="2020-02")
+    claims = await db.store.claim_many([ask(a), ask(b)], db.clock(), LEASE)
+    claim_a, claim_b = (c[0] for c in claims if c is not None)
+    healthy = CompleteRequest(claim_a, "ka", {"rows": 1})
+    with pytest.raises(StoreDataError):
+        await db.store.complete_many([healthy, CompleteRequest(claim_b, "k\ud800", {})], db.clock())
+    assert await job_state(db, a) == (JobState.RUNNING, 1)
+    assert await events_of(db, a, "result_saved") == []
+    assert await db.store.complete_many([healthy], db.clock()) == {a}
+    assert await job_state(db, a) == (JobState.SUCCEEDED, 1)

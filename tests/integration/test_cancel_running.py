@@ -239,8 +239,7 @@ async def test_a_cancel_request_is_recorded_once_and_refuses_the_claims_outcomes
     assert next_step(job, T0).startswith("cancel requested by a 0 s ago (r): ")  # job show
     # Every outcome of the claim is refused; the lease renewal is not, and says so.
     assert not (await store.complete(claim, "k", {}, T0)).won
-    if store.is_postgres:  # the batched completion too
-        assert await store.complete_many([_request(claim)], T0) == set()
+    assert await store.complete_many([_request(claim)], T0) == set()  # batched too
     assert not (await store.schedule_retry(claim, "report.export", "boom", 5, T0)).won
     assert not await store.quarantine(job_id, "bad", T0, claim=claim)
     renewed = await store.renew_leases([claim], LEASE, T0)

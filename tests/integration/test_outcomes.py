@@ -20,6 +20,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import event
 
 from jobrelay.domain.states import JobState
@@ -149,6 +150,47 @@ async def test_a_job_whose_outcome_cannot_be_stored_fails_alone_beside_a_healthy
         assert operation.runs == {"2020-01": 1, "2020-02": 1, "2020-03": 1}
         assert (await p.kinds(healthy)).count("claimed") == 1
         assert on_the_hot_path(p)
+
+
+@pytest.mark.parametrize("backend", ["sqlite-local"], indirect=True)
+async def test_on_sqlite_an_unstorable_completion_fails_alone_in_its_batch(
+    make_pipeline: Any,
+) -> None:
+    """Issue 23 item 6: SQLite batches completions too (one write transaction), and a batch
+    holding one completion the driver refuses (a result key with a lone surrogate: past the
+    per-job checks, refused while bound) is sent again job by job: the unstorable one is
+    quarantined at attempt 1, its two neighbours succeed at attempt 1, each run once. Old
+    code: no batcher on SQLite (a completion per transaction); with the batcher but no
+    ``alone_on``, the whole batch fails and the neighbours are released and run again."""
+    async with make_pipeline() as p:
+        left = await p.submit(period="2020-01")
+        bad = await p.submit(period="2020-02")
+        right = await p.submit(period="2020-03")
+        barrier = asyncio.Barrier(3)
+        operation = Scripted(
+            {
+                "2020-01": together(barrier, OperationResult("exports/l.csv", {"rows": 1})),
+                "2020-02": together(barrier, OperationResult("exports/\ud800.csv", {"rows": 1})),
+                "2020-03": together(barrier, OperationResult("exports/r.csv", {"rows": 1})),
+            }
+        )
+        p.start_relay()
+        worker = await start_worker(p, operation)
+        jobs = [await p.wait_for(job_id, finished) for job_id in (left, bad, right)]
+
+        assert [(j.state, j.attempt) for j in jobs] == [
+            (JobState.SUCCEEDED, 1),
+            (JobState.QUARANTINED, 1),
+            (JobState.SUCCEEDED, 1),
+        ]
+        assert "could not be stored" in (jobs[1].quarantine_reason or "")
+        assert operation.runs == {"2020-01": 1, "2020-02": 1, "2020-03": 1}
+        completions = worker.deliveries._completions
+        # The three went as one batch first (refused whole), then each alone.
+        assert completions is not None and completions.batches >= 4
+        for job_id in (left, right):
+            assert (await p.kinds(job_id)).count("claimed") == 1
+            assert (await p.kinds(job_id)).count("result_saved") == 1
 
 
 async def test_a_nul_byte_ends_its_job_with_a_reason_and_never_loops(make_pipeline: Any) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import aio_pika
 import pytest
+from sqlalchemy import event
 
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.storage import local_queue
@@ -448,6 +449,48 @@ async def test_local_settle_after_a_lost_claim_is_a_no_op(local: Backend) -> Non
     assert await stale.reject() is False  # already settled (and lost anyway)
     assert await fresh.reject() is True
     assert await slow.quarantine_depth() == 1
+
+
+async def test_local_settles_asked_together_commit_together_each_fenced_alone(
+    local: Backend,
+) -> None:
+    """Issue 23 item 6: acks and rejects asked for in one loop turn are one write
+    transaction (one commit), and each is still fenced on its own claim: a lost one is
+    refused, its neighbours are taken. Old code: a transaction (a commit) per settle."""
+    transport = await local.connected(visibility_seconds=30)
+    assert isinstance(transport, LocalTransport)
+    for n in range(6):
+        await transport.publish(message({"n": n}))
+    pump = local.pump(transport)
+    deliveries = [await pump.get() for _ in range(6)]
+    later = lambda: datetime.now(UTC) + timedelta(hours=1)  # noqa: E731
+    thief = await local.connected(visibility_seconds=30, clock=later)
+    stolen = await local.pump(thief, prefetch=1).get()  # one of the six, taken over
+    commits = 0  # of transactions that settled something (the consumers also claim)
+
+    def mark(conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        settling = statement.startswith("DELETE FROM local_messages")
+        if settling or "dead_lettered_at" in statement:
+            conn.info["settled"] = True
+
+    def count(conn: Any) -> None:
+        nonlocal commits
+        commits += bool(conn.info.pop("settled", False))
+
+    engine = transport._engine.sync_engine
+    event.listen(engine, "before_cursor_execute", mark)
+    event.listen(engine, "commit", count)
+    try:
+        taken = await asyncio.gather(
+            *(d.reject() if i == 0 else d.ack() for i, d in enumerate(deliveries))
+        )
+    finally:
+        event.remove(engine, "before_cursor_execute", mark)
+        event.remove(engine, "commit", count)
+    lost = [body_of(d) == body_of(stolen) for d in deliveries]
+    assert taken == [not was_lost for was_lost in lost]
+    assert commits == 1
+    assert await stolen.ack() is True
 
 
 async def test_a_claim_in_flight_as_the_transport_closes_gives_its_rows_back(

@@ -1,7 +1,7 @@
 """One delivery: decode it, claim its job, run it, commit the outcome, THEN settle it.
 
 The happy path is one statement: a claim guarded on exactly the policy's "ready to run"
-needs no read first (batched with the other deliveries in flight on PostgreSQL). When it
+needs no read first (batched with the other deliveries in flight). When it
 loses, the job is read and the policy decides what the delivery means: a duplicate of a
 finished job (acked), a retry not yet due, a lease held elsewhere (deferred), attempts used
 up or a bad copy (quarantined). Messages of a type or version this worker does not know are
@@ -78,10 +78,11 @@ class DeliveryHandler:
         self.lease = lease
         self.timeline = timeline
         self._wait_for_database = wait_for_database
-        # PostgreSQL: the claims and completions of concurrent deliveries share a statement.
+        # The claims and completions of concurrent deliveries share a statement (PostgreSQL)
+        # or a write transaction, so one commit (SQLite, where the commit is the cost).
         self._claims: Batcher[ClaimRequest, Claimed] | None = None
         self._completions: Batcher[CompleteRequest, bool] | None = None
-        if rt.settings.batching and rt.store.is_postgres:
+        if rt.settings.batching:
             # A statement the database refused for one row's data is sent again row by row.
             def alone_on(exc: Exception) -> bool:
                 return isinstance(exc, StoreDataError)

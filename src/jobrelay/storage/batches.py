@@ -3,8 +3,13 @@
 The same guards as ``hot_path``, row by row, over arrays (``unnest``; ``= ANY`` needs no
 statement per batch size, so the prepared statement is the same for 1 and for 100 jobs).
 Each job in a batch wins or loses on its own: a lost claim goes to the read-and-decide path,
-a lost completion reads what holds the job now. PostgreSQL only; SQLite keeps ``hot_path``
-(``renew_leases``, the worker's one lease renewer, has a SQLite branch: one transaction).
+a lost completion reads what holds the job now.
+
+SQLite has no arrays: there a batch is ONE write transaction (one ``BEGIN IMMEDIATE``, one
+commit; at ``synchronous=NORMAL`` in WAL no fsync per commit, as for every write there), with
+the same guards (``claims``), the same events and the same answers. What costs there is the
+Python per statement, so a batch of claims is three statements and a batch of completions
+one per job and one for all their events.
 
 Rows are locked in id order (``ORDER BY id FOR NO KEY UPDATE``): two batches never wait on
 each other in a cycle, and the key-share locks of event and outbox inserts (their foreign
@@ -22,9 +27,7 @@ duplicates — commit-before-ack per job, batched.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
 from sqlalchemy import (
     ARRAY,
@@ -44,32 +47,12 @@ from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
 from jobrelay.storage.claims import claimable, fenced, guard_sql, holds
-from jobrelay.storage.hot_path import (
-    COMPLETABLE,
-    HotPathStore,
-    claimed_detail,
-    result_saved_detail,
-)
+from jobrelay.storage.hot_path import COMPLETABLE, claimed_detail, result_saved_detail
 from jobrelay.storage.pg_hot import HotStatement
 from jobrelay.storage.records import Claim, JobRecord, Renewed, job_record, jsonable
+from jobrelay.storage.sqlite_batches import ClaimRequest, CompleteRequest, SqliteBatches
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.tables import UTCDateTime, jobs
-
-
-@dataclass(frozen=True)
-class ClaimRequest:
-    job_id: str
-    job_type: str
-    worker_id: str
-    detail: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class CompleteRequest:
-    claim: Claim
-    result_key: str | None
-    result_meta: dict[str, Any]
-
 
 _RUNNING = JobState.RUNNING.value
 
@@ -223,11 +206,13 @@ RETURNING jobs.id, jobs.cancel_requested_at IS NOT NULL AS cancel_requested
 )
 
 
-class BatchStore(HotPathStore):
+class BatchStore(SqliteBatches):
     async def claim_many(
         self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
     ) -> list[tuple[Claim, JobRecord, JobState] | None]:
         """``claim_delivered`` for many distinct jobs in one statement, in request order."""
+        if not self.is_postgres:
+            return await self._claim_many_sqlite(requests, now, lease)
         params = {
             "b_ids": [r.job_id for r in requests],
             "b_types": [r.job_type for r in requests],
@@ -255,6 +240,8 @@ class BatchStore(HotPathStore):
     async def complete_many(self, requests: Sequence[CompleteRequest], now: datetime) -> set[str]:
         """Fenced completions (nothing to publish, no follow-ups) in one statement; the ids
         of the jobs whose completion won."""
+        if not self.is_postgres:
+            return await self._complete_many_sqlite(requests, now)
         params = {
             "b_ids": [r.claim.job_id for r in requests],
             "b_attempts": [r.claim.attempt for r in requests],

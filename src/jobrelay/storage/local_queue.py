@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, delete, func, insert, not_, or_, select, update
+from sqlalchemy import and_, delete, func, insert, not_, or_, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.domain.messages import dead_letter_reason, peek_job_id
-from jobrelay.storage.engine import read_only
+from jobrelay.storage.engine import begin_write, read_only
 from jobrelay.storage.records import jsonable
 from jobrelay.storage.tables import job_events, jobs
 from jobrelay.storage.tables import local_messages as lm
@@ -56,8 +56,9 @@ class ClaimResult:
 
 @contextlib.asynccontextmanager
 async def writing(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    """A write transaction (BEGIN IMMEDIATE on SQLite, so the lock is taken up front)."""
-    async with engine.begin() as conn:
+    """A write transaction (BEGIN IMMEDIATE on SQLite, so the lock is taken up front),
+    queued behind the process's other writers (``engine.begin_write``)."""
+    async with begin_write(engine) as conn:
         yield conn
 
 
@@ -213,6 +214,25 @@ async def delete_claimed(
     """The ack: remove the row, only if this claim still holds it."""
     result = await conn.execute(delete(lm).where(*_held(message_id, consumer, fence)))
     return bool(result.rowcount == 1)
+
+
+async def delete_many_claimed(
+    conn: AsyncConnection, *, consumer: str, claims: Mapping[int, int]
+) -> set[int]:
+    """Many acks in one statement: each row removed only if its claim (id -> fence) still
+    holds it, as ``delete_claimed``; returns the ids that were."""
+    if not claims:
+        return set()
+    result = await conn.execute(
+        delete(lm)
+        .where(
+            tuple_(lm.c.id, lm.c.delivery_count).in_(list(claims.items())),
+            lm.c.queue != QUARANTINE,
+            lm.c.consumer == consumer,
+        )
+        .returning(lm.c.id)
+    )
+    return {r.id for r in result.all()}
 
 
 async def quarantine_claimed(

@@ -105,6 +105,11 @@ class LocalTransport:
         self._stopping = asyncio.Event()
         self._closed = False
         self._publishes: Batcher[dict[str, Any], None] = Batcher(self._insert_many, key=id)
+        # Settles asked for while one is being written go together in the next transaction
+        # (keyed on the message: two settles of one row are two fenced writes, one loses).
+        self._settles: Batcher[tuple[q.Claimed, bool], bool] = Batcher(
+            self._settle_many, key=lambda s: s[0].id
+        )
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -335,19 +340,7 @@ class LocalTransport:
 
     async def _write_settle(self, claim: q.Claimed, *, reject: bool) -> bool:
         try:
-            async with q.writing(self._engine) as conn:
-                if reject:
-                    return await q.quarantine_claimed(
-                        conn,
-                        message_id=claim.id,
-                        consumer=self._consumer,
-                        fence=claim.fence,
-                        headers=claim.headers,
-                        now=self._clock(),
-                    )
-                return await q.delete_claimed(
-                    conn, message_id=claim.id, consumer=self._consumer, fence=claim.fence
-                )
+            return await self._settles.submit((claim, reject))
         except _DB_ERRORS as exc:
             # Not renewed any more: the row comes back after the visibility timeout.
             raise TransportError(f"settle failed: {_short(exc)}") from exc
@@ -355,6 +348,26 @@ class LocalTransport:
             self._forget(claim.id, claim.fence)
             if self._orphans.get(claim.id) == claim.fence:
                 del self._orphans[claim.id]
+
+    async def _settle_many(self, settles: Sequence[tuple[q.Claimed, bool]]) -> list[bool]:
+        """The acks and rejects asked for meanwhile, each fenced on its own claim, in ONE
+        write transaction: one commit for the lot, the acks one statement. Each still wins
+        or loses alone (a lost claim changes nothing); a failed write fails all of them."""
+        acks = {claim.id: claim.fence for claim, reject in settles if not reject}
+        held: dict[int, bool] = {}
+        async with q.writing(self._engine) as conn:
+            deleted = await q.delete_many_claimed(conn, consumer=self._consumer, claims=acks)
+            for claim, reject in settles:
+                if reject:
+                    held[claim.id] = await q.quarantine_claimed(
+                        conn,
+                        message_id=claim.id,
+                        consumer=self._consumer,
+                        fence=claim.fence,
+                        headers=claim.headers,
+                        now=self._clock(),
+                    )
+        return [held[c.id] if reject else c.id in deleted for c, reject in settles]
 
     async def _release(self, claim: q.Claimed) -> None:
         """Give one handed-out message back now, as RabbitMQ's nack with requeue does."""

@@ -1,0 +1,53 @@
+"""One process's SQLite writers take turns in an asyncio lock (``engine.begin_write``).
+
+SQLite has one writer at a time; a ``BEGIN IMMEDIATE`` that finds the lock taken waits in
+SQLite's busy handler, which sleeps 1, 2, 5 … 100 ms between looks, and in one ``jobrelay
+up`` (claims, completions, settles, relay, API, each on its own pooled connection) those
+sleeps were most of the time per job. Here the busy timeout is 0, so a writer that met the
+lock held by another connection of this process would fail at once: it must queue instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from sqlalchemy import event, text
+
+from jobrelay.storage import local_queue
+from jobrelay.storage.engine import create_engine, write_tx
+
+
+async def test_writers_of_one_process_queue_instead_of_meeting_the_sqlite_lock(
+    sqlite_url: str,
+) -> None:
+    """While one write transaction is open, a second (the store's and the local
+    transport's alike) waits for it and then commits. Old code: the second's ``BEGIN
+    IMMEDIATE`` met the lock and, with no busy timeout, failed ("database is locked")."""
+    engine = create_engine(sqlite_url)
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _no_busy_wait(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.execute("PRAGMA busy_timeout=0")
+
+    async def store_write() -> None:
+        async with write_tx(engine, "database") as conn:
+            await conn.execute(text("UPDATE jobs SET attempt = attempt WHERE 0"))
+
+    async def queue_write() -> None:
+        async with local_queue.writing(engine) as conn:
+            await conn.execute(text("UPDATE local_messages SET queue = queue WHERE 0"))
+
+    try:
+        async with write_tx(engine, "database") as first:
+            others = [asyncio.create_task(store_write()), asyncio.create_task(queue_write())]
+            # Hold the lock while the others start: each statement yields to the loop, and
+            # on the old code they would have failed meanwhile.
+            for _ in range(200):
+                if all(task.done() for task in others):
+                    break
+                await first.execute(text("SELECT 1"))
+            assert not any(task.done() for task in others)
+        await asyncio.gather(*others)  # raises the old code's "database is locked"
+    finally:
+        await engine.dispose()
