@@ -20,6 +20,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobrelay.domain.disclosure import public_detail
@@ -96,13 +97,14 @@ def claimable(now: ColumnElement[datetime], due_by: ColumnElement[datetime]) -> 
     ]
 
 
-def guard_sql(guards: list[Any]) -> str:
-    """Guards as PostgreSQL text, for the statements written in SQL (``batches``).
+def guard_sql(guards: list[Any], dialect: Dialect | None = None) -> str:
+    """Guards as SQL text (PostgreSQL's unless ``dialect``), for the statements written in
+    SQL (``batches``, ``sqlite_batches``).
 
     The values (states) are inlined; column expressions (``literal_column``) stay as written,
     so a guard may name a CTE's columns and bind parameters (``:b_slack``).
     """
-    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    dialect = dialect or postgresql.dialect()  # type: ignore[no-untyped-call]
     clause = and_(*guards).compile(dialect=dialect, compile_kwargs={"literal_binds": True})
     return str(clause)
 

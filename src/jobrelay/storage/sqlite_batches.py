@@ -1,12 +1,19 @@
-"""The batched claims and completions on SQLite: one write transaction per batch.
+"""The batched claims and completions on SQLite: one write transaction per batch, each
+statement's text fixed and compiled once.
 
 ``batches`` sends a batch as one statement over arrays on PostgreSQL. SQLite has no arrays,
 and no network to save round trips on: what costs there is the commit (the write lock
 taken and given back; at ``synchronous=NORMAL`` in WAL no fsync per commit, as for every
 write there) and the Python per statement. So a batch is ONE write transaction of few
-statements: three for a batch of claims, two for a batch of completions. The guards are the
-policy's (``claims``: ``claimable``, ``fenced``), row by row, with the same events and the
-same answers as the PostgreSQL statements: each job wins or loses on its own.
+statements: three for a batch of claims, two for a batch of completions.
+
+The batch goes in as ONE bound value, a JSON array read by ``json_each`` (SQLite's
+``unnest``): the text of each statement is the same for 1 and for 100 jobs, so SQLAlchemy
+compiles it once and caches it, and a batch costs no Python per row beyond its JSON (a
+statement built per batch, with a fence and a ``CASE`` arm per row, was about half the
+embedded default's CPU). The guards are the policy's (``claims``: ``claimable``,
+``fenced``), written over the request's columns as the PostgreSQL statements write them,
+with the same events and the same answers: each job wins or loses on its own.
 
 A row that cannot be stored fails the transaction, all of it rolled back, with a
 ``StoreDataError``: the worker's batcher then sends each request alone, so only that job
@@ -20,14 +27,106 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Text, and_, case, insert, literal, or_, select, update
+from sqlalchemy import Column, String, Text, bindparam, literal_column, text
+from sqlalchemy.dialects import sqlite
 
+from jobrelay import fastjson
+from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState
-from jobrelay.storage.claims import fenced
+from jobrelay.errors import StoreDataError
+from jobrelay.storage.base import StoreBase
+from jobrelay.storage.claims import claimable, fenced, guard_sql
 from jobrelay.storage.hot_path import COMPLETABLE, HotPathStore, result_saved_detail
 from jobrelay.storage.records import Claim, JobRecord, job_record, jsonable
-from jobrelay.storage.storable import outcome_json
-from jobrelay.storage.tables import job_events, jobs
+from jobrelay.storage.storable import outcome_json, safe_text
+from jobrelay.storage.tables import UTCDateTime, jobs
+
+_DIALECT = sqlite.dialect()
+
+
+def _req(*fields: str) -> str:
+    """The request array as rows: ``json_each`` of ``:reqs``, element i named ``fields[i]``."""
+    columns = ", ".join(f"json_extract(value, '$[{i}]') AS {f}" for i, f in enumerate(fields))
+    return f"(SELECT {columns} FROM json_each(:reqs)) AS req"
+
+
+def _req_column(name: str) -> Any:
+    return literal_column(f"req.{name}")
+
+
+def _by_id(guard: str) -> str:
+    """The guard with ``jobs.state`` kept out of index choice (SQLite's unary ``+``).
+
+    Without statistics SQLite's planner takes ``state IN (…)`` as more selective than the
+    join on the primary key with ``json_each``, and scans every queued job once per request
+    (19 ms a batch of 15 at 3,000 queued, measured); so the batch's ids drive the lookup."""
+    return guard.replace("jobs.state", "+jobs.state")
+
+
+_CLAIMABLE = _by_id(
+    guard_sql(
+        claimable(literal_column(":now", UTCDateTime()), literal_column(":due_by", UTCDateTime())),
+        _DIALECT,
+    )
+)
+_FENCE = _by_id(
+    guard_sql(
+        [
+            StoreBase.state_in(COMPLETABLE),
+            *fenced(Claim(_req_column("id"), _req_column("attempt"), _req_column("worker"))),
+        ],
+        _DIALECT,
+    )
+)
+_JOB_COLUMNS = ", ".join(f"jobs.{c.name}" for c in jobs.c)
+
+_STATES = text(
+    f"SELECT jobs.id, jobs.state FROM jobs, {_req('id', 'type')} "
+    "WHERE jobs.id = req.id AND jobs.type = req.type"
+).columns(Column("id", String()), Column("state", String()))
+
+_CLAIM = (
+    text(
+        f"""
+UPDATE jobs SET
+    state = '{JobState.RUNNING.value}', updated_at = :updated_at, attempt = jobs.attempt + 1,
+    lease_owner = req.worker, lease_expires_at = :lease_ends,
+    next_attempt_at = NULL, progress_done = NULL, progress_total = NULL
+FROM {_req("id", "type", "worker")}
+WHERE jobs.id = req.id AND jobs.type = req.type AND {_CLAIMABLE}
+RETURNING {_JOB_COLUMNS}
+"""
+    )
+    .bindparams(
+        bindparam("updated_at", type_=UTCDateTime()),
+        bindparam("lease_ends", type_=UTCDateTime()),
+        bindparam("now", type_=UTCDateTime()),
+        bindparam("due_by", type_=UTCDateTime()),
+    )
+    .columns(*(Column(c.name, c.type) for c in jobs.c))
+)
+
+_COMPLETE = text(
+    f"""
+UPDATE jobs SET
+    state = '{JobState.SUCCEEDED.value}', updated_at = :updated_at,
+    result_key = req.result_key, result_meta = req.meta,
+    lease_owner = NULL, lease_expires_at = NULL, last_error = NULL
+FROM {_req("id", "attempt", "worker", "result_key", "meta")}
+WHERE jobs.id = req.id AND {_FENCE}
+RETURNING jobs.id
+"""
+).bindparams(bindparam("updated_at", type_=UTCDateTime()))
+
+# The events of a batch: (job id, detail as JSON) pairs; the detail's text is stored as is,
+# as the JSON column stores what it serialises.
+_EVENTS = text(
+    """
+INSERT INTO job_events (job_id, at, kind, detail)
+SELECT json_extract(value, '$[0]'), :at, :kind, json_extract(value, '$[1]')
+FROM json_each(:reqs)
+"""
+).bindparams(bindparam("at", type_=UTCDateTime()), bindparam("kind", type_=Text()))
 
 
 @dataclass(frozen=True)
@@ -45,51 +144,64 @@ class CompleteRequest:
     result_meta: dict[str, Any]
 
 
+def _bindable(result_key: str | None) -> str | None:
+    """The key as SQLite's driver would bind it, or StoreDataError: a lone surrogate cannot
+    be UTF-8 (bound alone, the driver refuses it; inside the batch's JSON, escaped, SQLite
+    would store something else)."""
+    if result_key is not None:
+        try:
+            result_key.encode()
+        except UnicodeEncodeError as exc:
+            raise StoreDataError(
+                f"the result key {safe_text(result_key)!r} is not UTF-8: {exc.reason}"
+            ) from None
+    return result_key
+
+
 class SqliteBatches(HotPathStore):
     async def _claim_many_sqlite(
         self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
     ) -> list[tuple[Claim, JobRecord, JobState] | None]:
         """The batch's claims in one transaction of three statements: the states the jobs
-        leave, ONE guarded ``UPDATE … WHERE id IN (…) RETURNING`` per claiming worker (one:
-        a batch is one worker's), and their ``claimed`` events in one insert.
+        leave, ONE guarded ``UPDATE … FROM json_each(…) RETURNING`` (each row's owner its
+        request's worker) and their ``claimed``
+        events in one insert.
 
         The guard is ``claimable`` per row, as ``claim_delivered``'s; under ``BEGIN
         IMMEDIATE`` nothing else writes between the read and the update."""
-        wanted = {(r.job_id, r.job_type) for r in requests}
+        reqs = fastjson.dumps([[r.job_id, r.job_type, r.worker_id] for r in requests])
+        clock = self.local_now()
         asked = {r.job_id: r for r in requests}
-        won: dict[str, Any] = {}
         async with self.writing() as conn:
-            found = await conn.execute(
-                select(jobs.c.id, jobs.c.type, jobs.c.state).where(jobs.c.id.in_(list(asked)))
-            )
-            left = {row.id: row.state for row in found if (row.id, row.type) in wanted}
-            for worker in {asked[job_id].worker_id for job_id in left}:
-                mine = [job_id for job_id in left if asked[job_id].worker_id == worker]
-                claimed = await conn.execute(
-                    update(jobs)
-                    .where(jobs.c.id.in_(mine), *self.claimable())
-                    .values(**self.claim_values(worker, now, lease))
-                    .returning(*jobs.c)
+            left = {row.id: row.state for row in await conn.execute(_STATES, {"reqs": reqs})}
+            won = {
+                row.id: row
+                for row in await conn.execute(
+                    _CLAIM,
+                    {
+                        "reqs": reqs,
+                        "updated_at": now,
+                        "lease_ends": clock + lease,
+                        "now": clock,
+                        "due_by": clock + RETRY_SLACK,
+                    },
                 )
-                won.update((row.id, row) for row in claimed)
+            }
             if won:
-                await conn.execute(
-                    insert(job_events),
+                events = [
                     [
+                        job_id,
                         {
-                            "job_id": job_id,
-                            "at": now,
-                            "kind": "claimed",
-                            "detail": jsonable(
-                                {
-                                    "worker": asked[job_id].worker_id,
-                                    "attempt": int(row.attempt),
-                                    **asked[job_id].detail,
-                                }
-                            ),
-                        }
-                        for job_id, row in won.items()
-                    ],
+                            "worker": asked[job_id].worker_id,
+                            "attempt": int(row.attempt),
+                            **asked[job_id].detail,
+                        },
+                    ]
+                    for job_id, row in won.items()
+                ]
+                await conn.execute(
+                    _EVENTS,
+                    {"reqs": fastjson.dumps(jsonable_rows(events)), "at": now, "kind": "claimed"},
                 )
         results: list[tuple[Claim, JobRecord, JobState] | None] = []
         for request in requests:
@@ -106,62 +218,49 @@ class SqliteBatches(HotPathStore):
         self, requests: Sequence[CompleteRequest], now: datetime
     ) -> set[str]:
         """The batch's completions in one transaction of two statements: ONE update fenced
-        per row (``fenced`` of each claim; each row's key and meta its own, by ``CASE``),
-        ``RETURNING`` the jobs whose completion won, and their ``result_saved`` events in
-        one insert.
+        per row (``fenced`` of each claim; each row's key and meta its own), ``RETURNING``
+        the jobs whose completion won, and their ``result_saved`` events in one insert.
 
-        Every row is checked (``outcome_json``) before the transaction begins; a value the
-        driver still refuses (a lone surrogate in a key) rolls the whole batch back with a
-        ``StoreDataError``, and the batcher then sends each request alone, so only that job
-        fails."""
-        for r in requests:
-            outcome_json(r.result_key, r.result_meta)
-        by_id = {r.claim.job_id: r for r in requests}
-        meta = jobs.c.result_meta.type
-        done = (
-            update(jobs)
-            .where(
-                jobs.c.id.in_(list(by_id)),
-                self.state_in(COMPLETABLE),
-                # Each row on its own claim: the policy's fence, per job.
-                or_(*(and_(jobs.c.id == r.claim.job_id, *fenced(r.claim)) for r in requests)),
-            )
-            .values(
-                state=JobState.SUCCEEDED.value,
-                updated_at=now,
-                result_key=case(
-                    *((jobs.c.id == i, literal(r.result_key, Text())) for i, r in by_id.items()),
-                    else_=jobs.c.result_key,
-                ),
-                result_meta=case(
-                    *((jobs.c.id == i, literal(r.result_meta, meta)) for i, r in by_id.items()),
-                    else_=jobs.c.result_meta,
-                ),
-                lease_owner=None,
-                lease_expires_at=None,
-                last_error=None,
-            )
-            .returning(jobs.c.id)
+        Every row is checked (``outcome_json``, ``_bindable``) before the transaction
+        begins; one that cannot be stored fails the batch with a ``StoreDataError``, and the
+        batcher then sends each request alone, so only that job fails."""
+        reqs = fastjson.dumps(
+            [
+                [
+                    r.claim.job_id,
+                    r.claim.attempt,
+                    r.claim.worker_id,
+                    _bindable(r.result_key),
+                    outcome_json(r.result_key, r.result_meta),
+                ]
+                for r in requests
+            ]
         )
         async with self.writing() as conn:
-            ids = {row.id for row in await conn.execute(done)}
+            ids = {
+                row.id for row in await conn.execute(_COMPLETE, {"reqs": reqs, "updated_at": now})
+            }
             won = [r for r in requests if r.claim.job_id in ids]
             if won:
+                events = [
+                    [r.claim.job_id, result_saved_detail(r.claim, r.result_key, r.result_meta)]
+                    for r in won
+                ]
                 await conn.execute(
-                    insert(job_events),
-                    [
-                        {
-                            "job_id": r.claim.job_id,
-                            "at": now,
-                            "kind": "result_saved",
-                            "detail": jsonable(
-                                result_saved_detail(r.claim, r.result_key, r.result_meta)
-                            ),
-                        }
-                        for r in won
-                    ],
+                    _EVENTS,
+                    {
+                        "reqs": fastjson.dumps(jsonable_rows(events)),
+                        "at": now,
+                        "kind": "result_saved",
+                    },
                 )
         return {r.claim.job_id for r in won}
+
+
+def jsonable_rows(rows: list[list[Any]]) -> list[list[Any]]:
+    """Each (job id, detail) with its detail's datetimes as ISO text, as the JSON column
+    writes them."""
+    return [[job_id, jsonable(detail)] for job_id, detail in rows]
 
 
 __all__ = ["ClaimRequest", "CompleteRequest", "SqliteBatches"]
