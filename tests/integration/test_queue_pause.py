@@ -61,8 +61,10 @@ async def test_pause_holds_deliveries_in_the_broker_and_resume_drains_them(
         held = [await p.submit(period=f"2020-0{i}") for i in range(2, 6)]
         await eventually(lambda: _ready(rt.transport, len(held)), what="the messages in the broker")
         for job_id in held:
-            job = await rt.store.get_job(job_id)
-            assert job.state is JobState.QUEUED and job.published and job.attempt == 0
+            # The broker can hold a message before its confirm reaches the relay, which marks
+            # the row published only then: wait for the mark, not only for the broker.
+            job = await p.wait_for(job_id, lambda j: j.published)
+            assert job.state is JobState.QUEUED and job.attempt == 0
             assert "claimed" not in await p.kinds(job_id)
 
         assert await set_paused(
