@@ -38,17 +38,19 @@ from tests.integration.test_claims import (
 LEASE = timedelta(seconds=30)
 
 
-@pytest.fixture(params=["sqlite", "sqlalchemy", "asyncpg"])
+@pytest.fixture(params=["sqlite", "sqlite-held", "sqlalchemy", "asyncpg"])
 def way(request: pytest.FixtureRequest) -> tuple[str, str]:
-    """(database URL, how PostgreSQL's statements are sent); resolved outside the loop."""
-    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+    """(database URL, how the statements are sent); resolved outside the loop."""
+    sqlite = request.param.startswith("sqlite")
+    url = request.getfixturevalue("sqlite_url" if sqlite else "pg_url")
     return url, request.param
 
 
 @pytest.fixture
 async def db(way: tuple[str, str], tmp_path: Path) -> AsyncIterator[Runtime]:
-    """The store on SQLite (one write transaction per batch, ``sqlite_batches``) and on
-    PostgreSQL through both ways it sends the statements."""
+    """The store on SQLite (one write transaction per batch, ``sqlite_batches``: through
+    SQLAlchemy, and whole on the ``sqlite3`` connection a worker holds, ``sqlite_hot``) and
+    on PostgreSQL through both ways it sends the statements."""
     url, how = way
     runtime = runtime_for(url, tmp_path)
     await seed(runtime.engine, ROWS)
@@ -56,6 +58,9 @@ async def db(way: tuple[str, str], tmp_path: Path) -> AsyncIterator[Runtime]:
         if how == "asyncpg":
             await held.enter_async_context(runtime.store.hot_connections())
             assert runtime.store.hot is not None and runtime.store.hot.active
+        if how == "sqlite-held":
+            await held.enter_async_context(runtime.store.hot_connections())
+            assert runtime.store.sqlite_hot is not None and runtime.store.sqlite_hot.active
         yield runtime
     await runtime.engine.dispose()
 

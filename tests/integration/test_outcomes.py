@@ -103,9 +103,12 @@ def count_failing_statements(p: Pipeline) -> Callable[[], Counter[str]]:
 
 
 def on_the_hot_path(p: Pipeline) -> bool:
-    """PostgreSQL: the worker's batched statements went over its held asyncpg connections."""
-    hot = p.rt.store.hot
-    return hot is None or hot.sent > 0
+    """The worker's batched statements went over its held connections: asyncpg's on
+    PostgreSQL, its ``sqlite3`` one on a SQLite file."""
+    hot, sqlite_hot = p.rt.store.hot, p.rt.store.sqlite_hot
+    if hot is not None:
+        return hot.sent > 0
+    return sqlite_hot is not None and sqlite_hot.sent > 0
 
 
 def finished(job: JobRecord) -> bool:
@@ -191,6 +194,7 @@ async def test_on_sqlite_an_unstorable_completion_fails_alone_in_its_batch(
         for job_id in (left, right):
             assert (await p.kinds(job_id)).count("claimed") == 1
             assert (await p.kinds(job_id)).count("result_saved") == 1
+        assert on_the_hot_path(p)  # the held sqlite3 connection, one hand-off a batch
 
 
 async def test_a_nul_byte_ends_its_job_with_a_reason_and_never_loops(make_pipeline: Any) -> None:

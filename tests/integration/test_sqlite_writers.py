@@ -10,12 +10,16 @@ lock held by another connection of this process would fail at once: it must queu
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from typing import Any
 
+import pytest
 from sqlalchemy import event, text
 
+from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.storage import local_queue
 from jobrelay.storage.engine import create_engine, write_tx
+from jobrelay.storage.sqlite_hot import SqliteHot
 
 
 async def test_writers_of_one_process_queue_instead_of_meeting_the_sqlite_lock(
@@ -49,5 +53,45 @@ async def test_writers_of_one_process_queue_instead_of_meeting_the_sqlite_lock(
                 await first.execute(text("SELECT 1"))
             assert not any(task.done() for task in others)
         await asyncio.gather(*others)  # raises the old code's "database is locked"
+    finally:
+        await engine.dispose()
+
+
+async def test_a_failed_transaction_on_the_held_connection_leaves_nothing_behind(
+    sqlite_url: str,
+) -> None:
+    """A worker's batch transaction on its held ``sqlite3`` connection (``sqlite_hot``) is
+    all or nothing, like the engine's: a row the database refuses (here an event of no job:
+    the foreign key) rolls back what the transaction wrote before it, surfaces as a
+    ``StoreDataError`` (the batcher then sends each request alone), and the connection is
+    left ready for the next batch."""
+    engine = create_engine(sqlite_url)
+    hot = SqliteHot(engine)
+    pause = (
+        "INSERT INTO queue_pauses (queue, paused, changed_at, changed_by, reason) "
+        "VALUES ('q', 1, '2026-01-01 00:00:00.000000', 'test', 'why')"
+    )
+
+    def refused(conn: sqlite3.Connection) -> None:
+        conn.execute(pause)
+        conn.execute(
+            "INSERT INTO job_events (job_id, at, kind, detail) "
+            "VALUES ('no-such-job', '2026-01-01 00:00:00.000000', 'claimed', '{}')"
+        )
+
+    def count(conn: sqlite3.Connection) -> int:
+        return int(conn.execute("SELECT count(*) FROM queue_pauses").fetchone()[0])
+
+    try:
+        async with hot.held():
+            assert hot.active
+            with pytest.raises(StoreDataError, match="FOREIGN KEY"):
+                await hot.transaction(refused, "database")
+            assert await hot.transaction(count, "database") == 0
+            await hot.transaction(lambda conn: conn.execute(pause), "database")
+            assert await hot.transaction(count, "database") == 1
+        assert not hot.active
+        with pytest.raises(StoreError, match="closed"):
+            await hot.transaction(count, "database")
     finally:
         await engine.dispose()

@@ -55,6 +55,7 @@ from jobrelay.storage.records import (
     jsonable,
     utc_now,
 )
+from jobrelay.storage.sqlite_hot import SqliteHot
 from jobrelay.storage.tables import (
     UTCDateTime,
     job_events,
@@ -82,13 +83,17 @@ class StoreBase:
         self.effects = EffectsLedger(engine)
         # PostgreSQL: the asyncpg connections a worker or relay holds for its hot statements.
         self.hot = HotPool(engine.url) if self.is_postgres else None
+        # SQLite: the connection a worker holds for its batch transactions (``sqlite_hot``).
+        self.sqlite_hot = None if self.is_postgres else SqliteHot(engine)
 
     def hot_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Held by a worker or relay while it runs: asyncpg connections for its hot
-        statements (PostgreSQL; nothing to hold on SQLite)."""
-        if self.hot is None:
-            return contextlib.nullcontext()
-        return self.hot.held()
+        statements on PostgreSQL, one ``sqlite3`` connection for its batches on SQLite."""
+        if self.hot is not None:
+            return self.hot.held()
+        if self.sqlite_hot is not None:
+            return self.sqlite_hot.held()
+        return contextlib.nullcontext()
 
     async def hot_rows(self, statement: HotStatement, params: Mapping[str, Any]) -> Sequence[Any]:
         """One hot statement in autocommit; its rows, each read by column name.

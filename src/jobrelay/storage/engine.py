@@ -66,15 +66,7 @@ def _sqlite_engine(url: URL) -> AsyncEngine:
 
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # Let us issue BEGIN ourselves (pysqlite's implicit BEGIN is DEFERRED).
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        if not memory:
-            cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA busy_timeout=30000")
-        cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.close()
+        sqlite_session(dbapi_connection, memory=memory)
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
@@ -83,6 +75,20 @@ def _sqlite_engine(url: URL) -> AsyncEngine:
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     return engine
+
+
+def sqlite_session(dbapi_connection: Any, *, memory: bool = False) -> None:
+    """How every SQLite connection of jobrelay's is set up (the engine's, ``sqlite_hot``'s):
+    WAL, a busy timeout, foreign keys, ``synchronous=NORMAL``, and BEGIN issued by us
+    (pysqlite's implicit BEGIN is DEFERRED)."""
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    if not memory:
+        cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
 
 
 def alembic_config(database_url: str) -> Config:
@@ -166,7 +172,7 @@ _WRITE_LOCKS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, asyn
 )
 
 
-def _write_lock(engine: AsyncEngine) -> asyncio.Lock:
+def write_lock(engine: AsyncEngine) -> asyncio.Lock:
     by_loop = _WRITE_LOCKS.setdefault(engine.sync_engine, weakref.WeakKeyDictionary())
     loop = asyncio.get_running_loop()
     lock = by_loop.get(loop)
@@ -190,7 +196,7 @@ async def begin_write(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
         async with engine.begin() as conn:
             yield conn
         return
-    async with _write_lock(engine), engine.begin() as conn:
+    async with write_lock(engine), engine.begin() as conn:
         yield conn
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import asyncpg
 from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, Dialect
 from sqlalchemy.sql.expression import Executable
 
 from jobrelay import fastjson
@@ -47,10 +47,11 @@ _CLOSE_SECONDS = 5.0
 
 
 class HotStatement:
-    """One SQLAlchemy statement compiled once for asyncpg: its text and how to bind it."""
+    """One SQLAlchemy statement compiled once for asyncpg (or ``dialect``: SQLite's, for
+    ``sqlite_hot``): its text and how to bind it."""
 
-    def __init__(self, statement: Executable) -> None:
-        compiled = statement.compile(dialect=_DIALECT)  # type: ignore[attr-defined]
+    def __init__(self, statement: Executable, dialect: Dialect | None = None) -> None:
+        compiled = statement.compile(dialect=dialect or _DIALECT)  # type: ignore[attr-defined]
         self.statement = statement
         self.sql: str = compiled.string
         processors = compiled._bind_processors

@@ -22,13 +22,15 @@ fails. Nothing of a batch is acked before it has committed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sqlite3
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Column, String, Text, bindparam, literal_column, text
 from sqlalchemy.dialects import sqlite
+from sqlalchemy.engine import Connection
 
 from jobrelay import fastjson
 from jobrelay.domain.policy import RETRY_SLACK
@@ -38,10 +40,12 @@ from jobrelay.storage.base import StoreBase
 from jobrelay.storage.claims import claimable, fenced, guard_sql
 from jobrelay.storage.hot_path import COMPLETABLE, HotPathStore, result_saved_detail
 from jobrelay.storage.records import Claim, JobRecord, job_record, jsonable
+from jobrelay.storage.sqlite_hot import RowReader, run, sqlite_statement
 from jobrelay.storage.storable import outcome_json, safe_text
 from jobrelay.storage.tables import UTCDateTime, jobs
 
 _DIALECT = sqlite.dialect()
+T = TypeVar("T")
 
 
 def _req(*fields: str) -> str:
@@ -158,51 +162,114 @@ def _bindable(result_key: str | None) -> str | None:
     return result_key
 
 
+class _Statement:
+    """A batch statement, its SQLite compilation for the held connection, and how its rows
+    are read (by the same column types on either path)."""
+
+    def __init__(self, statement: Any, *columns: Column[Any]) -> None:
+        self.statement = statement
+        self.hot = sqlite_statement(statement)
+        self.reader = RowReader(columns) if columns else None
+
+
+# A statement run inside the batch's transaction: its rows, each a mapping by column name.
+Execute = Callable[[_Statement, Mapping[str, Any]], list[Mapping[str, Any]]]
+
+_STATES_RUN = _Statement(_STATES, Column("id", String()), Column("state", String()))
+_CLAIM_RUN = _Statement(_CLAIM, *(Column(c.name, c.type) for c in jobs.c))
+_COMPLETE_RUN = _Statement(_COMPLETE, Column("id", String()))
+_EVENTS_RUN = _Statement(_EVENTS)
+
+
+def _on_held(conn: sqlite3.Connection) -> Execute:
+    """Statements on the worker's held connection, in its thread (``sqlite_hot``)."""
+
+    def execute(statement: _Statement, params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        rows = run(conn, statement.hot, params)
+        return list(statement.reader.read(rows)) if statement.reader is not None else []
+
+    return execute
+
+
+def _on_sqlalchemy(conn: Connection) -> Execute:
+    """The same statements through SQLAlchemy (a store used without a running worker)."""
+
+    def execute(statement: _Statement, params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        result = conn.execute(statement.statement, params)
+        return [dict(row) for row in result.mappings()] if statement.reader is not None else []
+
+    return execute
+
+
+def _claim_tx(
+    execute: Execute, requests: Sequence[ClaimRequest], params: dict[str, Any], now: datetime
+) -> tuple[dict[str, str], dict[str, Mapping[str, Any]]]:
+    asked = {r.job_id: r for r in requests}
+    left = {row["id"]: row["state"] for row in execute(_STATES_RUN, params)}
+    won = {row["id"]: row for row in execute(_CLAIM_RUN, params)}
+    if won:
+        events = [
+            [
+                job_id,
+                {
+                    "worker": asked[job_id].worker_id,
+                    "attempt": int(row["attempt"]),
+                    **asked[job_id].detail,
+                },
+            ]
+            for job_id, row in won.items()
+        ]
+        execute(
+            _EVENTS_RUN,
+            {"reqs": fastjson.dumps(jsonable_rows(events)), "at": now, "kind": "claimed"},
+        )
+    return left, won
+
+
+def _complete_tx(
+    execute: Execute, requests: Sequence[CompleteRequest], reqs: str, now: datetime
+) -> set[str]:
+    ids = {row["id"] for row in execute(_COMPLETE_RUN, {"reqs": reqs, "updated_at": now})}
+    won = [r for r in requests if r.claim.job_id in ids]
+    if won:
+        events = [
+            [r.claim.job_id, result_saved_detail(r.claim, r.result_key, r.result_meta)] for r in won
+        ]
+        execute(
+            _EVENTS_RUN,
+            {"reqs": fastjson.dumps(jsonable_rows(events)), "at": now, "kind": "result_saved"},
+        )
+    return {r.claim.job_id for r in won}
+
+
 class SqliteBatches(HotPathStore):
+    async def _sqlite_tx(self, work: Callable[[Execute], T]) -> T:
+        """``work`` in one write transaction: on the held connection in one hand-off to its
+        thread while a worker runs (``sqlite_hot``), else through SQLAlchemy."""
+        hot = self.sqlite_hot
+        if hot is not None and hot.active:
+            return await hot.transaction(lambda conn: work(_on_held(conn)), "database")
+        async with self.writing() as conn:
+            return await conn.run_sync(lambda sync: work(_on_sqlalchemy(sync)))
+
     async def _claim_many_sqlite(
         self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
     ) -> list[tuple[Claim, JobRecord, JobState] | None]:
         """The batch's claims in one transaction of three statements: the states the jobs
         leave, ONE guarded ``UPDATE … FROM json_each(…) RETURNING`` (each row's owner its
-        request's worker) and their ``claimed``
-        events in one insert.
+        request's worker) and their ``claimed`` events in one insert.
 
         The guard is ``claimable`` per row, as ``claim_delivered``'s; under ``BEGIN
         IMMEDIATE`` nothing else writes between the read and the update."""
-        reqs = fastjson.dumps([[r.job_id, r.job_type, r.worker_id] for r in requests])
         clock = self.local_now()
-        asked = {r.job_id: r for r in requests}
-        async with self.writing() as conn:
-            left = {row.id: row.state for row in await conn.execute(_STATES, {"reqs": reqs})}
-            won = {
-                row.id: row
-                for row in await conn.execute(
-                    _CLAIM,
-                    {
-                        "reqs": reqs,
-                        "updated_at": now,
-                        "lease_ends": clock + lease,
-                        "now": clock,
-                        "due_by": clock + RETRY_SLACK,
-                    },
-                )
-            }
-            if won:
-                events = [
-                    [
-                        job_id,
-                        {
-                            "worker": asked[job_id].worker_id,
-                            "attempt": int(row.attempt),
-                            **asked[job_id].detail,
-                        },
-                    ]
-                    for job_id, row in won.items()
-                ]
-                await conn.execute(
-                    _EVENTS,
-                    {"reqs": fastjson.dumps(jsonable_rows(events)), "at": now, "kind": "claimed"},
-                )
+        params = {
+            "reqs": fastjson.dumps([[r.job_id, r.job_type, r.worker_id] for r in requests]),
+            "updated_at": now,
+            "lease_ends": clock + lease,
+            "now": clock,
+            "due_by": clock + RETRY_SLACK,
+        }
+        left, won = await self._sqlite_tx(lambda run: _claim_tx(run, requests, params, now))
         results: list[tuple[Claim, JobRecord, JobState] | None] = []
         for request in requests:
             row = won.get(request.job_id)
@@ -236,25 +303,7 @@ class SqliteBatches(HotPathStore):
                 for r in requests
             ]
         )
-        async with self.writing() as conn:
-            ids = {
-                row.id for row in await conn.execute(_COMPLETE, {"reqs": reqs, "updated_at": now})
-            }
-            won = [r for r in requests if r.claim.job_id in ids]
-            if won:
-                events = [
-                    [r.claim.job_id, result_saved_detail(r.claim, r.result_key, r.result_meta)]
-                    for r in won
-                ]
-                await conn.execute(
-                    _EVENTS,
-                    {
-                        "reqs": fastjson.dumps(jsonable_rows(events)),
-                        "at": now,
-                        "kind": "result_saved",
-                    },
-                )
-        return {r.claim.job_id for r in won}
+        return await self._sqlite_tx(lambda run: _complete_tx(run, requests, reqs, now))
 
 
 def jsonable_rows(rows: list[list[Any]]) -> list[list[Any]]:

@@ -1,0 +1,163 @@
+"""A held SQLite connection whose batch transactions each run whole in its own thread.
+
+Through SQLAlchemy on aiosqlite every step of a transaction is a hand-off to the
+connection's thread and back through the event loop: ``BEGIN IMMEDIATE``, then per
+statement a cursor, the execute, the fetch, the close, then ``COMMIT``; about a dozen for a
+batch of claims. The write lock is held for all of them, and the other writers of the process
+(the local transport, the relay, the timeline) queue behind it. A worker on SQLite therefore
+holds one plain ``sqlite3`` connection of its own (``SqliteHot.held``, opened before it says it
+started) and runs each batch transaction (``transaction``: a function of the connection) in
+that connection's thread in ONE hand-off, still queued in the process's write lock
+(``engine.write_lock``) and begun ``IMMEDIATE``, exactly as ``engine.begin_write`` does.
+
+The statements are the store's own (``sqlite_batches``): the same text, compiled once for
+SQLite with SQLAlchemy's bind processors (``pg_hot.HotStatement``), rows read with the column
+types' own result processors. The connection is set up as the engine's are
+(``engine.sqlite_session``): WAL, ``synchronous=NORMAL``, the busy timeout, foreign keys; so a
+commit is as durable as before. An in-memory database has no second connection to the same
+data: there the store keeps to SQLAlchemy.
+
+Failures are told apart as ``engine.store_error`` tells SQLAlchemy's: a refusal of the data
+(an integrity or data error, a value the driver cannot bind) is a ``StoreDataError``; anything
+else (the file locked past the busy timeout, a disk error) a ``StoreError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from sqlalchemy import Column
+from sqlalchemy.dialects.sqlite.aiosqlite import dialect as aiosqlite_dialect
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobrelay.errors import StoreDataError, StoreError
+from jobrelay.storage.engine import first_line, sqlite_session, write_lock
+from jobrelay.storage.pg_hot import HotStatement
+
+T = TypeVar("T")
+
+DIALECT = aiosqlite_dialect()
+_DATA_ERRORS = (
+    sqlite3.IntegrityError,
+    sqlite3.DataError,
+    sqlite3.ProgrammingError,  # a value the driver cannot bind (an unsupported type)
+    OverflowError,  # an integer SQLite cannot hold
+    UnicodeEncodeError,  # a lone surrogate
+    TypeError,
+    ValueError,  # a bind processor refused the value
+)
+
+
+def sqlite_statement(statement: Any) -> HotStatement:
+    """``statement`` compiled once for SQLite, bound as SQLAlchemy binds it."""
+    return HotStatement(statement, DIALECT)
+
+
+class RowReader:
+    """Rows of ``columns`` as mappings by name, each value through its type's result
+    processor for SQLite (times from text, JSON decoded), as SQLAlchemy would read them."""
+
+    def __init__(self, columns: Iterable[Column[Any]]) -> None:
+        self._columns = [
+            (c.name, c.type.dialect_impl(DIALECT).result_processor(DIALECT, None)) for c in columns
+        ]
+
+    def read(self, rows: Iterable[Sequence[Any]]) -> list[Mapping[str, Any]]:
+        return [
+            {
+                name: value if process is None else process(value)
+                for (name, process), value in zip(self._columns, row, strict=True)
+            }
+            for row in rows
+        ]
+
+
+def run(conn: sqlite3.Connection, statement: HotStatement, params: Mapping[str, Any]) -> list[Any]:
+    """One statement on the held connection (in its thread); its rows as tuples."""
+    return conn.execute(statement.sql, statement.args(params)).fetchall()
+
+
+class SqliteHot:
+    """The connection a worker on a SQLite file holds while it runs (none otherwise)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._path = engine.url.database
+        self._conn: sqlite3.Connection | None = None
+        self._thread: ThreadPoolExecutor | None = None
+        self._holders = 0
+        self._lock = asyncio.Lock()
+        self.sent = 0  # transactions run on it (tests read it)
+
+    @property
+    def active(self) -> bool:
+        return self._conn is not None
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Open the connection (now, not in the first burst) for the block."""
+        async with self._lock:
+            if self._conn is None and self._path not in (None, "", ":memory:"):
+                thread = ThreadPoolExecutor(1, thread_name_prefix="jobrelay-sqlite-hot")
+                try:
+                    self._conn = await asyncio.get_running_loop().run_in_executor(
+                        thread, self._connect
+                    )
+                except (sqlite3.Error, OSError):
+                    thread.shutdown(wait=False)
+                    raise
+                self._thread = thread
+            self._holders += 1
+        try:
+            yield
+        finally:
+            async with self._lock:
+                self._holders -= 1
+                conn, closing = self._conn, self._thread
+                if self._holders == 0 and conn is not None and closing is not None:
+                    self._conn = self._thread = None
+                    await asyncio.get_running_loop().run_in_executor(closing, conn.close)
+                    closing.shutdown(wait=False)
+
+    def _connect(self) -> sqlite3.Connection:
+        assert self._path is not None
+        conn = sqlite3.connect(self._path, timeout=30, check_same_thread=False)
+        sqlite_session(conn)
+        return conn
+
+    async def transaction(self, work: Callable[[sqlite3.Connection], T], what: str) -> T:
+        """``work`` in one write transaction (BEGIN IMMEDIATE … COMMIT), run whole in the
+        connection's thread, queued behind the process's other writers."""
+        conn, thread = self._conn, self._thread
+        if conn is None or thread is None:
+            raise StoreError(f"{what} write failed: the held SQLite connection is closed")
+        self.sent += 1
+        async with write_lock(self._engine):
+            try:
+                return await asyncio.get_running_loop().run_in_executor(
+                    thread, _in_transaction, conn, work
+                )
+            except _DATA_ERRORS as exc:
+                raise StoreDataError(f"{what} write failed: {first_line(exc)}") from exc
+            except (sqlite3.Error, OSError) as exc:
+                raise StoreError(f"{what} write failed: {first_line(exc)}") from exc
+
+
+def _in_transaction(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]) -> T:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        result = work(conn)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return result
+
+
+__all__ = ["DIALECT", "RowReader", "SqliteHot", "run", "sqlite_statement"]
