@@ -67,6 +67,7 @@ unit: $(TEST_STAMP)
 ## the scaling table (1/2 relays, 1/2/4 workers; one node and a 3-node cluster), then one
 ## 1,000,000-row export against COPY (the `bench-export:` line), then report.export, then the
 ## no-op job against the peers; ends with the `bench:` line. BENCH_JOBS (default 10000) per phase
+BENCH_JOBS ?= 10000
 bench: $(TEST_STAMP)
 	$(BIN)/python bench/scaling_bench.py --cluster 3 $(SCALING_ARGS)
 	$(BIN)/python bench/export_speed.py $(EXPORT_ARGS)
