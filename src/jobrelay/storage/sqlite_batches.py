@@ -29,7 +29,6 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Column, String, Text, bindparam, literal_column, text
-from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Connection
 
 from jobrelay import fastjson
@@ -40,11 +39,10 @@ from jobrelay.storage.base import StoreBase
 from jobrelay.storage.claims import claimable, fenced, guard_sql
 from jobrelay.storage.hot_path import COMPLETABLE, HotPathStore, result_saved_detail
 from jobrelay.storage.records import Claim, JobRecord, job_record, jsonable
-from jobrelay.storage.sqlite_hot import RowReader, run, sqlite_statement
+from jobrelay.storage.sqlite_hot import DIALECT, RowReader, run, sqlite_statement
 from jobrelay.storage.storable import outcome_json, safe_text
 from jobrelay.storage.tables import UTCDateTime, jobs
 
-_DIALECT = sqlite.dialect()
 T = TypeVar("T")
 
 
@@ -70,7 +68,7 @@ def _by_id(guard: str) -> str:
 _CLAIMABLE = _by_id(
     guard_sql(
         claimable(literal_column(":now", UTCDateTime()), literal_column(":due_by", UTCDateTime())),
-        _DIALECT,
+        DIALECT,
     )
 )
 _FENCE = _by_id(
@@ -79,7 +77,7 @@ _FENCE = _by_id(
             StoreBase.state_in(COMPLETABLE),
             *fenced(Claim(_req_column("id"), _req_column("attempt"), _req_column("worker"))),
         ],
-        _DIALECT,
+        DIALECT,
     )
 )
 _JOB_COLUMNS = ", ".join(f"jobs.{c.name}" for c in jobs.c)
@@ -110,8 +108,9 @@ RETURNING {_JOB_COLUMNS}
     .columns(*(Column(c.name, c.type) for c in jobs.c))
 )
 
-_COMPLETE = text(
-    f"""
+_COMPLETE = (
+    text(
+        f"""
 UPDATE jobs SET
     state = '{JobState.SUCCEEDED.value}', updated_at = :updated_at,
     result_key = req.result_key, result_meta = req.meta,
@@ -120,7 +119,10 @@ FROM {_req("id", "attempt", "worker", "result_key", "meta")}
 WHERE jobs.id = req.id AND {_FENCE}
 RETURNING jobs.id
 """
-).bindparams(bindparam("updated_at", type_=UTCDateTime()))
+    )
+    .bindparams(bindparam("updated_at", type_=UTCDateTime()))
+    .columns(Column("id", String()))
+)
 
 # The events of a batch: (job id, detail as JSON) pairs; the detail's text is stored as is,
 # as the JSON column stores what it serialises.
@@ -164,20 +166,22 @@ def _bindable(result_key: str | None) -> str | None:
 
 class _Statement:
     """A batch statement, its SQLite compilation for the held connection, and how its rows
-    are read (by the same column types on either path)."""
+    are read: by the columns it declares (``text(…).columns``), the same types on either
+    path; a statement that declares none returns no rows."""
 
-    def __init__(self, statement: Any, *columns: Column[Any]) -> None:
+    def __init__(self, statement: Any) -> None:
         self.statement = statement
         self.hot = sqlite_statement(statement)
-        self.reader = RowReader(columns) if columns else None
+        columns = getattr(statement, "selected_columns", None)
+        self.reader = RowReader(columns) if columns is not None else None
 
 
 # A statement run inside the batch's transaction: its rows, each a mapping by column name.
 Execute = Callable[[_Statement, Mapping[str, Any]], list[Mapping[str, Any]]]
 
-_STATES_RUN = _Statement(_STATES, Column("id", String()), Column("state", String()))
-_CLAIM_RUN = _Statement(_CLAIM, *(Column(c.name, c.type) for c in jobs.c))
-_COMPLETE_RUN = _Statement(_COMPLETE, Column("id", String()))
+_STATES_RUN = _Statement(_STATES)
+_CLAIM_RUN = _Statement(_CLAIM)
+_COMPLETE_RUN = _Statement(_COMPLETE)
 _EVENTS_RUN = _Statement(_EVENTS)
 
 
@@ -186,7 +190,7 @@ def _on_held(conn: sqlite3.Connection) -> Execute:
 
     def execute(statement: _Statement, params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         rows = run(conn, statement.hot, params)
-        return list(statement.reader.read(rows)) if statement.reader is not None else []
+        return statement.reader.read(rows) if statement.reader is not None else []
 
     return execute
 

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from sqlalchemy import Column
+from sqlalchemy import ColumnElement
 from sqlalchemy.dialects.sqlite.aiosqlite import dialect as aiosqlite_dialect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -62,9 +62,10 @@ class RowReader:
     """Rows of ``columns`` as mappings by name, each value through its type's result
     processor for SQLite (times from text, JSON decoded), as SQLAlchemy would read them."""
 
-    def __init__(self, columns: Iterable[Column[Any]]) -> None:
+    def __init__(self, columns: Iterable[ColumnElement[Any]]) -> None:
         self._columns = [
-            (c.name, c.type.dialect_impl(DIALECT).result_processor(DIALECT, None)) for c in columns
+            (str(c.key), c.type.dialect_impl(DIALECT).result_processor(DIALECT, None))
+            for c in columns
         ]
 
     def read(self, rows: Iterable[Sequence[Any]]) -> list[Mapping[str, Any]]:
