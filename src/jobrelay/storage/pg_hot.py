@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import asyncpg
@@ -36,6 +36,7 @@ from sqlalchemy.sql.expression import Executable
 from jobrelay import fastjson
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.storage.engine import first_line, refuses_data
+from jobrelay.storage.shared import Shared
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,7 @@ class HotPool:
 
     def __init__(self, url: URL) -> None:
         self._dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
-        self._pool: asyncpg.Pool | None = None
-        self._holders = 0
-        self._lock = asyncio.Lock()
+        self._shared: Shared[asyncpg.Pool] = Shared(self._open, _close)
         # Statements that failed on the pool, by exception name: what the engine's
         # ``handle_error`` event counts on the SQLAlchemy path (tests read both).
         self.failures: Counter[str] = Counter()
@@ -100,27 +99,13 @@ class HotPool:
 
     @property
     def active(self) -> bool:
-        return self._pool is not None
+        return self._shared.value is not None
 
-    @contextlib.asynccontextmanager
-    async def held(self, size: int = HOT_POOL_SIZE) -> AsyncIterator[None]:
+    def held(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Open the pool (its connections now, not in the first burst) for the block."""
-        async with self._lock:
-            if self._pool is None:
-                self._pool = await self._open(size)
-            self._holders += 1
-        try:
-            yield
-        finally:
-            async with self._lock:
-                self._holders -= 1
-                pool = self._pool if self._holders == 0 else None
-                if pool is not None:
-                    self._pool = None
-            if pool is not None:
-                await _close(pool)
+        return self._shared.held()
 
-    async def _open(self, size: int) -> asyncpg.Pool:
+    async def _open(self, size: int = HOT_POOL_SIZE) -> asyncpg.Pool:
         try:
             return await self._create(size, size)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
@@ -145,7 +130,7 @@ class HotPool:
         self, statement: HotStatement, params: Mapping[str, Any], what: str = "database"
     ) -> Sequence[asyncpg.Record]:
         """Run ``statement`` on a held connection, in autocommit: one round trip."""
-        pool = self._pool
+        pool = self._shared.value
         if pool is None:
             raise StoreError(f"{what} write failed: the hot connections are closed")
         self.sent += 1

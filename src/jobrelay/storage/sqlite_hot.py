@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.storage.engine import first_line, sqlite_session, write_lock
 from jobrelay.storage.pg_hot import HotStatement
+from jobrelay.storage.shared import Shared
 
 T = TypeVar("T")
 
@@ -89,41 +90,30 @@ class SqliteHot:
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._path = engine.url.database
-        self._conn: sqlite3.Connection | None = None
-        self._thread: ThreadPoolExecutor | None = None
-        self._holders = 0
-        self._lock = asyncio.Lock()
+        # The connection and the one thread it is used from, while someone holds them.
+        self._shared: Shared[tuple[sqlite3.Connection, ThreadPoolExecutor]] = Shared(
+            self._open, _close
+        )
         self.sent = 0  # transactions run on it (tests read it)
 
     @property
     def active(self) -> bool:
-        return self._conn is not None
+        return self._shared.value is not None
 
-    @contextlib.asynccontextmanager
-    async def held(self) -> AsyncIterator[None]:
+    def held(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Open the connection (now, not in the first burst) for the block."""
-        async with self._lock:
-            if self._conn is None and self._path not in (None, "", ":memory:"):
-                thread = ThreadPoolExecutor(1, thread_name_prefix="jobrelay-sqlite-hot")
-                try:
-                    self._conn = await asyncio.get_running_loop().run_in_executor(
-                        thread, self._connect
-                    )
-                except (sqlite3.Error, OSError):
-                    thread.shutdown(wait=False)
-                    raise
-                self._thread = thread
-            self._holders += 1
+        return self._shared.held()
+
+    async def _open(self) -> tuple[sqlite3.Connection, ThreadPoolExecutor] | None:
+        if self._path in (None, "", ":memory:"):
+            return None  # no second connection to the same data: SQLAlchemy only
+        thread = ThreadPoolExecutor(1, thread_name_prefix="jobrelay-sqlite-hot")
         try:
-            yield
-        finally:
-            async with self._lock:
-                self._holders -= 1
-                conn, closing = self._conn, self._thread
-                if self._holders == 0 and conn is not None and closing is not None:
-                    self._conn = self._thread = None
-                    await asyncio.get_running_loop().run_in_executor(closing, conn.close)
-                    closing.shutdown(wait=False)
+            conn = await asyncio.get_running_loop().run_in_executor(thread, self._connect)
+        except (sqlite3.Error, OSError):
+            thread.shutdown(wait=False)
+            raise
+        return conn, thread
 
     def _connect(self) -> sqlite3.Connection:
         assert self._path is not None
@@ -134,9 +124,9 @@ class SqliteHot:
     async def transaction(self, work: Callable[[sqlite3.Connection], T], what: str) -> T:
         """``work`` in one write transaction (BEGIN IMMEDIATE … COMMIT), run whole in the
         connection's thread, queued behind the process's other writers."""
-        conn, thread = self._conn, self._thread
-        if conn is None or thread is None:
+        if self._shared.value is None:
             raise StoreError(f"{what} write failed: the held SQLite connection is closed")
+        conn, thread = self._shared.value
         self.sent += 1
         async with write_lock(self._engine):
             try:
@@ -147,6 +137,12 @@ class SqliteHot:
                 raise StoreDataError(f"{what} write failed: {first_line(exc)}") from exc
             except (sqlite3.Error, OSError) as exc:
                 raise StoreError(f"{what} write failed: {first_line(exc)}") from exc
+
+
+async def _close(held: tuple[sqlite3.Connection, ThreadPoolExecutor]) -> None:
+    conn, thread = held
+    await asyncio.get_running_loop().run_in_executor(thread, conn.close)
+    thread.shutdown(wait=False)
 
 
 def _in_transaction(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection], T]) -> T:
