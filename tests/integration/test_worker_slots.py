@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel
+from sqlalchemy import select
 
 import jobrelay
 from jobrelay.domain.states import JobState
 from jobrelay.roles.runtime import build_transport
 from jobrelay.roles.worker import Worker
+from jobrelay.storage.tables import jobs
 
 from .ops_fixtures import eventually
 
@@ -68,9 +70,16 @@ async def test_a_worker_runs_and_claims_no_more_than_its_concurrency(make_pipeli
         most = 0
 
         async def counted(done: int) -> bool:
-            """Every look: never more claimed than the slots; True once ``done`` finished."""
+            """Every look: never more claimed than the slots; True once ``done`` finished.
+
+            The states are read in ONE statement (one snapshot): read job by job, a job that
+            finished after its read and the job claimed into its slot before the next read
+            looked like three running at once."""
             nonlocal most
-            states = [(await rt.store.get_job(j)).state for j in ids]
+            async with rt.engine.connect() as conn:
+                query = select(jobs.c.id, jobs.c.state).where(jobs.c.id.in_(ids))
+                rows = {row.id: row.state for row in await conn.execute(query)}
+            states = [JobState(rows[j]) for j in ids]
             claimed = states.count(JobState.RUNNING)
             assert claimed <= CONCURRENCY, states
             most = max(most, claimed)
