@@ -263,7 +263,7 @@ class RepairQueries:
                 await conn.execute(
                     select(jobs.c.state, jobs.c.type, jobs.c.queue, jobs.c.attempt, jobs.c.run_at)
                     .where(jobs.c.id == job_id)
-                    .with_for_update()
+                    .with_for_update(key_share=True)  # as the relay's key shares allow
                 )
             ).first()
             if row is None:
