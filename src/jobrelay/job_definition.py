@@ -172,6 +172,7 @@ class JobDefinition(Generic[P]):
             queue=self.queue,
             previous_job_id=previous,
             run_at=when.due,
+            delay=when.delay,
         )
 
     async def enqueue(
@@ -340,5 +341,6 @@ def _now() -> datetime:
 
 
 def _resolved(delay: Delay | None, run_at: datetime | None) -> RunTime:
-    """The run time by this host's clock, at the call (before any statement is sent)."""
+    """The run time, checked at the call (before any statement is sent). This host's clock
+    only judges whether a ``run_at`` is past; a delay is added by the database's."""
     return delays.resolve(_now(), delay=delay, run_at=run_at)

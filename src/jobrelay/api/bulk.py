@@ -21,10 +21,16 @@ The filter is kept to the action's legal source states (replay: ``quarantined``;
 those, so another state is a 422 like any other invalid body. A running job's cancel is a
 request (``storage.cancels``): it counts as done, and the job no longer matches (its worker
 ends it ``cancelled``).
+
+A call the database fails part-way through has changed some jobs already (each job is its
+own transaction): its 503 says so (``cutShort``), naming the jobs it changed, the one whose
+outcome is unknown (its transaction may or may not have committed), and how many it did not
+try; the same call with the same ``before`` finishes the operation.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from datetime import datetime
 from typing import Any, Literal, TypeVar
@@ -36,10 +42,11 @@ from jobrelay.api.admin import AdminActor, _Reasoned, body_of
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.job_search import LIST_RESPONSES, job_filter, text_problem, time_problem
-from jobrelay.api.problems import ValidationProblem, problem_openapi
+from jobrelay.api.problems import UNAVAILABLE, ProblemError, ValidationProblem, problem_openapi
 from jobrelay.api.schemas import ACCOUNT_PATTERN, WireModel
 from jobrelay.domain.job_filter import JobFilter
 from jobrelay.domain.states import JobState
+from jobrelay.errors import StoreError
 from jobrelay.ops.operator import CANCELLABLE, REPLAYABLE, Operator
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.dashboard import count_jobs, event_ceiling, search_jobs
@@ -48,6 +55,7 @@ from jobrelay.storage.dashboard import count_jobs, event_ceiling, search_jobs
 BULK_CANCELLABLE = CANCELLABLE | {JobState.RUNNING}
 
 router = APIRouter()
+log = logging.getLogger("jobrelay.api")
 V = TypeVar("V")
 
 _RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -57,6 +65,11 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
     422: problem_openapi(
         "Invalid body: no reason, a bad filter, or a state this action cannot move.",
         ValidationProblem,
+    ),
+    503: problem_openapi(
+        "The database is unavailable. Before any job was acted on: nothing was changed. "
+        "Part-way through: `jobIds` were changed, `outcomeUnknown` may have been, "
+        "`notAttempted` were not tried; call again with `before` to finish."
     ),
 }
 
@@ -188,16 +201,26 @@ async def _run(
     refused = 0
     if not body.dry_run and matched:
         operator = Operator(runtime)
-        for job in await search_jobs(store, f, limit=body.limit):
-            if action == "replay":
-                outcome = await operator.replay(job.id, actor=actor, reason=body.reason)
-            else:
-                outcome = await operator.cancel(job.id, actor=actor, reason=body.reason)
+        batch = await search_jobs(store, f, limit=body.limit)
+        for index, job in enumerate(batch):
+            try:
+                if action == "replay":
+                    outcome = await operator.replay(job.id, actor=actor, reason=body.reason)
+                else:
+                    outcome = await operator.cancel(job.id, actor=actor, reason=body.reason)
+            except StoreError as exc:
+                left = len(batch) - index - 1
+                raise _cut_short(action, done, [job.id], left, before, exc) from None
             if outcome.done:
                 done.append(job.id)
             else:
                 refused += 1
-    remaining = matched if body.dry_run else await count_jobs(store, f)
+    try:
+        remaining = matched if body.dry_run else await count_jobs(store, f)
+    except StoreError as exc:
+        if not done:
+            raise  # nothing was changed: the usual 503 says so
+        raise _cut_short(action, done, [], 0, before, exc) from None
     return BulkOut(
         action=action,
         dry_run=body.dry_run,
@@ -207,5 +230,41 @@ async def _run(
         remaining=remaining,
         job_ids=done,
         actor=actor,
+        before=before,
+    )
+
+
+def _cut_short(
+    action: str, done: list[str], unknown: list[str], left: int, before: int, exc: StoreError
+) -> ProblemError:
+    """The 503 of a call the database failed part-way: what it did, what it may have done,
+    what it did not try (the generic 503's "nothing was changed" would be false)."""
+    log.warning(
+        "database unavailable during a bulk %s",
+        action,
+        extra={
+            "event": "api_dependency_unavailable",
+            "dependency": "database",
+            "reason": str(exc),
+            "done": len(done),
+        },
+    )
+    past = "cancelled" if action == "cancel" else "replayed"
+    parts = [f"{len(done)} job{' was' if len(done) == 1 else 's were'} {past} (jobIds)"]
+    if unknown:
+        parts.append(f"job {unknown[0]} may or may not have been (outcomeUnknown)")
+    if left:
+        parts.append(f"{left} more were not tried (notAttempted)")
+    return ProblemError(
+        503,
+        f"the database became unavailable part-way through this bulk {action}: "
+        + "; ".join(parts)
+        + "; call again with the same before to finish the operation",
+        type_=UNAVAILABLE,
+        headers={"Retry-After": "5"},
+        cutShort=True,
+        jobIds=done,
+        outcomeUnknown=unknown,
+        notAttempted=left,
         before=before,
     )

@@ -6,6 +6,13 @@ while it waits, and a restart in between loses nothing (the row is in the databa
 
 Pure: the caller passes the clock. The rules are the library's, the HTTP API's and the
 CLI's alike, so they are stated here once.
+
+Which clock: a ``delay`` is NOT added here. It is kept as seconds (``RunTime.delay``) and the
+write adds it to the database's own clock in SQL (``storage.enqueue``), because the relay
+judges the held row by the database's clock: a due time from the enqueuing host's clock
+would be off by that host's skew (120 s ahead made ``delay=5`` wait 125 s; 120 s behind made
+``delay=60`` run at once). A ``run_at`` is absolute and stays as given; only whether it is
+already past is judged here, by the caller's clock.
 """
 
 from __future__ import annotations
@@ -26,14 +33,16 @@ Delay = float | int | timedelta
 
 @dataclass(frozen=True)
 class RunTime:
-    """A resolved run time: ``due`` (None: run now) and the request as asked, for the hash."""
+    """A resolved run time: ``due`` (an absolute time) or ``delay`` (seconds after the
+    database's clock at the write), neither: run now; and the request as asked, for the hash."""
 
     due: datetime | None
     requested: dict[str, Any] | None
+    delay: float | None = None
 
     @property
     def delayed(self) -> bool:
-        return self.due is not None
+        return self.due is not None or self.delay is not None
 
 
 NOW = RunTime(due=None, requested=None)
@@ -47,7 +56,10 @@ def resolve(
     delay_name: str = "delay",
     run_at_name: str = "run_at",
 ) -> RunTime:
-    """The due time of a job enqueued at ``now`` with ``delay`` seconds or at ``run_at``.
+    """The run time of a job enqueued at ``now`` with ``delay`` seconds or at ``run_at``.
+
+    A delay stays relative (``RunTime.delay``; 0 is "now"): the database adds it to its own
+    clock when the job is written.
 
     ``InvalidRunTime`` (naming the argument as the caller spells it: ``delay_name``,
     ``run_at_name``) for both given, a negative or non-finite delay, a naive ``run_at``, or
@@ -57,9 +69,10 @@ def resolve(
     if delay is not None and run_at is not None:
         raise InvalidRunTime(run_at_name, f"give {delay_name} or {run_at_name}, not both")
     if delay is not None:
-        seconds = _seconds(delay, delay_name)
-        due = now + timedelta(seconds=seconds)
-        requested: dict[str, Any] = {"delaySeconds": seconds}
+        seconds = _seconds(delay, delay_name)  # at most MAX_AHEAD
+        return RunTime(
+            due=None, requested={"delaySeconds": seconds}, delay=seconds if seconds > 0 else None
+        )
     elif run_at is not None:
         if not isinstance(run_at, datetime):
             raise InvalidRunTime(run_at_name, "must be a datetime with a time zone")

@@ -80,7 +80,7 @@ class AdminQueries:
                         jobs.c.quarantine_reason,
                     )
                     .where(jobs.c.id == job_id)
-                    .with_for_update()
+                    .with_for_update(key_share=True)  # FOR NO KEY UPDATE: see ``cancel``
                 )
             ).first()
             if row is None:
@@ -130,8 +130,12 @@ class AdminQueries:
         and a delayed job's held message is deleted before it is ever published."""
         store = self.store
         async with store.writing() as conn:
+            # FOR NO KEY UPDATE, as the worker's batches lock jobs: the relay's mark holds the
+            # job's outbox row and then takes a key-share lock on the job (its ``published``
+            # event's foreign key). A plain FOR UPDATE conflicts with that key share, and the
+            # held row's DELETE below waits for the mark: a deadlock at the due time.
             current = await conn.scalar(
-                select(jobs.c.state).where(jobs.c.id == job_id).with_for_update()
+                select(jobs.c.state).where(jobs.c.id == job_id).with_for_update(key_share=True)
             )
             if current is None:
                 return ActionOutcome(job_id, False, None)

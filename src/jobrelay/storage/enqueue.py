@@ -23,12 +23,16 @@ from typing import Any, TypeVar
 
 from sqlalchemy import (
     JSON,
+    ColumnElement,
     Connection,
     Executable,
+    Float,
     Integer,
     String,
     bindparam,
+    func,
     insert,
+    literal,
     select,
     text,
 )
@@ -53,21 +57,23 @@ Steps = Generator[Step, Any, T]
 # what makes it run. Parameters are ``nj_*``, never a column's name; those in a SELECT list
 # are cast, as a driver binding them untyped (psycopg) would otherwise send text.
 # A delayed job adds ``run_at`` to the job and ``available_at`` to its outbox row; a job due
-# at once writes neither, so its statement is the one it was before delays existed.
+# at once writes neither, so its statement is the one it was before delays existed. A delay
+# (seconds) is added to the database's clock here, in SQL: the relay judges the held row by
+# that clock, so the enqueuing host's clock (skewed or not) has no say in when it runs.
 _PG_NEW_JOB_TEXT = """WITH nj_job AS (
     INSERT INTO jobs (id, type, account_id, params, idempotency_key, request_hash, state,
                       attempt, max_attempts, queue, created_at, updated_at{job_cols})
     VALUES (:nj_id, :nj_type, :nj_account, :nj_params, :nj_key, :nj_hash, :nj_state,
             0, :nj_max_attempts, :nj_queue, :nj_now, :nj_now{job_vals})
     ON CONFLICT (id) DO NOTHING
-    RETURNING id
+    RETURNING id{job_returning}
 ), nj_outbox AS (
     INSERT INTO outbox (job_id, destination, body, headers, created_at{outbox_cols})
     SELECT id, CAST(:nj_destination AS varchar), CAST(:nj_body AS text),
            CAST(:nj_headers AS json), CAST(:nj_now AS timestamptz){outbox_vals} FROM nj_job
 ), nj_event AS (
     INSERT INTO job_events (job_id, at, kind, detail)
-    SELECT id, CAST(:nj_now AS timestamptz), 'accepted', CAST(:nj_detail AS json) FROM nj_job
+    SELECT id, CAST(:nj_now AS timestamptz), 'accepted', {detail} FROM nj_job
 )
 SELECT (SELECT id FROM nj_job) AS inserted,
        (SELECT count(*) FROM (SELECT pg_notify(:nj_channel, '') FROM nj_job) AS n) AS notified,
@@ -90,16 +96,47 @@ _PG_BINDS = (
     bindparam("nj_channel", type_=String()),
 )
 _PG_NEW_JOB = text(
-    _PG_NEW_JOB_TEXT.format(job_cols="", job_vals="", outbox_cols="", outbox_vals="")
-).bindparams(*_PG_BINDS)
-_PG_NEW_DELAYED_JOB = text(
     _PG_NEW_JOB_TEXT.format(
-        job_cols=", run_at",
-        job_vals=", :nj_run_at",
-        outbox_cols=", available_at",
-        outbox_vals=",\n           CAST(:nj_run_at AS timestamptz)",
+        job_cols="",
+        job_vals="",
+        job_returning="",
+        outbox_cols="",
+        outbox_vals="",
+        detail="CAST(:nj_detail AS json)",
     )
+).bindparams(*_PG_BINDS)
+
+
+def _pg_delayed(due: str, detail: str) -> str:
+    """The statement of a job held until ``due`` (SQL); its outbox row takes the job's."""
+    return _PG_NEW_JOB_TEXT.format(
+        job_cols=", run_at",
+        job_vals=f", {due}",
+        job_returning=", run_at",
+        outbox_cols=", available_at",
+        outbox_vals=", run_at",
+        detail=detail,
+    )
+
+
+# ``runAt`` as Python's ``isoformat()`` writes a UTC time (no fraction when it is zero), so
+# the event reads the same whichever clock made the time. The colons are escaped for text().
+_PG_ISO_RUN_AT = r"""json_build_object('type', CAST(:nj_type AS text), 'runAt',
+        to_char(run_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24\:MI\:SS')
+        || CASE WHEN mod(CAST(date_part('microseconds', run_at) AS bigint), 1000000) = 0
+                THEN '' ELSE to_char(run_at AT TIME ZONE 'UTC', '.US') END
+        || '+00\:00')"""
+_PG_NEW_JOB_AT = text(
+    _pg_delayed("CAST(:nj_run_at AS timestamptz)", "CAST(:nj_detail AS json)")
 ).bindparams(*_PG_BINDS, bindparam("nj_run_at", type_=jobs.c.run_at.type))
+# ``statement_timestamp()``: the database's clock when the enqueue ran, as the relay's
+# ``now()`` is when its claim runs.
+_PG_NEW_JOB_DELAYED = text(
+    _pg_delayed(
+        "statement_timestamp() + make_interval(secs => CAST(:nj_delay AS double precision))",
+        _PG_ISO_RUN_AT,
+    )
+).bindparams(*(b for b in _PG_BINDS if b.key != "nj_detail"), bindparam("nj_delay", type_=Float()))
 _EXISTING_HASH = select(jobs.c.request_hash).where(jobs.c.id == bindparam("nj_id", type_=String()))
 
 
@@ -123,11 +160,20 @@ def queued_job_row(job: NewJob, now: datetime) -> dict[str, Any]:
     }
 
 
-def accepted_detail(job: NewJob) -> dict[str, Any]:
+def accepted_detail(job_type: str, run_at: datetime | None) -> dict[str, Any]:
     """The ``accepted`` event's detail: the type, and a delayed job's run time."""
-    if job.run_at is None:
-        return {"type": job.type}
-    return {"type": job.type, "runAt": job.run_at.isoformat()}
+    if run_at is None:
+        return {"type": job_type}
+    return {"type": job_type, "runAt": run_at.isoformat()}
+
+
+def sqlite_due(seconds: float) -> ColumnElement[Any]:
+    """SQLite's clock plus ``seconds``, as the text ``UTCDateTime`` stores (microseconds:
+    SQLite's clock has milliseconds), so it compares with every other stored time."""
+    modifier = literal(f"{seconds:+.6f} seconds")
+    return func.strftime(literal("%Y-%m-%d %H:%M:%f"), literal("now"), modifier).op("||")(
+        literal("000")
+    )
 
 
 def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, bool]]:
@@ -150,7 +196,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     if dialect == "postgresql":
         row = (
             yield (
-                _PG_NEW_JOB if job.run_at is None else _PG_NEW_DELAYED_JOB,
+                _pg_statement(job),
                 {
                     "nj_id": job.job_id,
                     "nj_type": job.type,
@@ -163,10 +209,16 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
                     "nj_queue": job.queue,
                     "nj_now": now,
                     **({"nj_run_at": job.run_at} if job.run_at is not None else {}),
+                    **({"nj_delay": job.delay} if job.delay is not None else {}),
                     "nj_destination": destination,
                     "nj_body": body,
                     "nj_headers": dict(job.headers or {}),
-                    "nj_detail": accepted_detail(job),
+                    # (A delayed job's is written in SQL, with the database's time.)
+                    **(
+                        {"nj_detail": accepted_detail(job.type, job.run_at)}
+                        if job.delay is None
+                        else {}
+                    ),
                     # Delivered at commit, to listening relays only: a hint, never the only path.
                     "nj_channel": NOTIFY_CHANNEL,
                 },
@@ -180,17 +232,20 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
             # (ON CONFLICT waited for it): read it again, with a snapshot that sees it.
             existing = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).scalar_one()
         return _same_request(job.job_id, job, existing)
+    due = {} if job.delay is None else {"run_at": sqlite_due(job.delay)}
     inserted = yield (
         sqlite.insert(jobs)
-        .values(**queued_job_row(job, now))
+        .values(**queued_job_row(job, now), **due)
         .on_conflict_do_nothing(index_elements=[jobs.c.id])
-        .returning(jobs.c.id),
+        .returning(jobs.c.id, jobs.c.run_at),
         None,
     )
     # RETURNING, not rowcount: psycopg reports -1 for an INSERT … ON CONFLICT here.
-    if inserted.first() is None:
+    row = inserted.first()
+    if row is None:
         existing = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).scalar_one()
         return _same_request(job.job_id, job, existing)
+    run_at = row.run_at  # the database's, for a delay
     yield (
         insert(outbox).values(
             job_id=job.job_id,
@@ -198,17 +253,23 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
             body=body,
             headers=dict(job.headers or {}),
             created_at=now,
-            **({"available_at": job.run_at} if job.run_at is not None else {}),
+            **({"available_at": run_at} if run_at is not None else {}),
         ),
         None,
     )
     yield (
         insert(job_events).values(
-            job_id=job.job_id, at=now, kind="accepted", detail=accepted_detail(job)
+            job_id=job.job_id, at=now, kind="accepted", detail=accepted_detail(job.type, run_at)
         ),
         None,
     )
     return job.job_id, True
+
+
+def _pg_statement(job: NewJob) -> Executable:
+    if job.delay is not None:
+        return _PG_NEW_JOB_DELAYED
+    return _PG_NEW_JOB if job.run_at is None else _PG_NEW_JOB_AT
 
 
 def _same_request(job_id: str, job: NewJob, existing_hash: str) -> tuple[str, bool]:

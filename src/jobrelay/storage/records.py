@@ -48,6 +48,8 @@ class NewJob:
     previous_job_id: str | None = None
     # A delayed job's due time (``domain.delays``): its outbox row is held until then.
     run_at: datetime | None = None
+    # Or its delay in seconds: the write adds it to the database's clock (``enqueue``).
+    delay: float | None = None
 
 
 Clock = Callable[[], datetime]

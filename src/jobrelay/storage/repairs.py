@@ -261,9 +261,17 @@ class RepairQueries:
         async with store.writing() as conn:
             row = (
                 await conn.execute(
-                    select(jobs.c.state, jobs.c.type, jobs.c.queue, jobs.c.attempt, jobs.c.run_at)
+                    select(
+                        jobs.c.state,
+                        jobs.c.type,
+                        jobs.c.queue,
+                        jobs.c.attempt,
+                        jobs.c.run_at,
+                        # Judged by the store's clock, the one the relay holds the row by.
+                        (jobs.c.run_at > store.now_sql()).label("not_due"),
+                    )
                     .where(jobs.c.id == job_id)
-                    .with_for_update()
+                    .with_for_update(key_share=True)  # as the relay's key shares allow
                 )
             ).first()
             if row is None:
@@ -276,7 +284,7 @@ class RepairQueries:
             if result.rowcount != 1:
                 return ActionOutcome(job_id, False, JobState(row.state))
             # A delayed job re-sent before its time: the new message is held until then too.
-            held = row.run_at if row.run_at is not None and row.run_at > now else None
+            held = row.run_at if row.run_at is not None and row.not_due else None
             await store.add_message(
                 conn,
                 job_id,
