@@ -1,7 +1,8 @@
 """One claimed attempt: run the operation under its claim, commit the outcome, settle.
 
 Everything here happens after a successful claim, so everything is fenced on it: the lease
-renewals (the worker's one renewer, ``leases``), progress, the outcome and the publication of
+renewals (the worker's one renewer, ``leases``), progress (advisory: a write the database
+does not take is written later, ``progress``), the outcome and the publication of
 the staged result. When a renewal (or a progress report) finds the claim gone, or cannot renew
 it before the lease would end, the operation is cancelled; the run then tries to record a transient
 failure, which loses (``lease_lost``) if another claim holds the job. A database outage while
@@ -45,6 +46,7 @@ from jobrelay.results.staging import StagingResults
 from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.failures import failure_texts, failure_traceback
 from jobrelay.roles.leases import LeaseRenewer
+from jobrelay.roles.progress import Progress
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.stopping import RunStop, end_cancelled, time_limit
 from jobrelay.storage.storable import outcome_json
@@ -103,19 +105,18 @@ class AttemptRun:
         results = StagingResults(self.rt.results)
         lease_lost = asyncio.Event()
 
-        async def progress(done: int, total: int) -> None:
-            if not await self.rt.store.report_progress(claim, done, total, self.rt.clock()):
-                # Another claim holds the job: stop here, as a renewal would.
-                lease_lost.set()
-                raise asyncio.CancelledError
+        def claim_gone() -> None:  # a progress write found another claim holding the job
+            lease_lost.set()
+            work.cancel()
 
+        progress = Progress(self.rt, claim, claim_gone)
         context = OperationContext(
             job=job,
             attempt=claim.attempt,
             store=self.rt.store,
             results=results,
             faults=self.rt.faults,
-            report_progress=progress,
+            report_progress=progress.report,
             clock=self.rt.clock,
             lease_lost=lease_lost,
             worker=self.worker_id,
@@ -154,6 +155,7 @@ class AttemptRun:
                 observation = self._transient(job, claim.attempt, *failure_texts(exc), None, trace)
             if not isinstance(observation, ResultSaved):
                 await results.discard()
+            await progress.flush()
             try:
                 await self._commit_outcome(
                     delivery, job, claim, observation, result, results, started=started
@@ -162,6 +164,7 @@ class AttemptRun:
                 await results.discard()
                 raise
         finally:
+            progress.close()
             stop.close()
             self._stop_renewing()
 
