@@ -1,8 +1,11 @@
-"""Time limits (issue 24, item 4): ``@app.job(timeout=)`` and ``JOBRELAY_JOB_TIMEOUT``.
+"""Time limits (issue 24, item 4; issue 34, item 5): ``@app.job(timeout=)`` and
+``JOBRELAY_JOB_TIMEOUT``.
 
 An attempt still running at its limit is stopped, its staged result discarded, and it counts
 as a failed attempt with the reason ``time limit of 0.5 s exceeded``: retried, then
-quarantined once its attempts are used. A ``def`` job cannot be interrupted: its attempt is
+quarantined once its attempts are used. An ``async def`` that blocks the event loop past its
+limit (the timer cannot fire) fails the same way when it returns, and the worker's loop
+watchdog names it. A ``def`` job cannot be interrupted: its attempt is
 recorded as failed at the limit, its thread is abandoned (``ctx.cancelled`` set, whatever it
 returns later discarded) and keeps its slot of the pool until it ends, so the worker never
 runs more threads than its pool. The worker tests run on SQLite and PostgreSQL
@@ -15,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +83,17 @@ def quick(ctx: jobrelay.SyncJobContext[Item], params: Item) -> jobrelay.Result:
     return jobrelay.Result(meta={"n": params.n})
 
 
+@app.job("limits.blocking", params=Item, timeout=0.5, max_attempts=2, retry_delays=(1,))
+async def blocking(ctx: jobrelay.JobContext[Item], params: Item) -> jobrelay.Result:
+    time.sleep(1.5)  # noqa: ASYNC251 -- on purpose: blocks the loop, the limit's timer with it
+    return jobrelay.Result(meta={"slept": True})
+
+
+@app.job("limits.blocker", params=Item, max_attempts=1)
+async def blocker(ctx: jobrelay.JobContext[Item], params: Item) -> None:
+    time.sleep(1.5)  # noqa: ASYNC251 -- on purpose: no job or timer runs meanwhile
+
+
 @pytest.fixture
 async def rt(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
     runtime = build_runtime(database_url, tmp_path)
@@ -101,6 +117,14 @@ async def run_job(rt: Runtime, job_id: str, job_type: str) -> Delivery:
     delivery = Delivery(json.dumps({"jobId": job_id, "type": job_type, "version": 1}).encode())
     await Worker(rt).handle(delivery)
     return delivery
+
+
+def sample(rt: Runtime, name: str) -> float | None:
+    return rt.metrics.registry.get_sample_value(name)
+
+
+def logged(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "event", None) == event]
 
 
 async def test_an_async_job_past_its_limit_is_retried_then_quarantined(rt: Runtime) -> None:
@@ -134,6 +158,20 @@ async def test_the_default_time_limit_applies_to_a_type_without_its_own(rt: Runt
 
     job = await rt.store.get_job(job_id)
     assert job is not None and job.state is S.RETRY_WAIT and job.last_error == REASON
+
+
+async def test_an_async_job_that_blocks_the_loop_past_its_limit_is_timed_out(
+    rt: Runtime,
+) -> None:
+    job_id = await enqueue(rt, blocking)
+
+    # The timer could not fire while the loop was blocked; the body returned past the limit.
+    assert (await run_job(rt, job_id, blocking.type)).outcomes == ["ack"]
+
+    job = await rt.store.get_job(job_id)
+    assert job is not None and job.state is S.RETRY_WAIT and job.attempt == 1, job
+    assert job.last_error == REASON and job.result_meta is None
+    assert "result_saved" not in [e.kind for e in await rt.store.events(job_id)]
 
 
 async def test_a_def_job_past_its_limit_is_abandoned_and_keeps_its_thread(rt: Runtime) -> None:
@@ -185,3 +223,21 @@ async def test_a_timed_out_job_retries_through_the_broker(make_pipeline: Any) ->
         timeline = await p.kinds(job_id)
         assert timeline.count("claimed") == 2 and "retry_scheduled" in timeline
         assert "result_saved" not in timeline
+
+
+async def test_a_blocked_event_loop_is_reported_naming_the_job(
+    make_pipeline: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="jobrelay.worker")
+    async with make_pipeline(app=APP, loop_lag_warn_seconds="0.2") as p:
+        p.start_relay()
+        await p.start_worker()
+        job_id = await enqueue(p.rt, blocker)
+
+        await p.wait_for(job_id, lambda j: j.state is S.SUCCEEDED, timeout=60)
+
+        blocked = logged(caplog, "loop_blocked")
+        assert blocked and all(r.levelno == logging.WARNING for r in blocked)
+        assert job_id in getattr(blocked[0], "jobIds", []), blocked[0].__dict__
+        assert (sample(p.rt, "jobrelay_event_loop_blocked_total") or 0) >= 1
+        assert (sample(p.rt, "jobrelay_event_loop_lag_seconds_count") or 0) >= 1

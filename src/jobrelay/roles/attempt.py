@@ -46,6 +46,7 @@ from jobrelay.results.staging import StagingResults
 from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.failures import failure_texts, failure_traceback
 from jobrelay.roles.leases import LeaseRenewer
+from jobrelay.roles.loop_watch import job_task_name
 from jobrelay.roles.progress import Progress
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.stopping import RunStop, end_cancelled, time_limit
@@ -124,7 +125,7 @@ class AttemptRun:
         observation: Observation
         result: Any = None
         started = time.monotonic()
-        work = asyncio.create_task(operation.run(context))
+        work = asyncio.create_task(operation.run(context), name=job_task_name(job, operation))
         stop = RunStop(work, lease_lost, time_limit(operation, self.rt.settings))
         # The renewal outlives the operation: the worker's renewer renews the lease until
         # the outcome is committed (``_commit_outcome`` releases it then), however long that
@@ -134,7 +135,12 @@ class AttemptRun:
         try:
             try:
                 result = await work
-                observation = ResultSaved(result.result_key)
+                # A body that blocked the loop returns before its timer could fire: past its
+                # limit is past its limit, whatever it returned (issue 34, item 5).
+                if stop.overran():
+                    observation = self._transient(job, claim.attempt, *stop.why())
+                else:
+                    observation = ResultSaved(result.result_key)
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if (current is not None and current.cancelling()) or not stop.stopped:
