@@ -176,6 +176,17 @@ class Metrics:
             "(each logged as loop_blocked, naming the job).",
             registry=r,
         )
+        self.threads_abandoned = Counter(
+            "jobrelay_sync_threads_abandoned",
+            "def job bodies left running in their thread when their attempt ended without "
+            "them (time limit, lost lease, cancel, stop).",
+            registry=r,
+        )
+        self.threads_abandoned_running = Gauge(
+            "jobrelay_sync_threads_abandoned_running",
+            "Abandoned def job bodies still running in this worker's threads.",
+            registry=r,
+        )
         self.http_requests = Counter(
             "jobrelay_http_requests",
             "HTTP requests answered by the API, by route template and status.",

@@ -50,6 +50,7 @@ from jobrelay.roles.loop_watch import job_task_name
 from jobrelay.roles.progress import Progress
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.stopping import RunStop, end_cancelled, time_limit
+from jobrelay.roles.threads import ThreadSlot
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, NewJob
 from jobrelay.transport.base import Delivery
@@ -78,6 +79,7 @@ class AttemptRun:
         wait_for_database: Callable[[], Awaitable[None]],
         complete: Complete | None = None,
         leases: LeaseRenewer,
+        thread: ThreadSlot | None = None,
     ) -> None:
         self.rt = rt
         self.registry = registry
@@ -87,6 +89,7 @@ class AttemptRun:
         self._wait_for_database = wait_for_database
         self._complete = complete
         self._leases = leases
+        self._thread = thread  # a def job's, taken before the claim (roles.threads)
         self._renewed: Claim | None = None  # held by the worker's lease renewer
 
     async def run(self, delivery: Delivery, job: JobRecord, claim: Claim) -> None:
@@ -121,6 +124,7 @@ class AttemptRun:
             clock=self.rt.clock,
             lease_lost=lease_lost,
             worker=self.worker_id,
+            thread=self._thread,
         )
         observation: Observation
         result: Any = None

@@ -182,6 +182,7 @@ class Worker:
             if self._probe is not None:
                 self._probe.cancel()
             await self.deliveries.leases.close()
+            self.deliveries.threads.close()
             watchdog.stop()
             await self.timeline.close()
             await beating.aclose()
