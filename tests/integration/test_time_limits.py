@@ -93,7 +93,7 @@ def hold(ctx: jobrelay.SyncJobContext[Item], params: Item) -> jobrelay.Result:
     return jobrelay.Result(meta={"held": True})
 
 
-@app.job("limits.brief", params=Item, timeout=0.5)
+@app.job("limits.brief", params=Item, timeout=1)
 def brief(ctx: jobrelay.SyncJobContext[Item], params: Item) -> jobrelay.Result:
     quick_started.set()
     return jobrelay.Result(meta={"n": params.n})
@@ -108,7 +108,7 @@ def hung(ctx: jobrelay.SyncJobContext[Item], params: Item) -> None:
     stuck_release.wait(60)  # hangs past its limit until the test lets it go
 
 
-@app.job("limits.healthy", params=Item, timeout=1, max_attempts=3)
+@app.job("limits.healthy", params=Item, timeout=5, max_attempts=3)
 def healthy(ctx: jobrelay.SyncJobContext[Item], params: Item) -> jobrelay.Result:
     return jobrelay.Result(meta={"n": params.n, "attempt": ctx.attempt})
 
@@ -218,7 +218,7 @@ async def test_a_def_job_waits_for_a_thread_unclaimed_and_its_limit_starts_with_
     second = asyncio.create_task(run_job(rt, brief_id, brief.type, worker))
     # Time must pass here, twice brief's limit: a limit that ran while brief waited for the
     # thread would have failed its attempt by now.
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(2.0)
     job = await rt.store.get_job(brief_id)
     assert job is not None and job.state is S.QUEUED and job.attempt == 0, job  # no claim
     assert not quick_started.is_set()
@@ -334,7 +334,9 @@ async def test_a_blocked_event_loop_is_reported_naming_the_job(
 
         blocked = logged(caplog, "loop_blocked")
         assert blocked and all(r.levelno == logging.WARNING for r in blocked)
-        assert job_id in getattr(blocked[0], "jobIds", []), blocked[0].__dict__
+        # Named while it blocks (a lag of the loaded machine may be logged too, naming none).
+        named = [r for r in blocked if getattr(r, "jobId", None) == job_id]
+        assert named and job_id in getattr(named[0], "jobIds", []), blocked[0].__dict__
         assert (sample(p.rt, "jobrelay_event_loop_blocked_total") or 0) >= 1
         assert (sample(p.rt, "jobrelay_event_loop_lag_seconds_count") or 0) >= 1
 
