@@ -25,9 +25,7 @@ type, so the worker runs application jobs and the shipped ones the same way.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import threading
 import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from datetime import datetime
@@ -46,7 +44,7 @@ from jobrelay.operations.base import Operation, Registry
 from jobrelay.settings import Settings
 from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import JobRecord
-from jobrelay.sync_context import THREAD_PREFIX, SyncJobFunction
+from jobrelay.sync_context import SyncJobFunction
 from jobrelay.transport.topology import DEFAULT_QUEUE, QUEUE_NAME
 
 if TYPE_CHECKING:
@@ -71,9 +69,6 @@ class App:
         self._commands: dict[str, AppCommand] = {}
         self._schedules: dict[str, Schedule] = {}
         self._engine: AsyncEngine | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pool_threads: int | None = None  # the worker's JOBRELAY_SYNC_THREADS (registry)
-        self._pool_lock = threading.Lock()
         # The installation's id keys per database this app enqueues on (its engine).
         self._id_keys: weakref.WeakKeyDictionary[Engine, IdKeyCache] = weakref.WeakKeyDictionary()
         self._id_keys_by_name: dict[str, IdKeyCache] = {}
@@ -253,7 +248,6 @@ class App:
 
     def registry(self, settings: Settings | None = None) -> Registry:
         settings = settings or self.settings
-        self._pool_threads = settings.sync_threads  # the runtime's, --sync-threads included
         return Registry([*(f(settings) for f in self._builtins), *self._jobs.values()])
 
     @property
@@ -268,18 +262,6 @@ class App:
         for definition in self._jobs.values():
             delays.update(definition.retry_delays or ())
         return tuple(sorted(delays))
-
-    def sync_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The threads this process runs plain ``def`` jobs in (``JOBRELAY_SYNC_THREADS`` of
-        the settings the worker's ``registry`` was built with, else the app's); a job past
-        that many waits for a thread, its lease renewed meanwhile."""
-        with self._pool_lock:
-            if self._pool is None:
-                threads = self._pool_threads or self.settings.sync_threads
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    threads, thread_name_prefix=THREAD_PREFIX
-                )
-            return self._pool
 
     def id_key_cache(self, engine: Engine | str) -> IdKeyCache:
         """This process's copy of the id keys of the database behind ``engine`` (or named so,
@@ -329,9 +311,6 @@ class App:
         return await Store(self._engine_for_calls()).get_job(job_id)
 
     async def aclose(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)  # a running def job's thread ends on its own
-            self._pool = None
         if self._engine is not None:
             with contextlib.suppress(Exception):
                 await self._engine.dispose()

@@ -104,7 +104,7 @@ class JobDefinition(Generic[P]):
         self.app = app
         self.type = name
         self.fn = fn
-        self.in_thread = runs_in_thread(name, fn)  # a plain def: run in app.sync_pool
+        self.in_thread = runs_in_thread(name, fn)  # a plain def: on a worker's thread
         self.params_model = params
         self._max_attempts = max_attempts
         self.retry_delays = retry_delays
@@ -323,7 +323,7 @@ class JobDefinition(Generic[P]):
         )
         if self.in_thread:
             sync_fn = cast("SyncJobFunction[P]", self.fn)
-            returned = await run_in_thread(self.app.sync_pool(), sync_fn, context, params)
+            returned = await run_in_thread(ctx.thread, sync_fn, context, params)
         else:
             returned = self.fn(context, params)  # type: ignore[arg-type]
             if inspect.isawaitable(returned):

@@ -49,6 +49,13 @@ class Settings(BaseSettings):
     concurrency: int = Field(default=16, ge=1, le=1000)
     # Threads that run plain ``def`` jobs, per process (an app's bounded pool).
     sync_threads: int = Field(default=8, ge=1, le=256)
+    # Abandoned def job bodies (past their time limit, lease or cancel; a thread cannot be
+    # interrupted) a worker replaces with new threads while they run on; past it they keep
+    # their threads, and def jobs wait (unclaimed) once none is left.
+    sync_abandoned_max: int = Field(default=8, ge=0, le=256)
+    # A worker's event loop answering its watchdog later than this is logged (loop_blocked),
+    # naming the async def job that blocks it.
+    loop_lag_warn_seconds: float = Field(default=1.0, gt=0, le=300)
     # How often, at most, a worker asks whether an operator cancelled a running job: its
     # lease renewal carries the answer, and is sent at least this often while a job runs.
     cancel_check_seconds: float = Field(default=2.0, gt=0, le=300)

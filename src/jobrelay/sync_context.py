@@ -1,14 +1,16 @@
 """Plain ``def`` jobs: which callables are job functions, the context a thread gets, the pool.
 
 A job function is an ``async def`` (or any callable returning an awaitable: a lambda, a
-``functools.partial`` of one), run on the worker's loop; or a plain ``def``, run in the
-app's bounded thread pool (``JOBRELAY_SYNC_THREADS``) with a ``SyncJobContext``. Either way
-the worker claims before the body starts and commits the fenced outcome before the ack.
+``functools.partial`` of one), run on the worker's loop; or a plain ``def``, run on a thread
+of the worker's bounded pool (``JOBRELAY_SYNC_THREADS``, ``roles.threads``), taken before
+the claim, with a ``SyncJobContext``. Either way the worker claims before the body starts
+and commits the fenced outcome before the ack.
 
 A thread cannot be interrupted: when the lease is lost, ``ctx.lease_lost`` (also
 ``ctx.cancelled``) is set and the attempt is recorded as failed at once, but the body runs
-on until it returns, holding its thread slot; whatever it returns then is discarded (the
-attempt's outcome was already written, and the fences refuse a superseded claim's).
+on until it returns (abandoned: counted, and its thread replaced up to a cap,
+``roles.threads``); whatever it returns then is discarded (the attempt's outcome was
+already written, and the fences refuse a superseded claim's).
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from jobrelay.errors import AttemptSuperseded, ConfigError
 if TYPE_CHECKING:
     from jobrelay.context import JobContext
     from jobrelay.job_definition import JobDefinition
+    from jobrelay.roles.threads import ThreadSlot
 
 P = TypeVar("P", bound=BaseModel)
 # How long a thread's ``ctx.progress`` waits for the loop to record it.
 PROGRESS_WAIT_SECONDS = 10.0
-THREAD_PREFIX = "jobrelay-sync"
 
 log = logging.getLogger("jobrelay.worker")
 
@@ -125,18 +127,23 @@ SyncJobFunction = Callable[[SyncJobContext[P], P], Any]
 
 
 async def run_in_thread(
-    pool: concurrent.futures.ThreadPoolExecutor,
+    thread: ThreadSlot | None,
     fn: SyncJobFunction[P],
     ctx: JobContext[P],
     params: P,
 ) -> Any:
-    """Run ``fn`` in ``pool``; on cancel (lease lost, worker stopping) signal the thread
-    through ``ctx.lease_lost`` and return at once, leaving the thread to finish alone."""
+    """Run ``fn`` on ``thread`` (the worker's, taken before the claim; None outside a worker:
+    the loop's default executor); on cancel (time limit, lease lost, worker stopping) signal
+    the thread through ``ctx.lease_lost`` and return at once, leaving the thread to finish
+    alone."""
     loop = asyncio.get_running_loop()
     sync_ctx = SyncJobContext(ctx, loop)
     watch = asyncio.create_task(_mirror(ctx.lease_lost, sync_ctx.lease_lost))
+    body = functools.partial(fn, sync_ctx, params)
     try:
-        return await loop.run_in_executor(pool, functools.partial(fn, sync_ctx, params))
+        if thread is None:
+            return await loop.run_in_executor(None, body)
+        return await thread.run(ctx.job_id, body)
     except asyncio.CancelledError:
         sync_ctx.lease_lost.set()
         raise

@@ -281,9 +281,7 @@ def test_retry_delay_must_be_positive() -> None:
     assert jobrelay.Retry("x").delay is None and str(jobrelay.Retry("x", delay=1)) == "x"
 
 
-def test_the_pool_has_the_workers_sync_threads() -> None:
-    other = jobrelay.App()
-    other.registry(jobrelay.Settings(sync_threads=3))  # what the worker builds
-    pool = other.sync_pool()
-    assert pool._max_workers == 3 and other.sync_pool() is pool
-    pool.shutdown()
+async def test_the_pool_has_the_workers_sync_threads(rt: Runtime) -> None:
+    settings = rt.settings.model_copy(update={"sync_threads": 3, "sync_abandoned_max": 2})
+    threads = Worker(dataclasses.replace(rt, settings=settings)).deliveries.threads
+    assert (threads.size, threads.abandoned_max) == (3, 2)  # the worker's own pool

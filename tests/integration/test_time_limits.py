@@ -1,13 +1,18 @@
-"""Time limits (issue 24, item 4): ``@app.job(timeout=)`` and ``JOBRELAY_JOB_TIMEOUT``.
+"""Time limits (issue 24, item 4; issue 34, items 4 and 5): ``@app.job(timeout=)`` and
+``JOBRELAY_JOB_TIMEOUT``.
 
 An attempt still running at its limit is stopped, its staged result discarded, and it counts
 as a failed attempt with the reason ``time limit of 0.5 s exceeded``: retried, then
-quarantined once its attempts are used. A ``def`` job cannot be interrupted: its attempt is
-recorded as failed at the limit, its thread is abandoned (``ctx.cancelled`` set, whatever it
-returns later discarded) and keeps its slot of the pool until it ends, so the worker never
-runs more threads than its pool. The worker tests run on SQLite and PostgreSQL
-(``database_url``); the retry through the broker on SQLite + local transport and on
-PostgreSQL + RabbitMQ (``backend``).
+quarantined once its attempts are used. An ``async def`` that blocks the event loop past its
+limit (the timer cannot fire) fails the same way when it returns, and the worker's loop
+watchdog names it. A ``def`` job takes a thread of the worker's pool before it is claimed (a
+job waiting for a thread is not claimed and its limit does not run) and cannot be
+interrupted: its attempt is recorded as failed at the limit, its thread is abandoned
+(``ctx.cancelled`` set, whatever it returns later discarded), counted and replaced, up to
+``JOBRELAY_SYNC_ABANDONED_MAX``; past it the abandoned thread keeps its slot and ``def`` jobs
+wait unclaimed. The worker tests run on SQLite and PostgreSQL (``database_url``); the retry
+and the watchdog through the broker on SQLite + local transport and on PostgreSQL + RabbitMQ
+(``backend``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +54,7 @@ app = jobrelay.App()
 stuck_started = threading.Event()
 stuck_release = threading.Event()
 quick_started = threading.Event()
+hold_started = threading.Event()
 returned: list[bool] = []  # the abandoned def body returned, seeing ctx.cancelled
 
 
@@ -78,13 +86,51 @@ def quick(ctx: jobrelay.SyncJobContext[Item], params: Item) -> jobrelay.Result:
     return jobrelay.Result(meta={"n": params.n})
 
 
+@app.job("limits.hold", params=Item)
+def hold(ctx: jobrelay.SyncJobContext[Item], params: Item) -> jobrelay.Result:
+    hold_started.set()
+    stuck_release.wait(60)  # holds the pool's one thread until the test lets it go
+    return jobrelay.Result(meta={"held": True})
+
+
+@app.job("limits.brief", params=Item, timeout=1)
+def brief(ctx: jobrelay.SyncJobContext[Item], params: Item) -> jobrelay.Result:
+    quick_started.set()
+    return jobrelay.Result(meta={"n": params.n})
+
+
+hung_started: list[int] = []
+
+
+@app.job("limits.hung", params=Item, timeout=0.5, max_attempts=1)
+def hung(ctx: jobrelay.SyncJobContext[Item], params: Item) -> None:
+    hung_started.append(params.n)
+    stuck_release.wait(60)  # hangs past its limit until the test lets it go
+
+
+@app.job("limits.healthy", params=Item, timeout=5, max_attempts=3)
+def healthy(ctx: jobrelay.SyncJobContext[Item], params: Item) -> jobrelay.Result:
+    return jobrelay.Result(meta={"n": params.n, "attempt": ctx.attempt})
+
+
+@app.job("limits.blocking", params=Item, timeout=0.5, max_attempts=2, retry_delays=(1,))
+async def blocking(ctx: jobrelay.JobContext[Item], params: Item) -> jobrelay.Result:
+    time.sleep(1.5)  # noqa: ASYNC251 -- on purpose: blocks the loop, the limit's timer with it
+    return jobrelay.Result(meta={"slept": True})
+
+
+@app.job("limits.blocker", params=Item, max_attempts=1)
+async def blocker(ctx: jobrelay.JobContext[Item], params: Item) -> None:
+    time.sleep(1.5)  # noqa: ASYNC251 -- on purpose: no job or timer runs meanwhile
+
+
 @pytest.fixture
 async def rt(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
     runtime = build_runtime(database_url, tmp_path)
     # One thread in the pool: the abandoned body's slot is the only one.
     settings = runtime.settings.model_copy(update={"sync_threads": 1})
     runtime = dataclasses.replace(runtime, settings=settings, app=app)
-    for event in (stuck_started, stuck_release, quick_started):
+    for event in (stuck_started, stuck_release, quick_started, hold_started):
         event.clear()
     returned.clear()
     yield runtime
@@ -97,10 +143,20 @@ async def enqueue(rt: Runtime, job: jobrelay.JobDefinition[Any], n: int = 0) -> 
         return await job.enqueue(conn, Item(n=n))
 
 
-async def run_job(rt: Runtime, job_id: str, job_type: str) -> Delivery:
+async def run_job(
+    rt: Runtime, job_id: str, job_type: str, worker: Worker | None = None
+) -> Delivery:
     delivery = Delivery(json.dumps({"jobId": job_id, "type": job_type, "version": 1}).encode())
-    await Worker(rt).handle(delivery)
+    await (worker or Worker(rt)).handle(delivery)
     return delivery
+
+
+def sample(rt: Runtime, name: str) -> float | None:
+    return rt.metrics.registry.get_sample_value(name)
+
+
+def logged(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "event", None) == event]
 
 
 async def test_an_async_job_past_its_limit_is_retried_then_quarantined(rt: Runtime) -> None:
@@ -136,35 +192,113 @@ async def test_the_default_time_limit_applies_to_a_type_without_its_own(rt: Runt
     assert job is not None and job.state is S.RETRY_WAIT and job.last_error == REASON
 
 
-async def test_a_def_job_past_its_limit_is_abandoned_and_keeps_its_thread(rt: Runtime) -> None:
+async def test_an_async_job_that_blocks_the_loop_past_its_limit_is_timed_out(
+    rt: Runtime,
+) -> None:
+    job_id = await enqueue(rt, blocking)
+
+    # The timer could not fire while the loop was blocked; the body returned past the limit.
+    assert (await run_job(rt, job_id, blocking.type)).outcomes == ["ack"]
+
+    job = await rt.store.get_job(job_id)
+    assert job is not None and job.state is S.RETRY_WAIT and job.attempt == 1, job
+    assert job.last_error == REASON and job.result_meta is None
+    assert "result_saved" not in [e.kind for e in await rt.store.events(job_id)]
+
+
+async def test_a_def_job_waits_for_a_thread_unclaimed_and_its_limit_starts_with_its_body(
+    rt: Runtime,
+) -> None:
+    worker = Worker(rt)
+    hold_id = await enqueue(rt, hold)
+    brief_id = await enqueue(rt, brief, n=7)
+    first = asyncio.create_task(run_job(rt, hold_id, hold.type, worker))
+    assert await asyncio.to_thread(hold_started.wait, 30)  # the pool's one thread is busy
+
+    second = asyncio.create_task(run_job(rt, brief_id, brief.type, worker))
+    # Time must pass here, twice brief's limit: a limit that ran while brief waited for the
+    # thread would have failed its attempt by now.
+    await asyncio.sleep(2.0)
+    job = await rt.store.get_job(brief_id)
+    assert job is not None and job.state is S.QUEUED and job.attempt == 0, job  # no claim
+    assert not quick_started.is_set()
+
+    stuck_release.set()
+    assert (await asyncio.wait_for(first, 30)).outcomes == ["ack"]
+    assert (await asyncio.wait_for(second, 30)).outcomes == ["ack"]
+    done = await rt.store.get_job(brief_id)
+    assert done is not None and done.state is S.SUCCEEDED and done.attempt == 1, done
+    assert done.result_meta is not None and done.result_meta["n"] == 7
+
+
+async def test_an_abandoned_thread_is_counted_warned_and_replaced(
+    rt: Runtime, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="jobrelay.worker")
+    worker = Worker(rt)
     stuck_id = await enqueue(rt, stuck)
     quick_id = await enqueue(rt, quick, n=5)
 
     # The attempt fails at the limit while its body still runs in the pool's one thread.
-    assert (await run_job(rt, stuck_id, stuck.type)).outcomes == ["ack"]
+    assert (await run_job(rt, stuck_id, stuck.type, worker)).outcomes == ["ack"]
     job = await rt.store.get_job(stuck_id)
     assert job is not None and job.state is S.RETRY_WAIT and job.last_error == REASON
     assert stuck_started.is_set() and returned == []
+    [warning] = logged(caplog, "thread_abandoned")
+    assert warning.levelno == logging.WARNING and getattr(warning, "jobId", None) == stuck_id
+    assert sample(rt, "jobrelay_sync_threads_abandoned_total") == 1
+    assert sample(rt, "jobrelay_sync_threads_abandoned_running") == 1
 
-    # The next def job is claimed, but its body waits for the slot the abandoned one holds.
-    second = asyncio.create_task(run_job(rt, quick_id, quick.type))
-
-    async def claimed() -> bool:
-        found = await rt.store.get_job(quick_id)
-        return found is not None and found.state is S.RUNNING
-
-    await eventually(claimed, what="the second def job to be claimed")
-    assert not quick_started.is_set()  # one thread: the pool is not exceeded
-    stuck_release.set()  # the abandoned body returns; its thread takes the next job
-    assert (await asyncio.wait_for(second, 30)).outcomes == ["ack"]
-
+    # Its thread is replaced: the next def job runs while the abandoned body still blocks.
+    assert (await asyncio.wait_for(run_job(rt, quick_id, quick.type, worker), 30)).outcomes == [
+        "ack"
+    ]
     done = await rt.store.get_job(quick_id)
-    assert done is not None and done.state is S.SUCCEEDED and done.result_meta is not None
-    assert done.result_meta["n"] == 5
-    assert returned == [True]  # it saw ctx.cancelled; what it returned was discarded
+    assert done is not None and done.state is S.SUCCEEDED and done.attempt == 1, done
+    assert done.result_meta is not None and done.result_meta["n"] == 5
+    assert returned == []
+
+    stuck_release.set()  # the abandoned body returns: what it returned is discarded
+
+    async def gone() -> bool:
+        return sample(rt, "jobrelay_sync_threads_abandoned_running") == 0
+
+    await eventually(gone, what="the abandoned thread to end")
+    assert returned == [True]  # it saw ctx.cancelled
     job = await rt.store.get_job(stuck_id)
     assert job is not None and job.state is S.RETRY_WAIT and job.result_key is None
     assert "result_saved" not in [e.kind for e in await rt.store.events(stuck_id)]
+
+
+async def test_past_the_abandoned_cap_def_jobs_wait_unclaimed_for_a_thread(
+    rt: Runtime, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="jobrelay.worker")
+    settings = rt.settings.model_copy(update={"sync_abandoned_max": 0})
+    capped = dataclasses.replace(rt, settings=settings)
+    worker = Worker(capped)
+    stuck_id = await enqueue(rt, stuck)
+    quick_id = await enqueue(rt, quick, n=5)
+    assert (await run_job(capped, stuck_id, stuck.type, worker)).outcomes == ["ack"]
+
+    # No thread left: the next def job is not claimed (no lease, no attempt), and it is said.
+    second = asyncio.create_task(run_job(capped, quick_id, quick.type, worker))
+
+    async def said() -> bool:
+        return bool(logged(caplog, "sync_threads_exhausted"))
+
+    await eventually(said, what="the worker to say it has no thread for def jobs")
+    [error] = logged(caplog, "sync_threads_exhausted")
+    assert error.levelno == logging.ERROR
+    job = await rt.store.get_job(quick_id)
+    assert job is not None and job.state is S.QUEUED and job.attempt == 0, job
+    assert not quick_started.is_set()
+
+    stuck_release.set()  # the abandoned body returns; its thread takes the waiting job
+    assert (await asyncio.wait_for(second, 30)).outcomes == ["ack"]
+    done = await rt.store.get_job(quick_id)
+    assert done is not None and done.state is S.SUCCEEDED and done.attempt == 1, done
+    assert returned == [True]
 
 
 @pytest.mark.parametrize("bad", [0, -1, True])
@@ -185,3 +319,51 @@ async def test_a_timed_out_job_retries_through_the_broker(make_pipeline: Any) ->
         timeline = await p.kinds(job_id)
         assert timeline.count("claimed") == 2 and "retry_scheduled" in timeline
         assert "result_saved" not in timeline
+
+
+async def test_a_blocked_event_loop_is_reported_naming_the_job(
+    make_pipeline: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="jobrelay.worker")
+    async with make_pipeline(app=APP, loop_lag_warn_seconds="0.2") as p:
+        p.start_relay()
+        await p.start_worker()
+        job_id = await enqueue(p.rt, blocker)
+
+        await p.wait_for(job_id, lambda j: j.state is S.SUCCEEDED, timeout=60)
+
+        blocked = logged(caplog, "loop_blocked")
+        assert blocked and all(r.levelno == logging.WARNING for r in blocked)
+        # Named while it blocks (a lag of the loaded machine may be logged too, naming none).
+        named = [r for r in blocked if getattr(r, "jobId", None) == job_id]
+        assert named and job_id in getattr(named[0], "jobIds", []), blocked[0].__dict__
+        assert (sample(p.rt, "jobrelay_event_loop_blocked_total") or 0) >= 1
+        assert (sample(p.rt, "jobrelay_event_loop_lag_seconds_count") or 0) >= 1
+
+
+async def test_healthy_def_jobs_behind_hung_ones_run_on_their_first_attempt(
+    make_pipeline: Any,
+) -> None:
+    stuck_release.clear()
+    hung_started.clear()
+    async with make_pipeline(app=APP, sync_threads="2", concurrency="8") as p:
+        try:
+            p.start_relay()
+            await p.start_worker()
+            for n in range(2):
+                await enqueue(p.rt, hung, n=n)
+
+            async def both_hung() -> bool:
+                return len(hung_started) == 2
+
+            await eventually(both_hung, timeout=60, what="both hung def jobs to take a thread")
+            ids = [await enqueue(p.rt, healthy, n=n) for n in range(6)]
+
+            # Both threads hang past their limits: the healthy jobs neither time out waiting
+            # for a thread nor wait for the hung bodies (their threads are replaced).
+            for job_id in ids:
+                job = await p.wait_for(job_id, lambda j: j.state.is_terminal, timeout=60)
+                assert job.state is S.SUCCEEDED and job.attempt == 1, job
+            assert sample(p.rt, "jobrelay_sync_threads_abandoned_total") == 2
+        finally:
+            stuck_release.set()

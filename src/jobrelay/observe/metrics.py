@@ -163,6 +163,30 @@ class Metrics:
             buckets=(*_LATENCY_BUCKETS, 30.0, 60.0, 300.0, 3600.0),
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "jobrelay_event_loop_lag_seconds",
+            "How late a worker's event loop answered its watchdog (blocking code in an async "
+            "def job makes it late).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.loop_blocked = Counter(
+            "jobrelay_event_loop_blocked",
+            "Times a worker's event loop did not answer within JOBRELAY_LOOP_LAG_WARN_SECONDS "
+            "(each logged as loop_blocked, naming the job).",
+            registry=r,
+        )
+        self.threads_abandoned = Counter(
+            "jobrelay_sync_threads_abandoned",
+            "def job bodies left running in their thread when their attempt ended without "
+            "them (time limit, lost lease, cancel, stop).",
+            registry=r,
+        )
+        self.threads_abandoned_running = Gauge(
+            "jobrelay_sync_threads_abandoned_running",
+            "Abandoned def job bodies still running in this worker's threads.",
+            registry=r,
+        )
         self.http_requests = Counter(
             "jobrelay_http_requests",
             "HTTP requests answered by the API, by route template and status.",

@@ -12,11 +12,14 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jobrelay.observe.faults import Faults
 from jobrelay.results.base import ResultStore
 from jobrelay.storage.store import JobRecord, NewJob, Store
+
+if TYPE_CHECKING:
+    from jobrelay.roles.threads import ThreadSlot
 
 ProgressFn = Callable[[int, int], Awaitable[None]]
 
@@ -40,6 +43,8 @@ class OperationContext:
     # The lease owner this attempt runs as: the effects ledger fences an effect on it (with
     # ``attempt``), so a context without one may skip a delivered effect but not start one.
     worker: str | None = None
+    # A ``def`` job's thread, taken by the worker before the claim (``roles.threads``).
+    thread: ThreadSlot | None = None
 
 
 @dataclass(frozen=True)

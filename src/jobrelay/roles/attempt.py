@@ -1,7 +1,8 @@
 """One claimed attempt: run the operation under its claim, commit the outcome, settle.
 
 Everything here happens after a successful claim, so everything is fenced on it: the lease
-renewals (the worker's one renewer, ``leases``), progress, the outcome and the publication of
+renewals (the worker's one renewer, ``leases``), progress (advisory: a write the database
+does not take is written later, ``progress``), the outcome and the publication of
 the staged result. When a renewal (or a progress report) finds the claim gone, or cannot renew
 it before the lease would end, the operation is cancelled; the run then tries to record a transient
 failure, which loses (``lease_lost``) if another claim holds the job. A database outage while
@@ -45,8 +46,11 @@ from jobrelay.results.staging import StagingResults
 from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.failures import failure_texts, failure_traceback
 from jobrelay.roles.leases import LeaseRenewer
+from jobrelay.roles.loop_watch import job_task_name
+from jobrelay.roles.progress import Progress
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.stopping import RunStop, end_cancelled, time_limit
+from jobrelay.roles.threads import ThreadSlot
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, NewJob
 from jobrelay.transport.base import Delivery
@@ -75,6 +79,7 @@ class AttemptRun:
         wait_for_database: Callable[[], Awaitable[None]],
         complete: Complete | None = None,
         leases: LeaseRenewer,
+        thread: ThreadSlot | None = None,
     ) -> None:
         self.rt = rt
         self.registry = registry
@@ -84,6 +89,7 @@ class AttemptRun:
         self._wait_for_database = wait_for_database
         self._complete = complete
         self._leases = leases
+        self._thread = thread  # a def job's, taken before the claim (roles.threads)
         self._renewed: Claim | None = None  # held by the worker's lease renewer
 
     async def run(self, delivery: Delivery, job: JobRecord, claim: Claim) -> None:
@@ -103,27 +109,27 @@ class AttemptRun:
         results = StagingResults(self.rt.results)
         lease_lost = asyncio.Event()
 
-        async def progress(done: int, total: int) -> None:
-            if not await self.rt.store.report_progress(claim, done, total, self.rt.clock()):
-                # Another claim holds the job: stop here, as a renewal would.
-                lease_lost.set()
-                raise asyncio.CancelledError
+        def claim_gone() -> None:  # a progress write found another claim holding the job
+            lease_lost.set()
+            work.cancel()
 
+        progress = Progress(self.rt, claim, claim_gone)
         context = OperationContext(
             job=job,
             attempt=claim.attempt,
             store=self.rt.store,
             results=results,
             faults=self.rt.faults,
-            report_progress=progress,
+            report_progress=progress.report,
             clock=self.rt.clock,
             lease_lost=lease_lost,
             worker=self.worker_id,
+            thread=self._thread,
         )
         observation: Observation
         result: Any = None
         started = time.monotonic()
-        work = asyncio.create_task(operation.run(context))
+        work = asyncio.create_task(operation.run(context), name=job_task_name(job, operation))
         stop = RunStop(work, lease_lost, time_limit(operation, self.rt.settings))
         # The renewal outlives the operation: the worker's renewer renews the lease until
         # the outcome is committed (``_commit_outcome`` releases it then), however long that
@@ -133,7 +139,12 @@ class AttemptRun:
         try:
             try:
                 result = await work
-                observation = ResultSaved(result.result_key)
+                # A body that blocked the loop returns before its timer could fire: past its
+                # limit is past its limit, whatever it returned (issue 34, item 5).
+                if stop.overran():
+                    observation = self._transient(job, claim.attempt, *stop.why())
+                else:
+                    observation = ResultSaved(result.result_key)
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if (current is not None and current.cancelling()) or not stop.stopped:
@@ -154,6 +165,7 @@ class AttemptRun:
                 observation = self._transient(job, claim.attempt, *failure_texts(exc), None, trace)
             if not isinstance(observation, ResultSaved):
                 await results.discard()
+            await progress.flush()
             try:
                 await self._commit_outcome(
                     delivery, job, claim, observation, result, results, started=started
@@ -162,6 +174,7 @@ class AttemptRun:
                 await results.discard()
                 raise
         finally:
+            progress.close()
             stop.close()
             self._stop_renewing()
 

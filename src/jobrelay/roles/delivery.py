@@ -21,6 +21,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -42,6 +43,7 @@ from jobrelay.roles.attempt import AttemptRun
 from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.leases import LeaseRenewer
 from jobrelay.roles.runtime import Runtime
+from jobrelay.roles.threads import SyncThreads, ThreadSlot
 from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest, JobRecord
 from jobrelay.transport.base import Delivery
@@ -56,6 +58,8 @@ DEFERS_HEADER = "x-jobrelay-defers"
 
 # A claim that won: the claim, the job as claimed, and the state it was claimed from.
 Claimed = tuple[Claim, JobRecord, JobState] | None
+# The def job's thread the delivery being handled took before its claim (its run's body's).
+_thread: ContextVar[ThreadSlot | None] = ContextVar("jobrelay_def_thread", default=None)
 
 
 class DeliveryHandler:
@@ -91,6 +95,8 @@ class DeliveryHandler:
             self._completions = Batcher(
                 self._complete_many, key=lambda r: r.claim.job_id, alone_on=alone_on
             )
+        settings = rt.settings  # the threads of def jobs (roles.threads)
+        self.threads = SyncThreads(settings.sync_threads, settings.sync_abandoned_max, rt.metrics)
         # Every running claim's lease, renewed in one statement (one renewer per worker).
         self.leases = LeaseRenewer(rt, lease, rt.settings.cancel_check_seconds)
         # Deliveries of each job being claimed or run in this process (a lost claim's reply
@@ -124,13 +130,22 @@ class DeliveryHandler:
                 await self._invalid(delivery, exc.reason, exc.job_id, meta)
             return
         logs.bind(jobId=message.job_id)
+        # A def job's thread is taken before its claim: waiting for one, it is not claimed.
+        thread = await self.threads.take() if self._in_thread(message.type) else None
+        held = _thread.set(thread)
         self._holding[message.job_id] += 1
         try:
             await self._claim_and_run(delivery, message, meta)
         finally:
+            _thread.reset(held)
+            if thread is not None:
+                thread.release()  # unless a body was started on it
             self._holding[message.job_id] -= 1
             if self._holding[message.job_id] <= 0:
                 del self._holding[message.job_id]
+
+    def _in_thread(self, job_type: str) -> bool:
+        return bool(getattr(self.registry.get(job_type), "in_thread", False))
 
     async def _claim_and_run(
         self, delivery: Delivery, message: JobMessage, meta: dict[str, Any]
@@ -322,6 +337,7 @@ class DeliveryHandler:
             wait_for_database=self._wait_for_database,
             complete=self._completions.submit if self._completions is not None else None,
             leases=self.leases,
+            thread=_thread.get(),
         )
         await run.run(delivery, job, claim)
 

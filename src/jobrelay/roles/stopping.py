@@ -57,14 +57,22 @@ class RunStop:
         self.limit = limit
         self.cancelled = asyncio.Event()
         self.expired = False
-        self._timer = (
-            None if limit is None else asyncio.get_running_loop().call_later(limit, self._expire)
-        )
+        loop = asyncio.get_running_loop()
+        self._started = loop.time()
+        self._timer = None if limit is None else loop.call_later(limit, self._expire)
 
     def _expire(self) -> None:
         if not self.work.done() and not self.cancelled.is_set():
             self.expired = True
             self.work.cancel()
+
+    def overran(self) -> bool:
+        """The run returned past its limit: its timer could not fire in time (the body blocked
+        the event loop). It counts as expired, as if the timer had stopped it."""
+        if self.limit is not None and not self.stopped:
+            elapsed = asyncio.get_running_loop().time() - self._started
+            self.expired = elapsed >= self.limit
+        return self.expired
 
     @property
     def stopped(self) -> bool:

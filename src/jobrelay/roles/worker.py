@@ -44,6 +44,7 @@ from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.delivery import DeliveryHandler
 from jobrelay.roles.failures import record_release
 from jobrelay.roles.heartbeat import heartbeat
+from jobrelay.roles.loop_watch import LoopWatch
 from jobrelay.roles.queue_gate import QueueGate
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.slots import Slots
@@ -143,6 +144,9 @@ class Worker:
             },
         )
         halt = asyncio.Event()  # stop is set, or a consumer ended: every consumer stops
+        settings = self.rt.settings
+        watchdog = LoopWatch(self.rt.metrics, settings.loop_lag_warn_seconds, self.worker_id)
+        watchdog.start()
         self.timeline.start_batching()
         await self.gate.refresh()
         watching = asyncio.create_task(self.gate.watch())
@@ -178,6 +182,8 @@ class Worker:
             if self._probe is not None:
                 self._probe.cancel()
             await self.deliveries.leases.close()
+            self.deliveries.threads.close()
+            watchdog.stop()
             await self.timeline.close()
             await beating.aclose()
             log.info("worker stopped", extra={"event": "worker_stopped", "handled": self.handled})
