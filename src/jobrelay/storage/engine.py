@@ -37,6 +37,9 @@ READ_ONLY_OPTION = "jobrelay_read_only"
 
 def async_url(database_url: str) -> URL:
     """Map the user-facing URL (``postgresql://``, ``sqlite:///``) to its async driver."""
+    from jobrelay.settings import check_database_url
+
+    check_database_url(database_url)  # the library's callers do not pass through Settings
     url = make_url(database_url)
     if url.drivername in ("postgresql", "postgresql+asyncpg"):
         return url.set(drivername="postgresql+asyncpg")
