@@ -297,8 +297,13 @@ class App:
 
     def _engine_for_calls(self) -> AsyncEngine:
         if self._engine is None:
+            from jobrelay.roles.database_files import require_database
             from jobrelay.storage.engine import create_engine
 
+            # Before SQLite would open the path: a missing ./var is "unable to open database
+            # file", and a missing file would be created empty; either way the one line to
+            # read is the CLI's "run `jobrelay db upgrade`".
+            require_database(self.settings.database_url)
             self._engine = create_engine(self.settings.database_url)
         return self._engine
 

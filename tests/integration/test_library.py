@@ -383,6 +383,30 @@ async def test_a_database_without_the_schema_says_run_db_upgrade(tmp_path: Path)
         empty.dispose()
 
 
+@pytest.mark.parametrize("var_exists", [False, True])
+async def test_the_first_enqueue_before_db_upgrade_on_the_default_says_run_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, var_exists: bool
+) -> None:
+    # A newcomer's first App.enqueue, on the embedded default, before `jobrelay db upgrade`:
+    # the documented hint, not SQLAlchemy's "unable to open database file", and no empty
+    # database file left behind for the next command to call "at nothing".
+    monkeypatch.chdir(tmp_path)
+    if var_exists:
+        (tmp_path / "var").mkdir()
+    default = jobrelay.Settings.model_fields["database_url"].default
+    own = jobrelay.App(settings=jobrelay.Settings(database_url=default))
+    own._jobs = app._jobs
+    try:
+        with pytest.raises(jobrelay.ConfigError, match="run `jobrelay db upgrade`") as raised:
+            await own.enqueue("images.resize", {"image_id": 1, "width": 1})
+        assert "var/jobrelay.db" in str(raised.value), raised.value
+        with pytest.raises(jobrelay.ConfigError, match="run `jobrelay db upgrade`"):
+            await own.get_job("00000000-0000-7000-8000-000000000000")
+    finally:
+        await own.aclose()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == (["var"] if var_exists else [])
+
+
 async def test_a_job_name_typo_says_did_you_mean(rt: Runtime) -> None:
     own = jobrelay.App(settings=rt.settings)
     own._jobs = app._jobs
