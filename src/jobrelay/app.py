@@ -41,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobrelay.domain.delays import Delay
 from jobrelay.errors import ConfigError
 from jobrelay.job_definition import JobDefinition as JobDefinition
-from jobrelay.job_definition import JobFunction, P, unknown_type
+from jobrelay.job_definition import JobFunction, P, check_params_model, unknown_type
 from jobrelay.operations.base import Operation, Registry
 from jobrelay.settings import Settings
 from jobrelay.storage.installation import IdKeyCache
@@ -126,6 +126,7 @@ class App:
 
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ConfigError("@app.job", f"timeout must be positive seconds, got {timeout!r}")
+        check_params_model(name, params)
 
         def define(fn: JobFunction[P] | SyncJobFunction[P]) -> JobDefinition[P]:
             definition = JobDefinition(
