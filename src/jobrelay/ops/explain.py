@@ -89,6 +89,8 @@ def _next_step(
     job: JobRecord, now: datetime, events: Sequence[EventRecord], *, paused: bool
 ) -> str:
     if job.state is JobState.SUCCEEDED:
+        if job.result_key is None:
+            return "done: succeeded, no result to download (the job returned no result key)"
         return f"done: result at {job.result_key}"
     if job.state is JobState.QUARANTINED:
         return (
