@@ -39,7 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobrelay.domain.delays import Delay
 from jobrelay.errors import ConfigError
 from jobrelay.job_definition import JobDefinition as JobDefinition
-from jobrelay.job_definition import JobFunction, P, unknown_type
+from jobrelay.job_definition import JobFunction, P, check_params_model, unknown_type
 from jobrelay.operations.base import Operation, Registry
 from jobrelay.settings import Settings
 from jobrelay.storage.installation import IdKeyCache
@@ -121,6 +121,7 @@ class App:
 
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ConfigError("@app.job", f"timeout must be positive seconds, got {timeout!r}")
+        check_params_model(name, params)
 
         def define(fn: JobFunction[P] | SyncJobFunction[P]) -> JobDefinition[P]:
             definition = JobDefinition(
@@ -279,8 +280,13 @@ class App:
 
     def _engine_for_calls(self) -> AsyncEngine:
         if self._engine is None:
+            from jobrelay.roles.database_files import require_database
             from jobrelay.storage.engine import create_engine
 
+            # Before SQLite would open the path: a missing ./var is "unable to open database
+            # file", and a missing file would be created empty; either way the one line to
+            # read is the CLI's "run `jobrelay db upgrade`".
+            require_database(self.settings.database_url)
             self._engine = create_engine(self.settings.database_url)
         return self._engine
 

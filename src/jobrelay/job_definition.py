@@ -70,6 +70,45 @@ _RAW_KINDS = (
 )
 
 
+def check_params_model(name: str, params: object) -> None:
+    """Refuse, where the job is defined, a ``params=`` that is not a pydantic model class
+    (``dict``, an instance): it would be accepted here and fail at the first enqueue."""
+    if isinstance(params, type) and issubclass(params, BaseModel):
+        return
+    given = params.__name__ if isinstance(params, type) else f"{params!r}"
+    raise ConfigError(
+        "@app.job",
+        f"{name}: params must be a pydantic model class, got {given}: write"
+        " `class Params(BaseModel)` with one typed field per parameter, and"
+        " `model_config = ConfigDict(extra='allow')` in it to accept any other keys",
+    )
+
+
+def check_job_signature(name: str, fn: object, model: type[BaseModel]) -> None:
+    """Refuse, where the job is defined, a function the worker cannot call as
+    ``fn(ctx, params)`` (``def f(params)`` from Celery's habits): it would be accepted here
+    and fail on every attempt at run time, until the job was quarantined."""
+    try:
+        signature = inspect.signature(cast("Callable[..., Any]", fn))
+    except (TypeError, ValueError):
+        return  # no signature to read (some builtins): the run says it
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        pass
+    else:
+        return
+    label = getattr(fn, "__name__", None) or "f"
+    shown = "f" if not label.isidentifier() else label
+    m = model.__name__
+    raise ConfigError(
+        "@app.job",
+        f"{name}: {label}{signature} must take (ctx, params): write"
+        f" `async def {shown}(ctx: jobrelay.JobContext[{m}], params: {m})`, or"
+        f" `def {shown}(ctx: jobrelay.SyncJobContext[{m}], params: {m})` to run it in a thread",
+    )
+
+
 @contextlib.contextmanager
 def _schema_missing_hint(where: str) -> Iterator[None]:
     """A database without jobrelay's tables: say to run ``jobrelay db upgrade``."""
@@ -105,6 +144,7 @@ class JobDefinition(Generic[P]):
         self.type = name
         self.fn = fn
         self.in_thread = runs_in_thread(name, fn)  # a plain def: on a worker's thread
+        check_job_signature(name, fn, params)  # the model: App.job, before the decorator
         self.params_model = params
         self._max_attempts = max_attempts
         self.retry_delays = retry_delays

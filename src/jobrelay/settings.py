@@ -186,6 +186,10 @@ class Settings(BaseSettings):
         scheme = urlsplit(value).scheme
         if scheme not in {"sqlite", "sqlite+aiosqlite", "postgresql", "postgresql+asyncpg"}:
             raise ValueError(f"expected sqlite:///PATH or postgresql://…, got {value!r}")
+        try:
+            check_database_url(value)
+        except ConfigError as exc:
+            raise ValueError(exc.problem) from None
         return value
 
     @field_validator("broker_url")
@@ -337,6 +341,30 @@ class Settings(BaseSettings):
             if out[key] is not None:
                 out[key] = redact_url(out[key])
         return out
+
+
+def check_database_url(database_url: str) -> None:
+    """Refuse, with a ``ConfigError``, a database URL SQLAlchemy would fail on with a bare
+    ``ValueError`` (``invalid literal for int()``).
+
+    A multi-host PostgreSQL URL (``h1:5432,h2:5432``) is refused by name: SQLAlchemy reads
+    ``5432,h2:5432`` as a port, and the notification listener and the leader lock connect
+    with asyncpg on the same text, so accepting it in one place would not make it work in
+    the others. The message never repeats the URL (it may hold a password).
+    """
+    parts = urlsplit(database_url)
+    if "," in parts.netloc.rpartition("@")[2]:
+        raise ConfigError(
+            ENV_PREFIX + "DATABASE_URL",
+            "multi-host PostgreSQL URLs (host1:5432,host2:5432) are not supported yet: "
+            "give one host (a proxy or a DNS name that follows the primary)",
+        )
+    try:
+        parts.port  # noqa: B018 (a port that is not a number raises)
+    except ValueError:
+        raise ConfigError(
+            ENV_PREFIX + "DATABASE_URL", "the port is not a number from 0 to 65535"
+        ) from None
 
 
 def redact_url(url: str) -> str:

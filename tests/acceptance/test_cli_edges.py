@@ -176,3 +176,31 @@ def test_seed_after_the_demo_keeps_the_demo_ledgers(sqlite_env: dict[str, str]) 
     assert same.returncode == 0 and "already seeded" in same.stdout, same.stderr
     replaced = run_cli("seed", "--rows-per-month", "3", "--replace", env=sqlite_env)
     assert replaced.returncode == 0 and "acme: 108 ledger rows" in replaced.stdout, replaced
+
+
+MULTI_HOST_URL = "postgresql://u@h1:5432,h2:5432/db?target_session_attrs=read-write"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("db", "upgrade"),
+        ("db", "grant", "jobrelay_app"),
+        ("jobs", "list"),
+        ("job", "show", "00000000-0000-0000-0000-000000000000"),
+        ("token", "create", "--account", "acme"),
+        ("schedules", "list"),
+        ("prune",),
+        ("worker",),
+        ("up",),
+    ],
+)
+def test_a_multi_host_database_url_is_one_line(tmp_path: Path, args: tuple[str, ...]) -> None:
+    # Every command reads the URL through the settings: one line naming the variable and
+    # what to do instead, never `invalid literal for int()` (multi-host support is issue 38).
+    for url in (MULTI_HOST_URL, "postgresql://u@h1:5432,h2/db", "postgresql://u@h1:port/db"):
+        result = run_cli(*args, "--database-url", url, env=clean_env(), cwd=tmp_path, timeout=30)
+        stderr = assert_one_line(result, "JOBRELAY_DATABASE_URL")
+        if "," in url:
+            assert "multi-host" in stderr and "not supported" in stderr, stderr
+    assert files_under(tmp_path) == set(), files_under(tmp_path)

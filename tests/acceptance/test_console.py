@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -191,3 +193,78 @@ def test_console_looks_up_and_replays(browser: Any, tmp_path: Path) -> None:
     assert replayed["detail"]["reason"] == "fault removed"
     assert replayed["detail"]["actor"].endswith("(support-console)")
     assert (ARTIFACTS / "console.png").stat().st_size > 10_000
+
+
+# Three exports enqueued through the library without a key: UUIDv7 ids, made within the
+# same few milliseconds, so they share their first 8 characters (the creation time).
+ENQUEUE_V7 = """
+import asyncio, json
+from jobrelay.exports.app import app
+
+async def main():
+    ids = [
+        await app.enqueue("report.export", {"accountId": "acme", "period": p}, account="acme")
+        for p in ("2020-04", "2020-05", "2020-06")
+    ]
+    await app.aclose()
+    print(json.dumps(ids))
+
+asyncio.run(main())
+"""
+
+
+def test_a_job_link_opens_in_a_fresh_tab_and_short_ids_tell_jobs_apart(
+    browser: Any, tmp_path: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    env = clean_env(
+        JOBRELAY_DATABASE_URL=f"sqlite:///{tmp_path}/jr.db",
+        JOBRELAY_RESULTS_URL=f"file://{tmp_path}/exports",
+        **FAST_ENV,
+    )
+    cli_ok("db", "upgrade", env=env)
+    cli_ok("seed", "--rows-per-month", "20", env=env)
+    admin = cli_ok("token", "create", "--admin", env=env).strip().splitlines()[-1]
+    made = subprocess.run(
+        [sys.executable, "-c", ENQUEUE_V7], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert made.returncode == 0, made.stderr
+    ids: list[str] = json.loads(made.stdout.strip().splitlines()[-1])
+    assert len({i[:8] for i in ids}) < len(ids), ids  # what an 8-character prefix showed
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with processes(tmp_path) as start:
+        up = start("up", "up", "--port", str(port), env=env)
+        wait_http(base, up)
+        for job_id in ids:
+            poll(lambda j=job_id: show(env, j)["state"] == "succeeded", 60, "a success")
+
+        # A link someone sent, opened in a new tab: no token in its sessionStorage yet. The
+        # page asks for one and opens the job once it is pasted.
+        page = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(f"{base}/console#job={ids[0]}")
+        expect(page.locator("#message")).to_contain_text("paste an API token first")
+        expect(page.locator("#job")).to_be_hidden()
+        page.fill("#token", admin)
+        page.click("#use-token")
+        expect(page.locator("#job-title")).to_contain_text(ids[0])
+        expect(page.locator("#job-state")).to_have_text("succeeded")
+        assert page.url.endswith(f"#job={ids[0]}")
+        # Another job's link followed in the same tab, the token already in hand.
+        page.goto(f"{base}/console#job={ids[1]}")
+        expect(page.locator("#job-title")).to_contain_text(ids[1])
+
+        # The jobs list shows the end of each id, where jobs of the same second differ.
+        page.goto(f"{base}/console#jobs")
+        shown = []
+        for job_id in ids:
+            link = page.locator(f'#job-list tr[data-job-id="{job_id}"] .job-id a')
+            expect(link).to_have_text("…" + job_id[-8:])
+            expect(link).to_have_attribute("title", job_id)
+            shown.append(link.inner_text())
+        assert len(set(shown)) == len(ids), shown
+        assert errors == []

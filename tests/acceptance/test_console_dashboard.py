@@ -436,8 +436,8 @@ def test_at_390_px_nothing_runs_past_the_edge_ids_copy_whole_and_gone_processes_
     full = f'{{"accountId": "acme", "period": "{RETRIED}", "notifyEmail": "{address}"}}'
     expect(params).to_have_attribute("title", full)
     expect(params).to_have_text(full[:59] + "…")
-    # Its id shortened to 8 characters; the button copies the whole id.
-    expect(row.locator(".job-id a")).to_have_text(retried[:8] + "…")
+    # Its id shortened to its last 8 characters; the button copies the whole id.
+    expect(row.locator(".job-id a")).to_have_text("…" + retried[-8:])
     expect(row.locator(".job-id a")).to_have_attribute("title", retried)
     row.locator("button.copy-id").click()
     expect(row.locator("button.copy-id")).to_have_attribute("data-copied", retried)

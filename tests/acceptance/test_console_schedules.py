@@ -89,9 +89,9 @@ def test_console_lists_pauses_and_resumes_a_schedule(browser: Any, tmp_path: Pat
         page.set_viewport_size({"width": 390, "height": 844})
         page.goto(f"{base}/console#schedules")
         link = row.locator(".job-id a")
-        expect(link).to_have_text(re.compile(r"^[0-9a-f]{8}…$"))
+        expect(link).to_have_text(re.compile(r"^…[0-9a-f]{8}$"))
         whole = link.get_attribute("title") or ""
-        assert re.fullmatch(r"[0-9a-f-]{36}", whole) and link.inner_text() == whole[:8] + "…"
+        assert re.fullmatch(r"[0-9a-f-]{36}", whole) and link.inner_text() == "…" + whole[-8:]
         expect(row.locator("button.copy-id")).to_have_attribute("data-copy", whole)
         assert overflowing(page, 390) == []
         assert page.evaluate("document.documentElement.scrollWidth") <= 390

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -381,6 +382,45 @@ async def test_a_database_without_the_schema_says_run_db_upgrade(tmp_path: Path)
             resize.enqueue_sync(conn, {"image_id": 1, "width": 1}, key="k")  # reads id keys first
     finally:
         empty.dispose()
+
+
+@pytest.mark.parametrize("var_exists", [False, True])
+async def test_the_first_enqueue_before_db_upgrade_on_the_default_says_run_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, var_exists: bool
+) -> None:
+    # A newcomer's first App.enqueue, on the embedded default, before `jobrelay db upgrade`:
+    # the documented hint, not SQLAlchemy's "unable to open database file", and no empty
+    # database file left behind for the next command to call "at nothing".
+    monkeypatch.chdir(tmp_path)
+    if var_exists:
+        (tmp_path / "var").mkdir()
+    default = jobrelay.Settings.model_fields["database_url"].default
+    own = jobrelay.App(settings=jobrelay.Settings(database_url=default))
+    own._jobs = app._jobs
+    try:
+        with pytest.raises(jobrelay.ConfigError, match="run `jobrelay db upgrade`") as raised:
+            await own.enqueue("images.resize", {"image_id": 1, "width": 1})
+        assert "var/jobrelay.db" in str(raised.value), raised.value
+        with pytest.raises(jobrelay.ConfigError, match="run `jobrelay db upgrade`"):
+            await own.get_job("00000000-0000-7000-8000-000000000000")
+    finally:
+        await own.aclose()
+    # The tutorial's way: the application's own engine, from jobrelay.create_engine, opened
+    # for its own table before the enqueue. Without ./var, SQLite cannot open the file.
+    engine = jobrelay.create_engine(default)
+    try:
+        if var_exists:
+            async with engine.begin() as conn:
+                with pytest.raises(jobrelay.ConfigError, match="run `jobrelay db upgrade`"):
+                    await resize.enqueue(conn, {"image_id": 1, "width": 1})
+        else:
+            with pytest.raises(jobrelay.ConfigError, match="run `jobrelay db upgrade`") as first:
+                async with engine.begin() as conn:
+                    pass
+            assert "var/jobrelay.db" in str(first.value), first.value
+    finally:
+        await engine.dispose()
+    assert os.listdir(tmp_path) == (["var"] if var_exists else [])
 
 
 async def test_a_job_name_typo_says_did_you_mean(rt: Runtime) -> None:

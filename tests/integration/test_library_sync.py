@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -193,6 +194,73 @@ def test_defining_a_job_with_a_non_function_is_refused(thing: Any) -> None:
     assert message.startswith("@app.job: x.y: ") and message.count(". ") == 0, message
     assert "not a job function" in message
     assert "x.y" not in other.jobs
+
+
+def params_only(params: Step) -> None:
+    pass
+
+
+async def params_only_async(params: Step) -> None:
+    pass
+
+
+async def one_too_many(ctx: Any, params: Step, extra: int) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    "fn", [params_only, params_only_async, one_too_many, lambda params: None], ids=str
+)
+def test_a_job_function_without_ctx_and_params_is_refused_at_definition(fn: Any) -> None:
+    # Coming from Celery, `def f(params)` looks right: it used to be accepted here and fail
+    # on every attempt at run time (TypeError), until the job was quarantined.
+    other = jobrelay.App()
+    with pytest.raises(ConfigError) as refused:
+        other.job("x.y", params=Step)(fn)
+    message = str(refused.value)
+    assert message.startswith("@app.job: x.y: ") and message.count(". ") == 0, message
+    assert "(ctx, params)" in message and "SyncJobContext[Step]" in message, message
+    assert "x.y" not in other.jobs
+
+
+class Plain(dict[str, Any]):
+    pass
+
+
+@pytest.mark.parametrize("model", [dict, Plain, Step(n=1), int, "Step", None], ids=repr)
+def test_params_that_are_not_a_pydantic_model_class_are_refused_at_definition(
+    model: Any,
+) -> None:
+    other = jobrelay.App()
+    with pytest.raises(ConfigError) as refused:
+        other.job("x.y", params=model)
+    message = str(refused.value)
+    assert message.startswith("@app.job: x.y: ") and message.count(". ") == 0, message
+    assert "class Params(BaseModel)" in message and "extra='allow'" in message, message
+    assert "x.y" not in other.jobs
+
+
+class Bound:
+    def __call__(self, ctx: Any, params: Step) -> None:
+        pass
+
+
+def with_options(ctx: Any, params: Step, *, flag: bool = False, limit: int = 1) -> None:
+    pass
+
+
+def prefixed(tag: str, ctx: Any, params: Step) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [Bound(), with_options, functools.partial(prefixed, "t"), lambda *args: None],
+    ids=str,
+)
+def test_what_takes_ctx_and_params_is_accepted(fn: Any) -> None:
+    other = jobrelay.App()
+    assert other.job("x.y", params=Step)(fn).type == "x.y"
 
 
 async def test_a_lambda_returning_a_coroutine_is_a_job(rt: Runtime) -> None:

@@ -77,6 +77,10 @@ def ago(seconds: float) -> datetime:
             job(state=S.SUCCEEDED, attempt=1, result_key="exports/acme/x.csv"),
             "done: result at exports/acme/x.csv",
         ),
+        (
+            job(state=S.SUCCEEDED, attempt=1, result_key=None),  # a job that returned None
+            "done: succeeded, no result to download (the job returned no result key)",
+        ),
     ],
 )  # fmt: skip
 def test_next_step_names_the_boundary(record: JobRecord, expected: str) -> None:
@@ -85,6 +89,33 @@ def test_next_step_names_the_boundary(record: JobRecord, expected: str) -> None:
 
 def event(kind: str, seconds_ago: float, **detail: Any) -> EventRecord:
     return EventRecord(at=ago(seconds_ago), kind=kind, detail=detail)
+
+
+def test_a_worker_that_did_not_know_the_type_is_named_until_one_claims_the_job() -> None:
+    reason = "worker w1 does not know type images.resize (deferral 2 of 5)"
+    timeline = [
+        event("accepted", 30),
+        event("deferred", 20, reason="w1 …", worker="w1", deferral=1, of=5, unknownType="x"),
+        event("deferred", 10, reason=reason, worker="w1", deferral=2, of=5, unknownType="x"),
+        event("published", 9),
+    ]
+    step = next_step(job(), NOW, events=timeline)
+    assert step.startswith(
+        f"{reason}, 10 s ago: start the workers with the app that defines "
+        "it (`--app` or JOBRELAY_APP)"
+    ), step
+    assert explain_document(job(), timeline, NOW)["nextStep"] == step
+    # A lease deferral is not the worker's ignorance; a claim since means a worker knew it.
+    held = [event("deferred", 5, reason="lease held by w2", delaySeconds=5)]
+    assert "is a worker running" in next_step(job(), NOW, events=held)
+    claimed = [*timeline, event("claimed", 5, worker="w2", attempt=1)]
+    retry = job(
+        state=S.RETRY_WAIT,
+        attempt=1,
+        last_error="timeout",
+        next_attempt_at=NOW + timedelta(seconds=25),
+    )
+    assert next_step(retry, NOW, events=claimed).startswith("waiting to retry")
 
 
 def test_attempts_fold_the_timeline_with_each_outcome() -> None:

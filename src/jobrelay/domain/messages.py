@@ -49,13 +49,22 @@ class MessageDecodeError(ValueError):
 
     ``unknown`` marks a well-formed message whose type or version this worker does not know:
     during a rolling deploy a newer worker may know it, so it is deferred, not quarantined.
+    ``unknown_type`` is that type when it is the type the worker does not know.
     """
 
-    def __init__(self, reason: str, job_id: str | None = None, *, unknown: bool = False) -> None:
+    def __init__(
+        self,
+        reason: str,
+        job_id: str | None = None,
+        *,
+        unknown: bool = False,
+        unknown_type: str | None = None,
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.job_id = job_id
         self.unknown = unknown
+        self.unknown_type = unknown_type
 
 
 def decode(body: bytes, known_types: frozenset[str]) -> JobMessage:
@@ -83,7 +92,9 @@ def decode(body: bytes, known_types: frozenset[str]) -> JobMessage:
     if isinstance(version, bool) or not isinstance(version, int):
         raise MessageDecodeError(f"version missing or not an integer: {version!r}", readable_id)
     if job_type not in known_types:
-        raise MessageDecodeError(f"unknown job type: {job_type!r}", readable_id, unknown=True)
+        raise MessageDecodeError(
+            f"unknown job type: {job_type!r}", readable_id, unknown=True, unknown_type=job_type
+        )
     if version not in SUPPORTED_VERSIONS:
         raise MessageDecodeError(
             f"unsupported message version: {version}", readable_id, unknown=True

@@ -82,6 +82,9 @@ class PermanentFailure:
 class InvalidPayload:
     reason: str
     job_state: JobState | None  # None: the job is unknown or its id unreadable
+    # A well-formed message no worker knew (type or version) after every deferral: the
+    # payload was fine, and the reason says what was unknown.
+    unknown: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,7 @@ def decide(observation: Observation) -> Decision:
             return Decision(
                 JobState.QUARANTINED, Action.REJECT, "quarantined", reason=error, public=public
             )
-        case InvalidPayload(reason, job_state):
+        case InvalidPayload(reason, job_state, unknown):
             if job_state is None or job_state.is_terminal or job_state is JobState.RUNNING:
                 # A bad message never changes a finished job, nor one a worker is running from
                 # a good copy; the bad copy itself still goes to the quarantine queue.
@@ -208,7 +211,7 @@ def decide(observation: Observation) -> Decision:
                 JobState.QUARANTINED,
                 Action.REJECT,
                 "quarantined",
-                reason=f"invalid payload: {reason}",
+                reason=reason if unknown else f"invalid payload: {reason}",
                 public=public_error(INVALID_MESSAGE),
             )
         case AttemptsExhausted(attempt, state, last_release):

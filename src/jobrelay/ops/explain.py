@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -53,20 +54,43 @@ def paused_line(pause: QueuePause, now: datetime) -> str:
     )
 
 
-def next_step(job: JobRecord, now: datetime, pause: QueuePause | None = None) -> str:
-    """The one line that says where the job waits; ``pause`` is its queue's, if paused."""
+def next_step(
+    job: JobRecord,
+    now: datetime,
+    pause: QueuePause | None = None,
+    events: Sequence[EventRecord] = (),
+) -> str:
+    """The one line that says where the job waits; ``pause`` is its queue's, if paused;
+    ``events``, its timeline, if read (a worker that passed the job on says so there)."""
     waiting = job.state in (JobState.QUEUED, JobState.RETRY_WAIT)
     if pause is not None and waiting:
-        step = _next_step(job, now, paused=True)
+        step = _next_step(job, now, events, paused=True)
         return (
             f"{paused_line(pause, now)}; no worker takes its jobs until "
             f"`jobrelay queues resume {pause.queue} --reason ...`; {step}"
         )
-    return _next_step(job, now, paused=False)
+    return _next_step(job, now, events, paused=False)
 
 
-def _next_step(job: JobRecord, now: datetime, *, paused: bool) -> str:
+def unknown_to_workers(events: Sequence[EventRecord]) -> EventRecord | None:
+    """The last deferral by a worker that did not know the job's type or version, unless a
+    worker claimed the job since: the one fact that tells "no worker" from "a worker without
+    the app that defines this type" (which looks the same from the job's row)."""
+    found: EventRecord | None = None
+    for event in events:
+        if event.kind == "claimed":
+            found = None
+        elif event.kind == "deferred" and "deferral" in event.detail:
+            found = event
+    return found
+
+
+def _next_step(
+    job: JobRecord, now: datetime, events: Sequence[EventRecord], *, paused: bool
+) -> str:
     if job.state is JobState.SUCCEEDED:
+        if job.result_key is None:
+            return "done: succeeded, no result to download (the job returned no result key)"
         return f"done: result at {job.result_key}"
     if job.state is JobState.QUARANTINED:
         return (
@@ -99,6 +123,18 @@ def _next_step(job: JobRecord, now: datetime, *, paused: bool) -> str:
         return (
             f"delayed, not stuck: {runs_at_text(job.run_at, now)}; its message is held in the "
             "outbox until then (no worker holds it); `jobrelay job cancel` stops it first"
+        )
+    waiting = job.state in (JobState.QUEUED, JobState.RETRY_WAIT)
+    unknown = unknown_to_workers(events) if waiting else None
+    if unknown is not None:
+        remedy = (
+            "start the workers with the app that defines it (`--app` or JOBRELAY_APP)"
+            if "unknownType" in unknown.detail
+            else "run workers of a version that knows it"
+        )
+        return (
+            f"{unknown.detail.get('reason')}, {ago(unknown.at, now)}: {remedy}, or let the "
+            "rolling deploy finish; once every deferral is used it is quarantined"
         )
     if not job.published and job.unpublished_since is not None:
         hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
@@ -257,7 +293,7 @@ def explain_document(
             }
             for a in attempts(job, events)
         ],
-        "nextStep": next_step(job, now, pause),
+        "nextStep": next_step(job, now, pause, events),
         "events": [{"at": iso(e.at), "kind": e.kind, "detail": e.detail} for e in events],
     }
 
@@ -331,7 +367,7 @@ def render_job(
         detail = ", ".join(f"{k}={_shown(v)}" for k, v in event.detail.items() if v is not None)
         timeline.add_row(event.at.isoformat(timespec="milliseconds"), event.kind, detail)
     console.print(timeline)
-    console.print(f"next: {next_step(job, now, pause)}")
+    console.print(f"next: {next_step(job, now, pause, events)}")
 
 
 def render_traceback(job: JobRecord, wanted: bool) -> None:

@@ -29,6 +29,7 @@ from sqlalchemy.exc import ArgumentError
 from jobrelay.errors import ConfigError
 from jobrelay.results.files import DIR_MODE, FILE_MODE
 from jobrelay.settings import Settings
+from jobrelay.storage.engine import no_database
 
 VARIABLE = "JOBRELAY_DATABASE_URL"
 DEFAULT_URL: str = Settings.model_fields["database_url"].default
@@ -53,12 +54,7 @@ def require_database(database_url: str) -> None:
     """Refuse, before anything connects, to work on an SQLite file that does not exist."""
     path = sqlite_path(database_url)
     if path is not None and not path.is_file():
-        raise ConfigError(
-            VARIABLE,
-            f"no database at {path}"
-            + (" (not a file)" if path.exists() else "")
-            + ": run `jobrelay db upgrade` to create it, or fix the path",
-        )
+        raise no_database(path, " (not a file)" if path.exists() else "")
 
 
 @contextlib.contextmanager

@@ -125,7 +125,7 @@ class DeliveryHandler:
             message = decode(delivery.body, self.registry.types)
         except MessageDecodeError as exc:
             if exc.unknown and exc.job_id is not None:
-                await self._unknown(delivery, exc.reason, exc.job_id, meta)
+                await self._unknown(delivery, exc, exc.job_id, meta)
             else:
                 await self._invalid(delivery, exc.reason, exc.job_id, meta)
             return
@@ -383,9 +383,12 @@ class DeliveryHandler:
         reason: str,
         job: JobRecord | None,
         headers: dict[str, str] | None = None,
+        detail: dict[str, Any] | None = None,
     ) -> None:
         delay = self._defer_delay(job)
-        await self.rt.store.defer(job_id, body, delay, reason, self.rt.clock(), headers=headers)
+        await self.rt.store.defer(
+            job_id, body, delay, reason, self.rt.clock(), headers=headers, **(detail or {})
+        )
         await self._settle(delivery, job_id, Action.ACK, job.attempt if job else 0)
 
     def _defer_delay(self, job: JobRecord | None) -> int:
@@ -397,45 +400,71 @@ class DeliveryHandler:
         return next((t for t in tiers if t >= remaining), tiers[-1])
 
     async def _unknown(
-        self, delivery: Delivery, reason: str, job_id: str, meta: dict[str, Any]
+        self, delivery: Delivery, exc: MessageDecodeError, job_id: str, meta: dict[str, Any]
     ) -> None:
         """A type or version this worker does not know, for an existing job: defer it.
 
         During a rolling deploy only the newer workers know it; quarantining here would
         punish the job for our age. Each deferral carries its count; past the delivery limit
-        the job is quarantined saying no worker knew it.
+        the job is quarantined saying no worker knew it. The event and the reason name this
+        worker, the type and the count: a worker started without ``--app`` looks, from the
+        job's side, exactly like no worker at all, unless it says it saw the job.
         """
         job = await self.rt.store.get_job(job_id)
         if job is None:
-            await self._invalid(delivery, f"{reason} (and no such job)", None, meta)
+            await self._invalid(delivery, f"{exc.reason} (and no such job)", None, meta)
             return
         if job.state.is_terminal:
             decision = decide(observe_delivery(job.view(), self._seen_at(job)))
             message = JobMessage(job.id, job.type)
             await self._act(delivery, message, job, decision, meta)
             return
+        if exc.unknown_type is not None:
+            subject = f"type {exc.unknown_type}"
+            remedy = (
+                "start the workers with the app that defines it (`--app` or JOBRELAY_APP), "
+                "then replay the job"
+            )
+        else:
+            subject = f"this message ({exc.reason}) of type {job.type}"
+            remedy = "run workers of a version that knows it, then replay the job"
         defers = str(delivery.headers.get(DEFERS_HEADER, "0"))
         count = int(defers) if defers.isdigit() else 0
         limit = self.rt.settings.delivery_limit
+        said = f"worker {self.worker_id} does not know {subject}"
         if count >= limit:
             await self._invalid(
-                delivery, f"{reason}: no worker knew it after {count} deferrals", job_id, meta
+                delivery,
+                f"{said}, and no worker knew it after {count} deferrals: {remedy}",
+                job_id,
+                meta,
+                unknown=True,
             )
             return
+        detail: dict[str, Any] = {"worker": self.worker_id, "deferral": count + 1, "of": limit}
+        if exc.unknown_type is not None:
+            detail["unknownType"] = exc.unknown_type
         await self._defer(
             delivery,
             job_id,
             delivery.body,
-            f"{reason} (not known to this worker; deferral {count + 1}/{limit})",
+            f"{said} (deferral {count + 1} of {limit})",
             None,
             headers={DEFERS_HEADER: str(count + 1)},
+            detail=detail,
         )
 
     async def _invalid(
-        self, delivery: Delivery, reason: str, job_id: str | None, meta: dict[str, Any]
+        self,
+        delivery: Delivery,
+        reason: str,
+        job_id: str | None,
+        meta: dict[str, Any],
+        *,
+        unknown: bool = False,
     ) -> None:
         job = await self.rt.store.get_job(job_id) if job_id else None
-        decision = decide(InvalidPayload(reason, job.state if job else None))
+        decision = decide(InvalidPayload(reason, job.state if job else None, unknown))
         now = self.rt.clock()
         if job is not None:
             if decision.new_state is not None:

@@ -349,11 +349,13 @@ class ClaimsStore(StoreBase):
         now: datetime,
         *,
         headers: Mapping[str, str] | None = None,
+        **detail: Any,
     ) -> None:
         """Re-check a job later through the delay route: an outbox row, no state change.
 
         ``message`` may be the raw body of a delivery this worker cannot read (a type or
         version only newer workers know): it is passed on unchanged, with ``headers`` added.
+        ``detail``: more of the ``deferred`` event (who deferred it, which deferral).
         """
         async with self.writing() as conn:
             queue = await conn.scalar(select(jobs.c.queue).where(jobs.c.id == job_id))
@@ -365,7 +367,9 @@ class ClaimsStore(StoreBase):
                 now,
                 extra_headers=headers,
             )
-            await self.add_event(conn, job_id, "deferred", now, reason=reason, delaySeconds=delay)
+            await self.add_event(
+                conn, job_id, "deferred", now, reason=reason, delaySeconds=delay, **detail
+            )
         self.wake_relays()
 
     async def committed_by(self, claim: Claim, kind: str) -> bool:

@@ -37,6 +37,9 @@ READ_ONLY_OPTION = "jobrelay_read_only"
 
 def async_url(database_url: str) -> URL:
     """Map the user-facing URL (``postgresql://``, ``sqlite:///``) to its async driver."""
+    from jobrelay.settings import check_database_url
+
+    check_database_url(database_url)  # the library's callers do not pass through Settings
     url = make_url(database_url)
     if url.drivername in ("postgresql", "postgresql+asyncpg"):
         return url.set(drivername="postgresql+asyncpg")
@@ -63,10 +66,20 @@ def _sqlite_engine(url: URL) -> AsyncEngine:
     if memory:
         kwargs["poolclass"] = StaticPool
     engine = create_async_engine(url, **kwargs)
+    path = None if memory or url.query.get("uri") else Path(str(url.database)).expanduser()
 
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         sqlite_session(dbapi_connection, memory=memory)
+
+    @event.listens_for(engine.sync_engine, "do_connect")
+    def _before_connect(*_args: Any) -> None:
+        # A newcomer's first connection before `jobrelay db upgrade` (the application's own
+        # table, an enqueue) on the embedded default, whose ./var does not exist yet: SQLite
+        # would say only "unable to open database file" (and aiosqlite leave a thread behind
+        # that prints a traceback at exit). Say what the CLI says, before trying.
+        if path is not None and not path.parent.is_dir():
+            raise no_database(path)
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
@@ -75,6 +88,14 @@ def _sqlite_engine(url: URL) -> AsyncEngine:
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     return engine
+
+
+def no_database(path: Path, why: str = "") -> ConfigError:
+    """The one line for an SQLite database that does not exist yet (CLI and library)."""
+    return ConfigError(
+        "JOBRELAY_DATABASE_URL",
+        f"no database at {path}{why}: run `jobrelay db upgrade` to create it, or fix the path",
+    )
 
 
 def sqlite_session(dbapi_connection: Any, *, memory: bool = False) -> None:

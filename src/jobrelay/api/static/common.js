@@ -120,13 +120,15 @@ window.JR = (function () {
     return done;
   }
 
-  // A job id as a table shows it: the first 8 characters (which tell jobs apart) as the
-  // link, the whole id on hover and to screen readers, and a button copying the whole id,
-  // so a 36-character id never widens a column past a phone's edge.
+  // A job id as a table shows it: "…" and the last 8 characters as the link, the whole id
+  // on hover and to screen readers, and a button copying the whole id, so a 36-character id
+  // never widens a column past a phone's edge. The end, not the start: a UUIDv7 starts with
+  // its creation time, the same 8 characters for every job of the same minute, and ends
+  // with random bits (a keyed id is random throughout).
   function jobId(id, open) {
     const box = el("span", null, "job-id");
     const link = jobLink(id, open);
-    link.textContent = id.length > 9 ? id.slice(0, 8) + "…" : id;
+    link.textContent = id.length > 9 ? "…" + id.slice(-8) : id;
     link.title = id;
     link.setAttribute("aria-label", "job " + id);
     const copy = el("button", "copy", "copy-id");

@@ -37,19 +37,32 @@
     await loadQuarantined();
     await loadSchedules();
     await window.JR.tokenChanged();
-    if (session.job) renderActions(session.job);
+    if (pendingJob && (session.admin || session.accountId)) await lookUp(pendingJob);
+    else if (session.job) renderActions(session.job);
+  }
+
+  function jobInHash() {
+    return new URLSearchParams(location.hash.slice(1)).get("job");
   }
 
   // --- one job ----------------------------------------------------------------------------
 
+  // A job named by the page's link (#job=<id>) before this tab had a token: a link opened
+  // in a new tab has none (the token lives in the tab's sessionStorage). Opened once a
+  // token is accepted.
+  let pendingJob = null;
+
   async function lookUp(jobId) {
     jobId = jobId.trim();
     if (!jobId) return;
+    $("job-id").value = jobId;
     if (!session.token) {
-      say("paste an API token first", true);
+      pendingJob = jobId;
+      say("paste an API token first: job " + jobId + " opens then", true);
+      $("token").focus();
       return;
     }
-    $("job-id").value = jobId;
+    pendingJob = null;
     try {
       const job = await api("GET", "/v1/jobs/" + encodeURIComponent(jobId) + "/explain");
       session.job = job;
@@ -366,7 +379,12 @@
       copy.dataset.copied = done ? copy.dataset.copy : "";
       copy.textContent = done ? "copied" : "copy failed";
     });
-    const fromHash = new URLSearchParams(location.hash.slice(1)).get("job");
+    const fromHash = jobInHash();
+    // Another job's link followed in this tab (the page is not reloaded for a new hash).
+    window.addEventListener("hashchange", () => {
+      const wanted = jobInHash();
+      if (wanted && !(session.job && session.job.jobId === wanted)) lookUp(wanted);
+    });
     (async () => {
       if (session.token) {
         $("token").value = session.token;
