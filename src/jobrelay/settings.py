@@ -128,6 +128,13 @@ class Settings(BaseSettings):
     api_max_head_bytes: int = Field(default=32 * 1024, ge=1024, le=1024 * 1024)
     api_head_timeout_seconds: float = Field(default=10.0, gt=0, le=300)
     api_max_connections: int = Field(default=1000, ge=1, le=100_000)
+    # How long a request's body has from the end of its head (408 and closed after); how
+    # long a response may wait for a client that takes none of it (dropped after); and how
+    # many connections one client address holds at once (503 beyond; the trusted proxies'
+    # addresses are not capped).
+    api_body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    api_write_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    api_max_connections_per_address: int = Field(default=100, ge=1, le=100_000)
     # Where people reach the API; links in e-mails are built from it.
     public_url: str = "http://127.0.0.1:8000"
 
