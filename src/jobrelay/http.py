@@ -42,6 +42,7 @@ from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.schemas import (
     IDEMPOTENCY_KEY_PATTERN,
     Accepted,
+    IdempotencyKey,
     WireModel,
     valid_traceparent,
 )
@@ -85,14 +86,6 @@ AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 # What a route that accepts jobs (AcceptDep) may answer besides its own errors.
 ACCEPT_RESPONSES: dict[int | str, dict[str, Any]] = {**AUTH_RESPONSES, **RATE_LIMIT_RESPONSES}
-IdempotencyKey = Annotated[
-    str | None,
-    Header(
-        alias="Idempotency-Key",
-        pattern=IDEMPOTENCY_KEY_PATTERN,
-        description="1-255 visible ASCII characters. Keys the job instead of the body.",
-    ),
-]
 TraceParent = Annotated[
     str | None,
     Header(description="W3C trace context; passed on to the job's message. Invalid is ignored."),
