@@ -109,6 +109,9 @@ class Settings(BaseSettings):
     # Per token and API process, on job creation and admin actions: RATE/second|minute|hour
     # with an optional :BURST (100/second:300), or off.
     rate_limit: str = "10/second:100"
+    # Unfinished jobs (queued, delayed, running, waiting to retry) one account may keep: a
+    # job over it is refused (429) on every API route that accepts jobs; 0: no quota.
+    account_max_unfinished_jobs: int = Field(default=100_000, ge=0)
     # Per client address and API process: requests whose token is not valid (each one a
     # database lookup); the same form, or off.
     auth_failure_limit: str = "1/second:30"

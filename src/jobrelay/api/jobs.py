@@ -24,6 +24,7 @@ from jobrelay.api.problems import (
     ValidationProblem,
     problem_openapi,
 )
+from jobrelay.api.quota import QUOTA_RESPONSES, within_quota
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.schemas import IDEMPOTENCY_KEY_PATTERN, Accepted, IdempotencyKey, WireModel
 from jobrelay.domain import delays
@@ -120,6 +121,7 @@ def _run_time_problem(exc: InvalidRunTime) -> ProblemError:
         ),
         503: problem_openapi("The database is unavailable; nothing was changed."),
         **RATE_LIMIT_RESPONSES,
+        **QUOTA_RESPONSES,
     },
     openapi_extra={
         "requestBody": {
@@ -148,6 +150,7 @@ async def create_job(
         job = definition.new_job(
             body.params, key=key, account=principal.account_id, keys=keys, when=when
         )
+        await within_quota(runtime, principal.account_id, job.job_id)
         # One statement on PostgreSQL (see storage/enqueue.py), so no BEGIN and no COMMIT:
         # it commits by itself, before the 202. Driver errors are a 503 (StoreError).
         async with statement_tx(runtime.engine, "database") as conn:

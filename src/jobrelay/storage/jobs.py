@@ -7,6 +7,7 @@ from datetime import datetime
 from sqlalchemy import (
     func,
     select,
+    text,
 )
 
 from jobrelay.domain.ids import IdKeys
@@ -20,11 +21,29 @@ from jobrelay.storage.records import (
     job_record,
 )
 from jobrelay.storage.tables import (
+    UNFINISHED,
     jobs,
 )
 
 
 class JobsStore(StoreBase):
+    async def unfinished_jobs(self, account_id: str, at_most: int) -> int:
+        """How many of the account's jobs are unfinished (queued, delayed, running, waiting
+        to retry), counted up to ``at_most``: one read of the partial index
+        ``ix_jobs_account_unfinished``, never more than ``at_most`` of its entries."""
+        some = (
+            select(jobs.c.id)
+            .where(jobs.c.account_id == account_id, text(UNFINISHED))
+            .limit(at_most)
+            .subquery()
+        )
+        async with self.reading() as conn:
+            return int(await conn.scalar(select(func.count()).select_from(some)) or 0)
+
+    async def job_exists(self, job_id: str) -> bool:
+        async with self.reading() as conn:
+            return await conn.scalar(select(jobs.c.id).where(jobs.c.id == job_id)) is not None
+
     async def id_keys(self, now: datetime) -> IdKeys:
         """The secrets job ids are derived with at ``now``: the installation's current one and
         the previous one while its window lasts. Cached: no statement on most calls."""
