@@ -209,8 +209,12 @@ def test_one_address_holds_at_most_its_cap_and_others_are_still_served(api: Api)
             answer = read_until_closed(over)
         assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
         assert b"retry-after: 1" in answer.lower() and answer.endswith(b"<closed>")
-        with api.connect("127.0.2.2") as other:  # the total cap is not reached
-            assert response_to(other, HEALTHZ).startswith(b"HTTP/1.1 200 ")
+
+        def served() -> bool:  # another address, once the last test's closed ones are gone
+            with api.connect("127.0.2.2") as other:
+                return response_to(other, HEALTHZ).startswith(b"HTTP/1.1 200 ")
+
+        poll(served, PATIENCE, "another address served while this one is at its cap")
     finally:
         for sock in held:
             sock.close()
@@ -245,7 +249,9 @@ def trickle_body(sock: socket.socket, path: str, token: str | None) -> bytes:
 def test_a_trickled_body_without_a_token_is_cut_off_at_the_body_deadline(api: Api) -> None:
     with api.connect("127.0.3.1") as sock:
         answer = trickle_body(sock, "/v1/jobs", token=None)
-    assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+    # The 401 comes before the body is read; a machine too slow to send it within the body
+    # deadline gets the 408 instead. Either way the connection must not stay open.
+    assert answer.startswith((b"HTTP/1.1 401 ", b"HTTP/1.1 408 ")), answer[:200]
     assert answer.endswith(b"<closed>"), answer[-200:]
 
 
