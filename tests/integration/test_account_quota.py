@@ -19,7 +19,9 @@ from sqlalchemy import func, select
 import jobrelay
 from jobrelay.api.job_search import MAX_PAGE_BYTES
 from jobrelay.roles.runtime import Runtime
+from jobrelay.storage import jobs as jobs_module
 from jobrelay.storage.engine import read_only
+from jobrelay.storage.jobs import QUOTA_RECOUNT_SECONDS
 from jobrelay.storage.tables import jobs
 
 from .api_fixtures import api_client, bearer, build_runtime, make_token
@@ -69,7 +71,20 @@ def over_quota(response: httpx.Response) -> None:
     assert "retry-after" not in response.headers  # it frees when jobs finish, not in time
 
 
-async def test_an_account_keeps_at_most_its_quota_of_unfinished_jobs(rt: Runtime) -> None:
+async def test_an_account_keeps_at_most_its_quota_of_unfinished_jobs(
+    rt: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(jobs_module, "_monotonic", lambda: now[0])
+    reads = 0
+    unfinished = rt.store.unfinished_jobs
+
+    async def counted(account_id: str, at_most: int) -> int:
+        nonlocal reads
+        reads += 1
+        return await unfinished(account_id, at_most)
+
+    monkeypatch.setattr(rt.store, "unfinished_jobs", counted)
     acme = bearer(await make_token(rt, "acme"))
     other = bearer(await make_token(rt, "globex"))
     admin = bearer(await make_token(rt, None, admin=True))
@@ -81,6 +96,7 @@ async def test_an_account_keeps_at_most_its_quota_of_unfinished_jobs(rt: Runtime
             for n in range(QUOTA)
         ]
         assert [r.status_code for r in accepted] == [202] * QUOTA
+        assert reads == 1  # under the quota, counted once for the second, not per job
         over_quota(await client.post("/v1/jobs", json=later(99), headers=acme))
         export = {"accountId": "acme", "period": "2020-01"}
         over_quota(await exports.post("/v1/exports", json=export, headers=acme))
@@ -92,12 +108,14 @@ async def test_an_account_keeps_at_most_its_quota_of_unfinished_jobs(rt: Runtime
         # Another account, and an admin token (no account), have their own count.
         assert (await client.post("/v1/jobs", json=later(5), headers=other)).status_code == 202
         assert (await client.post("/v1/jobs", json=later(6), headers=admin)).status_code == 202
-        # A finished job frees its place.
+        # A finished job frees its place, at the next count.
         first = accepted[0].json()["jobId"]
         cancelled = await client.post(
             f"/v1/jobs/{first}/cancel", json={"reason": "done with it"}, headers=admin
         )
         assert cancelled.status_code == 200, cancelled.text
+        over_quota(await client.post("/v1/jobs", json=later(8), headers=acme))  # full lately
+        now[0] += QUOTA_RECOUNT_SECONDS
         assert (await exports.post("/v1/exports", json=export, headers=acme)).status_code == 202
         over_quota(await client.post("/v1/jobs", json=later(7), headers=acme))
     assert await count(rt) == QUOTA + 3

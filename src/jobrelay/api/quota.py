@@ -8,10 +8,14 @@ unfinished jobs first, and over the quota answers ``429`` problem+json naming th
 nothing is written. The count is one indexed read (a partial index of the unfinished jobs,
 read up to the quota), not a counter kept on every accept and every finish: a counter row
 per account would be one more write on both hot paths, and a row every accept and every
-completion of the account would queue on.
+completion of the account would queue on. The read is made at most once a second per
+account and API process while the account is under its quota (``JobsStore.has_room``): the
+accept path of a busy account pays it once a second, not per job.
 
-The count is read before the insert, in its own statement: concurrent accepts of one account
-may overshoot the quota by as many as are in flight at once; a bound on storage, not a bill.
+So the quota is a bound on storage, not a bill: API processes each trust their count for a
+second, and may together pass the quota by what the account's tokens are allowed to send
+(``JOBRELAY_RATE_LIMIT``) in that second; an account found full is refused for that second
+without a read, and a place freed is usable at the next count.
 Jobs with no account (an admin token, the library's ``enqueue`` in the application's own
 transaction) are not counted: the application is trusted with what it enqueues itself.
 """
@@ -37,7 +41,7 @@ async def within_quota(runtime: Runtime, account_id: str | None, job_id: str) ->
     quota = runtime.settings.account_max_unfinished_jobs
     if account_id is None or quota == 0:
         return
-    if await runtime.store.unfinished_jobs(account_id, quota) < quota:
+    if await runtime.store.has_room(account_id, quota):
         return
     if await runtime.store.job_exists(job_id):
         return
