@@ -37,10 +37,11 @@ PATIENCE = 15.0  # how long the test waits for what should take HEAD_TIMEOUT; ne
 
 
 class Api:
-    def __init__(self, proc: Proc, port: int, token: str) -> None:
+    def __init__(self, proc: Proc, port: int, token: str, root: Path) -> None:
         self.proc = proc
         self.port = port
         self.token = token
+        self.root = root
 
     def connect(
         self, source: str = "127.0.0.1", receive_buffer: int | None = None
@@ -55,6 +56,9 @@ class Api:
         sock.connect(("127.0.0.1", self.port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
+
+    def log_text(self) -> str:
+        return "".join(path.read_text() for path in self.root.glob("api-*.log"))
 
     def rss_kib(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -83,7 +87,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     with processes(root) as start:
         proc = start("api", "api", "--port", str(port), env=env)
         wait_http(f"http://127.0.0.1:{port}", proc)
-        yield Api(proc, port, token)
+        yield Api(proc, port, token, root)
 
 
 def read_until_closed(sock: socket.socket, limit: int = 1 << 20) -> bytes:
@@ -260,6 +264,8 @@ def test_a_trickled_body_with_a_token_is_408_at_the_body_deadline(api: Api) -> N
         answer = trickle_body(sock, "/v1/jobs", token=api.token)
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
     assert b"application/problem+json" in answer and answer.endswith(b"<closed>")
+    # The route reading the body sees a disconnect: not an unhandled error in the log.
+    assert "api_unhandled_error" not in api.log_text()
 
 
 def tcp_state(sock: socket.socket) -> int:
