@@ -38,10 +38,12 @@ from jobrelay.api.problems import (
     ValidationProblem,
     problem_openapi,
 )
+from jobrelay.api.quota import QUOTA_RESPONSES, within_quota
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.schemas import (
     IDEMPOTENCY_KEY_PATTERN,
     Accepted,
+    IdempotencyKey,
     WireModel,
     valid_traceparent,
 )
@@ -84,15 +86,11 @@ AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: problem_openapi("The database is unavailable; nothing was changed."),
 }
 # What a route that accepts jobs (AcceptDep) may answer besides its own errors.
-ACCEPT_RESPONSES: dict[int | str, dict[str, Any]] = {**AUTH_RESPONSES, **RATE_LIMIT_RESPONSES}
-IdempotencyKey = Annotated[
-    str | None,
-    Header(
-        alias="Idempotency-Key",
-        pattern=IDEMPOTENCY_KEY_PATTERN,
-        description="1-255 visible ASCII characters. Keys the job instead of the body.",
-    ),
-]
+ACCEPT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **AUTH_RESPONSES,
+    **RATE_LIMIT_RESPONSES,
+    **QUOTA_RESPONSES,
+}
 TraceParent = Annotated[
     str | None,
     Header(description="W3C trace context; passed on to the job's message. Invalid is ignored."),
@@ -124,8 +122,9 @@ class Acceptor:
     ) -> Admission:
         """Commit the job before returning. The same ``job_id`` (or ``key``) with the same
         parameters is the same job (``created=False``); with other parameters a 422
-        ``ProblemError`` naming ``Idempotency-Key``. Fault point ``api.before_response`` is
-        reached after the commit.
+        ``ProblemError`` naming ``Idempotency-Key``; a new job of an ``account`` over its
+        quota (``JOBRELAY_ACCOUNT_MAX_UNFINISHED_JOBS``) a 429. Fault point
+        ``api.before_response`` is reached after the commit.
 
         ``by_request``: the id is the request's (what ``POST /v1/exports`` does), from the
         account and ``key`` when there is one, else from the account, the type and
@@ -156,6 +155,7 @@ class Acceptor:
         )
         if previous is not None:
             job = replace(job, previous_job_id=previous)
+        await within_quota(rt, account, job.job_id)
         try:
             accepted_id, created = await rt.store.submit(job, now)
         except IdempotencyConflict as exc:

@@ -116,6 +116,9 @@ class Settings(BaseSettings):
     # Per token and API process, on job creation and admin actions: RATE/second|minute|hour
     # with an optional :BURST (100/second:300), or off.
     rate_limit: str = "10/second:100"
+    # Unfinished jobs (queued, delayed, running, waiting to retry) one account may keep: a
+    # job over it is refused (429) on every API route that accepts jobs; 0: no quota.
+    account_max_unfinished_jobs: int = Field(default=100_000, ge=0)
     # Per client address and API process: requests whose token is not valid (each one a
     # database lookup); the same form, or off.
     auth_failure_limit: str = "1/second:30"
@@ -135,6 +138,13 @@ class Settings(BaseSettings):
     api_max_head_bytes: int = Field(default=32 * 1024, ge=1024, le=1024 * 1024)
     api_head_timeout_seconds: float = Field(default=10.0, gt=0, le=300)
     api_max_connections: int = Field(default=1000, ge=1, le=100_000)
+    # How long a request's body has from the end of its head (408 and closed after); how
+    # long a response may wait for a client that takes none of it (dropped after); and how
+    # many connections one client address holds at once (503 beyond; the trusted proxies'
+    # addresses are not capped).
+    api_body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    api_write_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    api_max_connections_per_address: int = Field(default=100, ge=1, le=100_000)
     # Where people reach the API; links in e-mails are built from it.
     public_url: str = "http://127.0.0.1:8000"
 

@@ -233,3 +233,47 @@ def test_job_show_and_jobs_list_say_when_it_runs(database_url: str, tmp_path: Pa
     assert "delayed, not stuck" in out and "is a relay running?" not in out
     code, out, _ = cli(database_url, tmp_path, "jobs", "list")
     assert code == 0 and "runs at" in out and "1 job(s)" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        # UTC of these is past year 9999 / before year 1: no datetime holds it (issue 34, 14).
+        ({"runAt": "9999-12-31T23:59:59-23:59"}, "runAt"),
+        ({"runAt": "0001-01-01T00:00:00+23:59"}, "runAt"),
+        # JSON's true and "1" are not numbers of seconds.
+        ({"delaySeconds": True}, "delaySeconds"),
+        ({"delaySeconds": "1"}, "delaySeconds"),
+    ],
+)
+async def test_post_v1_jobs_refuses_an_unrepresentable_run_time_or_a_non_number_delay(
+    rt: Runtime, extra: dict[str, Any], field: str
+) -> None:
+    acme = bearer(await make_token(rt, "acme"))
+    async with api_client(rt) as client:
+        body = {"type": "later.ping", "params": {"n": 1}, **extra}
+        refused = await client.post("/v1/jobs", json=body, headers=acme)
+    assert refused.status_code == 422, refused.text
+    assert refused.headers["content-type"].startswith("application/problem+json")
+    assert [e["field"] for e in refused.json()["errors"]] == [field]
+    assert await count(rt, jobs) == 0
+
+
+async def test_post_v1_jobs_takes_the_idempotency_key_header_as_the_key(rt: Runtime) -> None:
+    acme = bearer(await make_token(rt, "acme"))
+    async with api_client(rt) as client:
+        body = {"type": "later.ping", "params": {"n": 1}}
+        keyed = {**acme, "Idempotency-Key": "retry-1"}
+        first = await client.post("/v1/jobs", json=body, headers=keyed)
+        retried = await client.post("/v1/jobs", json=body, headers=keyed)
+        assert first.status_code == retried.status_code == 202, retried.text
+        assert retried.json()["jobId"] == first.json()["jobId"]
+        # The same key in the body and the header is one key; two different ones are a 422.
+        same = await client.post("/v1/jobs", json={**body, "key": "retry-1"}, headers=keyed)
+        assert same.json()["jobId"] == first.json()["jobId"]
+        other = await client.post("/v1/jobs", json={**body, "key": "retry-2"}, headers=keyed)
+        assert other.status_code == 422, other.text
+        assert [e["field"] for e in other.json()["errors"]] == ["Idempotency-Key"]
+        bad = await client.post("/v1/jobs", json=body, headers={**acme, "Idempotency-Key": ""})
+        assert bad.status_code == 422, bad.text
+    assert await count(rt, jobs) == 1

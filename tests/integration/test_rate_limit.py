@@ -20,7 +20,9 @@ from jobrelay.api.ratelimit import Limit, RateLimiter, parse_limit
 from jobrelay.errors import ConfigError
 from jobrelay.roles.runtime import Runtime
 from jobrelay.settings import Settings, load_settings
+from jobrelay.storage import tokens as tokens_module
 from jobrelay.storage.tables import jobs
+from jobrelay.storage.tokens import TOKEN_CACHE_SECONDS
 from tests.integration.api_fixtures import api_client, bearer, build_runtime, make_token
 
 PROBLEM = "application/problem+json"
@@ -160,12 +162,19 @@ async def test_one_token_is_limited_by_default(database_url: str, tmp_path: Path
         await rt.engine.dispose()
 
 
-async def test_bad_tokens_are_limited_per_address_without_a_lookup_once_over(
+async def test_bad_tokens_are_limited_per_address_and_lock_no_valid_token_out(
     database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """30 made-up tokens empty the address's bucket; then made-up tokens are refused without
+    a lookup, while the valid tokens at that address (one used before, one never used, the
+    admin's) go on being served (issue 34, item 12: they were all 429)."""
+    now = [1000.0]
+    monkeypatch.setattr(tokens_module, "_monotonic", lambda: now[0])
     rt = build_runtime(database_url, tmp_path)
     try:
-        good = bearer(await make_token(rt, "acme"))
+        used = bearer(await make_token(rt, "acme"))
+        unused = bearer(await make_token(rt, "acme"))
+        admin = bearer(await make_token(rt, None, admin=True))
         lookups = 0
         find = rt.store.find_token
 
@@ -176,26 +185,49 @@ async def test_bad_tokens_are_limited_per_address_without_a_lookup_once_over(
 
         monkeypatch.setattr(rt.store, "find_token", counted)
         bad = bearer("jr_" + "x" * 43)
+        export = {"accountId": "acme", "period": "2020-01"}
+        job = "/v1/jobs/0190c9a0-0000-7000-8000-000000000000"
+        async with frozen_app_client(rt) as (client, _):
+            assert (await client.post("/v1/exports", json=export, headers=used)).status_code == 202
+            codes = [(await client.get(job, headers=bad)) for _ in range(30)]
+            before = lookups
+            # Bad and valid tokens interleaved at the blocked address: only the bad refused.
+            mixed = []
+            for headers in (bad, used, bad, unused, bad, admin, bad):
+                mixed.append((await client.get(job, headers=headers)).status_code)
+            over = lookups - before
+            # A token created after the address was blocked is known within the cache's time.
+            late = bearer(await make_token(rt, "acme"))
+            refused_late = (await client.get(job, headers=late)).status_code
+            now[0] += TOKEN_CACHE_SECONDS + 1
+            served_late = (await client.get(job, headers=late)).status_code
+        assert [c.status_code for c in codes] == [401] * 30
+        assert mixed == [429, 404, 429, 404, 429, 404, 429]  # 404: no such job, but served
+        assert all(c.headers["content-type"].startswith(PROBLEM) for c in codes)
+        assert over == 3  # the valid tokens' lookups; the refused bad tokens cost none
+        assert (refused_late, served_late) == (429, 404)
+    finally:
+        await rt.engine.dispose()
+
+
+async def test_bad_tokens_from_another_address_do_not_count_here(
+    database_url: str, tmp_path: Path
+) -> None:
+    rt = build_runtime(database_url, tmp_path)
+    try:
+        good = bearer(await make_token(rt, "acme"))
+        bad = bearer("jr_" + "x" * 43)
         async with frozen_app_client(rt) as (client, app):
-            codes = [
-                (await client.get("/v1/jobs/0190c9a0-0000-7000-8000-000000000000", headers=bad))
-                for _ in range(33)
-            ]
-            # The blocked address is refused whatever it sends, before any lookup.
-            blocked = await client.post(
-                "/v1/exports", json={"accountId": "acme", "period": "2020-01"}, headers=good
-            )
+            codes = [(await client.get("/v1/jobs", headers=bad)).status_code for _ in range(33)]
             other_address = httpx.ASGITransport(app=app, client=("203.0.113.9", 40000))
             async with httpx.AsyncClient(transport=other_address, base_url="http://t") as other:
                 elsewhere = await other.post(
                     "/v1/exports", json={"accountId": "acme", "period": "2020-01"}, headers=good
                 )
-        assert [c.status_code for c in codes] == [401] * 30 + [429] * 3
-        assert all(c.headers["content-type"].startswith(PROBLEM) for c in codes)
-        assert int(codes[-1].headers["retry-after"]) >= 1
-        assert blocked.status_code == 429
+                bad_elsewhere = await other.get("/v1/jobs", headers=bad)
+        assert codes == [401] * 30 + [429] * 3
         assert elsewhere.status_code == 202  # another address has its own bucket
-        assert lookups == 30 + 1  # the 30 failures, and the other address's good token
+        assert bad_elsewhere.status_code == 401
     finally:
         await rt.engine.dispose()
 

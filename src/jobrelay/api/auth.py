@@ -9,7 +9,11 @@ A token belongs to one account, or is an admin token that may act for every acco
 
 Every unknown token costs a database lookup, so failed authentications are limited per
 client address (``JOBRELAY_AUTH_FAILURE_LIMIT``): an address whose bucket is empty is
-answered ``429`` before its token is looked up, whatever the token, until the bucket refills.
+answered ``429`` for a token that is not valid without looking it up, until the bucket
+refills. Only failures are counted, and they lock out only failures: a valid token at that
+address (one of the set of valid hashes, ``TokensStore.may_be_valid``, read at most every
+few seconds whatever the attacker's rate) is still looked up and served, so 30 made-up
+tokens from an address, or from every client behind one proxy, refuse nobody else there.
 A token guessed is hopeless anyway (256 random bits); what this bounds is the load.
 """
 
@@ -94,8 +98,9 @@ async def authenticate(
             headers={"WWW-Authenticate": _CHALLENGE},
         )
     failures, address = failure_limiter_of(request), _client_address(request)
+    token_hash = hash_token(credentials.credentials)
     wait = failures.empty(address)
-    if wait is not None:
+    if wait is not None and not await runtime.store.may_be_valid(token_hash):
         seconds = max(1, math.ceil(wait))
         raise ProblemError(
             429,
@@ -103,7 +108,6 @@ async def authenticate(
             f"in {seconds} s",
             headers={"Retry-After": str(seconds)},
         )
-    token_hash = hash_token(credentials.credentials)
     record = await runtime.store.find_token(token_hash)
     if record is None:
         failures.take(address)

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from jobrelay.api.problems import ProblemError
 
@@ -21,11 +22,17 @@ M = TypeVar("M", bound=BaseModel)
 
 
 async def read_body(request: Request) -> bytes:
+    """The body, at most ``MAX_BODY_BYTES`` (413). A client gone before its body ended (or
+    cut off at ``JOBRELAY_API_BODY_TIMEOUT_SECONDS``, roles/http_guard.py) is a 408 nobody
+    reads, not an unhandled error with a traceback in the log."""
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ProblemError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise ProblemError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:
+        raise ProblemError(408, "the request body did not arrive in time") from None
     return bytes(body)
 
 

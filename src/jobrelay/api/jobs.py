@@ -24,8 +24,9 @@ from jobrelay.api.problems import (
     ValidationProblem,
     problem_openapi,
 )
+from jobrelay.api.quota import QUOTA_RESPONSES, within_quota
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
-from jobrelay.api.schemas import IDEMPOTENCY_KEY_PATTERN, Accepted, WireModel
+from jobrelay.api.schemas import IDEMPOTENCY_KEY_PATTERN, Accepted, IdempotencyKey, WireModel
 from jobrelay.domain import delays
 from jobrelay.domain.delays import RunTime
 from jobrelay.errors import IdempotencyConflict, InvalidParams, InvalidRunTime
@@ -55,6 +56,7 @@ class JobRequest(WireModel):
     )
     delay_seconds: float | None = Field(
         default=None,
+        strict=True,  # a JSON number: true and "1" are not seconds
         description="Run no earlier than this many seconds from now (0 to 365 days).",
     )
 
@@ -81,6 +83,20 @@ def run_time(body: JobRequest, now: datetime) -> RunTime:
         raise _run_time_problem(exc) from None
 
 
+def _one_key(in_body: str | None, header: str | None) -> str | None:
+    """The request's key: the body's ``key`` or the ``Idempotency-Key`` header (what a
+    client's retry middleware sends); both may be given only when they are the same."""
+    if in_body is not None and header is not None and in_body != header:
+        problem = "the Idempotency-Key header and the body's key differ: give one key"
+        raise ProblemError(
+            422,
+            problem,
+            title="Invalid request",
+            errors=[FieldError(field="Idempotency-Key", message=problem).model_dump()],
+        )
+    return in_body if in_body is not None else header
+
+
 def _run_time_problem(exc: InvalidRunTime) -> ProblemError:
     return ProblemError(
         422,
@@ -105,6 +121,7 @@ def _run_time_problem(exc: InvalidRunTime) -> ProblemError:
         ),
         503: problem_openapi("The database is unavailable; nothing was changed."),
         **RATE_LIMIT_RESPONSES,
+        **QUOTA_RESPONSES,
     },
     openapi_extra={
         "requestBody": {
@@ -114,20 +131,26 @@ def _run_time_problem(exc: InvalidRunTime) -> ProblemError:
     },
 )
 async def create_job(
-    request: Request, response: Response, principal: RateLimitedDep, runtime: RuntimeDep
+    request: Request,
+    response: Response,
+    principal: RateLimitedDep,
+    runtime: RuntimeDep,
+    idempotency_key: IdempotencyKey = None,
 ) -> Accepted:
     body = parse_body(JobRequest, await read_body(request))
+    key = _one_key(body.key, idempotency_key)
     definition = runtime.app.jobs.get(body.type) if runtime.app is not None else None
     if definition is None or not definition.http:
         raise ProblemError(404, "no such job type is exposed over HTTP")
     now = datetime.now(UTC)
     when = run_time(body, now)
     # A keyed job's id is keyed with the installation's secret (cached: no statement).
-    keys = await runtime.store.id_keys(now) if body.key is not None else None
+    keys = await runtime.store.id_keys(now) if key is not None else None
     try:
         job = definition.new_job(
-            body.params, key=body.key, account=principal.account_id, keys=keys, when=when
+            body.params, key=key, account=principal.account_id, keys=keys, when=when
         )
+        await within_quota(runtime, principal.account_id, job.job_id)
         # One statement on PostgreSQL (see storage/enqueue.py), so no BEGIN and no COMMIT:
         # it commits by itself, before the 202. Driver errors are a 503 (StoreError).
         async with statement_tx(runtime.engine, "database") as conn:

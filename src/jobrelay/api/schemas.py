@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Header
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
@@ -24,6 +25,15 @@ from jobrelay.storage.store import EventRecord, JobRecord
 ACCOUNT_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 # RFC 9110 visible ASCII (VCHAR): no spaces, no control characters, no non-ASCII.
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
+# The header every accepting route reads (POST /v1/exports, POST /v1/jobs, an app's own).
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        pattern=IDEMPOTENCY_KEY_PATTERN,
+        description="1-255 visible ASCII characters. Keys the job instead of the body.",
+    ),
+]
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 

@@ -80,7 +80,10 @@ def resolve(
             raise InvalidRunTime(
                 run_at_name, "a naive datetime is ambiguous: give one with a time zone (UTC)"
             )
-        due = run_at.astimezone(UTC)
+        try:
+            due = run_at.astimezone(UTC)
+        except OverflowError:  # 9999-12-31T23:59:59-23:59 is past what a datetime holds
+            raise InvalidRunTime(run_at_name, "out of range (years 1 to 9999 in UTC)") from None
         requested = {"runAt": due.isoformat()}
     else:
         return NOW

@@ -44,6 +44,10 @@ def build_server(rt: Runtime, host: str, port: int) -> _Server:
         max_head_bytes=settings.api_max_head_bytes,
         head_timeout=settings.api_head_timeout_seconds,
         max_connections=settings.api_max_connections,
+        body_timeout=settings.api_body_timeout_seconds,
+        write_timeout=settings.api_write_timeout_seconds,
+        max_per_address=settings.api_max_connections_per_address,
+        **HeadLimits.uncapping(proxies),
     )
     config = uvicorn.Config(
         app,
@@ -52,7 +56,7 @@ def build_server(rt: Runtime, host: str, port: int) -> _Server:
         log_config=None,
         access_log=False,
         lifespan="on",
-        # httptools, with the head size, head deadline and connection cap it lacks.
+        # httptools, with the head size, the deadlines and the connection caps it lacks.
         http=guarded_protocol(limits),
         # Which server and version answers is nobody's business but the operator's.
         server_header=False,

@@ -18,8 +18,20 @@ So this subclass of the httptools protocol adds, per connection:
 - **a head deadline** (``JOBRELAY_API_HEAD_TIMEOUT_SECONDS``): from a new connection, or from
   the first byte of a next request on a kept-alive one, the head must be complete in time,
   else the connection is closed (``408`` when some of it came);
-- **a connection cap** (``JOBRELAY_API_MAX_CONNECTIONS``): a connection over it is answered
-  ``503`` with ``Retry-After`` at once and closed, before it can hold a slot.
+- **a body deadline** (``JOBRELAY_API_BODY_TIMEOUT_SECONDS``): from the end of a head, the
+  whole body must arrive in time, else the connection is closed (``408`` when no answer was
+  started). It runs whether or not the application reads the body: a ``401`` answered before
+  the body does not leave the connection to a client trickling the rest of it;
+- **a write deadline** (``JOBRELAY_API_WRITE_TIMEOUT_SECONDS``): while the server has more to
+  send than the transport buffers (a result download, a large page), the client must take
+  some of it in time, else the connection is dropped; a slow reader that keeps reading is not
+  cut off, a client that stopped reading is;
+- **a connection cap** (``JOBRELAY_API_MAX_CONNECTIONS``), and a cap per client address
+  (``JOBRELAY_API_MAX_CONNECTIONS_PER_ADDRESS``; not for the trusted proxies' addresses,
+  where every client arrives): a connection over either is answered ``503`` with
+  ``Retry-After`` at once and closed, before it can hold a slot;
+- **problem+json for what the parser rejects**: the ``400`` uvicorn answers in plain text is
+  ``application/problem+json`` like every other error.
 
 Idle kept-alive connections are closed by uvicorn's keep-alive timeout (``processes.py``).
 Refusals close "lingeringly": the answer is sent, the write side shut, and what the client
@@ -31,15 +43,24 @@ reset. All of it is plain arithmetic per read: the accept path pays nothing meas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
+import ipaddress
 import json
-from dataclasses import dataclass
+import socket
+import struct
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 _LINGER_SECONDS = 2.0  # how long a refused connection's remaining bytes are read and dropped
 _HEAD_END = b"\r\n\r\n"
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
+
+
+_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 @dataclass(frozen=True)
@@ -47,21 +68,51 @@ class HeadLimits:
     max_head_bytes: int
     head_timeout: float
     max_connections: int
+    body_timeout: float = 30.0
+    write_timeout: float = 30.0
+    max_per_address: int = 100
+    # Addresses not capped per address: the trusted proxies, every client's connections
+    # arrive from them ("*": every address).
+    uncapped: tuple[_Network, ...] = field(default_factory=tuple)
+    uncap_all: bool = False
+
+    @classmethod
+    def uncapping(cls, proxies: list[str]) -> dict[str, Any]:
+        """The ``uncapped``/``uncap_all`` arguments for JOBRELAY_TRUSTED_PROXIES' entries."""
+        networks = tuple(ipaddress.ip_network(p, strict=False) for p in proxies if p != "*")
+        return {"uncapped": networks, "uncap_all": "*" in proxies}
+
+    def capped(self, address: str) -> bool:
+        if self.uncap_all:
+            return False
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return True
+        return not any(ip in network for network in self.uncapped)
 
 
 def guarded_protocol(limits: HeadLimits) -> type[HttpToolsProtocol]:
-    """The protocol class for uvicorn's ``http=`` with these limits."""
-    return type("GuardedHttpToolsProtocol", (_Guarded,), {"limits": limits})
+    """The protocol class for uvicorn's ``http=`` with these limits; its own count of
+    connections per address (one server, one class)."""
+    return type("GuardedHttpToolsProtocol", (_Guarded,), {"limits": limits, "per_address": {}})
 
 
 class _Guarded(HttpToolsProtocol):
     limits: HeadLimits
+    per_address: dict[str, int]  # open connections per capped client address
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._in_head = True  # waiting for (the rest of) a request head
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._counted: str | None = None  # the address this connection counts against
+        # Every request cycle of this connection not yet answered: uvicorn marks only the
+        # last one parsed disconnected, not a pipelined one that is writing its response.
+        self._cycles: weakref.WeakSet[Any] = weakref.WeakSet()
         self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -69,11 +120,66 @@ class _Guarded(HttpToolsProtocol):
         if len(self.connections) > self.limits.max_connections:
             self._refuse(503, "too many connections: try again in a moment", retry_after=1)
             return
+        address = self.client[0] if self.client else None
+        if address is not None and self.limits.capped(address):
+            if self.per_address.get(address, 0) >= self.limits.max_per_address:
+                self._refuse(
+                    503, "too many connections from this address: try again in a moment", 1
+                )
+                return
+            self.per_address[address] = self.per_address.get(address, 0) + 1
+            self._counted = address
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_body_timer()
+        self._cancel_write_timer()
+        self._uncount()
         super().connection_lost(exc)
+
+    def _uncount(self) -> None:
+        address, self._counted = self._counted, None
+        if address is not None:
+            left = self.per_address.get(address, 1) - 1
+            if left > 0:
+                self.per_address[address] = left
+            else:
+                self.per_address.pop(address, None)
+
+    # --- writing: a client that stops reading is dropped ----------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_timer()
+        super().resume_writing()
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _stalled(self) -> None:
+        self._write_timer = None
+        # Nothing can be said to a client that does not read: drop what is buffered, here
+        # and in the kernel (a reset, not a FIN queued behind megabytes the client never
+        # takes), and the connection; the responses still writing see a disconnect.
+        for cycle in list(self._cycles):
+            cycle.disconnected = True
+            cycle.message_event.set()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already gone: nothing left to drop
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+        self.transport.abort()
+
+    def send_400_response(self, msg: str) -> None:
+        """What the parser cannot read (uvicorn's plain-text 400), as problem+json."""
+        self._refuse(400, "the request is not valid HTTP/1.1")
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -103,9 +209,13 @@ class _Guarded(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._cancel_head_timer()
+        self._body_timer = self.loop.call_later(self.limits.body_timeout, self._body_too_slow)
         super().on_headers_complete()
+        if self.cycle is not None:
+            self._cycles.add(self.cycle)
 
     def on_message_complete(self) -> None:
+        self._cancel_body_timer()
         super().on_message_complete()
         self._in_head, self._head_bytes = True, 0  # a next request may follow
 
@@ -131,13 +241,33 @@ class _Guarded(HttpToolsProtocol):
         else:
             self._refuse(408, "the request head did not arrive in time")
 
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_too_slow(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing() or self._refused:
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:
+            self.transport.close()  # answered (or answering) already: only the slot is freed
+            return
+        if cycle is not None:  # the application sees a disconnect, and answers nothing
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self._refuse(408, "the request body did not arrive in time")
+
     def _too_large(self) -> None:
         self._refuse(431, f"the request head is over {self.limits.max_head_bytes} bytes")
 
     def _refuse(self, status: int, detail: str, retry_after: int | None = None) -> None:
         self._refused = True
         self._cancel_head_timer()
+        self._cancel_body_timer()
         self.connections.discard(self)  # a refused connection no longer holds a slot
+        self._uncount()
         phrase = http.HTTPStatus(status).phrase
         body = json.dumps(
             {"type": "about:blank", "title": phrase, "status": status, "detail": detail}

@@ -111,6 +111,16 @@ jobs = Table(
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)
+# The account's unfinished jobs, for its quota (JOBRELAY_ACCOUNT_MAX_UNFINISHED_JOBS, migration
+# 0015): a count on each accept reads only these entries, never the finished history. The
+# condition is spelled as the quota's query spells it (SQLite matches it by its terms).
+UNFINISHED = "state IN ('queued', 'running', 'retry_wait')"
+Index(
+    "ix_jobs_account_unfinished",
+    jobs.c.account_id,
+    postgresql_where=text(UNFINISHED),
+    sqlite_where=text(UNFINISHED),
+)
 
 outbox = Table(
     "outbox",
