@@ -237,7 +237,9 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
         sqlite.insert(jobs)
         .values(**queued_job_row(job, now), **due)
         .on_conflict_do_nothing(index_elements=[jobs.c.id])
-        .returning(jobs.c.id, jobs.c.run_at),
+        # A job due at once reads back only its id: its statement stays the one it was
+        # before delays existed (a schema without ``run_at`` still takes it).
+        .returning(jobs.c.id, *([jobs.c.run_at] if due else [])),
         None,
     )
     # RETURNING, not rowcount: psycopg reports -1 for an INSERT … ON CONFLICT here.
@@ -245,7 +247,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     if row is None:
         existing = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).scalar_one()
         return _same_request(job.job_id, job, existing)
-    run_at = row.run_at  # the database's, for a delay
+    run_at = row.run_at if due else job.run_at  # the database's, for a delay
     yield (
         insert(outbox).values(
             job_id=job.job_id,
