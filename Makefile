@@ -4,8 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Installs come from uv.lock (every package pinned, with its hashes): the versions the suite
-# passed with, for everyone, until `make lock` moves them. uv installs them in parallel; uv
-# itself is pinned and fetched from PyPI with the venv's pip the first time (UV_VERSION).
+# passes with, for everyone, until `make lock` moves them. uv installs them in parallel; uv
+# itself is pinned (UV_VERSION) and fetched from PyPI with pip the first time.
 UV_VERSION := 0.13.9
 UV := $(VENV)/.uv-$(UV_VERSION)/bin/uv
 # The venv is .venv whatever the caller's VIRTUAL_ENV or uv settings; uv never downloads a
@@ -14,7 +14,7 @@ UV_RUN := UV_PROJECT_ENVIRONMENT=$(VENV) UV_PYTHON_DOWNLOADS=never $(UV)
 # --locked: a uv.lock out of date with pyproject.toml stops the install (it is never
 # re-resolved on the way); --quiet as pip was.
 UV_SYNC := $(UV_RUN) sync --locked --quiet --python $(BIN)/python
-STALE_LOCK := { echo "make: uv.lock does not match pyproject.toml: run \`make lock\`, then make test, and commit both" >&2; exit 1; }
+STALE_LOCK := { echo "make: uv.lock does not match pyproject.toml (uv, above): run \`make lock\`, then make test, and commit both" >&2; exit 1; }
 HASH := $(shell cat pyproject.toml uv.lock | sha1sum | cut -c1-12)
 # Two stamps: the demo needs only the runtime; the tests add the test extra (Playwright,
 # schemathesis, moto, mypy, ruff, xdist) on top.
@@ -40,7 +40,7 @@ $(UV):
 	PIP_ROOT_USER_ACTION=ignore $$pip install --quiet --disable-pip-version-check \
 	  --target $(VENV)/.uv-$(UV_VERSION) 'uv==$(UV_VERSION)'
 
-# The runtime sync is exact: it removes what the lock does not list (the test extra included).
+# Each sync is exact: the runtime one removes the test extra if it was there.
 $(RUNTIME_STAMP): pyproject.toml uv.lock | $(UV)
 	@$(UV_RUN) lock --check --quiet || $(STALE_LOCK)
 	$(UV_SYNC)
