@@ -37,8 +37,8 @@ $(UV):
 	@if $(PYTHON) -m pip --version >/dev/null 2>&1; then pip="$(PYTHON) -m pip"; \
 	else $(BIN)/python -m ensurepip --default-pip >/dev/null && pip="$(BIN)/python -m pip"; fi; \
 	echo "$$pip install uv==$(UV_VERSION) --target $(VENV)/.uv-$(UV_VERSION)"; \
-	PIP_ROOT_USER_ACTION=ignore PIP_REQUIRE_VIRTUALENV=0 $$pip install --quiet --disable-pip-version-check \
-	  --target $(VENV)/.uv-$(UV_VERSION) 'uv==$(UV_VERSION)'
+	PIP_ROOT_USER_ACTION=ignore PIP_REQUIRE_VIRTUALENV=0 $$pip install --quiet \
+	  --disable-pip-version-check --target $(VENV)/.uv-$(UV_VERSION) 'uv==$(UV_VERSION)'
 
 # Each sync is exact: the runtime one removes the test extra if it was there.
 $(RUNTIME_STAMP): pyproject.toml uv.lock | $(UV)
