@@ -3,7 +3,19 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-HASH := $(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# Installs come from uv.lock (every package pinned, with its hashes): the versions the suite
+# passes with, for everyone, until `make lock` moves them. uv installs them in parallel; uv
+# itself is pinned (UV_VERSION) and fetched from PyPI with pip the first time.
+UV_VERSION := 0.13.9
+UV := $(VENV)/.uv-$(UV_VERSION)/bin/uv
+# The venv is .venv whatever the caller's VIRTUAL_ENV or uv settings; uv never downloads a
+# Python (the venv's is the one $(PYTHON) made).
+UV_RUN := UV_PROJECT_ENVIRONMENT=$(VENV) UV_PYTHON_DOWNLOADS=never $(UV)
+# --locked: a uv.lock out of date with pyproject.toml stops the install (it is never
+# re-resolved on the way); --quiet as pip was.
+UV_SYNC := $(UV_RUN) sync --locked --quiet --python $(BIN)/python
+STALE_LOCK := { echo "make: uv.lock does not match pyproject.toml (uv, above): run \`make lock\`, then make test, and commit both" >&2; exit 1; }
+HASH := $(shell cat pyproject.toml uv.lock | sha1sum | cut -c1-12)
 # Two stamps: the demo needs only the runtime; the tests add the test extra (Playwright,
 # schemathesis, moto, mypy, ruff, xdist) on top.
 RUNTIME_STAMP := $(VENV)/.runtime-$(HASH)
@@ -15,19 +27,38 @@ TEST_STAMP := $(VENV)/.test-$(HASH)
 TEST_WORKERS ?= 4
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow lint typecheck unit bench bench-soak chaos clean
+.PHONY: demo test test-slow lint typecheck unit bench bench-soak chaos lock clean
 
-$(RUNTIME_STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e .
+# The venv is made without pip (uv fills it; ensurepip alone took 4 s of a fresh `make demo`),
+# and uv is fetched with $(PYTHON)'s own pip, or with one ensurepip puts in the venv when
+# $(PYTHON) has none.
+$(UV):
+	@test -x $(BIN)/python || $(PYTHON) -m venv --without-pip $(VENV)
+	@if $(PYTHON) -m pip --version >/dev/null 2>&1; then pip="$(PYTHON) -m pip"; \
+	else $(BIN)/python -m ensurepip --default-pip >/dev/null && pip="$(BIN)/python -m pip"; fi; \
+	echo "$$pip install uv==$(UV_VERSION) --target $(VENV)/.uv-$(UV_VERSION)"; \
+	PIP_ROOT_USER_ACTION=ignore PIP_REQUIRE_VIRTUALENV=0 $$pip install --quiet \
+	  --disable-pip-version-check --target $(VENV)/.uv-$(UV_VERSION) 'uv==$(UV_VERSION)'
+
+# Each sync is exact: the runtime one removes the test extra if it was there.
+$(RUNTIME_STAMP): pyproject.toml uv.lock | $(UV)
+	@$(UV_RUN) lock --check --quiet || $(STALE_LOCK)
+	$(UV_SYNC)
 	@rm -f $(VENV)/.runtime-*
 	@touch $(RUNTIME_STAMP)
 
+# --compile-bytecode, as pip did: the suite starts hundreds of processes, and where
+# PYTHONDONTWRITEBYTECODE is set each would compile every module it imports again. The
+# demo's first run compiles (and caches) only what it imports, sooner than compiling all.
 $(TEST_STAMP): $(RUNTIME_STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(UV_SYNC) --extra test --compile-bytecode
 	@rm -f $(VENV)/.test-*
 	@touch $(TEST_STAMP)
+
+## lock: re-resolve every dependency to the newest version pyproject.toml allows and rewrite
+## uv.lock; then run make test and commit pyproject.toml and uv.lock together
+lock: | $(UV)
+	$(UV_RUN) lock --upgrade
 
 ## demo: run the main job end to end on the embedded default (SQLite + local transport);
 ## installs the runtime only
