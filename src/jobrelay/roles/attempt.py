@@ -100,7 +100,7 @@ class AttemptRun:
         )
         operation = self.registry.get(job.type)
         assert operation is not None  # decode() only accepts registered types
-        results = StagingResults(self.rt.results)
+        results = StagingResults(self.rt.results, claim.attempt)
         lease_lost = asyncio.Event()
 
         async def progress(done: int, total: int) -> None:
@@ -133,7 +133,8 @@ class AttemptRun:
         try:
             try:
                 result = await work
-                observation = ResultSaved(result.result_key)
+                # Where this attempt stored it (on S3 a key of its own, already uploaded).
+                observation = ResultSaved(results.recorded_key(result.result_key))
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if (current is not None and current.cancelling()) or not stop.stopped:
@@ -265,7 +266,7 @@ class AttemptRun:
             )
         self._measure(job, decision, won, started)
         if not won:
-            await results.discard()
+            await results.discard(lost=True)
             if await end_cancelled(self.rt, claim, fenced):  # an operator cancelled it
                 await self._settle(delivery, claim.job_id, Action.ACK, claim.attempt)
             else:
