@@ -9,6 +9,7 @@ three jobs; the lock is held for three leases; every job then succeeds at attemp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -131,4 +132,94 @@ async def test_postgres_one_locked_row_holds_up_no_other_renewal(
             await wait()
 
     await _three_jobs_through(rt, held_lock)
+    await rt.engine.dispose()
+
+
+class _SlowPublish:
+    """The runtime's results, whose publication (inside the fenced completion, under the
+    job's row lock on PostgreSQL, the write lock on SQLite) waits until ``gate`` is set:
+    a completion that holds its lock as long as the test says."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    def writer(self, key: str, *, staged: bool = False, attempt: int | None = None) -> Any:
+        return _SlowSession(self, self._inner.writer(key, staged=staged, attempt=attempt))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _SlowSession:
+    def __init__(self, owner: _SlowPublish, inner: Any) -> None:
+        self._owner = owner
+        self._inner = inner
+
+    async def __aenter__(self) -> Any:
+        return await self._inner.__aenter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._inner.__aexit__(*exc)
+
+    async def publish(self) -> None:
+        self._owner.entered.set()
+        await self._owner.gate.wait()
+        await self._inner.publish()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+async def test_a_completion_holding_its_lock_past_the_lease_costs_no_neighbour_its_lease(
+    database_url: str, tmp_path: Path
+) -> None:
+    """One job's completion holds its lock (a slow result store's publication) for three
+    leases while its two neighbours run: they keep their leases, and all three succeed at
+    attempt 1 with no lost lease."""
+    rt = runtime_for(database_url, tmp_path, lease_seconds=LEASE)
+    slow = _SlowPublish(rt.results)
+    rt = dataclasses.replace(rt, results=slow)
+    await seed(rt.engine, ROWS)
+    job_ids = [await submit(rt, period=period) for period in PERIODS]
+    release = asyncio.Event()
+
+    async def held(ctx: OperationContext) -> OperationResult:
+        await release.wait()
+        return OperationResult(None, {"rows": 0})
+
+    async def writes(ctx: OperationContext) -> OperationResult:
+        key = f"exports/acme/{ctx.job.id}.csv"
+        async with ctx.results.writer(key) as out:
+            await out.write(b"entry_id,amount\r\n")
+        return OperationResult(key, {"rows": 0})
+
+    operation = Scripted({"2020-01": held, "2020-02": writes, "2020-03": held})
+    worker = Worker(rt, registry=Registry([operation]), worker_id="w-1")
+    deliveries = [HandDelivery(body_of(job_id)) for job_id in job_ids]
+    runs = [asyncio.create_task(worker.handle(d)) for d in deliveries]
+    await asyncio.wait_for(slow.entered.wait(), 30)  # the completion holds its lock now
+    renewer = worker.deliveries.leases
+    neighbours = [runs[0], runs[2]]
+
+    async def renewed_since(count: int) -> bool:
+        return renewer.statements > count or any(run.done() for run in neighbours)
+
+    sent = renewer.statements
+    await eventually(lambda: renewed_since(sent), "a renewal while the lock is held")
+    await asyncio.sleep(HOLD * LEASE)  # the scenario: the lock held three leases long
+    assert not any(run.done() for run in neighbours), "a neighbour stopped behind the lock"
+    slow.gate.set()
+    await asyncio.wait_for(runs[1], 30)
+    after = renewer.statements
+    await eventually(lambda: renewed_since(after), "a renewal after the lock")
+    assert not any(run.done() for run in neighbours), "a neighbour stopped after the lock"
+    release.set()
+    await asyncio.wait_for(asyncio.gather(*runs), timeout=60)
+    for job_id, delivery in zip(job_ids, deliveries, strict=True):
+        assert await job_state(rt, job_id) == (JobState.SUCCEEDED, 1)
+        assert await events_of(rt, job_id, "lease_lost") == []
+        assert delivery.outcomes == ["ack"]
+    assert operation.runs == {period: 1 for period in PERIODS}
     await rt.engine.dispose()
