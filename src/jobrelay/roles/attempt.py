@@ -133,8 +133,7 @@ class AttemptRun:
         try:
             try:
                 result = await work
-                # Where this attempt stored it (on S3 a key of its own, already uploaded).
-                observation = ResultSaved(results.recorded_key(result.result_key))
+                observation = ResultSaved(result.result_key)
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if (current is not None and current.cancelling()) or not stop.stopped:
@@ -286,16 +285,18 @@ class AttemptRun:
         store = self.rt.store
         now = self.rt.clock()
         if isinstance(observation, ResultSaved):
+            # Where this attempt stored it (on S3 a key of its own, uploaded by now).
+            key = results.recorded_key(observation.result_key)
             meta = {**result.meta, "attempt": claim.attempt}
-            outcome_json(observation.result_key, meta)  # StoreDataError: refused before sent
+            outcome_json(key, meta)  # StoreDataError: refused before sent
             if self._complete is not None and not results.staged and not result.follow_ups:
-                request = CompleteRequest(claim, observation.result_key, meta)
+                request = CompleteRequest(claim, key, meta)
                 return (
                     Fenced(True) if await self._complete(request) else await self._current(job.id)
                 )
             completed = await store.complete(
                 claim,
-                observation.result_key,
+                key,
                 meta,
                 now,
                 follow_ups=tuple[NewJob, ...](result.follow_ups),
