@@ -89,8 +89,11 @@ class JobContext(Generic[P]):
         return f"{self.job_type}/{self.job_id}/{filename}"
 
     def writer(self, key: str) -> ResultSession:
-        """``async with ctx.writer(key) as w: await w.write(...)``: staged, and made visible
-        at ``key`` only when this attempt's success is committed."""
+        """``async with ctx.writer(key) as w: await w.write(...)``: staged, and the job's
+        result only when this attempt's success is committed. On ``file://`` it is then
+        at ``key``; on ``s3://`` it was uploaded under a key of this attempt's own
+        (``<stem>.attempt-<n>.<ext>`` beside ``key``), which the success records as the
+        job's ``resultKey`` (return ``key``: the worker records where it went)."""
         return self._results.writer(key, staged=True)
 
     def follow_up(

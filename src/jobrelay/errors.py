@@ -3,7 +3,8 @@
     JobrelayError
     ├── ConfigError            a setting is malformed or points at nothing (names the variable)
     ├── StoreError             the database failed or is unreachable
-    │   └── StoreDataError     the database refused the data itself: retrying it cannot help
+    │   ├── StoreDataError     the database refused the data itself: retrying it cannot help
+    │   └── StoreBusy          SQLite's write lock stayed held by another past the busy timeout
     ├── TransportError         the broker failed or is unreachable
     │   └── PublishError       a message was not confirmed (nack, basic.return, timeout)
     ├── IdempotencyConflict    the same Idempotency-Key came with a different body
@@ -48,6 +49,12 @@ class StoreDataError(StoreError):
     """The database refused this write's data (a NUL byte in text, a value out of range, a
     constraint, a value that is not JSON): unlike an outage, the same write can never succeed,
     so it is not retried as it is. The caller stores something else (the reason) instead."""
+
+
+class StoreBusy(StoreError):
+    """SQLite answered that another connection still holds its one write lock (past the
+    busy timeout). Not an outage: the database answers; it only cannot take this write yet,
+    and no other write (a takeover of a claim included) can happen meanwhile either."""
 
 
 class TransportError(JobrelayError):

@@ -73,8 +73,10 @@ def notify_id(export_id: str) -> str:
     return follow_up_job_id(export_id, "notify.email")
 
 
-def object_key(export_id: str, account: str = "acme") -> str:
-    return f"jobrelay/exports/{account}/{export_id}.csv"
+def object_key(export_id: str, attempt: int = 1, account: str = "acme") -> str:
+    """Where the export's attempt ``attempt`` uploaded its result (its own key, recorded as
+    the job's ``resultKey`` by its completion: issue 34, item 2)."""
+    return f"jobrelay/exports/{account}/{export_id}.attempt-{attempt}.csv"
 
 
 async def notify_jobs(p: Pipeline) -> list[Any]:
@@ -101,8 +103,8 @@ async def test_one_object_and_one_email_per_job(
         await p.start_worker()
         export, notify = await run_to_the_end(p, export_id)
 
-        # One object, at the stable key below the prefix, with the checksum recorded.
-        assert export.result_key == f"exports/acme/{export_id}.csv"
+        # One object, at the winning attempt's key below the prefix, with its checksum.
+        assert export.result_key == f"exports/acme/{export_id}.attempt-1.csv"
         assert await object_keys(s3_server.endpoint, bucket) == [object_key(export_id)]
         data = await object_bytes(s3_server.endpoint, bucket, object_key(export_id))
         assert hashlib.sha256(data).hexdigest() == export.result_meta["sha256"]
@@ -231,7 +233,7 @@ async def test_transient_s3_failure_retries_then_succeeds_with_nothing_partial(
         s3_server.failing = False
         export, _ = await run_to_the_end(p, export_id)
         assert export.attempt == 2
-        assert await object_keys(s3_server.endpoint, bucket) == [object_key(export_id)]
+        assert await object_keys(s3_server.endpoint, bucket) == [object_key(export_id, 2)]
         await eventually(lambda: len(mail_server.messages) == 1, "the e-mail")
         assert len(await notify_jobs(p)) == 1
 
@@ -253,7 +255,8 @@ async def test_unreachable_s3_endpoint_is_a_retry_not_a_lost_job(
             await create_bucket(late.endpoint, bucket)
             export, _ = await run_to_the_end(p, export_id)
             assert export.attempt >= 2
-            assert await object_keys(late.endpoint, bucket) == [object_key(export_id)]
+            keys = [object_key(export_id, export.attempt)]
+            assert await object_keys(late.endpoint, bucket) == keys
         finally:
             late.stop()
 

@@ -376,8 +376,8 @@ class _GatedResults:
         self._renewed = renewed
         self.gate_passed = 0
 
-    def writer(self, key: str, *, staged: bool = False) -> Any:
-        return _GatedSession(self, self._inner.writer(key, staged=staged))
+    def writer(self, key: str, *, staged: bool = False, attempt: int | None = None) -> Any:
+        return _GatedSession(self, self._inner.writer(key, staged=staged, attempt=attempt))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -455,8 +455,8 @@ async def test_a_seeded_month_is_the_same_on_both_databases(
 class _FailingResults(_GatedResults):
     """Writers that fail at their third chunk, as a store that went away mid-export."""
 
-    def writer(self, key: str, *, staged: bool = False) -> Any:
-        return _FailingSession(self, self._inner.writer(key, staged=staged))
+    def writer(self, key: str, *, staged: bool = False, attempt: int | None = None) -> Any:
+        return _FailingSession(self, self._inner.writer(key, staged=staged, attempt=attempt))
 
 
 class _FailingSession(_GatedSession):

@@ -4,6 +4,7 @@ violation is shown here being caught, on facts built by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from datetime import UTC, datetime
 
@@ -160,6 +161,26 @@ def test_second_result_write_or_object_is_a_duplicate() -> None:
     assert w.judge() == {"dup_results": 1}
     w.events[healthy(w)]["result_saved"] = 1
     w.keys.append(w.keys[0].replace("jobrelay/", "other/"))
+    assert w.judge() == {"dup_results": 1}
+
+
+def test_an_attempts_upload_its_job_does_not_name_is_an_orphan_not_a_duplicate() -> None:
+    """S3 results are uploaded under their attempt's own key before the completion names
+    one (issue 34): an attempt that died between its upload and its completion leaves an
+    object no job names, never served. A second object the job's key names is a duplicate."""
+    w = World_(plan())
+    job_id = healthy(w)
+    account = next(r.submission.account for r in w.records if r.job_id == job_id)
+    w.jobs[job_id] = dataclasses.replace(
+        w.jobs[job_id], result_key=f"exports/{account}/{job_id}.attempt-2.csv"
+    )
+    w.keys = [k for k in w.keys if job_id not in k]
+    w.keys.append(f"jobrelay/exports/{account}/{job_id}.attempt-2.csv")
+    assert w.judge() == {}
+    w.keys.append(f"jobrelay/exports/{account}/{job_id}.attempt-1.csv")
+    assert w.judge() == {}
+    assert w.verdict.counts["orphan_results"] == 1
+    w.keys.append(f"other/exports/{account}/{job_id}.attempt-2.csv")
     assert w.judge() == {"dup_results": 1}
 
 

@@ -17,6 +17,7 @@ definitions follow the Jepsen-style checker this soak is modelled on:
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,9 +130,21 @@ def judge(records: list[Record], facts: Facts, world: World) -> Verdict:
     # Results: at most one write and one object per job; exactly one per succeeded export.
     dup_results = sum(max(0, c["result_saved"] - 1) for c in facts.events.values())
     dup_results_events = dup_results
-    per_job = Counter(_job_of_key(k) for k in world.object_keys)
     succeeded_exports = {j.id for j in exports if j.state is JobState.SUCCEEDED}
     orphan_results = stray_results = missing_results = 0
+    # An S3 result is uploaded under its attempt's own key before the completion names it:
+    # an object of a succeeded export that its resultKey does not name was left by an
+    # attempt that died between its upload and its completion. Never served: an orphan.
+    named = {j.id: j.result_key for j in exports if j.id in succeeded_exports and j.result_key}
+    per_job: Counter[str] = Counter()
+    for key in world.object_keys:
+        job_id = _job_of_key(key)
+        result_key = named.get(job_id)
+        if result_key is not None and _attempt_of(key) != _attempt_of(result_key):
+            orphan_results += 1
+            note("orphan_results", f"{job_id}: {key}, not its resultKey {result_key}")
+            continue
+        per_job[job_id] += 1
     for job_id, n in per_job.items():
         if n > 1:
             dup_results += n - 1
@@ -236,9 +249,18 @@ def judge(records: list[Record], facts: Facts, world: World) -> Verdict:
     return Verdict(counts, violations, examples)
 
 
+_ATTEMPT_TAG = re.compile(r"\.attempt-(\d+)$")
+
+
 def _job_of_key(key: str) -> str:
-    """``prefix/exports/acme/<jobId>.csv`` → ``<jobId>``."""
-    return key.rsplit("/", 1)[-1].removesuffix(".csv")
+    """``prefix/exports/acme/<jobId>[.attempt-<n>].csv`` → ``<jobId>``."""
+    return _ATTEMPT_TAG.sub("", key.rsplit("/", 1)[-1].removesuffix(".csv"))
+
+
+def _attempt_of(key: str) -> str | None:
+    """The attempt an object's key names (``.attempt-<n>``), None for a key without one."""
+    found = _ATTEMPT_TAG.search(key.rsplit("/", 1)[-1].removesuffix(".csv"))
+    return found.group(1) if found else None
 
 
 def summary_line(seed: int, verdict: Verdict, elapsed: float, faults: int) -> str:

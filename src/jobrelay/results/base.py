@@ -7,6 +7,7 @@ never a partial file, so a worker killed mid-write leaves nothing behind that lo
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,15 +20,38 @@ class StoredResult:
     sha256: str
 
 
+def attempt_key(key: str, attempt: int | None) -> str:
+    """Where attempt ``attempt`` of a job stores the result meant for ``key``, beside it:
+    ``exports/acme/<id>.csv`` -> ``exports/acme/<id>.attempt-2.csv`` (the extension kept,
+    so the content type is the same). Each claim has its own attempt number, so no two
+    attempts ever write, or delete, the same object."""
+    tag = f"attempt-{attempt}" if attempt is not None else f"staged-{uuid.uuid4().hex[:12]}"
+    folder, slash, name = key.rpartition("/")
+    stem, dot, extension = name.rpartition(".")
+    if not dot or not stem:  # no extension (or a dot file): the tag goes at the end
+        return f"{key}.{tag}"
+    return f"{folder}{slash}{stem}.{tag}.{extension}"
+
+
 class ResultWriter(Protocol):
     async def write(self, chunk: bytes) -> None: ...
 
 
 class ResultStore(Protocol):
-    def writer(self, key: str, *, staged: bool = False) -> ResultSession:
-        """A session writing ``key``. ``staged``: a clean exit only stages the bytes (durably,
-        invisibly); ``publish()`` makes them the object at ``key``, ``discard()`` drops them.
-        The worker stages every result and publishes it inside the fenced completion."""
+    def writer(
+        self, key: str, *, staged: bool = False, attempt: int | None = None
+    ) -> ResultSession:
+        """A session writing ``key``. ``staged``: the result of attempt ``attempt``, which
+        must not become the job's result unless that attempt's completion wins.
+
+        A store that makes a result visible locally (``file://``: a rename) stages the bytes
+        invisibly and ``publish()`` makes them the object at ``key``, inside the fenced
+        completion. A store that would need a network round trip for that (``s3://``)
+        stores the bytes whole at a key of the attempt's own (``attempt_key``) on a clean
+        exit, BEFORE the completion; ``publish()`` has nothing left to do, and the
+        completion records ``result.key`` (that key) as the job's ``resultKey``: no network
+        I/O is ever made while the job's row is locked. ``discard()`` drops what a losing
+        attempt staged (deletes its upload)."""
         ...
 
     async def exists(self, key: str) -> bool: ...

@@ -53,7 +53,9 @@ class FileResults:
             raise ValueError(f"result key escapes the results directory: {key!r}")
         return path
 
-    def writer(self, key: str, *, staged: bool = False) -> _FileSession:
+    def writer(self, key: str, *, staged: bool = False, attempt: int | None = None) -> _FileSession:
+        # A rename is local and atomic: staged bytes stay at ``key``, published in the
+        # completion (no network I/O under the job's lock, whatever the attempt).
         return _FileSession(key, self.path_for(key), staged=staged)
 
     async def exists(self, key: str) -> bool:

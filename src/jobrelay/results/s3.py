@@ -1,16 +1,22 @@
 """Results on S3-compatible storage: ``s3://bucket/p`` keeps key ``a/b.csv`` at ``p/a/b.csv``.
 
-The key comes from the job id, so every attempt of a job writes the same object. A result is
-made visible atomically: bytes go out as parts of a multipart upload that is *completed*
-only when the writer exits cleanly (a staged session: when the worker publishes it inside
-the fenced completion of its attempt), and aborted on any error, so a reader sees the whole
-object or none. A result smaller than one part is a single ``PutObject``, which S3 also
-shows whole or not at all. Memory stays flat whatever the size: one part is buffered at a
-time (``PART_SIZE``), never the whole export.
+A result is made whole atomically: bytes go out as parts of a multipart upload that is
+*completed* only when the writer exits cleanly, and aborted on any error, so a reader sees
+the whole object or none. A result smaller than one part is a single ``PutObject``, which S3
+also shows whole or not at all. Memory stays flat whatever the size: one part is buffered at
+a time (``PART_SIZE``), never the whole export.
+
+A worker's result (a staged session) is uploaded under a key of its attempt's own
+(``base.attempt_key``: ``<id>.attempt-2.csv`` beside ``<id>.csv``) when the writer exits,
+BEFORE the fenced completion, and the completion records that key as the job's
+``resultKey``: S3 has no rename, and an upload (a 40 s one was seen) made while the
+completion held the job's row locked held up every lease renewal waiting on that row. A
+losing attempt's upload is named by no job and is deleted (``discard``); one whose worker
+died between the upload and its completion is left behind, named by no job, never served.
 
 A worker killed mid-upload (``kill -9``) cannot abort: its parts stay invisible but billed
 until the bucket's ``AbortIncompleteMultipartUpload`` lifecycle rule removes them (see
-docs/how-to/results-and-email.md). The retry simply starts a new upload of the same key.
+docs/how-to/results-and-email.md). The retry simply starts a new upload under its own key.
 
 Why aiobotocore rather than boto3 in a thread: the worker runs up to ``JOBRELAY_PREFETCH``
 jobs on one event loop, and every part upload of every job would otherwise hold a thread of
@@ -39,7 +45,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from jobrelay.errors import ConfigError, TransientError
-from jobrelay.results.base import ResultWriter, StoredResult
+from jobrelay.results.base import ResultWriter, StoredResult, attempt_key
 
 MIN_PART_SIZE = 5 * 1024 * 1024  # S3's floor for every part but the last
 PART_SIZE = 8 * 1024 * 1024
@@ -119,8 +125,8 @@ class S3Results:
             raise ValueError(f"result key must be relative: {key!r}")
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def writer(self, key: str, *, staged: bool = False) -> S3Session:
-        return S3Session(self, key, staged=staged)
+    def writer(self, key: str, *, staged: bool = False, attempt: int | None = None) -> S3Session:
+        return S3Session(self, attempt_key(key, attempt) if staged else key, staged=staged)
 
     async def exists(self, key: str) -> bool:
         s3 = await self.client()
@@ -175,12 +181,16 @@ class S3Results:
 
 
 class S3Session:
-    """One result being written: buffered into parts, visible only after a clean exit."""
+    """One result being written: buffered into parts, visible only after a clean exit.
+
+    Staged (a worker's attempt): ``key`` is already the attempt's own key, the object is
+    completed there on a clean exit like any other, ``publish()`` has nothing left to do
+    and ``discard()`` deletes it (the attempt lost: no job may ever name it)."""
 
     def __init__(self, store: S3Results, key: str, *, staged: bool = False) -> None:
         self.store = store
         self._staged = staged
-        self._pending = False  # parts uploaded (or one small body buffered), not yet visible
+        self._uploaded = False  # staged: the object is whole at ``key``, named by no job yet
         self.key = key
         self.object_key = store.object_key(key)
         self.content_type = _content_type(key)
@@ -239,24 +249,22 @@ class S3Session:
             await self._abort()
             raise
         self._result = StoredResult(self.key, self._size, self._digest.hexdigest())
-        self._pending = True
-        if not self._staged:
-            await self.publish()
-
-    async def publish(self) -> None:
-        if not self._pending:
-            return
-        self._pending = False
+        # Staged too, here: before the fenced completion, never under its lock. Marked
+        # first, so a discard after a cancelled or failed upload still deletes what landed.
+        self._uploaded = self._staged
         try:
             await self._commit()
         except Exception:
             await self._abort()
             raise
 
+    async def publish(self) -> None:
+        """Nothing left to do: the object is whole at ``key``, which the completion names."""
+
     async def discard(self) -> None:
-        if self._pending:
-            self._pending = False
-            await self._abort()
+        if self._uploaded:
+            self._uploaded = False
+            await self.store.delete(self.key)
 
     async def _commit(self) -> None:
         s3 = await self.store.client()

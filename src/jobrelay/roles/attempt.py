@@ -106,7 +106,7 @@ class AttemptRun:
         )
         operation = self.registry.get(job.type)
         assert operation is not None  # decode() only accepts registered types
-        results = StagingResults(self.rt.results)
+        results = StagingResults(self.rt.results, claim.attempt)
         lease_lost = asyncio.Event()
 
         def claim_gone() -> None:  # a progress write found another claim holding the job
@@ -278,7 +278,7 @@ class AttemptRun:
             )
         self._measure(job, decision, won, started)
         if not won:
-            await results.discard()
+            await results.discard(lost=True)
             if await end_cancelled(self.rt, claim, fenced):  # an operator cancelled it
                 await self._settle(delivery, claim.job_id, Action.ACK, claim.attempt)
             else:
@@ -298,16 +298,18 @@ class AttemptRun:
         store = self.rt.store
         now = self.rt.clock()
         if isinstance(observation, ResultSaved):
+            # Where this attempt stored it (on S3 a key of its own, uploaded by now).
+            key = results.recorded_key(observation.result_key)
             meta = {**result.meta, "attempt": claim.attempt}
-            outcome_json(observation.result_key, meta)  # StoreDataError: refused before sent
+            outcome_json(key, meta)  # StoreDataError: refused before sent
             if self._complete is not None and not results.staged and not result.follow_ups:
-                request = CompleteRequest(claim, observation.result_key, meta)
+                request = CompleteRequest(claim, key, meta)
                 return (
                     Fenced(True) if await self._complete(request) else await self._current(job.id)
                 )
             completed = await store.complete(
                 claim,
-                observation.result_key,
+                key,
                 meta,
                 now,
                 follow_ups=tuple[NewJob, ...](result.follow_ups),

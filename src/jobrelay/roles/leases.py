@@ -12,10 +12,22 @@ renewal where it sent 16. Each claim keeps its own rules, as its heartbeat had t
 - a renewal that finds an operator asked to cancel the job (``storage.cancels``) renews it
   and cancels its run (``cancelled``): so a claim is renewed at least every
   ``JOBRELAY_CANCEL_CHECK_SECONDS`` while its work runs, however long its lease;
-- a renewal that fails (an outage, a timeout) is tried again soon; a claim whose lease may
-  have ended before a renewal succeeded is lost while its work still runs, and once the work
-  is done it keeps being renewed until its outcome commits (``release``), so a result
-  computed before an outage is not lost to a takeover while the database answers renewals.
+- a renewal that finds the claim gone once its work is done is no lost lease: its outcome
+  is being written (its own completion may have just committed), and that fenced write
+  says whether another claim took the job; the claim is only no longer renewed;
+- a renewal that waits is not lost to the wait: it is decided by the database's answer
+  ("the claim holds" / "another claim holds the job"), never by how long it took, wherever
+  a waiting renewal also holds off every takeover. On SQLite a renewal waits for the one
+  write lock (another connection's long write transaction), which a takeover needs too, so
+  it is awaited however long (``Store.renewal_blocks_takeover``), and SQLite's "still
+  locked" after its busy timeout (``StoreBusy``) is asked again, never a loss. On
+  PostgreSQL the renewal skips a row another transaction has locked (its own completion)
+  instead of waiting on it, and that claim is asked about again soon, not lost; there a
+  renewal that gets no answer before the lease may have ended is an unreachable database;
+- a renewal that fails (the database cannot be reached) is tried again soon; a claim whose
+  lease may have ended before a renewal succeeded is lost while its work still runs, and
+  once the work is done it keeps being renewed until its outcome commits (``release``), so
+  a result computed before an outage is not lost to a takeover while the database answers.
 
 The task ends when no claim is held and starts again with the next one: nothing to start or
 stop with the worker.
@@ -31,7 +43,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from jobrelay.errors import StoreError
+from jobrelay.errors import StoreBusy, StoreError
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.store import Claim
 
@@ -128,17 +140,31 @@ class LeaseRenewer:
         sent = time.monotonic()
         limit = max(min(h.expires for h in due) - self._margin - sent, self._margin)
         self.statements += 1
+        claims = [h.claim for h in due]
         try:
-            async with asyncio.timeout(limit):
-                renewed = await self.rt.store.renew_leases(
-                    [h.claim for h in due], self._lease, self.rt.clock()
-                )
+            if self.rt.store.renewal_blocks_takeover:
+                # Waiting for the write lock, as any takeover would: the answer decides.
+                renewed = await self.rt.store.renew_leases(claims, self._lease, self.rt.clock())
+            else:
+                async with asyncio.timeout(limit):
+                    renewed = await self.rt.store.renew_leases(claims, self._lease, self.rt.clock())
+        except StoreBusy as exc:
+            # The database answered: still locked by another writer, so no takeover either.
+            log.info(
+                "lease renewal waits for the database's write lock: %s",
+                exc,
+                extra={"event": "lease_renew_waiting", "jobs": len(due)},
+            )
+            for held in due:
+                held.due = time.monotonic() + min(self._margin, 0.1)
+            return
         except Exception as exc:
             if not isinstance(exc, StoreError | TimeoutError):
                 # A bug must not end the renewal of every lease: taken as a failed renewal.
                 log.exception("lease renewal raised", extra={"event": "lease_renew_failed"})
+            why = _reason(exc, limit)
             for held in due:
-                self._failed(held, exc)
+                self._failed(held, why)
             return
         for held in due:
             if self._held.get(held.claim) is not held:
@@ -147,10 +173,16 @@ class LeaseRenewer:
                 held.expires, held.due = sent + self.lease, sent + self._every
                 if held.claim in renewed.cancel_requested:
                     self._cancel(held)
+            elif held.claim in renewed.skipped:
+                # Its row is locked (its own completion holds it): not lost, asked again.
+                held.due = time.monotonic() + min(self.lease / 6, 1.0)
+            elif held.work.done():
+                # A renewal racing its own completion: the fenced outcome write decides.
+                self._held.pop(held.claim, None)
             else:
                 self._lose(held, "another claim holds the job")
 
-    def _failed(self, held: _Held, exc: BaseException) -> None:
+    def _failed(self, held: _Held, why: str) -> None:
         if self._held.get(held.claim) is not held:
             return
         # While the work runs, a lease that may have ended must stop it; once the work is
@@ -159,12 +191,12 @@ class LeaseRenewer:
         if time.monotonic() < held.expires - self._margin or held.work.done():
             log.warning(
                 "lease renewal failed: %s",
-                exc or "timed out",
+                why,
                 extra={"event": "lease_renew_failed", "jobId": held.claim.job_id},
             )
             held.due = time.monotonic() + min(self.lease / 6, 1.0)
             return
-        self._lose(held, f"lease could not be renewed before it ended ({exc or 'timed out'})")
+        self._lose(held, f"lease could not be renewed before it ended ({why})")
 
     def _cancel(self, held: _Held) -> None:
         """An operator cancelled the job: stop its work (once); the lease is still ours and
@@ -191,3 +223,10 @@ class LeaseRenewer:
         self._held.pop(held.claim, None)
         held.lost.set()
         held.work.cancel()
+
+
+def _reason(exc: BaseException, limit: float) -> str:
+    """Why a renewal failed, never empty (``TimeoutError()`` has no text of its own)."""
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return f"TimeoutError: no answer from the database within {limit:.1f} s"
+    return str(exc) or type(exc).__name__

@@ -86,6 +86,17 @@ class StoreBase:
         # SQLite: the connection a worker holds for its batch transactions (``sqlite_hot``).
         self.sqlite_hot = None if self.is_postgres else SqliteHot(engine)
 
+    @property
+    def renewal_blocks_takeover(self) -> bool:
+        """Whether a lease renewal that waits also holds off every takeover of its claims.
+
+        SQLite: a renewal waits only for the one write lock, and a takeover (a claim) needs
+        that lock too, so however long the wait, the renewer awaits the database's answer.
+        PostgreSQL: the renewal waits on no row (``SKIP LOCKED``), so a renewal that gets no
+        answer in time means the database cannot be reached.
+        """
+        return not self.is_postgres
+
     def hot_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Held by a worker or relay while it runs: asyncpg connections for its hot
         statements on PostgreSQL, one ``sqlite3`` connection for its batches on SQLite."""

@@ -177,7 +177,11 @@ _RENEW_HOLDS = guard_sql(
 )
 
 # Every running claim of a worker renewed at once (its one lease renewer), fenced per row as
-# a completion is, rows locked in id order as the completions lock them.
+# a completion is, rows locked in id order as the completions lock them. A row another
+# transaction holds locked (its own completion, an upload once made under it) is SKIPPED,
+# never waited on: one locked row must not hold up the renewal of its neighbours. A skipped
+# row whose last committed state still shows the claim holding it is answered ``skipped``
+# (not renewed, not lost: nobody can take it over while the lock is held either).
 _RENEW_MANY = HotStatement(
     text(
         f"""
@@ -188,12 +192,19 @@ req AS (
         AS r(id, attempt, worker)
 ),
 locked AS (
-    SELECT j.id FROM jobs j JOIN req ON j.id = req.id ORDER BY j.id FOR NO KEY UPDATE OF j
+    SELECT j.id FROM jobs j JOIN req ON j.id = req.id
+    ORDER BY j.id FOR NO KEY UPDATE OF j SKIP LOCKED
+),
+renewed AS (
+    UPDATE jobs SET lease_expires_at = clock.now + :l_lease, updated_at = :l_now
+    FROM req JOIN locked ON locked.id = req.id, clock
+    WHERE jobs.id = req.id AND {_RENEW_HOLDS}
+    RETURNING jobs.id, jobs.cancel_requested_at IS NOT NULL AS cancel_requested
 )
-UPDATE jobs SET lease_expires_at = clock.now + :l_lease, updated_at = :l_now
-FROM req JOIN locked ON locked.id = req.id, clock
-WHERE jobs.id = req.id AND {_RENEW_HOLDS}
-RETURNING jobs.id, jobs.cancel_requested_at IS NOT NULL AS cancel_requested
+SELECT id, cancel_requested, false AS skipped FROM renewed
+UNION ALL
+SELECT jobs.id, false, true FROM jobs JOIN req ON jobs.id = req.id
+WHERE {_RENEW_HOLDS} AND NOT EXISTS (SELECT 1 FROM locked WHERE locked.id = req.id)
 """
     ).bindparams(
         bindparam("l_ids", type_=ARRAY(String())),
@@ -261,7 +272,8 @@ class BatchStore(SqliteBatches):
     ) -> Renewed:
         """``renew_lease`` for many claims in one statement (one transaction on SQLite):
         the claims that still hold their job, each lease now ending at the store's clock
-        + ``lease``, and which of them an operator has asked to cancel."""
+        + ``lease``, which of them an operator has asked to cancel, and (PostgreSQL) which
+        were skipped because another transaction held their row locked."""
         if not claims:
             return Renewed()
         if not self.is_postgres:
@@ -291,9 +303,12 @@ class BatchStore(SqliteBatches):
             "l_clock": self._clock() if self._clock is not None else None,
         }
         rows = await self.hot_rows(_RENEW_MANY, params)
-        won = {row["id"]: bool(row["cancel_requested"]) for row in rows}
+        won = {row["id"]: bool(row["cancel_requested"]) for row in rows if not row["skipped"]}
+        skipped = {row["id"] for row in rows if row["skipped"]}
         return Renewed(
-            (c for c in claims if c.job_id in won), (c for c in claims if won.get(c.job_id))
+            (c for c in claims if c.job_id in won),
+            (c for c in claims if won.get(c.job_id)),
+            (c for c in claims if c.job_id in skipped),
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
 import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
-from jobrelay.errors import ConfigError, StoreDataError, StoreError
+from jobrelay.errors import ConfigError, StoreBusy, StoreDataError, StoreError
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -294,12 +295,24 @@ def store_error(message: str, exc: BaseException) -> StoreError:
     if isinstance(exc, DBAPIError):
         if exc.connection_invalidated:
             return StoreError(text_)
+        if sqlite_busy(exc.orig):
+            return StoreBusy(text_)
         if refuses_data(sqlstate_of(exc.orig)):
             return StoreDataError(text_)
         return StoreError(text_)
     if isinstance(exc, (StatementError, OverflowError, UnicodeEncodeError)):
         return StoreDataError(text_)
     return StoreError(text_)
+
+
+def sqlite_busy(exc: BaseException | None) -> bool:
+    """SQLite answered that another connection holds the lock it needs (past the busy
+    timeout): the database is there, it only cannot take this write yet."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.OperationalError) and code in (
+        sqlite3.SQLITE_BUSY,
+        sqlite3.SQLITE_LOCKED,
+    )
 
 
 def first_line(exc: BaseException) -> str:

@@ -70,13 +70,24 @@ class Claim:
 
 class Renewed(frozenset[Claim]):
     """The claims a lease renewal found holding their job (so renewed), and among them
-    ``cancel_requested``: those an operator has asked to cancel (``storage.cancels``)."""
+    ``cancel_requested``: those an operator has asked to cancel (``storage.cancels``).
+
+    ``skipped``: claims not renewed because another transaction held their row locked (on
+    PostgreSQL, typically their own completion): neither renewed nor lost, to be asked again.
+    """
 
     cancel_requested: frozenset[Claim]
+    skipped: frozenset[Claim]
 
-    def __new__(cls, held: Iterable[Claim] = (), cancel_requested: Iterable[Claim] = ()) -> Renewed:
+    def __new__(
+        cls,
+        held: Iterable[Claim] = (),
+        cancel_requested: Iterable[Claim] = (),
+        skipped: Iterable[Claim] = (),
+    ) -> Renewed:
         renewed = super().__new__(cls, held)
         renewed.cancel_requested = frozenset(cancel_requested)
+        renewed.skipped = frozenset(skipped)
         return renewed
 
 

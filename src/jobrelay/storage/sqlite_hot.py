@@ -35,8 +35,8 @@ from sqlalchemy import ColumnElement
 from sqlalchemy.dialects.sqlite.aiosqlite import dialect as aiosqlite_dialect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobrelay.errors import StoreDataError, StoreError
-from jobrelay.storage.engine import first_line, sqlite_session, write_lock
+from jobrelay.errors import StoreBusy, StoreDataError, StoreError
+from jobrelay.storage.engine import first_line, sqlite_busy, sqlite_session, write_lock
 from jobrelay.storage.pg_hot import HotStatement
 from jobrelay.storage.shared import Shared
 
@@ -136,7 +136,8 @@ class SqliteHot:
             except _DATA_ERRORS as exc:
                 raise StoreDataError(f"{what} write failed: {first_line(exc)}") from exc
             except (sqlite3.Error, OSError) as exc:
-                raise StoreError(f"{what} write failed: {first_line(exc)}") from exc
+                error = StoreBusy if sqlite_busy(exc) else StoreError
+                raise error(f"{what} write failed: {first_line(exc)}") from exc
 
 
 async def _close(held: tuple[sqlite3.Connection, ThreadPoolExecutor]) -> None:
