@@ -209,7 +209,10 @@ async def one_too_many(ctx: Any, params: Step, extra: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "fn", [params_only, params_only_async, one_too_many, lambda params: None], ids=str
+    "fn",
+    [params_only, params_only_async, one_too_many, lambda params: None],
+    # Ids the same in every xdist process (str() of a function carries its address).
+    ids=["params_only", "params_only_async", "one_too_many", "lambda_params"],
 )
 def test_a_job_function_without_ctx_and_params_is_refused_at_definition(fn: Any) -> None:
     # Coming from Celery, `def f(params)` looks right: it used to be accepted here and fail
@@ -256,7 +259,7 @@ def prefixed(tag: str, ctx: Any, params: Step) -> None:
 @pytest.mark.parametrize(
     "fn",
     [Bound(), with_options, functools.partial(prefixed, "t"), lambda *args: None],
-    ids=str,
+    ids=["callable_object", "with_options", "partial", "lambda_args"],
 )
 def test_what_takes_ctx_and_params_is_accepted(fn: Any) -> None:
     other = jobrelay.App()
