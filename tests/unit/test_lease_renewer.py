@@ -196,3 +196,51 @@ async def test_a_renewal_waiting_for_the_write_lock_stops_nothing() -> None:
     assert not lost.is_set() and not work.done()
     await renewer.close()
     work.cancel()
+
+
+class SlowSkipping:
+    """PostgreSQL's answer for a claim whose row another transaction holds locked (its own
+    completion): skipped, neither renewed nor lost; each answer takes ``delay`` seconds (a
+    busy database), more than the renewer's margin and well inside the lease."""
+
+    renewal_blocks_takeover = False
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.calls = 0
+        self._called = asyncio.Condition()
+
+    async def renew_leases(
+        self, claims: Sequence[Claim], lease: timedelta, now: datetime
+    ) -> Renewed:
+        await asyncio.sleep(self.delay)
+        self.calls += 1
+        async with self._called:
+            self._called.notify_all()
+        return Renewed((), (), claims)
+
+    async def called(self, times: int) -> None:
+        async with asyncio.timeout(30), self._called:
+            await self._called.wait_for(lambda: self.calls >= times)
+
+
+async def test_a_claim_skipped_past_its_lease_is_not_lost_to_a_slow_answer() -> None:
+    """A row locked past the lease (a completion's slow upload) leaves its claim's lease
+    unrenewed; the renewals after it must still be judged by the database's answer, not by
+    a client timeout computed from that stale lease (it was the margin: 0.3 s here, so a
+    0.5 s answer lost the claim although the database said it still held the job)."""
+    store = SlowSkipping(delay=0.5)
+    renewer = LeaseRenewer(
+        SimpleNamespace(store=store, clock=lambda: datetime.now(UTC)),  # type: ignore[arg-type]
+        timedelta(seconds=3),
+    )
+    work = asyncio.create_task(asyncio.Event().wait())
+    lost = asyncio.Event()
+    renewer.hold(Claim("j", 1, "w"), time.monotonic() - 5, work, lost)  # long past its end
+    answered, gone = asyncio.create_task(store.called(3)), asyncio.create_task(lost.wait())
+    await asyncio.wait([answered, gone], timeout=30, return_when="FIRST_COMPLETED")
+    gone.cancel()
+    assert not lost.is_set(), "the claim was lost to a client timeout"
+    assert answered.done() and not work.done()
+    await renewer.close()
+    work.cancel()

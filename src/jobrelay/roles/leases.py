@@ -138,7 +138,14 @@ class LeaseRenewer:
 
     async def _renew(self, due: list[_Held]) -> None:
         sent = time.monotonic()
-        limit = max(min(h.expires for h in due) - self._margin - sent, self._margin)
+        # How long to wait for an answer: until the first lease that is still running may
+        # end. A claim whose recorded lease already passed (its row was skipped, locked by
+        # its own completion, or its renewals failed) gets a third of a lease: bounding the
+        # wait by its stale end would lose it to a slow answer the database still gives.
+        running = [h.expires for h in due if h.expires - self._margin > sent + self._margin]
+        limit = max(
+            (min(running) - self._margin - sent) if running else self.lease / 3, self._margin
+        )
         self.statements += 1
         claims = [h.claim for h in due]
         try:
