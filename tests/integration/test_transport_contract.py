@@ -640,8 +640,12 @@ async def test_rabbit_topology_is_declared_as_specified_and_checked(rabbit: Back
     } <= routes
     # Queue arguments cannot change in place: a new delivery limit must be a clear error.
     changed = rabbit.transport(topology=Topology(retry_delays=(1, 3), delivery_limit=5))
-    with pytest.raises(TransportError, match="topology mismatch"):
+    # It names the limit the queue has and the setting that keeps it (an upgrade from 5).
+    kept = f"exists with delivery limit {TOPOLOGY.delivery_limit}, not JOBRELAY_DELIVERY_LIMIT"
+    with pytest.raises(TransportError, match="topology mismatch") as refused:
         await changed.connect()
+    assert kept in str(refused.value)
+    assert f"JOBRELAY_DELIVERY_LIMIT={TOPOLOGY.delivery_limit} to keep" in str(refused.value)
 
 
 @pytest.mark.rabbitmq
