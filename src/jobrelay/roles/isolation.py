@@ -13,8 +13,9 @@ Deliveries waiting for a turn are not claimed (no attempt, no lease). The suspec
 claims (``claims.claimable_delivered``) refuse a suspect in the claims made without a read,
 so it always comes here first.
 
-A little jitter before a suspect's turn: the suspects of one death come back together, and
-on several workers they would otherwise all stop the others' work in the same instant.
+A little jitter before a suspect's turn in a busy worker: the suspects of one death come
+back together, and on several workers they would otherwise all stop the others' work in the
+same instant. In an idle worker a suspect endangers nobody and takes its turn at once.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class Isolation:
     @asynccontextmanager
     async def alone(self) -> AsyncIterator[None]:
         """A suspect's run: after every other run of this process ended, and before any new."""
-        if self._jitter > 0:
+        if self._jitter > 0 and (self._running or self._waiting):
+            # Only when it must wait anyway: alone in an idle worker it endangers nobody.
             await asyncio.sleep(random.uniform(0, self._jitter))
         self._waiting += 1
         self._open.clear()
