@@ -19,24 +19,22 @@ import pytest
 from jobrelay.domain.states import JobState
 from jobrelay.roles.reconcile import QUEUED_UNCLAIMED, Finding, Reconciler
 from jobrelay.roles.runtime import Runtime
-from jobrelay.storage.heartbeats import ProcessBeat, beat
 from jobrelay.storage.store import Claim
 
 from .ops_fixtures import backend, job_in_state, kinds, make_pipeline
-from .test_reconcile import GRACE, clock, mark_all_published, outbox_count, runtime
+from .test_reconcile import (
+    GRACE,
+    clock,
+    idle_worker,
+    mark_all_published,
+    outbox_count,
+    runtime,
+)
 
 pytestmark = pytest.mark.timeout(120)
 __all__ = ["backend", "make_pipeline", "runtime"]  # fixtures, shared
 S = JobState
 NOT_CONSUMING = "not_consuming"  # reconcile.NOT_CONSUMING, spelled out as operators read it
-
-
-async def a_worker_beats(
-    rt: Runtime, queues: tuple[str, ...] = ("default",), worker: str = "host:9:worker"
-) -> None:
-    """A live worker consuming ``queues``, as its heartbeat says, now by the test clock."""
-    now = rt.clock()
-    await beat(rt.store, ProcessBeat(worker, "worker", "host", 9, queues, now, now), now)
 
 
 async def test_with_no_worker_consuming_the_queue_nothing_is_resent_and_the_pass_says_so(
@@ -59,10 +57,10 @@ async def test_with_no_worker_consuming_the_queue_nothing_is_resent_and_the_pass
     assert gauge._value.get() == 1  # what /metrics shows operators
 
     # A worker of another queue changes nothing; one of this queue, idle: the messages are gone.
-    await a_worker_beats(runtime, ("images",), "host:8:images")
+    await idle_worker(runtime, ("images",), "host:8:images")
     report = await Reconciler(runtime).run_once(scan_quarantine=False)
     assert [f.kind for f in report.findings] == [NOT_CONSUMING]
-    await a_worker_beats(runtime)
+    await idle_worker(runtime)
     report = await Reconciler(runtime).run_once(scan_quarantine=False)
     assert sorted((f.kind, f.job_id, f.repaired) for f in report.findings) == sorted(
         (QUEUED_UNCLAIMED, j, True) for j in jobs
@@ -87,7 +85,7 @@ async def test_a_job_behind_a_moving_backlog_waits_until_the_queue_moved_past_it
     clock(runtime).advance(GRACE + 1)
     for job_id in later[:window]:  # claimed (and finished) after the waiting job's message
         await _run(runtime, job_id)
-    await a_worker_beats(runtime)
+    await idle_worker(runtime)
     report = await Reconciler(runtime).run_once(scan_quarantine=False)
     assert _about(report.findings, waiting) == []
     assert await outbox_count(runtime, waiting) == 1

@@ -8,7 +8,7 @@ the consuming workers' windows hold (``prefetch`` each) of the later jobs can ha
 claimed before it. More than that claimed, the queue has moved past it: the message is gone.
 
 Three facts per queue, each one small indexed query: which live workers consume it (their
-heartbeats), whether any of its jobs was worked on lately (claimed, renewed or finished), and
+heartbeats), whether any of its jobs runs now or was claimed lately, and
 the publication times of the later jobs that have been claimed, newest first, up to one past
 the windows.
 """
@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import exists, func, select
+from sqlalchemy import exists, func, or_, select
 
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
 from jobrelay.storage.records import aware_time, work_destination
-from jobrelay.storage.tables import jobs, outbox
+from jobrelay.storage.tables import job_events, jobs, outbox
 from jobrelay.storage.tables import process_heartbeats as hb
 
 
@@ -31,7 +31,7 @@ from jobrelay.storage.tables import process_heartbeats as hb
 class QueueProgress:
     queue: str
     consumers: int  # live workers consuming it (a recent heartbeat)
-    active: bool  # one of its jobs was claimed, renewed or finished since then
+    active: bool  # one of its jobs runs now, or was claimed since the grace began
     # The publication time past which more than the windows' worth of later jobs have been
     # claimed; a job whose message was confirmed before it has been passed. None: not yet.
     passed_before: datetime | None
@@ -62,12 +62,16 @@ async def queue_progress(
             )
         ).all()
         consumers = sum(1 for row in beats if queue in [str(q) for q in row.queues or ()])
-        worked = jobs.c.queue == queue, jobs.c.attempt >= 1, jobs.c.updated_at >= since
-        active = bool(
-            await conn.scalar(
-                select(exists().where(jobs.c.state != JobState.QUEUED.value, *worked))
-            )
+        # Worked on by a worker: one of its jobs running now, or claimed since ``since``
+        # (the events' time index; a repair by the reconciler itself is no sign of work).
+        running = exists().where(jobs.c.queue == queue, jobs.c.state == JobState.RUNNING.value)
+        claimed = exists().where(
+            job_events.c.at >= since,
+            job_events.c.kind == "claimed",
+            jobs.c.id == job_events.c.job_id,
+            jobs.c.queue == queue,
         )
+        active = bool(await conn.scalar(select(or_(running, claimed))))
         passed_before: datetime | None = None
         if consumers:
             first_sent = (
