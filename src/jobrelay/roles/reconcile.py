@@ -1,7 +1,7 @@
 """The reconciler: find jobs that fell between two hand-offs, repair what is safe, report the rest.
 
 It runs inside every ``jobrelay relay`` (one leader at a time) every ``reconcile_seconds``, and
-on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for five things, each at least
+on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for six things, each at least
 ``reconcile_grace_seconds`` overdue so that the normal path gets its chance first:
 
 - ``lease_expired``: ``running``, but the worker's lease ran out (it died, and no redelivery
@@ -13,18 +13,21 @@ on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for five things, e
   Repair: re-send the retry as a work message, once per wait; still overdue after that, the
   pass only reports it (are workers consuming?).
 - ``queued_unclaimed``: ``queued`` and unchanged for the grace period (so never claimed in
-  this wait), no message of it waiting in the outbox, and its newest message confirmed by the
-  broker more than the grace period ago. Judged by the job's age and that confirm time alone,
-  never by the depth of the work queue, so a lost message is found on a busy system too: the
-  broker no longer has it (its delivery limit dead-lettered it after repeated returns from
-  killed workers, or someone purged the queue), or a busy worker sits on it, or, on a queue
-  whose backlog takes longer than the grace period to drain, it is still waiting its turn.
-  Repair: re-send the work message, as often as it stays lost, with back-off: the n-th
-  re-send of a wait once the copy before it was confirmed ``grace * 2^(n-1)`` ago (at most
-  an hour apart), so a message lost twice is sent a third time and a worker outage does
-  not pile up copies. A surplus copy costs one extra message, never a second run: the
-  worker acks it as a duplicate (or defers it while the job runs). Between re-sends the
-  pass reports it.
+  this wait), no message of it waiting in the outbox, its newest message confirmed by the
+  broker more than the grace period ago, and that message gone: its queue has moved past it
+  (more of the jobs of its queue published after it were claimed than the consuming
+  workers' windows could hold before it), or the live workers of its queue sat idle for the
+  grace period (``storage.queue_progress``). No constant grace tells a lost message from one
+  waiting its turn behind a long backlog; the queue's progress does, however deep it is.
+  Usually the delivery limit dead-lettered it after repeated returns from killed workers, or
+  someone purged the queue. Repair: re-send the work message, as often as it stays lost,
+  with back-off: the n-th re-send of a wait once the copy before it was confirmed
+  ``grace * 2^(n-1)`` ago (at most an hour apart), so a message lost twice is sent a third
+  time. A surplus copy costs one extra message, never a second run: the worker acks it as a
+  duplicate (or defers it while the job runs). Between re-sends the pass reports it.
+- ``not_consuming``: jobs of a queue wait as above and no live worker consumes the queue (no
+  worker heartbeat naming it lately). One finding per queue, and nothing re-sent: its
+  messages wait in the broker, and copies would only pile up.
 - Jobs of a queue an operator has paused, or resumed less than the grace period ago, are
   neither re-sent nor reported as ``retry_overdue`` or ``queued_unclaimed``: their messages
   wait in the broker on purpose, and a long pause would otherwise look like a lost message.
