@@ -251,7 +251,13 @@ class DeliveryHandler:
                     return None if won is None else (won, job, job.state)
 
                 # A suspect (its last attempt's worker was lost) is claimed and run alone.
-                turn = self.isolation.alone() if is_suspect(job) else self.isolation.shared()
+                suspect = is_suspect(job)
+                if suspect:
+                    log.info(
+                        "suspect: its last attempt's worker was lost; run alone in this worker",
+                        extra={"event": "suspect_alone", "jobId": job.id, "attempt": job.attempt},
+                    )
+                turn = self.isolation.alone() if suspect else self.isolation.shared()
                 async with turn:
                     claimed = await self._claim(job.id, claim)
                     if claimed is None:
