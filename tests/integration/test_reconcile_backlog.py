@@ -38,7 +38,7 @@ NOT_CONSUMING = "not_consuming"  # reconcile.NOT_CONSUMING, spelled out as opera
 
 
 async def test_with_no_worker_consuming_the_queue_nothing_is_resent_and_the_pass_says_so(
-    runtime: Runtime,
+    runtime: Runtime, caplog: pytest.LogCaptureFixture
 ) -> None:
     jobs = [
         await job_in_state(runtime.store, S.QUEUED, runtime.clock(), f"2020-0{m}")
@@ -55,6 +55,8 @@ async def test_with_no_worker_consuming_the_queue_nothing_is_resent_and_the_pass
     assert [await outbox_count(runtime, j) for j in jobs] == [1, 1, 1]
     gauge = runtime.metrics.reconcile_findings.labels(finding=NOT_CONSUMING)
     assert gauge._value.get() == 1  # what /metrics shows operators
+    [line] = [r for r in caplog.records if getattr(r, "event", "") == "reconcile_not_consuming"]
+    assert line.levelname == "WARNING" and "workers are not consuming" in line.getMessage()
 
     # A worker of another queue changes nothing; one of this queue, idle: the messages are gone.
     await idle_worker(runtime, ("images",), "host:8:images")
