@@ -65,7 +65,10 @@ class Settings(BaseSettings):
     # write transaction each).
     batching: bool = True
     # Crash-loop backstop on the work queue (RabbitMQ x-delivery-limit; local transport too).
-    delivery_limit: int = Field(default=5, ge=1)
+    # Every worker death or connection cut counts once for EVERY message the worker held,
+    # started or waiting in its window, so it sits far above what deaths can add up to for a
+    # waiting message; the attempt counter (``max_attempts``) quarantines a crash-looping job.
+    delivery_limit: int = Field(default=50, ge=1)
     confirm_timeout: float = Field(default=10.0, gt=0)
     relay_batch: int = Field(default=200, ge=1, le=10_000)
     # Rows a relay may have published and not yet confirmed and marked: it claims the next

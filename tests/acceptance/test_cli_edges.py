@@ -204,3 +204,24 @@ def test_a_multi_host_database_url_is_one_line(tmp_path: Path, args: tuple[str, 
         if "," in url:
             assert "multi-host" in stderr and "not supported" in stderr, stderr
     assert files_under(tmp_path) == set(), files_under(tmp_path)
+
+
+@pytest.mark.rabbitmq
+def test_broker_declare_over_a_queue_with_the_old_delivery_limit_says_how_to_choose(
+    sqlite_env: dict[str, str], amqp_url: str
+) -> None:
+    """The default delivery limit went from 5 to 50; a queue declared with 5 keeps it (a
+    queue argument cannot change in place): one line naming the queue's limit and both ways
+    out, exit 2, and the queue as it was."""
+    env = {**sqlite_env, "JOBRELAY_BROKER_URL": amqp_url}
+    old = run_cli("broker", "declare", env={**env, "JOBRELAY_DELIVERY_LIMIT": "5"})
+    assert old.returncode == 0, old.stderr
+    refused = run_cli("broker", "declare", env=env)
+    assert_one_line(
+        refused,
+        "topology mismatch: queue jobrelay.work exists with delivery limit 5",
+        "set JOBRELAY_DELIVERY_LIMIT=5 to keep the queue as it is",
+    )
+    assert "unreachable" not in refused.stderr
+    kept = run_cli("broker", "declare", env={**env, "JOBRELAY_DELIVERY_LIMIT": "5"})
+    assert kept.returncode == 0, kept.stderr

@@ -24,6 +24,7 @@ from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.pg_hot import HotStatement
+from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest
 from tests.integration.test_claims import (
     ROWS,
@@ -105,8 +106,12 @@ async def test_an_expired_lease_is_claimed_again_by_the_store_clock(db: Runtime)
     [early] = await db.store.claim_many([ask(job_id)], db.clock(), LEASE)
     assert early is None
     clock_of(db).advance(LEASE.total_seconds() + 1)
-    [late] = await db.store.claim_many([ask(job_id)], db.clock(), LEASE)
-    assert late is not None and late[0].attempt == 2 and late[2] is JobState.RUNNING
+    # Its worker was lost: a suspect, never claimed in a batch beside others; the read path
+    # claims it (``claim_job``), alone in its worker (``roles.isolation``).
+    [batched] = await db.store.claim_many([ask(job_id)], db.clock(), LEASE)
+    assert batched is None
+    late = await db.store.claim_job(job_id, "w-1", db.clock(), LEASE)
+    assert late is not None and late.attempt == 2
 
 
 async def test_a_batch_completion_is_fenced_per_job(db: Runtime) -> None:
@@ -261,3 +266,28 @@ async def test_a_batch_holding_an_unstorable_row_is_refused_whole(db: Runtime) -
     assert await events_of(db, a, "result_saved") == []
     assert await db.store.complete_many([healthy], db.clock()) == {a}
     assert await job_state(db, a) == (JobState.SUCCEEDED, 1)
+
+
+async def test_a_job_whose_worker_was_lost_is_never_claimed_beside_others(db: Runtime) -> None:
+    """A suspect (its last attempt ended with its worker lost: the lease expired, or the
+    reconciler requeued it ``worker_lost``) loses the claims made without a read, in a
+    batch or alone; the read path's ``claim_job`` takes it (the worker runs it alone). A
+    retry after an ordinary failure is no suspect."""
+    expired, requeued, healthy = [await submit(db, period=f"2020-0{m}") for m in (1, 2, 3)]
+    now = db.clock()
+    claims = await db.store.claim_many([ask(j, "w-dead") for j in (expired, requeued)], now, LEASE)
+    assert all(c is not None for c in claims)
+    clock_of(db).advance(LEASE.total_seconds() + 1)
+    lost = RepairQueries(db.store)
+    assert await lost.requeue_expired_lease(requeued, "w-dead", db.clock(), db.clock(), "rec")
+    assert await job_state(db, requeued) == (JobState.RETRY_WAIT, 1)
+    ready = [ask(expired), ask(requeued), ask(healthy)]
+    batched = await db.store.claim_many(ready, db.clock(), LEASE)
+    assert [c is not None for c in batched] == [False, False, True]
+    for job_id in (expired, requeued):  # the one-job claim of a delivery refuses it too
+        delivered = await db.store.claim_delivered(
+            job_id, "report.export", "w-1", db.clock(), LEASE
+        )
+        assert delivered is None
+        alone = await db.store.claim_job(job_id, "w-1", db.clock(), LEASE)
+        assert alone is not None and alone.attempt == 2

@@ -139,9 +139,11 @@ def served_file(rt: Runtime, key: str) -> bytes:
 async def test_two_copies_in_one_process_only_the_newest_claim_saves_its_result(
     database_url: str, tmp_path: Path
 ) -> None:
-    """Two copies of one job in ONE worker process (same worker id), the renewals failing:
-    the lease lapses, the second copy claims again. The first run finishes first, but its
-    claim was superseded: it must record ``lease_lost``, not ``result_saved``."""
+    """Two copies of one job under ONE worker id, the renewals failing: the lease lapses,
+    the second copy claims again. The first run finishes first, but its claim was
+    superseded: it must record ``lease_lost``, not ``result_saved``. (Two handlers: in one
+    handler the second copy, a suspect, would wait for the first run to end,
+    ``roles.isolation``; the fence is on the attempt, not only the owner.)"""
     rt = runtime_for(database_url, tmp_path, faults="export.run:stall:0.5:1,export.run:stall:1.5:2")
     await seed(rt.engine, ROWS)
     job_id = await submit(rt)
@@ -155,7 +157,8 @@ async def test_two_copies_in_one_process_only_the_newest_claim_saves_its_result(
     run_first = asyncio.create_task(worker.handle(first))
     await eventually(lambda: _in_state(rt, job_id, JobState.RUNNING, 1), "first claim")
     clock_of(rt).advance(rt.settings.lease_seconds + 1)  # the lease lapsed by the store clock
-    run_second = asyncio.create_task(worker.handle(second))
+    again = Worker(rt, worker_id="host:1:shared")
+    run_second = asyncio.create_task(again.handle(second))
     await asyncio.gather(run_first, run_second)
 
     job = await rt.store.get_job(job_id)

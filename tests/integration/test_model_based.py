@@ -27,8 +27,9 @@ A delivery may run on a worker whose host clock is 30 s behind or ahead of the s
 expectations do not change, because leases and due times are the store's to judge (a retry
 due by the store runs on a worker 30 s behind; a live lease is deferred on one 30 s ahead).
 
-``two_copies`` handles two copies of one message in ONE worker process (same ``Worker``, same
-worker id), the second while the first waits inside the operation (a ``Gate``), with the
+``two_copies`` handles two copies of one message under ONE worker id (two handlers: one
+handler runs a suspect copy only after its other runs end, ``roles.isolation``), the second
+while the first waits inside the operation (a ``Gate``), with the
 store's clock moved past the first's lease in between or not. Every claim ends in exactly
 one outcome or in ``lease_lost``; the outcome recorded (and the result's attempt) is the
 latest claim's; a superseded claim records ``lease_lost`` naming the holder and is acked;
@@ -493,7 +494,7 @@ class PipelineModel(RuleBasedStateMachine):
         stale_first=st.booleans(),
     )
     def two_copies(self, pick: int, fault: str | None, takeover: bool, stale_first: bool) -> None:
-        """Two copies of one message in ONE worker process (one ``Worker``, one worker id):
+        """Two copies of one message under ONE worker id (two handlers, see ``_two_copies``):
         the second is handled while the first is inside the operation.
 
         With ``takeover`` the store's clock passes the first copy's lease before the second
@@ -512,12 +513,18 @@ class PipelineModel(RuleBasedStateMachine):
         export = default_registry(self.settings).get("report.export")
         assert export is not None
         gate = Gate(export)
-        worker = Worker(self.rt, registry=gate.registry(self.settings), worker_id=worker_id)
+        # Two handlers under one worker id: in ONE handler the second copy, a suspect once
+        # the first's lease lapsed, would wait for the first's run to end (roles.isolation).
+        # The fence is the attempt, not only the owner, so one id is the hard case.
+        workers = tuple(
+            Worker(self.rt, registry=gate.registry(self.settings), worker_id=worker_id)
+            for _ in range(2)
+        )
         count = message.unsettled
         first = Delivery(message.body, redelivered=count > 0, count=count)
         second = Delivery(message.body, redelivered=True, count=count)
         first_ran, second_ran = self.run(
-            self._two_copies(worker, gate, first, second, takeover, stale_first)
+            self._two_copies(workers, gate, first, second, takeover, stale_first)
         )
         self.in_flight.remove(message)  # both copies were settled (checked below)
 
@@ -585,7 +592,7 @@ class PipelineModel(RuleBasedStateMachine):
 
     async def _two_copies(
         self,
-        worker: Worker,
+        workers: tuple[Worker, Worker],
         gate: Gate,
         first: Delivery,
         second: Delivery,
@@ -597,11 +604,11 @@ class PipelineModel(RuleBasedStateMachine):
         Returns which of the two ran the operation."""
         tasks: list[asyncio.Task[None]] = []
         try:
-            tasks.append(asyncio.create_task(worker.handle(first)))
+            tasks.append(asyncio.create_task(workers[0].handle(first)))
             first_run = await gate.parked(tasks[0])
             if takeover:
                 self.clock.now += timedelta(seconds=self.settings.lease_seconds + 1)
-            tasks.append(asyncio.create_task(worker.handle(second)))
+            tasks.append(asyncio.create_task(workers[1].handle(second)))
             second_run = await gate.parked(tasks[1])
             order = [(tasks[0], first_run), (tasks[1], second_run)]
             if not stale_first:

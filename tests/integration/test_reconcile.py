@@ -35,6 +35,7 @@ from jobrelay.roles.reconcile import (
 )
 from jobrelay.roles.runtime import Runtime, utc_now
 from jobrelay.storage.admin import AdminQueries
+from jobrelay.storage.heartbeats import ProcessBeat, beat
 from jobrelay.storage.queue_pauses import set_paused
 from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import Claim, Store
@@ -82,6 +83,14 @@ async def outbox_count(rt: Runtime, job_id: str) -> int:
     async with rt.engine.connect() as conn:
         n = await conn.scalar(select(func.count()).where(outbox.c.job_id == job_id))
     return int(n or 0)
+
+
+async def idle_worker(rt: Runtime, queues: tuple[str, ...] = ("default",), name: str = "") -> None:
+    """A live worker consuming ``queues`` (its heartbeat, now by the test clock). A queued
+    job is re-sent only while a worker consumes its queue; idle, it would have claimed it."""
+    now = rt.clock()
+    worker = name or "host:9:idle"
+    await beat(rt.store, ProcessBeat(worker, "worker", "host", 9, queues, now, now), now)
 
 
 def clock(rt: Runtime) -> Clock:
@@ -165,9 +174,11 @@ async def test_queued_job_whose_message_is_gone_is_resent_again_with_back_off(
     job_id = await job_in_state(runtime.store, S.QUEUED, T0)
     await mark_all_published(runtime)  # the broker confirmed it, then dead-lettered it
     clock(runtime).advance(GRACE - 1)
+    await idle_worker(runtime)  # a live worker of the queue, idle
     assert (await Reconciler(runtime).run_once(scan_quarantine=False)).findings == []
 
     clock(runtime).advance(2)
+    await idle_worker(runtime)  # a live worker of the queue, idle
     first = await Reconciler(runtime, actor="reconciler:test").run_once(scan_quarantine=False)
 
     [finding] = first.findings
@@ -184,21 +195,25 @@ async def test_queued_job_whose_message_is_gone_is_resent_again_with_back_off(
     # twice the grace after the copy's confirm; until then the pass reports it.
     await confirm_waiting(runtime)
     clock(runtime).advance(GRACE + 1)
+    await idle_worker(runtime)  # a live worker of the queue, idle
     [still] = (await Reconciler(runtime).run_once(scan_quarantine=False)).findings
     assert (still.kind, still.repaired) == (QUEUED_UNCLAIMED, False)
     assert "re-sent 1 time(s) already: next re-send in 59 s" in still.detail, still.detail
     assert await outbox_count(runtime, job_id) == 2
 
     clock(runtime).advance(GRACE)
+    await idle_worker(runtime)  # a live worker of the queue, idle
     [again] = (await Reconciler(runtime).run_once(scan_quarantine=False)).findings
     assert (again.kind, again.repaired) == (QUEUED_UNCLAIMED, True), again.detail
     assert await outbox_count(runtime, job_id) == 3
     assert (await kinds(runtime, job_id)).count("reconciled_queued_unclaimed") == 2
     await confirm_waiting(runtime)
     clock(runtime).advance(3 * GRACE)  # the third waits four times the grace
+    await idle_worker(runtime)  # a live worker of the queue, idle
     [later] = (await Reconciler(runtime).run_once(scan_quarantine=False)).findings
     assert not later.repaired and "re-sent 2 time(s)" in later.detail
     clock(runtime).advance(GRACE + 1)
+    await idle_worker(runtime)  # a live worker of the queue, idle
     assert (await Reconciler(runtime).run_once(scan_quarantine=False)).repaired == 1
     assert await outbox_count(runtime, job_id) == 4
 
@@ -223,10 +238,12 @@ async def test_a_lost_message_is_resent_once_while_the_work_queue_is_busy(
                 )
             )
         clock(rt).advance(GRACE - 1)
+        await idle_worker(rt)  # a live worker of the queue, idle
         assert (await Reconciler(rt).run_once(scan_quarantine=False)).findings == []
 
         clock(rt).advance(2)
         assert await rt.transport.work_ready() == 3  # the work queue is not empty
+        await idle_worker(rt)  # a live worker of the queue, idle
         first = await Reconciler(rt).run_once(scan_quarantine=False)
 
         [finding] = first.findings
@@ -238,6 +255,7 @@ async def test_a_lost_message_is_resent_once_while_the_work_queue_is_busy(
         # Backed off: the queue stays busy, the job stays queued, no second copy yet.
         await confirm_waiting(rt)
         clock(rt).advance(GRACE + 1)
+        await idle_worker(rt)  # a live worker of the queue, idle
         [still] = (await Reconciler(rt).run_once(scan_quarantine=False)).findings
         assert (still.kind, still.repaired) == (QUEUED_UNCLAIMED, False)
         assert "are workers consuming?" in still.detail
@@ -258,13 +276,16 @@ async def test_jobs_of_a_paused_queue_are_left_to_wait_however_long_the_pause(
     await mark_all_published(runtime)
     assert await set_paused(runtime.store, "default", True, actor="t", reason="r", now=T0)
     clock(runtime).advance(10 * GRACE)
+    await idle_worker(runtime)  # a live worker of the queue, idle
     report = await Reconciler(runtime).run_once(scan_quarantine=False)
     assert report.findings == [] and await outbox_count(runtime, queued) == 1
     resumed = clock(runtime).advance(0)
     assert await set_paused(runtime.store, "default", False, actor="t", reason="r", now=resumed)
     clock(runtime).advance(GRACE - 1)
+    await idle_worker(runtime)  # a live worker of the queue, idle
     assert (await Reconciler(runtime).run_once(scan_quarantine=False)).findings == []
     clock(runtime).advance(2)  # still queued a grace after the resume: lost, re-sent
+    await idle_worker(runtime)  # a live worker of the queue, idle
     report = await Reconciler(runtime).run_once(scan_quarantine=False)
     assert {(f.job_id, f.repaired) for f in report.findings} == {(queued, True), (waiting, True)}
     assert "reconciled_queued_unclaimed" in await kinds(runtime, queued)
@@ -279,9 +300,11 @@ async def test_a_queued_job_whose_message_was_confirmed_lately_is_left_to_wait(
     clock(runtime).advance(86400)
     await confirm_waiting(runtime)
     clock(runtime).advance(GRACE - 1)
+    await idle_worker(runtime)  # a live worker of the queue, idle
     assert (await Reconciler(runtime).run_once(scan_quarantine=False)).findings == []
 
     clock(runtime).advance(2)
+    await idle_worker(runtime)  # a live worker of the queue, idle
     [finding] = (await Reconciler(runtime).run_once(dry_run=True, scan_quarantine=False)).findings
     assert (finding.kind, finding.job_id) == (QUEUED_UNCLAIMED, job_id)
     assert "queued 1441 min" in finding.detail and "confirmed 61 s ago" in finding.detail
@@ -512,6 +535,8 @@ async def test_a_job_whose_message_was_dead_lettered_finishes_after_the_repair(
         await p.wait_for(job_id, lambda j: j.published)
         await p.stop_all()
         await reject_one(p.rt.transport)  # as the delivery limit would: gone to quarantine
+        # A worker consumes the queue and sits idle: the message is gone, not waiting.
+        await p.start_worker()
 
         async def repaired() -> bool:
             report = await Reconciler(p.rt).run_once(scan_quarantine=False)
@@ -519,7 +544,6 @@ async def test_a_job_whose_message_was_dead_lettered_finishes_after_the_repair(
 
         await eventually(repaired, what="the reconciler to re-send the lost message")
         p.start_relay()
-        await p.start_worker()
         job = await p.wait_for(job_id, lambda j: j.state is S.SUCCEEDED)
         assert job.attempt == 1
         history = await kinds(p.rt, job_id)

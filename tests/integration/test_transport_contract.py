@@ -24,6 +24,7 @@ import pytest
 from sqlalchemy import event
 
 from jobrelay.errors import PublishError, TransportError
+from jobrelay.settings import Settings
 from jobrelay.storage import local_queue
 from jobrelay.transport.base import OutgoingMessage, Transport
 from jobrelay.transport.local import LocalTransport
@@ -350,6 +351,35 @@ async def test_delivery_limit_sends_a_crash_looping_message_to_quarantine(
     await depth_is(publisher, 1)
 
 
+async def test_the_default_delivery_limit_outlasts_deaths_beside_messages_never_started(
+    backend: Backend,
+) -> None:
+    """Each consumer death (a worker killed, a connection cut) counts once towards the
+    delivery limit for EVERY message the consumer held, started or waiting in its window.
+    Seven deaths with ten messages held and none started: under the default limit every one
+    of them is still delivered (at the old default, 5, all ten were dead-lettered)."""
+    limit = Settings.model_fields["delivery_limit"].default
+    topology = Topology(retry_delays=(1, 3), delivery_limit=limit, queues=("images",))
+    publisher = await backend.connected(topology=topology)
+    for n in range(10):
+        await publisher.publish(message({"n": n}))
+    for _ in range(7):
+        consumer = await backend.connected(topology=topology)
+        pump = backend.pump(consumer, prefetch=10)
+        for _ in range(10):
+            await pump.get()  # held, never settled
+        await pump.stop()
+        await consumer.close()
+    pump = backend.pump(await backend.connected(topology=topology), prefetch=10)
+    seen = []
+    for _ in range(10):
+        delivery = await pump.get()
+        assert delivery.delivery_count == 7
+        seen.append(body_of(delivery)["n"])
+        await delivery.ack()
+    assert sorted(seen) == list(range(10))
+
+
 async def test_concurrent_publishes_are_all_confirmed_and_delivered(backend: Backend) -> None:
     transport = await backend.connected()
     await asyncio.gather(
@@ -640,8 +670,12 @@ async def test_rabbit_topology_is_declared_as_specified_and_checked(rabbit: Back
     } <= routes
     # Queue arguments cannot change in place: a new delivery limit must be a clear error.
     changed = rabbit.transport(topology=Topology(retry_delays=(1, 3), delivery_limit=5))
-    with pytest.raises(TransportError, match="topology mismatch"):
+    # It names the limit the queue has and the setting that keeps it (an upgrade from 5).
+    kept = f"exists with delivery limit {TOPOLOGY.delivery_limit}, not JOBRELAY_DELIVERY_LIMIT"
+    with pytest.raises(TransportError, match="topology mismatch") as refused:
         await changed.connect()
+    assert kept in str(refused.value)
+    assert f"JOBRELAY_DELIVERY_LIMIT={TOPOLOGY.delivery_limit} to keep" in str(refused.value)
 
 
 @pytest.mark.rabbitmq

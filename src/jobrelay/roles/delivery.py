@@ -41,6 +41,7 @@ from jobrelay.observe import logs
 from jobrelay.operations.base import Registry
 from jobrelay.roles.attempt import AttemptRun
 from jobrelay.roles.backoff import Backoff
+from jobrelay.roles.isolation import Isolation, is_suspect
 from jobrelay.roles.leases import LeaseRenewer
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.threads import SyncThreads, ThreadSlot
@@ -99,6 +100,8 @@ class DeliveryHandler:
         self.threads = SyncThreads(settings.sync_threads, settings.sync_abandoned_max, rt.metrics)
         # Every running claim's lease, renewed in one statement (one renewer per worker).
         self.leases = LeaseRenewer(rt, lease, rt.settings.cancel_check_seconds)
+        # Runs together, or a suspect alone (``roles.isolation``).
+        self.isolation = Isolation()
         # Deliveries of each job being claimed or run in this process (a lost claim's reply
         # is adopted only by the one delivery that holds the job here).
         self._holding: Counter[str] = Counter()
@@ -159,10 +162,11 @@ class DeliveryHandler:
                 message.job_id, message.type, self.worker_id, self.rt.clock(), self.lease, **meta
             )
 
-        claimed = await self._claim(message.job_id, claim)
-        if claimed is not None:
-            await self._run(delivery, *claimed)
-            return
+        async with self.isolation.shared():
+            claimed = await self._claim(message.job_id, claim)
+            if claimed is not None:
+                await self._run(delivery, *claimed)
+                return
         for _ in range(_MAX_DECISION_ROUNDS):
             job = await self.rt.store.get_job(message.job_id)
             if job is None:
@@ -261,10 +265,19 @@ class DeliveryHandler:
                     )
                     return None if won is None else (won, job, job.state)
 
-                claimed = await self._claim(job.id, claim)
-                if claimed is None:
-                    return False
-                await self._run(delivery, *claimed)
+                # A suspect (its last attempt's worker was lost) is claimed and run alone.
+                suspect = is_suspect(job)
+                if suspect:
+                    log.info(
+                        "suspect: its last attempt's worker was lost; run alone in this worker",
+                        extra={"event": "suspect_alone", "jobId": job.id, "attempt": job.attempt},
+                    )
+                turn = self.isolation.alone() if suspect else self.isolation.shared()
+                async with turn:
+                    claimed = await self._claim(job.id, claim)
+                    if claimed is None:
+                        return False
+                    await self._run(delivery, *claimed)
                 return True
         raise AssertionError(decision)  # pragma: no cover
 

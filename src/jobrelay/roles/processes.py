@@ -279,7 +279,10 @@ async def declare_broker(settings: Settings) -> str:
     try:
         await declare_topology(settings.broker_url, topology)
     except TransportError as exc:
-        raise ConfigError("JOBRELAY_BROKER_URL", f"broker unreachable: {exc}") from None
+        # A broker that answered and refused the topology is no unreachable one.
+        refused = str(exc).startswith("topology mismatch")
+        reason = str(exc) if refused else f"broker unreachable: {exc}"
+        raise ConfigError("JOBRELAY_BROKER_URL", reason) from None
     where = await placements(settings.broker_url, settings.broker_management_url, topology.names())
     declared = f"declared {EXCHANGE}, {DEAD_LETTER_EXCHANGE}, {', '.join(topology.names())}"
     return f"{declared}\n{render(where)}"

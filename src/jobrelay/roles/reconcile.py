@@ -1,7 +1,7 @@
 """The reconciler: find jobs that fell between two hand-offs, repair what is safe, report the rest.
 
 It runs inside every ``jobrelay relay`` (one leader at a time) every ``reconcile_seconds``, and
-on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for five things, each at least
+on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for six things, each at least
 ``reconcile_grace_seconds`` overdue so that the normal path gets its chance first:
 
 - ``lease_expired``: ``running``, but the worker's lease ran out (it died, and no redelivery
@@ -13,18 +13,21 @@ on demand as ``jobrelay reconcile [--dry-run]``. A pass looks for five things, e
   Repair: re-send the retry as a work message, once per wait; still overdue after that, the
   pass only reports it (are workers consuming?).
 - ``queued_unclaimed``: ``queued`` and unchanged for the grace period (so never claimed in
-  this wait), no message of it waiting in the outbox, and its newest message confirmed by the
-  broker more than the grace period ago. Judged by the job's age and that confirm time alone,
-  never by the depth of the work queue, so a lost message is found on a busy system too: the
-  broker no longer has it (its delivery limit dead-lettered it after repeated returns from
-  killed workers, or someone purged the queue), or a busy worker sits on it, or, on a queue
-  whose backlog takes longer than the grace period to drain, it is still waiting its turn.
-  Repair: re-send the work message, as often as it stays lost, with back-off: the n-th
-  re-send of a wait once the copy before it was confirmed ``grace * 2^(n-1)`` ago (at most
-  an hour apart), so a message lost twice is sent a third time and a worker outage does
-  not pile up copies. A surplus copy costs one extra message, never a second run: the
-  worker acks it as a duplicate (or defers it while the job runs). Between re-sends the
-  pass reports it.
+  this wait), no message of it waiting in the outbox, its newest message confirmed by the
+  broker more than the grace period ago, and that message gone: its queue has moved past it
+  (more of the jobs of its queue published after it were claimed than the consuming
+  workers' windows could hold before it), or the live workers of its queue sat idle for the
+  grace period (``storage.queue_progress``). No constant grace tells a lost message from one
+  waiting its turn behind a long backlog; the queue's progress does, however deep it is.
+  Usually the delivery limit dead-lettered it after repeated returns from killed workers, or
+  someone purged the queue. Repair: re-send the work message, as often as it stays lost,
+  with back-off: the n-th re-send of a wait once the copy before it was confirmed
+  ``grace * 2^(n-1)`` ago (at most an hour apart), so a message lost twice is sent a third
+  time. A surplus copy costs one extra message, never a second run: the worker acks it as a
+  duplicate (or defers it while the job runs). Between re-sends the pass reports it.
+- ``not_consuming``: jobs of a queue wait as above and no live worker consumes the queue (no
+  worker heartbeat naming it lately). One finding per queue, and nothing re-sent: its
+  messages wait in the broker, and copies would only pile up.
 - Jobs of a queue an operator has paused, or resumed less than the grace period ago, are
   neither re-sent nor reported as ``retry_overdue`` or ``queued_unclaimed``: their messages
   wait in the broker on purpose, and a long pause would otherwise look like a lost message.
@@ -67,6 +70,7 @@ from jobrelay.roles.leadership import LOCK_KEY, Leadership
 from jobrelay.roles.prune import Pruner
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.queue_pauses import pauses
+from jobrelay.storage.queue_progress import queue_progress
 from jobrelay.storage.repairs import RepairQueries, WaitingJob
 
 log = logging.getLogger("jobrelay.reconcile")
@@ -76,7 +80,15 @@ RETRY_OVERDUE = "retry_overdue"
 QUEUED_UNCLAIMED = "queued_unclaimed"
 OUTBOX_STALE = "outbox_stale"
 QUARANTINE_MISMATCH = "quarantine_mismatch"
-FINDINGS = (LEASE_EXPIRED, RETRY_OVERDUE, QUEUED_UNCLAIMED, OUTBOX_STALE, QUARANTINE_MISMATCH)
+NOT_CONSUMING = "not_consuming"
+FINDINGS = (
+    LEASE_EXPIRED,
+    RETRY_OVERDUE,
+    QUEUED_UNCLAIMED,
+    OUTBOX_STALE,
+    QUARANTINE_MISMATCH,
+    NOT_CONSUMING,
+)
 
 _BATCH = 500
 _MOVED = "left alone, the job moved on meanwhile"
@@ -265,39 +277,80 @@ class Reconciler:
     async def _unclaimed_queued(
         self, report: Report, before: datetime, now: datetime, held: set[str]
     ) -> None:
-        grace = self.rt.settings.reconcile_grace_seconds
+        """A ``queued`` job is re-sent only when its message is gone, never because it waited
+        longer than the grace: a backlog longer than any constant grace is normal. Gone means
+        the queue has moved past it (more of the jobs published after it were claimed than
+        the consuming workers' windows could hold before it), or its workers sat idle for the
+        whole grace period. With no worker consuming its queue, the pass says so instead."""
+        by_queue: dict[str, list[WaitingJob]] = {}
         for waiting in await self.queries.unclaimed_queued(before, self.batch):
-            job = waiting.job
-            if job.queue in held:
+            if waiting.job.queue not in held:
+                by_queue.setdefault(waiting.job.queue, []).append(waiting)
+        # A worker beats every heartbeat_seconds: one seen within three beats is alive.
+        beats = 3 * self.rt.settings.heartbeat_seconds
+        alive_since = now - timedelta(seconds=max(beats, self.rt.settings.reconcile_grace_seconds))
+        for queue, waits in by_queue.items():
+            oldest = min((w.confirmed_at or before) for w in waits)
+            progress = await queue_progress(
+                self.rt.store, queue, before, oldest, self.rt.settings.prefetch, alive_since
+            )
+            if not progress.consumers:
+                self._not_consuming(report, queue, waits, now)
                 continue
-            what = (
-                f"queued {_age(job.updated_at, now)}, its message confirmed "
-                f"{_age(waiting.confirmed_at, now)} ago and never claimed"
+            for waiting in waits:
+                if progress.active and not progress.moved_past(waiting.confirmed_at):
+                    continue  # waiting its turn: its queue is moving and has not passed it
+                await self._resend_unclaimed(report, waiting, before, now)
+
+    def _not_consuming(
+        self, report: Report, queue: str, waits: list[WaitingJob], now: datetime
+    ) -> None:
+        """One finding per queue: its messages wait in the broker, no copy would help."""
+        oldest = min((w.confirmed_at or now) for w in waits)
+        more = "" if len(waits) < self.batch else " or more"
+        report.findings.append(
+            Finding(
+                NOT_CONSUMING,
+                None,
+                f"queue {queue}: {len(waits)}{more} job(s) queued, the oldest message "
+                f"confirmed {_age(oldest, now)} ago, and no live worker consumes the queue: "
+                "workers are not consuming (nothing re-sent; start a worker with this queue)",
             )
-            if waiting.resends:
-                wait = min(grace * 2**waiting.resends, max(grace, RESEND_BACKOFF_MAX))
-                due = (waiting.confirmed_at or now) + timedelta(seconds=wait)
-                what += f", re-sent {waiting.resends} time(s) already"
-                if due > now:
-                    report.findings.append(
-                        Finding(
-                            QUEUED_UNCLAIMED,
-                            job.id,
-                            f"{what}: next re-send in {_age(now, due)} unless it is claimed "
-                            "(are workers consuming?)",
-                        )
+        )
+
+    async def _resend_unclaimed(
+        self, report: Report, waiting: WaitingJob, before: datetime, now: datetime
+    ) -> None:
+        grace = self.rt.settings.reconcile_grace_seconds
+        job = waiting.job
+        what = (
+            f"queued {_age(job.updated_at, now)}, its message confirmed "
+            f"{_age(waiting.confirmed_at, now)} ago and never claimed"
+        )
+        if waiting.resends:
+            wait = min(grace * 2**waiting.resends, max(grace, RESEND_BACKOFF_MAX))
+            due = (waiting.confirmed_at or now) + timedelta(seconds=wait)
+            what += f", re-sent {waiting.resends} time(s) already"
+            if due > now:
+                report.findings.append(
+                    Finding(
+                        QUEUED_UNCLAIMED,
+                        job.id,
+                        f"{what}: next re-send in {_age(now, due)} unless it is claimed "
+                        "(are workers consuming?)",
                     )
-                    continue
-            repaired = not report.dry_run and await self.queries.requeue_unclaimed(
-                job.id, before, now, self.actor
-            )
-            if repaired:
-                self.rt.metrics.reconcile_repairs.labels(finding=QUEUED_UNCLAIMED).inc()
-            action = "re-sent" if repaired else ("would re-send" if report.dry_run else _MOVED)
-            why = ": the broker lost or dead-lettered it, or a worker holds it"
-            report.findings.append(
-                Finding(QUEUED_UNCLAIMED, job.id, f"{what}{why}: {action}", repaired)
-            )
+                )
+                return
+        repaired = not report.dry_run and await self.queries.requeue_unclaimed(
+            job.id, before, now, self.actor
+        )
+        if repaired:
+            self.rt.metrics.reconcile_repairs.labels(finding=QUEUED_UNCLAIMED).inc()
+        action = "re-sent" if repaired else ("would re-send" if report.dry_run else _MOVED)
+        why = ": its queue moved past it or sat idle, so the broker lost or dead-lettered it"
+        report.findings.append(
+            Finding(QUEUED_UNCLAIMED, job.id, f"{what}{why}: {action}", repaired)
+        )
 
     async def _resend_once(
         self,
@@ -402,4 +455,12 @@ class Reconciler:
                         await stop.wait()
 
 
-__all__ = ["FINDINGS", "LOCK_KEY", "Finding", "Leadership", "Reconciler", "Report"]
+__all__ = [
+    "FINDINGS",
+    "LOCK_KEY",
+    "NOT_CONSUMING",
+    "Finding",
+    "Leadership",
+    "Reconciler",
+    "Report",
+]

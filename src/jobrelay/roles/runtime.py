@@ -198,4 +198,7 @@ async def _connect(transport: Transport) -> None:
     try:
         await transport.connect()
     except TransportError as exc:
-        raise ConfigError("JOBRELAY_BROKER_URL", f"broker unreachable: {exc}") from None
+        # A broker that answered and refused the topology is no unreachable one.
+        refused = str(exc).startswith("topology mismatch")
+        reason = str(exc) if refused else f"broker unreachable: {exc}"
+        raise ConfigError("JOBRELAY_BROKER_URL", reason) from None

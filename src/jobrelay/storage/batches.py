@@ -46,7 +46,7 @@ from jobrelay import fastjson
 from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
-from jobrelay.storage.claims import claimable, fenced, guard_sql, holds
+from jobrelay.storage.claims import claimable_delivered, fenced, guard_sql, holds
 from jobrelay.storage.hot_path import COMPLETABLE, claimed_detail, result_saved_detail
 from jobrelay.storage.pg_hot import HotStatement
 from jobrelay.storage.records import Claim, JobRecord, Renewed, job_record, jsonable
@@ -59,7 +59,7 @@ _RUNNING = JobState.RUNNING.value
 # The guards are the policy's, from ``claims`` (the one place that states them), written
 # over the statements' own columns: the store's clock (``clock.now``) and the request arrays.
 _CLAIMABLE = guard_sql(
-    claimable(
+    claimable_delivered(
         literal_column("clock.now", UTCDateTime()),
         literal_column("clock.now + :b_slack", UTCDateTime()),
     )

@@ -15,6 +15,8 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     and_,
+    func,
+    not_,
     or_,
     select,
     update,
@@ -23,7 +25,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from jobrelay.domain.disclosure import public_detail
+from jobrelay.domain.disclosure import WORKER_LOST, public_detail
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.policy import RETRY_SLACK, JobView
 from jobrelay.domain.states import JobState, sources_for
@@ -97,6 +99,36 @@ def claimable(now: ColumnElement[datetime], due_by: ColumnElement[datetime]) -> 
     ]
 
 
+_LOST_PREFIX = f"{WORKER_LOST}:"
+
+
+def suspect() -> ColumnElement[bool]:
+    """The job's last attempt ended with its worker lost: it may be what killed the worker.
+
+    Among claimable jobs: ``running`` (claimable only once its lease has expired, so its
+    worker died or froze) or ``retry_wait`` after the reconciler ended such an attempt
+    (``worker_lost``). A worker claims a suspect alone (``roles.isolation``), never in a
+    batch beside healthy jobs, so a job that kills its worker takes no neighbour with it.
+    """
+    return or_(
+        jobs.c.state == JobState.RUNNING.value,
+        and_(
+            jobs.c.state == JobState.RETRY_WAIT.value,
+            # A prefix compared without LIKE (no ``%`` to escape in the statements' text), and
+            # never NULL: ``NOT`` of an unknown would refuse every claim of such a row.
+            func.coalesce(func.substr(jobs.c.public_error, 1, len(_LOST_PREFIX)), "")
+            == _LOST_PREFIX,
+        ),
+    )
+
+
+def claimable_delivered(now: ColumnElement[datetime], due_by: ColumnElement[datetime]) -> list[Any]:
+    """``claimable`` for the claims a delivery makes without reading the job first (one by
+    one or in a batch): never a suspect. A suspect loses there, is read, and is claimed by
+    ``claim_job`` once its worker runs nothing else."""
+    return [*claimable(now, due_by), not_(suspect())]
+
+
 def guard_sql(guards: list[Any], dialect: Dialect | None = None) -> str:
     """Guards as SQL text (PostgreSQL's unless ``dialect``), for the statements written in
     SQL (``batches``, ``sqlite_batches``).
@@ -168,6 +200,10 @@ class ClaimsStore(StoreBase):
     def claimable(self) -> list[Any]:
         """``claimable`` on the store's clock (the database's, or the one a test injects)."""
         return claimable(self.now_sql(), self.now_sql(RETRY_SLACK))
+
+    def claimable_delivered(self) -> list[Any]:
+        """``claimable_delivered`` on the store's clock."""
+        return claimable_delivered(self.now_sql(), self.now_sql(RETRY_SLACK))
 
     def claim_values(self, worker_id: str, now: datetime, lease: timedelta) -> dict[str, Any]:
         return {

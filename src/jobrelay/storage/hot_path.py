@@ -161,7 +161,7 @@ class HotPathStore(ClaimsStore):
         values["lease_expires_at"] = self.now_sql() + bindparam("hp_lease", type_=Interval())
         claimed = (
             update(jobs)
-            .where(jobs.c.id == before.c.id, *self.claimable())
+            .where(jobs.c.id == before.c.id, *self.claimable_delivered())
             .values(**values)
             .returning(*jobs.c, before.c[_FROM_STATE])
             .cte("claimed")
@@ -205,7 +205,7 @@ class HotPathStore(ClaimsStore):
         row = (
             await conn.execute(
                 update(jobs)
-                .where(jobs.c.id == job_id, *self.claimable())
+                .where(jobs.c.id == job_id, *self.claimable_delivered())
                 .values(**self.claim_values(worker_id, now, lease))
                 .returning(*jobs.c, literal(state).label(_FROM_STATE))
             )

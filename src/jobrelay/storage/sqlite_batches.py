@@ -36,7 +36,7 @@ from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreDataError
 from jobrelay.storage.base import StoreBase
-from jobrelay.storage.claims import claimable, fenced, guard_sql
+from jobrelay.storage.claims import claimable_delivered, fenced, guard_sql
 from jobrelay.storage.hot_path import COMPLETABLE, HotPathStore, result_saved_detail
 from jobrelay.storage.records import Claim, JobRecord, job_record, jsonable
 from jobrelay.storage.sqlite_hot import DIALECT, RowReader, run, sqlite_statement
@@ -67,7 +67,9 @@ def _by_id(guard: str) -> str:
 
 _CLAIMABLE = _by_id(
     guard_sql(
-        claimable(literal_column(":now", UTCDateTime()), literal_column(":due_by", UTCDateTime())),
+        claimable_delivered(
+            literal_column(":now", UTCDateTime()), literal_column(":due_by", UTCDateTime())
+        ),
         DIALECT,
     )
 )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from typing import Any
 
 import aio_pika
@@ -116,8 +117,24 @@ async def declare(channel: AbstractChannel, topology: Topology) -> None:
     await quarantine.bind(dlx, QUARANTINE_ROUTING_KEY)
 
 
+# RabbitMQ's refusal of a work queue declared with another delivery limit than it has.
+_LIMIT_MISMATCH = re.compile(
+    r"inequivalent arg 'x-delivery-limit' for queue '([^']*)'.*current is (?:the value )?'(\d+)'"
+)
+
+
 def declare_error(exc: BaseException) -> TransportError:
     if isinstance(exc, aiormq.exceptions.ChannelPreconditionFailed):
+        if found := _LIMIT_MISMATCH.search(str(exc)):
+            # Typically an upgrade from the older default (5): RabbitMQ changes no argument
+            # of an existing queue, so the operator chooses.
+            queue, current = found.groups()
+            return TransportError(
+                f"topology mismatch: queue {queue} exists with delivery limit {current}, not "
+                f"JOBRELAY_DELIVERY_LIMIT; a queue argument cannot change in place: set "
+                f"JOBRELAY_DELIVERY_LIMIT={current} to keep the queue as it is, or drain and "
+                "delete it to declare it anew (docs/reference/topology.md)"
+            )
         return TransportError(
             "topology mismatch: a jobrelay queue exists with other arguments (another delivery "
             f"limit, or declared by an older version); delete it or align the settings: {exc}"
