@@ -367,3 +367,24 @@ async def test_healthy_def_jobs_behind_hung_ones_run_on_their_first_attempt(
             assert sample(p.rt, "jobrelay_sync_threads_abandoned_total") == 2
         finally:
             stuck_release.set()
+
+
+def _watchdogs() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "jobrelay-loop-watch" and t.is_alive()}
+
+
+async def test_a_worker_whose_startup_fails_leaves_no_watchdog_running(rt: Runtime) -> None:
+    before = _watchdogs()  # another test's, ending by itself: not this worker's
+    worker = Worker(rt)
+
+    async def refused() -> None:
+        raise RuntimeError("startup refused")
+
+    worker.gate.refresh = refused  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="startup refused"):
+        await worker.run(asyncio.Event())
+
+    async def stopped() -> bool:
+        return not (_watchdogs() - before)
+
+    await eventually(stopped, timeout=30, what="the worker's loop watchdog thread to stop")
