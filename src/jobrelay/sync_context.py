@@ -112,7 +112,9 @@ class SyncJobContext(Generic[P]):
             ) from None
 
     def result_key(self, filename: str) -> str:
-        """A stable key for an object of this job: the same for every attempt."""
+        """The key to write this job's object under: the same for every attempt. On
+        ``s3://`` each attempt's upload lands beside it, at ``<stem>.attempt-N.<ext>``,
+        and that is the job's ``resultKey``."""
         return self._ctx.result_key(filename)
 
     def follow_up(
