@@ -103,11 +103,13 @@ async def test_sqlite_write_lock_held_past_the_lease_loses_no_claim(
     path = sqlite_url.removeprefix("sqlite:///")
 
     async def held_lock(job_ids: list[str], wait: Callable[[], Awaitable[None]]) -> None:
-        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        # Blocking calls, so off the loop: a worker's write transaction open at that moment
+        # must be able to commit meanwhile; and SQLite's own 30 s, not the 5 s default.
+        other = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
         try:
-            other.execute("BEGIN IMMEDIATE")
+            await asyncio.to_thread(other.execute, "BEGIN IMMEDIATE")
             await wait()
-            other.execute("ROLLBACK")
+            await asyncio.to_thread(other.execute, "ROLLBACK")
         finally:
             other.close()
 
