@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import socket
@@ -47,7 +48,7 @@ from jobrelay.roles.heartbeat import heartbeat
 from jobrelay.roles.loop_watch import LoopWatch
 from jobrelay.roles.queue_gate import QueueGate
 from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.slots import Slots
+from jobrelay.roles.slots import Slots, delivery_slots
 from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.queue_pauses import paused_queues
 from jobrelay.transport.base import Delivery
@@ -253,7 +254,7 @@ class Worker:
         (``roles.slots``): the rest wait unclaimed in the transport's prefetch, the next
         batch of claims at hand.
         """
-        foreign = set(slots.busy)
+        foreign = set(slots.busy) | slots.aside  # a delivery set aside is still unsettled
         changed = asyncio.Event()  # a foreign task ended: slots to ask the broker for
 
         def foreign_ended(task: asyncio.Task[None]) -> None:
@@ -348,7 +349,9 @@ class Worker:
                 await deliveries.aclose()  # type: ignore[attr-defined]
 
     def _start(self, delivery: Delivery, slots: Slots, in_flight: set[asyncio.Task[None]]) -> None:
-        task = asyncio.create_task(self._handle_safely(delivery))
+        context = contextvars.copy_context()
+        context.run(delivery_slots.set, slots)  # a def job waiting for a thread sets it aside
+        task = asyncio.create_task(self._handle_safely(delivery), context=context)
         slots.started(task)
         in_flight.add(task)
         task.add_done_callback(in_flight.discard)
