@@ -85,7 +85,9 @@ class JobContext(Generic[P]):
         await self._report_progress(done, total)
 
     def result_key(self, filename: str) -> str:
-        """A stable key for an object of this job: the same for every attempt."""
+        """The key to write this job's object under: the same for every attempt. On
+        ``s3://`` each attempt's upload lands beside it (``writer``), at
+        ``<stem>.attempt-N.<ext>``, and that is the job's ``resultKey``."""
         return f"{self.job_type}/{self.job_id}/{filename}"
 
     def writer(self, key: str) -> ResultSession:

@@ -46,8 +46,9 @@ class Settings(BaseSettings):
     prefetch: int = Field(default=256, ge=1, le=5000)
     # Jobs a worker runs at once per queue (capped by ``prefetch``); each is claimed only
     # when it has a slot, so a crash never spends an attempt of a job that was not started.
+    # A def job's delivery waiting for a thread gives its slot up meanwhile.
     concurrency: int = Field(default=16, ge=1, le=1000)
-    # Threads that run plain ``def`` jobs, per process (an app's bounded pool).
+    # Threads that run plain ``def`` jobs, per worker (its own pool, shared by its queues).
     sync_threads: int = Field(default=8, ge=1, le=256)
     # Abandoned def job bodies (past their time limit, lease or cancel; a thread cannot be
     # interrupted) a worker replaces with new threads while they run on; past it they keep

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from jobrelay.roles.threads import ThreadSlot
 
 P = TypeVar("P", bound=BaseModel)
-# How long a thread's ``ctx.progress`` waits for the loop to record it.
+# How long a thread's ``ctx.progress`` waits for the loop to record it; the write is not
+# cancelled then (it goes on), the body just stops waiting for it.
 PROGRESS_WAIT_SECONDS = 10.0
 
 log = logging.getLogger("jobrelay.worker")
@@ -87,7 +88,8 @@ class SyncJobContext(Generic[P]):
         return self._ctx.follow_ups
 
     def progress(self, done: int, total: int) -> None:
-        """Record how far the job is (waits up to ``PROGRESS_WAIT_SECONDS`` for the write).
+        """Record how far the job is (waits up to ``PROGRESS_WAIT_SECONDS`` for the write,
+        then returns while the write goes on).
 
         Raises ``AttemptSuperseded`` once the lease is lost: the body should stop.
         """
@@ -97,9 +99,10 @@ class SyncJobContext(Generic[P]):
         try:
             future.result(PROGRESS_WAIT_SECONDS)
         except concurrent.futures.TimeoutError:
-            future.cancel()
+            # The body goes on; the write is left to finish on the loop, never cancelled
+            # inside its statement (the driver would throw its connection away).
             log.warning(
-                "progress not recorded in time",
+                "progress not recorded in time (the write goes on without the job waiting)",
                 extra={"event": "progress_timeout", "jobId": self.job_id},
             )
         except concurrent.futures.CancelledError:
@@ -109,7 +112,9 @@ class SyncJobContext(Generic[P]):
             ) from None
 
     def result_key(self, filename: str) -> str:
-        """A stable key for an object of this job: the same for every attempt."""
+        """The key to write this job's object under: the same for every attempt. On
+        ``s3://`` each attempt's upload lands beside it, at ``<stem>.attempt-N.<ext>``,
+        and that is the job's ``resultKey``."""
         return self._ctx.result_key(filename)
 
     def follow_up(

@@ -6,9 +6,9 @@ the server does with a connection): a request head over the limit is a ``431`` a
 connection is closed, and the memory is not kept; a connection that sends nothing, or
 trickles its head, is closed at the head deadline, and one that trickles its body (with or
 without a token) at the body deadline; a response the client does not read is cut off at the
-write deadline; connections over the cap, or over one address's cap, get a ``503`` and are
-closed; what the parser cannot read is a problem+json ``400``; no ``server`` header names
-the software. These are the HTTP server's limits,
+write deadline, one read slowly but steadily is not; connections over the cap, or over one
+address's cap, get a ``503`` and are closed; what the parser cannot read is a problem+json
+``400``; no ``server`` header names the software. These are the HTTP server's limits,
 below the application: the same on every database and broker, so SQLite stands for both.
 """
 
@@ -282,6 +282,24 @@ def test_a_response_never_read_is_cut_off_at_the_write_deadline(api: Api) -> Non
     with api.connect("127.0.4.1", receive_buffer=4096) as sock:
         sock.sendall(asset * 6)
         poll(lambda: tcp_state(sock) != 1, PATIENCE, "the server to drop the connection")
+
+
+def test_a_slow_reader_that_keeps_reading_is_not_cut_off(api: Api) -> None:
+    # The 10 MB of the test above, read 1 KiB every 0.1 s (10 KB/s): far slower than the
+    # server's buffers drain in a write deadline, but the client takes some all along; for
+    # four deadlines it must keep its connection.
+    asset = b"GET /docs/assets/swagger-ui-bundle.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with api.connect("127.0.4.2", receive_buffer=4096) as sock:
+        sock.sendall(asset * 6)
+        received = 0
+        reading_until = time.monotonic() + 4 * WRITE_TIMEOUT
+        while time.monotonic() < reading_until:
+            chunk = sock.recv(1024)  # a reset: ConnectionResetError
+            assert chunk, f"closed after {received} bytes"
+            received += len(chunk)
+            time.sleep(0.1)  # the reader's pace, not a wait for the server
+        assert tcp_state(sock) == 1
+        assert received < 1_000_000  # still in the middle of the first response, as meant
 
 
 def test_a_request_the_parser_rejects_is_a_problem_json_400(api: Api) -> None:

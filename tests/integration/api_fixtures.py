@@ -11,13 +11,16 @@ make the broker alone fail, with a chosen exception.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+from pydantic import BaseModel
 
+import jobrelay
 from jobrelay.api import create_app
 from jobrelay.api.auth import hash_token, new_token
 from jobrelay.observe.faults import Faults
@@ -116,6 +119,34 @@ def build_runtime(
         topology=topology,
         clock=clock,
     )
+
+
+class Ping(BaseModel):
+    """The params of a job that does nothing: for tests of how a job is enqueued."""
+
+    n: int
+
+
+def ping_app(job_type: str) -> tuple[jobrelay.App, jobrelay.JobDefinition[Ping]]:
+    """An app of one job, ``job_type``, that does nothing (enqueueable over HTTP)."""
+    app = jobrelay.App()
+
+    async def ping(ctx: jobrelay.JobContext[Ping], params: Ping) -> None:
+        return None
+
+    return app, app.job(job_type, params=Ping, http=True)(ping)
+
+
+@contextlib.asynccontextmanager
+async def runtime_with_app(
+    app: jobrelay.App, database_url: str, tmp_path: Path
+) -> AsyncIterator[Runtime]:
+    """``build_runtime`` running ``app`` (a test module's own jobs); disposed at the end."""
+    runtime = dataclasses.replace(build_runtime(database_url, tmp_path), app=app)
+    try:
+        yield runtime
+    finally:
+        await runtime.engine.dispose()
 
 
 async def make_token(runtime: Runtime, account_id: str | None, *, admin: bool = False) -> str:

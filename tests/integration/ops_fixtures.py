@@ -1,5 +1,8 @@
 """Helpers shared by the operations tests (operator actions, reconciler, metrics, tracing).
 
+``held_runs`` is the hand-driven setup of the lease tests: three jobs run at once by one
+worker, each held until the test lets them return.
+
 ``backend`` runs a test once on SQLite + the local transport and once on PostgreSQL +
 RabbitMQ; ``make_pipeline`` builds the in-process pipeline of pipeline.py on it. The store
 helpers put a job into a given state the way the pipeline would (claim, then an outcome),
@@ -10,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,11 +23,16 @@ import pytest
 
 from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
+from jobrelay.exports.seed import seed
+from jobrelay.operations.base import OperationContext, OperationResult, Registry
 from jobrelay.roles.runtime import Runtime
+from jobrelay.roles.worker import Worker
 from jobrelay.storage.store import NewJob, Store
 from tests.id_keys import request_id
 
 from .pipeline import pipeline, settings_for
+from .test_claims import ROWS, HandDelivery, body_of, events_of, job_state, submit
+from .test_outcomes import Scripted, Step
 
 T = TypeVar("T")
 WORKER = "host-w:1:abcdef"
@@ -106,3 +115,62 @@ async def eventually(
             return value
         await asyncio.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+PERIODS = ("2020-01", "2020-02", "2020-03")
+
+
+@dataclass
+class HeldRuns:
+    """Three jobs (one per ``PERIODS``) handed to one worker by hand, their runs under way."""
+
+    rt: Runtime
+    job_ids: list[str]
+    deliveries: list[HandDelivery]
+    runs: list[asyncio.Task[None]]
+    operation: Scripted
+    worker: Worker
+    release: asyncio.Event  # set: the held runs return
+
+    async def all_running(self) -> None:
+        async def running() -> bool:
+            states = [await job_state(self.rt, job_id) for job_id in self.job_ids]
+            return states == [(JobState.RUNNING, 1)] * len(self.job_ids)
+
+        await eventually(running, what="three claims")
+
+    async def all_succeed(self) -> None:
+        """Let them return: every job succeeds at attempt 1, acked, having lost no lease,
+        and each ran once."""
+        self.release.set()
+        await asyncio.wait_for(asyncio.gather(*self.runs), timeout=60)
+        for job_id, delivery in zip(self.job_ids, self.deliveries, strict=True):
+            assert await job_state(self.rt, job_id) == (JobState.SUCCEEDED, 1)
+            assert await events_of(self.rt, job_id, "lease_lost") == []
+            assert delivery.outcomes == ["ack"]
+        assert self.operation.runs == {period: 1 for period in PERIODS}
+
+
+async def held_runs(
+    rt: Runtime,
+    returns: Callable[[OperationContext], OperationResult] = lambda ctx: OperationResult(
+        None, {"rows": 0}
+    ),
+    steps: Mapping[str, Step] | None = None,
+) -> HeldRuns:
+    """Seed the ledger, submit the three jobs and hand them to one worker (``w-1``). Each
+    run waits for ``release``, then gives ``returns(ctx)``; ``steps`` replaces the held
+    step of the periods it names."""
+    await seed(rt.engine, ROWS)
+    job_ids = [await submit(rt, period=period) for period in PERIODS]
+    release = asyncio.Event()
+
+    async def held(ctx: OperationContext) -> OperationResult:
+        await release.wait()
+        return returns(ctx)
+
+    operation = Scripted({period: held for period in PERIODS} | dict(steps or {}))
+    worker = Worker(rt, registry=Registry([operation]), worker_id="w-1")
+    deliveries = [HandDelivery(body_of(job_id)) for job_id in job_ids]
+    runs = [asyncio.create_task(worker.handle(d)) for d in deliveries]
+    return HeldRuns(rt, job_ids, deliveries, runs, operation, worker, release)

@@ -23,7 +23,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from pydantic import BaseModel
 from sqlalchemy import create_engine, make_url, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -36,28 +35,27 @@ from jobrelay.storage.engine import read_only
 from jobrelay.storage.store import Store
 from jobrelay.storage.tables import job_events, jobs, outbox
 
-from .api_fixtures import Clock, api_client, bearer, build_runtime, make_token
+from .api_fixtures import (
+    Clock,
+    Ping,
+    api_client,
+    bearer,
+    build_runtime,
+    make_token,
+    ping_app,
+    runtime_with_app,
+)
 
-app = jobrelay.App()
+app, ping = ping_app("skew.ping")
 
 # 1 ms: SQLite's clock has millisecond resolution; PostgreSQL's is exact.
 RESOLUTION = timedelta(milliseconds=1)
 
 
-class Ping(BaseModel):
-    n: int
-
-
-@app.job("skew.ping", params=Ping, http=True)
-async def ping(ctx: jobrelay.JobContext[Ping], params: Ping) -> None:
-    return None
-
-
 @pytest.fixture
 async def rt(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
-    runtime = dataclasses.replace(build_runtime(database_url, tmp_path), app=app)
-    yield runtime
-    await runtime.engine.dispose()
+    async with runtime_with_app(app, database_url, tmp_path) as runtime:
+        yield runtime
 
 
 # Host ahead: delay=5 used to wait 125 s. Host behind: delay=60 used to run at once.

@@ -5,14 +5,12 @@ as part of the request for idempotency. On SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
 from sqlalchemy import create_engine, func, make_url, select
 
 import jobrelay
@@ -20,30 +18,20 @@ from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.engine import read_only
 from jobrelay.storage.tables import jobs, outbox
 
-from .api_fixtures import api_client, bearer, build_runtime, make_token
+from .api_fixtures import Ping, api_client, bearer, make_token, ping_app, runtime_with_app
 from .test_cli_job_ids import (
     cli,
     restore_logging,  # noqa: F401 (its autouse fixture)
 )
 from .test_cli_jobs_list import submit
 
-app = jobrelay.App()
-
-
-class Ping(BaseModel):
-    n: int
-
-
-@app.job("later.ping", params=Ping, http=True)
-async def ping(ctx: jobrelay.JobContext[Ping], params: Ping) -> None:
-    return None
+app, ping = ping_app("later.ping")
 
 
 @pytest.fixture
 async def rt(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
-    runtime = dataclasses.replace(build_runtime(database_url, tmp_path), app=app)
-    yield runtime
-    await runtime.engine.dispose()
+    async with runtime_with_app(app, database_url, tmp_path) as runtime:
+        yield runtime
 
 
 async def held(rt: Runtime, job_id: str) -> tuple[datetime | None, datetime | None]:

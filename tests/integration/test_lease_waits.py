@@ -17,25 +17,12 @@ from typing import Any
 
 from sqlalchemy import text
 
-from jobrelay.domain.states import JobState
-from jobrelay.operations.base import OperationContext, OperationResult, Registry
+from jobrelay.operations.base import OperationContext, OperationResult
 from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.worker import Worker
 
-from .test_claims import (
-    ROWS,
-    HandDelivery,
-    body_of,
-    events_of,
-    eventually,
-    job_state,
-    runtime_for,
-    seed,
-    submit,
-)
-from .test_outcomes import Scripted
+from .ops_fixtures import held_runs
+from .test_claims import eventually, runtime_for
 
-PERIODS = ("2020-01", "2020-02", "2020-03")
 LEASE = 1.5
 HOLD = 3
 
@@ -46,25 +33,10 @@ async def _three_jobs_through(
     """Run three jobs, held until ``held_lock`` (given the job ids and a wait for a renewal
     to be under way) has held its lock and let it go; then every job must succeed at
     attempt 1 with no lost lease."""
-    await seed(rt.engine, ROWS)
-    job_ids = [await submit(rt, period=period) for period in PERIODS]
-    release = asyncio.Event()
-
-    async def held(ctx: OperationContext) -> OperationResult:
-        await release.wait()
-        return OperationResult(None, {"rows": 0})
-
-    operation = Scripted({period: held for period in PERIODS})
-    worker = Worker(rt, registry=Registry([operation]), worker_id="w-1")
-    deliveries = [HandDelivery(body_of(job_id)) for job_id in job_ids]
-    runs = [asyncio.create_task(worker.handle(d)) for d in deliveries]
-
-    async def all_running() -> bool:
-        states = [await job_state(rt, job_id) for job_id in job_ids]
-        return states == [(JobState.RUNNING, 1)] * 3
-
-    await eventually(all_running, "three claims")
-    renewer = worker.deliveries.leases
+    held = await held_runs(rt)
+    runs = held.runs
+    await held.all_running()
+    renewer = held.worker.deliveries.leases
 
     async def renewal_under_way() -> None:
         sent = renewer.statements
@@ -74,7 +46,7 @@ async def _three_jobs_through(
         await asyncio.sleep(HOLD * LEASE)
         assert not any(run.done() for run in runs), "a run was stopped while the lock was held"
 
-    await held_lock(job_ids, renewal_under_way)
+    await held_lock(held.job_ids, renewal_under_way)
     # The lock is free: the next renewal's answer (not a client timeout) decides.
     after = renewer.statements
 
@@ -83,14 +55,8 @@ async def _three_jobs_through(
 
     await eventually(renewed_since, "a renewal after the lock")
     assert not any(run.done() for run in runs), "a run was stopped once the lock was let go"
-    release.set()
-    await asyncio.wait_for(asyncio.gather(*runs), timeout=60)
-    for job_id, delivery in zip(job_ids, deliveries, strict=True):
-        assert await job_state(rt, job_id) == (JobState.SUCCEEDED, 1)
-        assert await events_of(rt, job_id, "lease_lost") == []
-        assert delivery.outcomes == ["ack"]
-    assert operation.runs == {period: 1 for period in PERIODS}
-    return job_ids
+    await held.all_succeed()
+    return held.job_ids
 
 
 async def test_sqlite_write_lock_held_past_the_lease_loses_no_claim(
@@ -103,11 +69,13 @@ async def test_sqlite_write_lock_held_past_the_lease_loses_no_claim(
     path = sqlite_url.removeprefix("sqlite:///")
 
     async def held_lock(job_ids: list[str], wait: Callable[[], Awaitable[None]]) -> None:
-        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        # Blocking calls, so off the loop: a worker's write transaction open at that moment
+        # must be able to commit meanwhile; and SQLite's own 30 s, not the 5 s default.
+        other = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
         try:
-            other.execute("BEGIN IMMEDIATE")
+            await asyncio.to_thread(other.execute, "BEGIN IMMEDIATE")
             await wait()
-            other.execute("ROLLBACK")
+            await asyncio.to_thread(other.execute, "ROLLBACK")
         finally:
             other.close()
 
@@ -181,13 +149,6 @@ async def test_a_completion_holding_its_lock_past_the_lease_costs_no_neighbour_i
     rt = runtime_for(database_url, tmp_path, lease_seconds=LEASE)
     slow = _SlowPublish(rt.results)
     rt = dataclasses.replace(rt, results=slow)
-    await seed(rt.engine, ROWS)
-    job_ids = [await submit(rt, period=period) for period in PERIODS]
-    release = asyncio.Event()
-
-    async def held(ctx: OperationContext) -> OperationResult:
-        await release.wait()
-        return OperationResult(None, {"rows": 0})
 
     async def writes(ctx: OperationContext) -> OperationResult:
         key = f"exports/acme/{ctx.job.id}.csv"
@@ -195,12 +156,10 @@ async def test_a_completion_holding_its_lock_past_the_lease_costs_no_neighbour_i
             await out.write(b"entry_id,amount\r\n")
         return OperationResult(key, {"rows": 0})
 
-    operation = Scripted({"2020-01": held, "2020-02": writes, "2020-03": held})
-    worker = Worker(rt, registry=Registry([operation]), worker_id="w-1")
-    deliveries = [HandDelivery(body_of(job_id)) for job_id in job_ids]
-    runs = [asyncio.create_task(worker.handle(d)) for d in deliveries]
+    held = await held_runs(rt, steps={"2020-02": writes})
+    runs = held.runs
     await asyncio.wait_for(slow.entered.wait(), 30)  # the completion holds its lock now
-    renewer = worker.deliveries.leases
+    renewer = held.worker.deliveries.leases
     neighbours = [runs[0], runs[2]]
 
     async def renewed_since(count: int) -> bool:
@@ -215,11 +174,5 @@ async def test_a_completion_holding_its_lock_past_the_lease_costs_no_neighbour_i
     after = renewer.statements
     await eventually(lambda: renewed_since(after), "a renewal after the lock")
     assert not any(run.done() for run in neighbours), "a neighbour stopped after the lock"
-    release.set()
-    await asyncio.wait_for(asyncio.gather(*runs), timeout=60)
-    for job_id, delivery in zip(job_ids, deliveries, strict=True):
-        assert await job_state(rt, job_id) == (JobState.SUCCEEDED, 1)
-        assert await events_of(rt, job_id, "lease_lost") == []
-        assert delivery.outcomes == ["ack"]
-    assert operation.runs == {period: 1 for period in PERIODS}
+    await held.all_succeed()
     await rt.engine.dispose()

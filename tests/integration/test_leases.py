@@ -14,25 +14,12 @@ from typing import Any
 from sqlalchemy import update
 
 from jobrelay.domain.states import JobState
-from jobrelay.operations.base import OperationContext, OperationResult, Registry
-from jobrelay.roles.worker import Worker
+from jobrelay.operations.base import OperationResult
 from jobrelay.storage.store import Claim
 from jobrelay.storage.tables import jobs
 
-from .test_claims import (
-    ROWS,
-    HandDelivery,
-    body_of,
-    events_of,
-    eventually,
-    job_state,
-    runtime_for,
-    seed,
-    submit,
-)
-from .test_outcomes import Scripted
-
-PERIODS = ("2020-01", "2020-02", "2020-03")
+from .ops_fixtures import PERIODS, held_runs
+from .test_claims import events_of, job_state, runtime_for
 
 
 async def test_a_lost_lease_in_a_batch_cancels_only_that_job(
@@ -42,16 +29,6 @@ async def test_a_lost_lease_in_a_batch_cancels_only_that_job(
     three). Another claim takes one of them over: the next renewal cancels that run alone
     (``lease_lost``, acked); the other two keep running, are renewed, and succeed at attempt 1."""
     rt = runtime_for(database_url, tmp_path, lease_seconds=1.5)
-    await seed(rt.engine, ROWS)
-    job_ids = [await submit(rt, period=period) for period in PERIODS]
-    victim = job_ids[1]
-    release = asyncio.Event()
-
-    async def held(ctx: OperationContext) -> OperationResult:
-        await release.wait()
-        return OperationResult(f"exports/{ctx.job.params['period']}.csv", {"rows": 1})
-
-    operation = Scripted({period: held for period in PERIODS})
     store: Any = rt.store
     renew = store.renew_leases
     sizes: list[int] = []
@@ -62,22 +39,19 @@ async def test_a_lost_lease_in_a_batch_cancels_only_that_job(
         return won
 
     store.renew_leases = counted
-    worker = Worker(rt, registry=Registry([operation]), worker_id="w-1")
-    deliveries = [HandDelivery(body_of(job_id)) for job_id in job_ids]
-    runs = [asyncio.create_task(worker.handle(d)) for d in deliveries]
-
-    async def all_running() -> bool:
-        states = [await job_state(rt, job_id) for job_id in job_ids]
-        return states == [(JobState.RUNNING, 1)] * 3
-
-    await eventually(all_running, "three claims")
+    held = await held_runs(
+        rt, lambda ctx: OperationResult(f"exports/{ctx.job.params['period']}.csv", {"rows": 1})
+    )
+    job_ids, deliveries, runs = held.job_ids, held.deliveries, held.runs
+    victim = job_ids[1]
+    await held.all_running()
     async with rt.engine.begin() as conn:  # another worker's claim of the victim
         await conn.execute(
             update(jobs).where(jobs.c.id == victim).values(attempt=2, lease_owner="w-thief")
         )
     await asyncio.wait_for(runs[1], timeout=30)  # its run was stopped; the others still run
     assert not runs[0].done() and not runs[2].done()
-    release.set()
+    held.release.set()
     await asyncio.wait_for(asyncio.gather(*runs), timeout=30)
 
     lost = await events_of(rt, victim, "lease_lost")
@@ -88,6 +62,6 @@ async def test_a_lost_lease_in_a_batch_cancels_only_that_job(
         assert deliveries[i].outcomes == ["ack"]
         assert await events_of(rt, job_ids[i], "lease_lost") == []
     assert await events_of(rt, victim, "result_saved") == []
-    assert operation.runs == {period: 1 for period in PERIODS}
+    assert held.operation.runs == {period: 1 for period in PERIODS}
     assert 3 in sizes, sizes  # the three leases went in one statement
     await rt.engine.dispose()

@@ -124,6 +124,11 @@ async def blocker(ctx: jobrelay.JobContext[Item], params: Item) -> None:
     time.sleep(1.5)  # noqa: ASYNC251 -- on purpose: no job or timer runs meanwhile
 
 
+@app.job("limits.ping", params=Item)
+async def ping(ctx: jobrelay.JobContext[Item], params: Item) -> jobrelay.Result:
+    return jobrelay.Result(meta={"n": params.n})
+
+
 @pytest.fixture
 async def rt(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
     runtime = build_runtime(database_url, tmp_path)
@@ -341,6 +346,39 @@ async def test_a_blocked_event_loop_is_reported_naming_the_job(
         assert (sample(p.rt, "jobrelay_event_loop_lag_seconds_count") or 0) >= 1
 
 
+async def test_past_the_abandoned_cap_async_jobs_still_run_beside_waiting_def_jobs(
+    make_pipeline: Any,
+) -> None:
+    stuck_release.clear()
+    hung_started.clear()
+    settings = {"sync_threads": "1", "sync_abandoned_max": "0", "concurrency": "2"}
+    async with make_pipeline(app=APP, prefetch="10", **settings) as p:
+        try:
+            p.start_relay()
+            await p.start_worker()
+            hung_id = await enqueue(p.rt, hung)
+            await p.wait_for(hung_id, lambda j: j.state is S.QUARANTINED, timeout=60)
+            assert hung_started == [0]  # abandoned past the cap: it keeps the only thread
+
+            # More def jobs than slots arrive first, and wait for a thread; behind them on
+            # the same queue an async def job must still get a slot and run.
+            waiting = [await enqueue(p.rt, quick, n=n) for n in range(3)]
+            ping_id = await enqueue(p.rt, ping, n=9)
+            # Within 30 s: the hung body gives its thread back by itself after 60 s.
+            done = await p.wait_for(ping_id, lambda j: j.state.is_terminal, timeout=30)
+            assert done.state is S.SUCCEEDED and done.attempt == 1, done
+            for job_id in waiting:  # still unclaimed: no lease, no attempt spent
+                job = await p.rt.store.get_job(job_id)
+                assert job is not None and job.state is S.QUEUED and job.attempt == 0, job
+
+            stuck_release.set()  # the abandoned body returns: the def jobs take its thread
+            for job_id in waiting:
+                job = await p.wait_for(job_id, lambda j: j.state.is_terminal, timeout=60)
+                assert job.state is S.SUCCEEDED and job.attempt == 1, job
+        finally:
+            stuck_release.set()
+
+
 async def test_healthy_def_jobs_behind_hung_ones_run_on_their_first_attempt(
     make_pipeline: Any,
 ) -> None:
@@ -367,3 +405,24 @@ async def test_healthy_def_jobs_behind_hung_ones_run_on_their_first_attempt(
             assert sample(p.rt, "jobrelay_sync_threads_abandoned_total") == 2
         finally:
             stuck_release.set()
+
+
+def _watchdogs() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "jobrelay-loop-watch" and t.is_alive()}
+
+
+async def test_a_worker_whose_startup_fails_leaves_no_watchdog_running(rt: Runtime) -> None:
+    before = _watchdogs()  # another test's, ending by itself: not this worker's
+    worker = Worker(rt)
+
+    async def refused() -> None:
+        raise RuntimeError("startup refused")
+
+    worker.gate.refresh = refused  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="startup refused"):
+        await worker.run(asyncio.Event())
+
+    async def stopped() -> bool:
+        return not (_watchdogs() - before)
+
+    await eventually(stopped, timeout=30, what="the worker's loop watchdog thread to stop")

@@ -18,10 +18,20 @@ An attempt that lost, failed or was cancelled discards what it staged (deletes i
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from jobrelay.results.base import ResultSession, ResultStore
+
+log = logging.getLogger("jobrelay.results")
+
+
+def _stored_key(session: ResultSession) -> str | None:
+    """Where a session stored its bytes, if it wrote them whole."""
+    try:
+        return session.result.key
+    except RuntimeError:  # never written whole
+        return None
 
 
 class StagingResults:
@@ -91,5 +101,16 @@ class StagingResults:
         if self._named and not lost:
             return
         for session in self._sessions:
-            with contextlib.suppress(Exception):
+            try:
                 await session.discard()
+            except Exception as exc:  # best effort, but never silent: the object is left
+                key = _stored_key(session) or next(
+                    (asked for asked, each in self._stored.items() if each is session), "?"
+                )
+                log.warning(
+                    "staged result %s of a lost attempt could not be deleted: %s (it is never "
+                    "served; delete it by hand)",
+                    key,
+                    exc,
+                    extra={"event": "result_discard_failed", "key": key},
+                )

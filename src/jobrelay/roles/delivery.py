@@ -16,6 +16,7 @@ in this process holds the same job; otherwise the attempt would be spent without
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -44,6 +45,7 @@ from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.isolation import Isolation, is_suspect
 from jobrelay.roles.leases import LeaseRenewer
 from jobrelay.roles.runtime import Runtime
+from jobrelay.roles.slots import delivery_slots
 from jobrelay.roles.threads import SyncThreads, ThreadSlot
 from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest, JobRecord
@@ -134,7 +136,7 @@ class DeliveryHandler:
             return
         logs.bind(jobId=message.job_id)
         # A def job's thread is taken before its claim: waiting for one, it is not claimed.
-        thread = await self.threads.take() if self._in_thread(message.type) else None
+        thread = await self._take_thread() if self._in_thread(message.type) else None
         held = _thread.set(thread)
         self._holding[message.job_id] += 1
         try:
@@ -146,6 +148,22 @@ class DeliveryHandler:
             self._holding[message.job_id] -= 1
             if self._holding[message.job_id] <= 0:
                 del self._holding[message.job_id]
+
+    async def _take_thread(self) -> ThreadSlot:
+        """A thread for a def job; while none is free, the delivery gives its job slot up
+        (``Slots.set_aside``), so the worker's async def jobs keep running, and takes one
+        back once it has its thread, before it is claimed."""
+        slots, task = delivery_slots.get(), asyncio.current_task()
+        if slots is None or task is None or self.threads.held < self.threads.size:
+            return await self.threads.take()
+        slots.set_aside(task)
+        thread = await self.threads.take()
+        try:
+            await slots.take_back(task)
+        except BaseException:
+            thread.release()
+            raise
+        return thread
 
     def _in_thread(self, job_type: str) -> bool:
         return bool(getattr(self.registry.get(job_type), "in_thread", False))

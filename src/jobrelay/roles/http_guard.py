@@ -25,7 +25,8 @@ So this subclass of the httptools protocol adds, per connection:
 - **a write deadline** (``JOBRELAY_API_WRITE_TIMEOUT_SECONDS``): while the server has more to
   send than the transport buffers (a result download, a large page), the client must take
   some of it in time, else the connection is dropped; a slow reader that keeps reading is not
-  cut off, a client that stopped reading is;
+  cut off (what waits for it, the transport's buffer and the kernel's send queue, went down:
+  the deadline starts again), a client that stopped reading is;
 - **a connection cap** (``JOBRELAY_API_MAX_CONNECTIONS``), and a cap per client address
   (``JOBRELAY_API_MAX_CONNECTIONS_PER_ADDRESS``; not for the trusted proxies' addresses,
   where every client arrives): a connection over either is answered ``503`` with
@@ -44,11 +45,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import http
 import ipaddress
 import json
 import socket
 import struct
+import termios
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +61,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 _LINGER_SECONDS = 2.0  # how long a refused connection's remaining bytes are read and dropped
 _HEAD_END = b"\r\n\r\n"
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
+_OUTQ: int | None = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ on Linux sockets
 
 
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -109,6 +113,7 @@ class _Guarded(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._unsent_at_timer = 0  # what the client had yet to take when the timer was set
         self._counted: str | None = None  # the address this connection counts against
         # Every request cycle of this connection not yet answered: uvicorn marks only the
         # last one parsed disconnected, not a pipelined one that is writing its response.
@@ -152,7 +157,24 @@ class _Guarded(HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.limits.write_timeout, self._stalled)
+            self._arm_write_timer()
+
+    def _arm_write_timer(self) -> None:
+        self._unsent_at_timer = self._unsent()
+        self._write_timer = self.loop.call_later(self.limits.write_timeout, self._stalled)
+
+    def _unsent(self) -> int:
+        """What the client has yet to take: the transport's buffer and, on Linux, the
+        kernel's send queue (SIOCOUTQ: bytes not yet acknowledged). The kernel's queue is
+        what a reader empties first: the transport's buffer moves only once megabytes of
+        it have drained, so it alone would not show a slow reader reading."""
+        unsent = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and _OUTQ is not None:
+            with contextlib.suppress(OSError, ValueError):  # closed meanwhile: the buffer
+                queued = fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0")
+                unsent += struct.unpack("i", queued)[0]
+        return unsent
 
     def resume_writing(self) -> None:
         self._cancel_write_timer()
@@ -165,6 +187,9 @@ class _Guarded(HttpToolsProtocol):
 
     def _stalled(self) -> None:
         self._write_timer = None
+        if self._unsent() < self._unsent_at_timer:
+            self._arm_write_timer()  # the client took some in time: a slow reader, reading
+            return
         # Nothing can be said to a client that does not read: drop what is buffered, here
         # and in the kernel (a reset, not a FIN queued behind megabytes the client never
         # takes), and the connection; the responses still writing see a disconnect.

@@ -9,7 +9,9 @@ the loop can notice that, so a thread does: every ``_TICK_SECONDS`` it asks the 
 ``jobrelay_event_loop_lag_seconds`` histogram; a lag past ``JOBRELAY_LOOP_LAG_WARN_SECONDS``
 is logged at WARNING while the loop is still blocked, naming the job the loop is running
 (its task, ``job_task_name``) and the other ``async def`` jobs on it, and counted in
-``jobrelay_event_loop_blocked_total``.
+``jobrelay_event_loop_blocked_total``. Within one stall it is logged again when a job is
+found running that was not named (a lag of the machine warned about naming none, then a
+job blocking the loop before it answered), counted once.
 """
 
 from __future__ import annotations
@@ -75,15 +77,25 @@ class LoopWatch:
             except RuntimeError:  # the loop is closed: the worker is gone
                 return
             if not answered.wait(self.warn_seconds):
-                self._blocked(loop, time.monotonic() - asked)
-                while not answered.wait(1.0):
+                named = self._blocked(loop, time.monotonic() - asked)
+                while not answered.wait(_TICK_SECONDS):
                     if self._stop.is_set() or loop.is_closed():
                         return
+                    # Still the same stall, but a job now runs in it (a lag of the machine
+                    # just before a job blocked the loop was warned about naming none): say
+                    # it again, so the block is named.
+                    current = _job_of(asyncio.current_task(loop))
+                    if current is not None and current != named:
+                        named = self._blocked(loop, time.monotonic() - asked, again=True)
             self.metrics.loop_lag.observe(time.monotonic() - asked)
 
-    def _blocked(self, loop: asyncio.AbstractEventLoop, lag: float) -> None:
-        """Said while the loop is still blocked, so the job named is the one blocking it."""
-        self.metrics.loop_blocked.inc()
+    def _blocked(
+        self, loop: asyncio.AbstractEventLoop, lag: float, *, again: bool = False
+    ) -> tuple[str, str] | None:
+        """Said while the loop is still blocked, so the job named is the one blocking it;
+        the job named (counted once per stall: ``again`` names the job found later in it)."""
+        if not again:
+            self.metrics.loop_blocked.inc()
         current = _job_of(asyncio.current_task(loop))
         on_loop: list[tuple[str, str]] = []
         # Read from this thread while the loop is blocked: it changes no task meanwhile. A
@@ -109,3 +121,4 @@ class LoopWatch:
                 "types": sorted({job_type for _, job_type in jobs}),
             },
         )
+        return current

@@ -11,6 +11,7 @@ the database's answer "another claim holds the job" stops the run, as a lost lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ class Progress:
         self._lost = lost  # the claim is gone: stop the run as a lost lease would
         self._pending: tuple[int, int] | None = None  # the newest figures not yet written
         self._retry: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()  # the retry stops, between two writes
 
     async def report(self, done: int, total: int) -> None:
         """Write ``done``/``total`` now, or leave it to the retry under way; raises
@@ -49,17 +51,28 @@ class Progress:
 
     async def flush(self) -> None:
         """A write still pending gets a few more tries before the outcome is committed (the
-        outcome's own write waits out an outage anyway), then is given up with the log."""
-        self.close()
+        outcome's own write waits out an outage anyway), then is given up with the log.
+
+        A retry's write under way is waited for, never cancelled: cancelled inside its
+        statement, the driver throws the connection away (on aiosqlite that leaves a close
+        task that can hang the loop's shutdown). Its statement is bounded by the database's
+        own timeouts."""
+        retry = self._stop_retry()
+        if retry is not None:
+            await asyncio.wait({retry})  # cancelled meanwhile, the retry still ends by itself
+            self._retry = None
         for pause in _FLUSH_PAUSES:
             if self._pending is None or await self._write() is not None:
                 return
             await asyncio.sleep(pause)
 
     def close(self) -> None:
-        if self._retry is not None:
-            self._retry.cancel()
-            self._retry = None
+        """The attempt ended: no more retries; a write under way finishes by itself."""
+        self._stop_retry()
+
+    def _stop_retry(self) -> asyncio.Task[None] | None:
+        self._stopping.set()
+        return self._retry  # kept referenced until it ends
 
     async def _write(self) -> bool | None:
         """True: written (or nothing to write); False: the claim is lost; None: not taken."""
@@ -85,7 +98,10 @@ class Progress:
     async def _retry_until_written(self) -> None:
         pause = _RETRY_FIRST_SECONDS
         while self._pending is not None:
-            await asyncio.sleep(pause)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), pause)
+            if self._stopping.is_set():
+                return
             pause = min(pause * 2, _RETRY_MAX_SECONDS)
             if await self._write() is False:
                 return

@@ -11,11 +11,22 @@ of a job it had not started.
 A reservation is made before the transport is asked for the next delivery and is carried by
 the delivery until it starts (``started``): two consumers of one queue (a session's first and
 the ones added as earlier work frees its slots) never both take the last slot.
+
+A started delivery that waits for something else than the job's own work, a ``def`` job's
+delivery waiting for a thread of the worker (``roles.threads``), is set aside meanwhile: its
+slot is free for the next delivery, so ``async def`` jobs run on while every thread is held,
+and it takes a slot back (waiting for one) once it has its thread, before its claim.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+
+# The slots of the delivery a task handles (set by the consume loop; None when handled alone).
+delivery_slots: contextvars.ContextVar[Slots | None] = contextvars.ContextVar(
+    "delivery_slots", default=None
+)
 
 
 class Slots:
@@ -23,6 +34,7 @@ class Slots:
         self.limit = limit
         self.busy = busy  # the queue's deliveries started and not yet finished
         self.reserved = 0  # taken from the transport, or being taken, and not yet started
+        self.aside: set[asyncio.Task[None]] = set()  # started, holding no slot meanwhile
         self._freed = asyncio.Event()
 
     @property
@@ -47,6 +59,21 @@ class Slots:
         self.busy.add(task)
         task.add_done_callback(self._ended)
 
+    def set_aside(self, task: asyncio.Task[None]) -> None:
+        """``task`` waits for something else (a thread): its slot is free meanwhile."""
+        self.busy.discard(task)
+        self.aside.add(task)
+        self._freed.set()
+
+    async def take_back(self, task: asyncio.Task[None]) -> None:
+        """Wait for a free slot for ``task`` set aside; it is busy again (cancelled while it
+        waits, it stays aside until it ends)."""
+        await self.reserve()
+        self.reserved -= 1
+        self.aside.discard(task)
+        self.busy.add(task)
+
     def _ended(self, task: asyncio.Task[None]) -> None:
         self.busy.discard(task)
+        self.aside.discard(task)
         self._freed.set()

@@ -13,7 +13,9 @@ at WARNING naming the job. Up to ``JOBRELAY_SYNC_ABANDONED_MAX`` abandoned bodie
 running, each is replaced: its slot is given to a new thread, so ``JOBRELAY_SYNC_THREADS``
 jobs keep running beside them. Past that cap an abandoned body keeps its slot until it
 returns; once every slot is held so, ``def`` jobs wait unclaimed and the worker says so at
-ERROR (restart it to get its threads back; its ``async def`` jobs run on meanwhile).
+ERROR (restart it to get its threads back; its ``async def`` jobs run on meanwhile: a
+delivery waiting for a thread gives its job slot up, ``Slots.set_aside``, and keeps only its
+place in the broker window).
 The executor is sized for both (threads + cap), so a taken slot always has a thread.
 """
 

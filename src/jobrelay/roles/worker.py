@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import socket
@@ -47,7 +48,7 @@ from jobrelay.roles.heartbeat import heartbeat
 from jobrelay.roles.loop_watch import LoopWatch
 from jobrelay.roles.queue_gate import QueueGate
 from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.slots import Slots
+from jobrelay.roles.slots import Slots, delivery_slots
 from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.queue_pauses import paused_queues
 from jobrelay.transport.base import Delivery
@@ -146,12 +147,37 @@ class Worker:
         halt = asyncio.Event()  # stop is set, or a consumer ended: every consumer stops
         settings = self.rt.settings
         watchdog = LoopWatch(self.rt.metrics, settings.loop_lag_warn_seconds, self.worker_id)
-        watchdog.start()
-        self.timeline.start_batching()
-        await self.gate.refresh()
-        watching = asyncio.create_task(self.gate.watch())
-        beating = contextlib.AsyncExitStack()
-        await beating.enter_async_context(heartbeat(self.rt, self.worker_id, "worker", self.queues))
+        # What the worker starts is stopped on every way out, a failed startup included, and
+        # each of these even when one before it fails or is cancelled (last in, first out).
+        async with contextlib.AsyncExitStack() as started:
+            started.callback(self._log_stopped)
+            beating = await started.enter_async_context(contextlib.AsyncExitStack())
+            started.push_async_callback(self.timeline.close)
+            started.callback(watchdog.stop)
+            watchdog.start()
+            started.callback(self.deliveries.threads.close)
+            started.push_async_callback(self.deliveries.leases.close)
+            self.timeline.start_batching()
+            await self.gate.refresh()
+            watching = asyncio.create_task(self.gate.watch())
+            started.callback(watching.cancel)
+            await beating.enter_async_context(
+                heartbeat(self.rt, self.worker_id, "worker", self.queues)
+            )
+            await self._consume_all(stop, prefetch, concurrency, halt, in_flight)
+
+    def _log_stopped(self) -> None:
+        log.info("worker stopped", extra={"event": "worker_stopped", "handled": self.handled})
+
+    async def _consume_all(
+        self,
+        stop: asyncio.Event,
+        prefetch: int,
+        concurrency: int,
+        halt: asyncio.Event,
+        in_flight: set[asyncio.Task[None]],
+    ) -> None:
+        """The consumers until ``stop`` or one of them ends, then the drain."""
         consumers = [
             asyncio.create_task(self._consume(queue, prefetch, concurrency, halt, in_flight))
             for queue in self.queues
@@ -167,7 +193,6 @@ class Worker:
             raise
         finally:
             stopping.cancel()
-            watching.cancel()
             halt.set()
             # Each consumer stops first: what was prefetched but not started goes back to the
             # broker now, and the deliveries in flight stay settleable while they drain.
@@ -181,12 +206,6 @@ class Worker:
                 await asyncio.gather(*in_flight, return_exceptions=True)
             if self._probe is not None:
                 self._probe.cancel()
-            await self.deliveries.leases.close()
-            self.deliveries.threads.close()
-            watchdog.stop()
-            await self.timeline.close()
-            await beating.aclose()
-            log.info("worker stopped", extra={"event": "worker_stopped", "handled": self.handled})
         for consumer in consumers:  # a consumer that failed fails the worker
             failure = None if consumer.cancelled() else consumer.exception()
             if failure is not None:
@@ -235,7 +254,7 @@ class Worker:
         (``roles.slots``): the rest wait unclaimed in the transport's prefetch, the next
         batch of claims at hand.
         """
-        foreign = set(slots.busy)
+        foreign = set(slots.busy) | slots.aside  # a delivery set aside is still unsettled
         changed = asyncio.Event()  # a foreign task ended: slots to ask the broker for
 
         def foreign_ended(task: asyncio.Task[None]) -> None:
@@ -330,7 +349,9 @@ class Worker:
                 await deliveries.aclose()  # type: ignore[attr-defined]
 
     def _start(self, delivery: Delivery, slots: Slots, in_flight: set[asyncio.Task[None]]) -> None:
-        task = asyncio.create_task(self._handle_safely(delivery))
+        context = contextvars.copy_context()
+        context.run(delivery_slots.set, slots)  # a def job waiting for a thread sets it aside
+        task = asyncio.create_task(self._handle_safely(delivery), context=context)
         slots.started(task)
         in_flight.add(task)
         task.add_done_callback(in_flight.discard)
