@@ -37,6 +37,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.domain.delays import Delay
+from jobrelay.domain.queues import DEFAULT_QUEUE, QUEUE_NAME
 from jobrelay.errors import ConfigError
 from jobrelay.job_definition import JobDefinition as JobDefinition
 from jobrelay.job_definition import JobFunction, P, check_params_model, unknown_type
@@ -45,7 +46,6 @@ from jobrelay.settings import Settings
 from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import JobRecord
 from jobrelay.sync_context import SyncJobFunction
-from jobrelay.transport.topology import DEFAULT_QUEUE, QUEUE_NAME
 
 if TYPE_CHECKING:
     from fastapi import APIRouter

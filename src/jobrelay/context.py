@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -24,10 +24,15 @@ from jobrelay.results.base import ResultSession, ResultStore
 from jobrelay.storage.engine import read_only, snapshot
 from jobrelay.storage.records import NewJob
 
-if TYPE_CHECKING:
-    from jobrelay.job_definition import JobDefinition
-
 P = TypeVar("P", bound=BaseModel)
+
+
+class JobType(Protocol):
+    """A job definition as ``follow_up`` takes it (a ``JobDefinition`` is one: named here,
+    since the definitions' module imports this one)."""
+
+    @property
+    def type(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class JobContext(Generic[P]):
         engine: AsyncEngine,
         lease_lost: asyncio.Event,
         report_progress: Callable[[int, int], Awaitable[None]],
-        make_follow_up: Callable[[JobDefinition[Any] | str, BaseModel | Mapping[str, Any]], NewJob],
+        make_follow_up: Callable[[JobType | str, BaseModel | Mapping[str, Any]], NewJob],
         fault_point: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.job_id = job_id
@@ -98,9 +103,7 @@ class JobContext(Generic[P]):
         job's ``resultKey`` (return ``key``: the worker records where it went)."""
         return self._results.writer(key, staged=True)
 
-    def follow_up(
-        self, job: JobDefinition[Any] | str, params: BaseModel | Mapping[str, Any]
-    ) -> str:
+    def follow_up(self, job: JobType | str, params: BaseModel | Mapping[str, Any]) -> str:
         """A job created in the SAME transaction as this job's success, once: its id is
         derived from this job's, so a second success of this job cannot make a second one.
 

@@ -10,14 +10,14 @@ import difflib
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from jobrelay.context import JobContext, Result
+from jobrelay.context import JobContext, JobType, Result
 from jobrelay.domain import delays
 from jobrelay.domain.delays import Delay, RunTime
 from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
@@ -32,11 +32,9 @@ from jobrelay.storage.dbapi import (
     run_dbapi,
 )
 from jobrelay.storage.enqueue import Steps, new_job_steps, run_async, run_sync
+from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import NewJob, work_destination
 from jobrelay.sync_context import SyncJobFunction, run_in_thread, runs_in_thread
-
-if TYPE_CHECKING:
-    from jobrelay.app import App
 
 P = TypeVar("P", bound=BaseModel)
 JobFunction = Callable[[JobContext[P], P], Awaitable[Result | None]]
@@ -123,12 +121,23 @@ def _schema_missing_hint(where: str) -> Iterator[None]:
         raise
 
 
+class Owner(Protocol):
+    """What a definition needs of the ``App`` that defined it (the app imports this module,
+    so the definition sees it through this)."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def included_types(self) -> frozenset[str]: ...
+    def id_key_cache(self, engine: Engine | str) -> IdKeyCache: ...
+
+
 class JobDefinition(Generic[P]):
     """One job type of an ``App``: how to enqueue it, and (for the worker) how to run it."""
 
     def __init__(
         self,
-        app: App,
+        app: Owner,
         name: str,
         fn: JobFunction[P] | SyncJobFunction[P],
         params: type[P],
@@ -325,13 +334,17 @@ class JobDefinition(Generic[P]):
             raise PermanentError(str(InvalidParams(self.type, _field_errors(exc)))) from None
         job = ctx.job
 
-        def follow_up(target: JobDefinition[Any] | str, p: BaseModel | Mapping[str, Any]) -> NewJob:
+        def follow_up(target: JobType | str, p: BaseModel | Mapping[str, Any]) -> NewJob:
             if isinstance(target, JobDefinition):
                 return target.new_job(
                     p,
                     account=job.account_id,
                     job_id=follow_up_job_id(job.id, target.type),
                     max_attempts=target._max_attempts or job.max_attempts,
+                )
+            if not isinstance(target, str):
+                raise ConfigError(
+                    "ctx.follow_up", f"{target!r} is not a job definition or a type name"
                 )
             if target not in self.app.included_types:
                 raise ConfigError("ctx.follow_up", unknown_type(target, self.app.included_types))

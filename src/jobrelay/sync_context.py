@@ -29,8 +29,7 @@ from pydantic import BaseModel
 from jobrelay.errors import AttemptSuperseded, ConfigError
 
 if TYPE_CHECKING:
-    from jobrelay.context import JobContext
-    from jobrelay.job_definition import JobDefinition
+    from jobrelay.context import JobContext, JobType
     from jobrelay.roles.threads import ThreadSlot
 
 P = TypeVar("P", bound=BaseModel)
@@ -117,9 +116,7 @@ class SyncJobContext(Generic[P]):
         and that is the job's ``resultKey``."""
         return self._ctx.result_key(filename)
 
-    def follow_up(
-        self, job: JobDefinition[Any] | str, params: BaseModel | Mapping[str, Any]
-    ) -> str:
+    def follow_up(self, job: JobType | str, params: BaseModel | Mapping[str, Any]) -> str:
         """``JobContext.follow_up``: a job created with this job's success, once."""
         return self._ctx.follow_up(job, params)
 

@@ -70,6 +70,7 @@ from sqlalchemy import select
 
 from jobrelay.domain.ids import request_hash
 from jobrelay.domain.policy import RETRY_SLACK
+from jobrelay.domain.queues import retry_seconds
 from jobrelay.domain.states import JobState, can_transition
 from jobrelay.exports.seed import seed
 from jobrelay.loader import default_registry
@@ -85,7 +86,6 @@ from jobrelay.storage.engine import create_engine, upgrade
 from jobrelay.storage.repairs import RECONCILED_LEASE, RECONCILED_QUEUED, RECONCILED_RETRY
 from jobrelay.storage.store import WORK_DESTINATION, EventRecord, JobRecord, NewJob, Store
 from jobrelay.storage.tables import job_events, outbox
-from jobrelay.transport.topology import retry_seconds
 from tests.id_keys import request_id
 
 ACCOUNTS = ("acme", "globex", "initech")  # seeded, like every month of 2020

@@ -21,13 +21,14 @@ import aio_pika
 import pytest
 from sqlalchemy import insert, select
 
+from jobrelay.domain.queues import WORK_ROUTING_KEY
 from jobrelay.domain.states import JobState
 from jobrelay.roles.relay import Relay
 from jobrelay.roles.runtime import Runtime, open_runtime, utc_now
 from jobrelay.roles.worker import Worker
 from jobrelay.storage.tables import jobs, outbox
 from jobrelay.transport.rabbitmq import RabbitTransport
-from jobrelay.transport.topology import EXCHANGE, WORK_QUEUE, WORK_ROUTING_KEY
+from jobrelay.transport.topology import EXCHANGE, WORK_QUEUE
 
 from .pipeline import settings_for
 from .transport_fixtures import rabbitmqctl, wait_until

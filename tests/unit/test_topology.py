@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from jobrelay.domain.queues import destination, parse_destination
 from jobrelay.storage.records import retry_destination, work_destination
 from jobrelay.transport.rabbitmq import retry_queue_arguments
-from jobrelay.transport.topology import (
-    Topology,
-    destination,
-    parse_destination,
-    retry_queue,
-    work_queue,
-)
+from jobrelay.transport.topology import Topology, retry_queue, work_queue
 
 
 def test_destinations_map_both_ways() -> None:

@@ -21,7 +21,7 @@ from jobrelay.chaos.verdict import Mail, Verdict, World, as_json
 from jobrelay.ops.quarantine_scan import browse_rabbitmq
 
 if TYPE_CHECKING:
-    from jobrelay.chaos.run import ChaosOptions
+    from jobrelay.chaos.options import ChaosOptions
 
 console = Console(stderr=True, highlight=False, width=120)
 

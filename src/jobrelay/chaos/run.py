@@ -28,9 +28,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 import httpx
 from aiobotocore.session import get_session
@@ -40,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobrelay.chaos.broker_faults import NodeFaults
 from jobrelay.chaos.clients import Clients, Record
 from jobrelay.chaos.cluster import Cluster, Role
+from jobrelay.chaos.options import ChaosOptions
 from jobrelay.chaos.plan import (
     POISON_ACCOUNT,
     POISON_PERIOD,
@@ -53,7 +52,7 @@ from jobrelay.chaos.rabbit_cluster import ClusterError, RabbitCluster
 from jobrelay.chaos.report import FaultLog, object_versions, print_table
 from jobrelay.chaos.report import report as make_report
 from jobrelay.chaos.report import world as read_world
-from jobrelay.chaos.sandbox import ChaosSetupError, Sandbox, Services
+from jobrelay.chaos.sandbox import ChaosSetupError, Sandbox
 from jobrelay.chaos.sinks import MailServer, S3Server, free_port
 from jobrelay.chaos.verdict import Verdict, judge, summary_line
 from jobrelay.storage import audit
@@ -62,8 +61,6 @@ from jobrelay.storage.store import Store
 from jobrelay.transport.topology import QUARANTINE_QUEUE
 
 console = Console(stderr=True, highlight=False, width=120)
-WORKERS = ("worker-1", "worker-2")
-RELAYS = ("relay-1", "relay-2")
 MAIL_FROM = "jobrelay@example.com"
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "chaos",
@@ -89,33 +86,6 @@ TUNING = {
     # The clients submit as fast as the cluster accepts, from one token per account.
     "JOBRELAY_RATE_LIMIT": "off",
 }
-
-
-@dataclass
-class ChaosOptions:
-    jobs: int = 2000
-    seed: int = 1
-    profile: str = "full"
-    poison: int = 3
-    concurrency: int = 8
-    rate: float | None = None  # submissions per second; None: spread over the fault plan
-    settle_timeout: float = 240.0
-    crash_timeout: float = 30.0
-    out_dir: Path = Path("chaos-results")
-    keep: bool = False
-    services: Services = field(default_factory=Services)
-    cluster_nodes: int = 0  # >0: run on a RabbitMQ cluster of this many nodes, started here
-
-    @property
-    def layout(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-        """(apis, relays, workers): the scale-out layout on a cluster, the small one else."""
-        if self.cluster_nodes:
-            return (
-                ("api-1", "api-2"),
-                ("relay-1", "relay-2", "relay-3"),
-                tuple(f"worker-{i}" for i in range(1, 5)),
-            )
-        return ("api",), RELAYS, WORKERS
 
 
 async def run_chaos(opts: ChaosOptions) -> int:

@@ -53,9 +53,9 @@ def jobs_list_cmd(
     account: Annotated[Optional[str], typer.Option(help="Only jobs of this account.")] = None,  # noqa: UP045
 ) -> None:
     """Recent jobs, newest first."""
+    from jobrelay.domain.queues import QUEUE_NAME
     from jobrelay.domain.states import JobState
     from jobrelay.ops.job_list import list_jobs
-    from jobrelay.transport.topology import QUEUE_NAME
 
     try:
         wanted = JobState(state) if state else None

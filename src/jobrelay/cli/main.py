@@ -216,8 +216,9 @@ def chaos_cmd(
     from pathlib import Path
 
     try:
+        from jobrelay.chaos.options import ChaosOptions
         from jobrelay.chaos.plan import PROFILES
-        from jobrelay.chaos.run import ChaosOptions, run_chaos
+        from jobrelay.chaos.run import run_chaos
         from jobrelay.chaos.sandbox import Services
     except ImportError as exc:
         raise fail(f"the soak needs the chaos extra ('jobrelay[chaos]'): {exc}", 2) from exc

@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 
 
 def _router() -> APIRouter:
-    from jobrelay.exports.http import router  # FastAPI only in the processes that serve HTTP
+    from jobrelay.exports.http import export_router  # FastAPI only where HTTP is served
 
-    return router
+    return export_router(report_export)
 
 
 app = App()

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import ConfigDict, Field, field_validator
 
 from jobrelay.effects.notify_email import MAX_ADDRESS_LENGTH, check_address
+from jobrelay.exports.report_export import ExportParams
 from jobrelay.http import (
     ACCEPT_RESPONSES,
     MAX_BODY_BYTES,
@@ -31,14 +32,13 @@ from jobrelay.http import (
     read_body,
     valid_traceparent,
 )
+from jobrelay.job_definition import JobDefinition
 
 ACCOUNT_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 # The schema states the server's rule exactly (1900-01 to 2999-12), so a client generated
 # from the OpenAPI document refuses 0000-00 too.
 PERIOD_PATTERN = r"^(19[0-9]{2}|2[0-9]{3})-(0[1-9]|1[0-2])$"
 FIRST_PERIOD, LAST_PERIOD = (1900, 1), (2999, 12)
-
-router = APIRouter()
 
 
 class ExportRequest(WireModel):
@@ -93,51 +93,56 @@ class ExportRequest(WireModel):
         return params
 
 
-@router.post(
-    "/v1/exports",
-    status_code=202,
-    response_model=Accepted,
-    summary="Accept a report.export job",
-    responses={
-        **ACCEPT_RESPONSES,
-        403: problem_openapi("The token may not act for this accountId."),
-        413: problem_openapi(f"The body is larger than {MAX_BODY_BYTES} bytes."),
-        422: problem_openapi(
-            "Invalid body or header, or an Idempotency-Key reused with another body.",
-            ValidationProblem,
-        ),
-    },
-    # The body is parsed in the handler (after authentication), so it is declared here.
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": ExportRequest.model_json_schema()}},
-        }
-    },
-)
-async def create_export(
-    request: Request,
-    response: Response,
-    caller: CallerDep,
-    accept: AcceptDep,
-    idempotency_key: IdempotencyKey = None,
-    traceparent: TraceParent = None,
-) -> Accepted:
-    from jobrelay.exports.app import report_export
+def export_router(report_export: JobDefinition[ExportParams]) -> APIRouter:
+    """The route, accepting ``report_export``: handed in by the app that defines it (and
+    imports this module), so this module does not import the app."""
+    router = APIRouter()
 
-    body = parse_body(ExportRequest, await read_body(request))
-    if not caller.may_act_for(body.account_id):
-        raise ProblemError(403, "this token may not act for that account")
-    params = body.params()
-    trace = valid_traceparent(traceparent)
-    admission = await accept(
-        report_export,
-        params,
-        account=body.account_id,
-        key=idempotency_key,
-        by_request=True,
-        headers={"traceparent": trace} if trace else None,
+    @router.post(
+        "/v1/exports",
+        status_code=202,
+        response_model=Accepted,
+        summary="Accept a report.export job",
+        responses={
+            **ACCEPT_RESPONSES,
+            403: problem_openapi("The token may not act for this accountId."),
+            413: problem_openapi(f"The body is larger than {MAX_BODY_BYTES} bytes."),
+            422: problem_openapi(
+                "Invalid body or header, or an Idempotency-Key reused with another body.",
+                ValidationProblem,
+            ),
+        },
+        # The body is parsed in the handler (after authentication), so it is declared here.
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": ExportRequest.model_json_schema()}},
+            }
+        },
     )
-    status_url = f"/v1/jobs/{admission.job_id}"
-    response.headers["Location"] = status_url
-    return Accepted(job_id=admission.job_id, status_url=status_url)
+    async def create_export(
+        request: Request,
+        response: Response,
+        caller: CallerDep,
+        accept: AcceptDep,
+        idempotency_key: IdempotencyKey = None,
+        traceparent: TraceParent = None,
+    ) -> Accepted:
+        body = parse_body(ExportRequest, await read_body(request))
+        if not caller.may_act_for(body.account_id):
+            raise ProblemError(403, "this token may not act for that account")
+        params = body.params()
+        trace = valid_traceparent(traceparent)
+        admission = await accept(
+            report_export,
+            params,
+            account=body.account_id,
+            key=idempotency_key,
+            by_request=True,
+            headers={"traceparent": trace} if trace else None,
+        )
+        status_url = f"/v1/jobs/{admission.job_id}"
+        response.headers["Location"] = status_url
+        return Accepted(job_id=admission.job_id, status_url=status_url)
+
+    return router

@@ -21,12 +21,12 @@ import secrets
 import socket
 from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from jobrelay.roles.runtime import Runtime
+    from jobrelay.storage.store import Store
 
 log = logging.getLogger("jobrelay.metrics")
 
@@ -259,7 +259,19 @@ def quarantine_cause(reason: str) -> str:
     return "permanent"
 
 
-async def refresh_database_gauges(rt: Runtime, max_age: float = 0.0) -> None:
+class GaugeSource(Protocol):
+    """What the database gauges are read through: a ``Runtime`` is one (named here, so that
+    metrics, which every role imports, does not import the runtime that wires them)."""
+
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def clock(self) -> Callable[[], datetime]: ...
+
+
+async def refresh_database_gauges(rt: GaugeSource, max_age: float = 0.0) -> None:
     """Set the gauges read from the database: jobs by state, outbox backlog and its age;
     unless they were read (or tried) less than ``max_age`` seconds ago."""
     from jobrelay.storage.admin import AdminQueries

@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobrelay.domain.disclosure import WORKER_LOST, public_detail
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.policy import RETRY_SLACK, JobView
+from jobrelay.domain.queues import DEFAULT_QUEUE
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.base import StoreBase
 from jobrelay.storage.records import (
@@ -42,7 +43,6 @@ from jobrelay.storage.tables import (
     job_events,
     jobs,
 )
-from jobrelay.transport.topology import DEFAULT_QUEUE
 
 
 def holds(claim: Claim) -> list[Any]:

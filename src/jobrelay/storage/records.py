@@ -13,9 +13,9 @@ from typing import Any
 from sqlalchemy import Row
 
 from jobrelay.domain.policy import JobView
+from jobrelay.domain.queues import DEFAULT_QUEUE, destination
 from jobrelay.domain.states import JobState
 from jobrelay.storage.tables import UTCDateTime
-from jobrelay.transport.topology import DEFAULT_QUEUE, destination
 
 NOTIFY_CHANNEL = "jobrelay_outbox"
 WORK_DESTINATION = destination(DEFAULT_QUEUE)

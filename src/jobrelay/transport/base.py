@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from jobrelay.transport.topology import DEFAULT_QUEUE
+from jobrelay.domain.queues import DEFAULT_QUEUE
 
 
 @dataclass(frozen=True)

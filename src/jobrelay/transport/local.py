@@ -42,16 +42,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.batching import Batcher
+from jobrelay.domain.queues import DEFAULT_QUEUE, parse_destination
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.storage import local_queue as q
 from jobrelay.transport.base import Delivery, OutgoingMessage, QueueStats
 from jobrelay.transport.local_delivery import DOORBELLS, LocalDelivery
-from jobrelay.transport.topology import (
-    DEFAULT_QUEUE,
-    Topology,
-    parse_destination,
-    work_routing_key,
-)
+from jobrelay.transport.topology import Topology, work_routing_key
 
 log = logging.getLogger("jobrelay.transport.local")
 _DB_ERRORS = (SQLAlchemyError, OSError)

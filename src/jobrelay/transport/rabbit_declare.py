@@ -23,11 +23,11 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel
 
+from jobrelay.domain.queues import DEFAULT_QUEUE
 from jobrelay.errors import TransportError
 from jobrelay.transport.rabbit_nodes import AMQP_ERRORS, connect_first, short, split_broker_urls
 from jobrelay.transport.topology import (
     DEAD_LETTER_EXCHANGE,
-    DEFAULT_QUEUE,
     EXCHANGE,
     QUARANTINE_QUEUE,
     QUARANTINE_ROUTING_KEY,

@@ -60,6 +60,7 @@ from aio_pika.abc import (
     AbstractRobustConnection,
 )
 
+from jobrelay.domain.queues import DEFAULT_QUEUE
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.transport.base import Delivery, OutgoingMessage, QueueStats
 from jobrelay.transport.rabbit_acks import AckBatcher
@@ -80,7 +81,6 @@ from jobrelay.transport.rabbit_nodes import (
     split_broker_urls,
 )
 from jobrelay.transport.topology import (
-    DEFAULT_QUEUE,
     EXCHANGE,
     QUARANTINE_QUEUE,
     Topology,

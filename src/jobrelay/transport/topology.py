@@ -1,66 +1,31 @@
 """Every broker name in one place, and how a logical destination maps onto them.
 
-The outbox stores logical destinations; only this module knows what they mean:
-
-- ``work``: the default queue's work queue ``jobrelay.work`` (routing key ``work``);
-- ``retry.<n>s``: the tier ``jobrelay.retry.<n>s``, whose expired messages dead-letter back
-  to ``work``;
-- ``work.Q``: the work queue ``jobrelay.work.Q`` of the named queue Q;
-- ``retry.Q.<n>s``: Q's own tier ``jobrelay.retry.Q.<n>s``, dead-lettering back to ``work.Q``,
-  so a retry returns to the queue its job came from.
-
-Each destination is also the routing key on the ``jobrelay`` exchange. ``destination()`` is
-the one mapping from (queue, delay) to a destination; ``parse_destination()`` its inverse.
+The outbox stores logical destinations (``jobrelay.domain.queues``); this module knows which
+broker queue each one is: ``work`` the default queue's ``jobrelay.work``, ``retry.<n>s`` the
+tier ``jobrelay.retry.<n>s`` (whose expired messages dead-letter back to ``work``), ``work.Q``
+the queue Q's ``jobrelay.work.Q``, ``retry.Q.<n>s`` Q's own tier ``jobrelay.retry.Q.<n>s``
+(dead-lettering back to ``work.Q``, so a retry returns to the queue its job came from). Each
+destination is also the routing key on the ``jobrelay`` exchange.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
+
+from jobrelay.domain.queues import (
+    DEFAULT_QUEUE,
+    check_queue_name,
+    destination,
+    parse_destination,
+)
 
 EXCHANGE = "jobrelay"
 DEAD_LETTER_EXCHANGE = "jobrelay.dlx"
-DEFAULT_QUEUE = "default"
 WORK_QUEUE = "jobrelay.work"
-WORK_ROUTING_KEY = "work"
 QUARANTINE_QUEUE = "jobrelay.quarantine"
 QUARANTINE_ROUTING_KEY = "quarantine"
 RETRY_QUEUE_PREFIX = "jobrelay.retry."
-
-_NAME = r"[a-z0-9][a-z0-9_-]{0,31}"
-QUEUE_NAME = re.compile(rf"^{_NAME}$")
-_WORK = re.compile(rf"^work(?:\.({_NAME}))?$")
-_RETRY = re.compile(rf"^retry\.(?:({_NAME})\.)?([1-9][0-9]*)s$")
-
-
-def check_queue_name(name: str) -> str:
-    """The name, or ValueError unless it is a valid queue name (``QUEUE_NAME``)."""
-    if not QUEUE_NAME.match(name):
-        raise ValueError(f"queue name {name!r} must match {QUEUE_NAME.pattern}")
-    return name
-
-
-def destination(queue: str = DEFAULT_QUEUE, delay: int | None = None) -> str:
-    """The logical destination of a job's message on ``queue``: now, or after ``delay`` s."""
-    if delay is None:
-        return WORK_ROUTING_KEY if queue == DEFAULT_QUEUE else f"work.{queue}"
-    return f"retry.{delay}s" if queue == DEFAULT_QUEUE else f"retry.{queue}.{delay}s"
-
-
-def parse_destination(value: str) -> tuple[str, int | None] | None:
-    """(queue, delay or None) of a destination; None when it is not one."""
-    if match := _WORK.match(value):
-        queue = match.group(1)
-        if queue == DEFAULT_QUEUE:
-            return None  # the default queue is spelled "work"
-        return queue or DEFAULT_QUEUE, None
-    if match := _RETRY.match(value):
-        queue = match.group(1)
-        if queue == DEFAULT_QUEUE:
-            return None
-        return queue or DEFAULT_QUEUE, int(match.group(2))
-    return None
 
 
 def work_routing_key(queue: str = DEFAULT_QUEUE) -> str:
@@ -78,12 +43,6 @@ def retry_queue(seconds: int, queue: str = DEFAULT_QUEUE) -> str:
 
 def retry_routing_key(seconds: int, queue: str = DEFAULT_QUEUE) -> str:
     return destination(queue, seconds)
-
-
-def retry_seconds(value: str) -> int | None:
-    """The delay of a retry destination (of any queue), or None when it is not one."""
-    parsed = parse_destination(value)
-    return parsed[1] if parsed else None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,186 @@
+"""The import arrows of ``src/jobrelay``, read from the source with ``ast``: no circles, and
+the layers point one way (domain <- storage <- roles <- api/cli).
+
+Every import counts, wherever it is written: at module level, inside a function, and under
+``if TYPE_CHECKING:``. A circle hidden in a function body or behind ``TYPE_CHECKING`` is still
+two modules that cannot be understood (or moved) one without the other, so hiding one is not
+a way to pass. (An equivalent of import-linter's ``independence``/``forbidden`` contracts,
+without a dependency for it.)
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PACKAGE = "jobrelay"
+
+# The modules of the library surface (``App``, definitions, contexts, schedules, the HTTP
+# helpers): above storage, below nothing that storage may import.
+SURFACE = {
+    "jobrelay.app",
+    "jobrelay.job_definition",
+    "jobrelay.context",
+    "jobrelay.sync_context",
+    "jobrelay.periodic",
+    "jobrelay.loader",
+    "jobrelay.http",
+}
+# The processes' entry points, which start the API's server: the top layer, above api/.
+ROLE_ENTRY_POINTS = {"jobrelay.roles.api_server", "jobrelay.roles.processes"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in (SRC / PACKAGE).rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imported(module: str, path: Path, modules: dict[str, Path]) -> Iterator[tuple[str, int]]:
+    """(module imported, line) for every import in ``path``, at any depth."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            # ``from pkg import sub`` imports the module ``pkg.sub`` when there is one.
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+            ]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                yield name, node.lineno
+
+
+def _graph() -> dict[str, dict[str, int]]:
+    modules = _modules()
+    return {m: dict(_imported(m, path, modules)) for m, path in modules.items()}
+
+
+GRAPH = _graph()
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph.get(node, {}):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _in(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _arrows(source: str) -> list[tuple[str, str, int]]:
+    return [
+        (a, b, line)
+        for a, targets in sorted(GRAPH.items())
+        if _in(a, source)
+        for b, line in sorted(targets.items())
+    ]
+
+
+def test_the_graph_is_read() -> None:
+    # The walk itself: a known arrow of each kind is seen, so an empty graph cannot pass.
+    assert "jobrelay.domain.states" in GRAPH["jobrelay.storage.records"]
+    assert "jobrelay.storage.store" in GRAPH["jobrelay.roles.runtime"]
+    assert len(GRAPH) > 150
+
+
+def test_no_import_circles() -> None:
+    assert _cycles(GRAPH) == []
+
+
+def test_no_circle_between_folders() -> None:
+    folders: dict[str, dict[str, int]] = {}
+    for a, targets in GRAPH.items():
+        fa = ".".join(a.split(".")[:2])
+        for b in targets:
+            fb = ".".join(b.split(".")[:2])
+            if (
+                fa != fb
+                and (SRC / Path(*fa.split("."))).is_dir()
+                and (SRC / Path(*fb.split("."))).is_dir()
+            ):
+                folders.setdefault(fa, {})[fb] = 0
+    loops = [c for c in _cycles(folders) if {"jobrelay.storage", "jobrelay.transport"} <= set(c)]
+    assert loops == []
+
+
+def test_the_domain_imports_no_io_package() -> None:
+    assert [
+        arrow
+        for arrow in _arrows("jobrelay.domain")
+        if not _in(arrow[1], "jobrelay.domain", "jobrelay.errors")
+    ] == []
+
+
+@pytest.mark.parametrize(
+    "forbidden",
+    [
+        "jobrelay.transport",
+        "jobrelay.roles",
+        "jobrelay.api",
+        "jobrelay.cli",
+        "jobrelay.operations",
+        "jobrelay.ops",
+        "jobrelay.exports",
+        "jobrelay.chaos",
+        "jobrelay.observe.metrics",
+        *sorted(SURFACE),
+    ],
+)
+def test_storage_never_imports(forbidden: str) -> None:
+    assert [arrow for arrow in _arrows("jobrelay.storage") if _in(arrow[1], forbidden)] == []
+
+
+def test_roles_never_import_api_or_cli() -> None:
+    assert [
+        arrow
+        for arrow in _arrows("jobrelay.roles")
+        if arrow[0] not in ROLE_ENTRY_POINTS and _in(arrow[1], "jobrelay.api", "jobrelay.cli")
+    ] == []
