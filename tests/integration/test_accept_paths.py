@@ -1,7 +1,8 @@
 """``POST /v1/jobs`` and the application routes (``POST /v1/exports``, on ``AcceptDep``)
 accept a job the same way (issue 35): the ``new -> queued`` transition is counted once per
 new job, the ``api.before_response`` fault point follows the commit, and a repeat of a
-request is logged as a repeat, not as a new job. Each check runs on both routes, on SQLite
+request is logged as a repeat, not as a new job; ``max_attempts`` is the serving
+runtime's (``/v1/jobs`` took the app's own ``Settings``). Each check runs on both routes, on SQLite
 and PostgreSQL, so the two cannot drift apart again unnoticed.
 """
 
@@ -21,7 +22,7 @@ import jobrelay
 from jobrelay.observe.faults import Faults
 from jobrelay.roles.runtime import Runtime
 
-from .api_fixtures import api_client, bearer, build_runtime, make_token
+from .api_fixtures import MAX_ATTEMPTS, api_client, bearer, build_runtime, make_token
 from .test_metrics import samples, value
 
 pytestmark = pytest.mark.timeout(90)
@@ -132,3 +133,16 @@ async def test_a_repeat_is_logged_as_a_repeat(
         ("job already accepted", False),
     ]
     assert {getattr(rec, "jobId", None) for rec in accepts} == {job_id}
+
+
+async def test_max_attempts_come_from_the_serving_settings(
+    served: tuple[Route, httpx.AsyncClient],
+) -> None:
+    r, client = served
+    accepted = await client.post(r.path, json=r.body, headers=r.headers)
+    assert accepted.status_code == 202, accepted.text
+
+    job = await r.rt.store.get_job(accepted.json()["jobId"])
+
+    assert job is not None
+    assert job.max_attempts == r.rt.settings.max_attempts == MAX_ATTEMPTS
