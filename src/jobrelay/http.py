@@ -47,6 +47,8 @@ from jobrelay.api.schemas import (
     WireModel,
     valid_traceparent,
 )
+from jobrelay.domain import delays
+from jobrelay.domain.delays import RunTime
 from jobrelay.domain.ids import job_id_for
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError, IdempotencyConflict
@@ -130,56 +132,87 @@ class Acceptor:
         account and ``key`` when there is one, else from the account, the type and
         ``params`` as given, keyed with the installation's secret: the same request twice
         is the same job, and nobody without the secret can compute its id."""
-        rt = self._runtime
-        now = rt.clock()
-        if by_request and job_id is not None:
-            raise ConfigError("accept", "by_request derives the id: give no job_id")
-        keys = None
-        if by_request or (key is not None and job_id is None):
-            keys = await rt.store.id_keys(now)
-        previous = None
-        if by_request:
-            assert keys is not None
-            given = params.model_dump(mode="json") if isinstance(params, BaseModel) else params
-            job_id, previous = keys.derive(
-                lambda s: job_id_for(s, account, definition.type, dict(given), key)
-            )
-        job = definition.new_job(
+        return await accept_job(
+            self._runtime,
+            definition,
             params,
-            key=key,
             account=account,
+            key=key,
             job_id=job_id,
             headers=headers,
-            max_attempts=definition.max_attempts_under(rt.settings),
-            keys=keys,
+            by_request=by_request,
         )
-        if previous is not None:
-            job = replace(job, previous_job_id=previous)
-        await within_quota(rt, account, job.job_id)
-        try:
-            accepted_id, created = await rt.store.submit(job, now)
-        except IdempotencyConflict as exc:
-            raise ProblemError(
-                422,
-                str(exc),
-                type_=IDEMPOTENCY_CONFLICT,
-                title="Idempotency-Key reused",
-                errors=[FieldError(field="Idempotency-Key", message=str(exc)).model_dump()],
-            ) from None
-        if created:
-            rt.metrics.transition(_NEW_JOB, JobState.QUEUED.value)
-        rt.faults.hit("api.before_response", params=job.params)
-        log.info(
-            "job accepted" if created else "job already accepted",
-            extra={
-                "event": "job_accepted",
-                "jobId": accepted_id,
-                "isNew": created,
-                "type": definition.type,
-                "attempt": 0 if created else None,  # a repeat: the job may be further along
-            },
+
+
+async def accept_job(
+    rt: Runtime,
+    definition: JobDefinition[Any],
+    params: BaseModel | Mapping[str, Any],
+    *,
+    account: str | None,
+    key: str | None = None,
+    job_id: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    by_request: bool = False,
+    when: RunTime = delays.NOW,
+    key_field: str = "Idempotency-Key",
+) -> Admission:
+    """The one way a request becomes a job, for ``Acceptor`` (the application routes) and
+    ``POST /v1/jobs`` alike, so the two cannot drift apart: the id, the quota, the commit,
+    the ``new -> queued`` count, the fault point and the log line. ``when``: the run time
+    the request asked for (``domain.delays.resolve``); ``key_field``: the request's name
+    for its key, which a conflict's 422 names. Bad ``params`` raise ``InvalidParams`` (the
+    route names its fields), before anything is written."""
+    now = rt.clock()
+    if by_request and job_id is not None:
+        raise ConfigError("accept", "by_request derives the id: give no job_id")
+    keys = None
+    if by_request or (key is not None and job_id is None):
+        keys = await rt.store.id_keys(now)
+    previous = None
+    if by_request:
+        assert keys is not None
+        given = params.model_dump(mode="json") if isinstance(params, BaseModel) else params
+        job_id, previous = keys.derive(
+            lambda s: job_id_for(s, account, definition.type, dict(given), key)
         )
-        return Admission(accepted_id, created)
+    job = definition.new_job(
+        params,
+        key=key,
+        account=account,
+        job_id=job_id,
+        headers=headers,
+        max_attempts=definition.max_attempts_under(rt.settings),
+        keys=keys,
+        when=when,
+    )
+    if previous is not None:
+        job = replace(job, previous_job_id=previous)
+    await within_quota(rt, account, job.job_id)
+    try:
+        accepted_id, created = await rt.store.submit(job, now)
+    except IdempotencyConflict as exc:
+        raise ProblemError(
+            422,
+            str(exc),
+            type_=IDEMPOTENCY_CONFLICT,
+            title=f"{key_field[:1].upper()}{key_field[1:]} reused",
+            errors=[FieldError(field=key_field, message=str(exc)).model_dump()],
+        ) from None
+    if created:
+        rt.metrics.transition(_NEW_JOB, JobState.QUEUED.value)
+    rt.faults.hit("api.before_response", params=job.params)
+    log.info(
+        "job accepted" if created else "job already accepted",
+        extra={
+            "event": "job_accepted",
+            "jobId": accepted_id,
+            "isNew": created,
+            "type": definition.type,
+            "attempt": 0 if created else None,  # a repeat: the job may be further along
+        },
+    )
+    return Admission(accepted_id, created)
 
 
 def _acceptor(runtime: RuntimeDep, _caller: RateLimitedDep) -> Acceptor:

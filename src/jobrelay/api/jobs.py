@@ -1,15 +1,16 @@
 """``POST /v1/jobs``: accept a job of any type the application exposes (``http=True``).
 
-The same contract as ``POST /v1/exports``: the job, its outbox row and its ``accepted`` event
-commit in one transaction before the 202; the account comes from the token (an admin token
-enqueues on no account's behalf); the same ``key`` with the same params returns the same id.
-A type that is unknown or not exposed is a 404, indistinguishable from each other.
+The same contract as ``POST /v1/exports``, through the same code (``jobrelay.http.accept_job``,
+what ``AcceptDep`` runs): the job, its outbox row and its ``accepted`` event commit in one
+transaction before the 202, counted, logged and followed by the same fault point; the account
+comes from the token (an admin token enqueues on no account's behalf); the same ``key`` with
+the same params returns the same id. A type that is unknown or not exposed is a 404,
+indistinguishable from each other.
 """
 
 from __future__ import annotations
 
-import logging
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -18,22 +19,18 @@ from pydantic import ConfigDict, Field
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import (
-    IDEMPOTENCY_CONFLICT,
     FieldError,
     ProblemError,
     ValidationProblem,
     problem_openapi,
 )
-from jobrelay.api.quota import QUOTA_RESPONSES, within_quota
+from jobrelay.api.quota import QUOTA_RESPONSES
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.schemas import IDEMPOTENCY_KEY_PATTERN, Accepted, IdempotencyKey, WireModel
 from jobrelay.domain import delays
 from jobrelay.domain.delays import RunTime
-from jobrelay.errors import IdempotencyConflict, InvalidParams, InvalidRunTime
-from jobrelay.storage.engine import statement_tx
-from jobrelay.storage.enqueue import new_job_steps, run_async
-
-log = logging.getLogger("jobrelay.api")
+from jobrelay.errors import InvalidParams, InvalidRunTime
+from jobrelay.http import accept_job
 
 router = APIRouter()
 
@@ -142,19 +139,17 @@ async def create_job(
     definition = runtime.app.jobs.get(body.type) if runtime.app is not None else None
     if definition is None or not definition.http:
         raise ProblemError(404, "no such job type is exposed over HTTP")
-    now = datetime.now(UTC)
-    when = run_time(body, now)
-    # A keyed job's id is keyed with the installation's secret (cached: no statement).
-    keys = await runtime.store.id_keys(now) if key is not None else None
+    when = run_time(body, runtime.clock())
     try:
-        job = definition.new_job(
-            body.params, key=key, account=principal.account_id, keys=keys, when=when
+        admission = await accept_job(
+            runtime,
+            definition,
+            body.params,
+            account=principal.account_id,
+            key=key,
+            when=when,
+            key_field="key",
         )
-        await within_quota(runtime, principal.account_id, job.job_id)
-        # One statement on PostgreSQL (see storage/enqueue.py), so no BEGIN and no COMMIT:
-        # it commits by itself, before the 202. Driver errors are a 503 (StoreError).
-        async with statement_tx(runtime.engine, "database") as conn:
-            job_id, _ = await run_async(conn, new_job_steps(conn.dialect.name, job, now))
     except InvalidParams as exc:
         errors = [
             FieldError(
@@ -165,16 +160,7 @@ async def create_job(
         raise ProblemError(
             422, str(exc), title="Invalid params", errors=[e.model_dump() for e in errors]
         ) from None
-    except IdempotencyConflict as exc:
-        raise ProblemError(
-            422,
-            str(exc),
-            type_=IDEMPOTENCY_CONFLICT,
-            title="Key reused",
-            errors=[FieldError(field="key", message=str(exc)).model_dump()],
-        ) from None
-    runtime.store.wake_relays()
-    log.info("job accepted", extra={"event": "job_accepted", "jobId": job_id, "type": body.type})
+    job_id = admission.job_id
     status_url = f"/v1/jobs/{job_id}"
     response.headers["Location"] = status_url
     return Accepted(job_id=job_id, status_url=status_url)
