@@ -12,7 +12,6 @@ own locks and errors run on PostgreSQL only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +25,7 @@ from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.pg_hot import HotStatement
 from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest
+from tests.integration.store_ways import holding, way_fixture  # noqa: F401 (fixture, by name)
 from tests.integration.test_claims import (
     ROWS,
     clock_of,
@@ -39,14 +39,6 @@ from tests.integration.test_claims import (
 LEASE = timedelta(seconds=30)
 
 
-@pytest.fixture(params=["sqlite", "sqlite-held", "sqlalchemy", "asyncpg"])
-def way(request: pytest.FixtureRequest) -> tuple[str, str]:
-    """(database URL, how the statements are sent); resolved outside the loop."""
-    sqlite = request.param.startswith("sqlite")
-    url = request.getfixturevalue("sqlite_url" if sqlite else "pg_url")
-    return url, request.param
-
-
 @pytest.fixture
 async def db(way: tuple[str, str], tmp_path: Path) -> AsyncIterator[Runtime]:
     """The store on SQLite (one write transaction per batch, ``sqlite_batches``: through
@@ -55,13 +47,7 @@ async def db(way: tuple[str, str], tmp_path: Path) -> AsyncIterator[Runtime]:
     url, how = way
     runtime = runtime_for(url, tmp_path)
     await seed(runtime.engine, ROWS)
-    async with contextlib.AsyncExitStack() as held:
-        if how == "asyncpg":
-            await held.enter_async_context(runtime.store.hot_connections())
-            assert runtime.store.hot is not None and runtime.store.hot.active
-        if how == "sqlite-held":
-            await held.enter_async_context(runtime.store.hot_connections())
-            assert runtime.store.sqlite_hot is not None and runtime.store.sqlite_hot.active
+    async with holding(runtime.store, how):
         yield runtime
     await runtime.engine.dispose()
 

@@ -1,4 +1,5 @@
-"""The store contract, run against SQLite and PostgreSQL alike."""
+"""The store contract, run on both databases, each with and without the hot connections held
+(``store_ways``): the same answers whichever executor sends the statements."""
 
 from __future__ import annotations
 
@@ -16,9 +17,23 @@ from jobrelay.domain.states import JobState
 from jobrelay.errors import IdempotencyConflict
 from jobrelay.storage import tokens
 from jobrelay.storage.engine import create_engine
-from jobrelay.storage.store import NOTIFY_CHANNEL, NewJob, OutboxRow, Store, TokenRecord
+from jobrelay.storage.store import (
+    NOTIFY_CHANNEL,
+    Claim,
+    ClaimRequest,
+    CompleteRequest,
+    NewJob,
+    OutboxRow,
+    Store,
+    TokenRecord,
+)
 from jobrelay.storage.tables import api_tokens
 from tests.id_keys import request_id
+from tests.integration.store_ways import (  # noqa: F401 (way_fixture: the fixture, by name)
+    held_way,
+    holding,
+    way_fixture,
+)
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -35,6 +50,10 @@ class Clock:
 
 
 CLOCK = Clock()
+# What the port does with no held statement yet: accepting, the single-job transitions and the
+# tokens go through SQLAlchemy on both drivers; the outbox and renewals on SQLite.
+COLD_ON_BOTH = pytest.mark.cold_on("sqlite", "postgresql")
+COLD_ON_SQLITE = pytest.mark.cold_on("sqlite")
 
 
 def at(moment: datetime) -> datetime:
@@ -44,11 +63,29 @@ def at(moment: datetime) -> datetime:
 
 
 @pytest.fixture
-async def store(database_url: str) -> AsyncIterator[Store]:
-    engine = create_engine(database_url)
+async def store(way: tuple[str, str], request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """The store on each of its four ways (``store_ways``). Where the way holds the hot
+    connections, the test must have sent work on them, unless it is marked ``cold_on`` its
+    driver (what the port does there has no held statement yet); a mark the test outgrows
+    fails too, so the list stays true."""
+    url, how = way
+    engine = create_engine(url)
     at(T0)
-    yield Store(engine, clock=CLOCK)
-    await engine.dispose()
+    store = Store(engine, clock=CLOCK)
+    try:
+        async with holding(store, how) as sent:
+            yield store
+            moved = sent() > 0
+    finally:
+        await engine.dispose()
+    if held_way(how):
+        driver = "postgresql" if store.is_postgres else "sqlite"
+        mark = request.node.get_closest_marker("cold_on")
+        cold = mark is not None and driver in mark.args
+        if cold and moved:
+            pytest.fail(f"held {driver} connection used: drop the test's cold_on mark")
+        if not cold and not moved:
+            pytest.fail(f"nothing was sent on the held {driver} connection")
 
 
 async def claim_at(store: Store, relay: str, moment: datetime) -> list[OutboxRow]:
@@ -77,6 +114,7 @@ async def new_job(
     )
 
 
+@COLD_ON_BOTH
 async def test_submit_writes_job_outbox_and_event_together(store: Store) -> None:
     job_id, created = await store.submit(await new_job(store), T0)
     assert created
@@ -87,6 +125,7 @@ async def test_submit_writes_job_outbox_and_event_together(store: Store) -> None
     assert await store.outbox_backlog() == 1
 
 
+@COLD_ON_BOTH
 async def test_repeat_submit_creates_nothing(store: Store) -> None:
     first, _ = await store.submit(await new_job(store), T0)
     again, created = await store.submit(await new_job(store), T0 + timedelta(seconds=5))
@@ -95,6 +134,7 @@ async def test_repeat_submit_creates_nothing(store: Store) -> None:
     assert len(await store.events(first)) == 1
 
 
+@COLD_ON_BOTH
 async def test_same_key_other_body_conflicts_and_changes_nothing(store: Store) -> None:
     await store.submit(await new_job(store, key="k1"), T0)
     with pytest.raises(IdempotencyConflict):
@@ -104,6 +144,7 @@ async def test_same_key_other_body_conflicts_and_changes_nothing(store: Store) -
     assert await store.outbox_backlog() == 1
 
 
+@COLD_ON_BOTH
 async def test_concurrent_submits_of_one_job_create_it_once(store: Store) -> None:
     job = await new_job(store, key="k2")
     results = await asyncio.gather(*(store.submit(job, T0) for _ in range(8)))
@@ -112,6 +153,7 @@ async def test_concurrent_submits_of_one_job_create_it_once(store: Store) -> Non
     assert await store.outbox_backlog() == 1
 
 
+@COLD_ON_BOTH
 async def test_submit_notifies_listening_relays_once_per_new_job(store: Store) -> None:
     if not store.is_postgres:
         pytest.skip("NOTIFY is PostgreSQL's")
@@ -142,6 +184,7 @@ async def test_submit_notifies_listening_relays_once_per_new_job(store: Store) -
     assert heard == ["", "marker"]
 
 
+@COLD_ON_BOTH
 async def test_a_token_found_is_remembered_briefly_and_an_unknown_one_never(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -156,6 +199,7 @@ async def test_a_token_found_is_remembered_briefly_and_an_unknown_one_never(
     assert await store.find_token("h1") is None
 
 
+@COLD_ON_SQLITE
 async def test_outbox_claim_is_exclusive_until_it_expires(store: Store) -> None:
     await store.submit(await new_job(store), T0)
     rows = await claim_at(store, "r1", T0)
@@ -166,6 +210,7 @@ async def test_outbox_claim_is_exclusive_until_it_expires(store: Store) -> None:
     assert again[0].publish_attempts == 2
 
 
+@COLD_ON_SQLITE
 async def test_mark_published_sets_fact_and_event(store: Store) -> None:
     job_id, _ = await store.submit(await new_job(store), T0)
     rows = await claim_at(store, "r1", T0)
@@ -177,6 +222,7 @@ async def test_mark_published_sets_fact_and_event(store: Store) -> None:
     assert await store.mark_published("r2", rows) == 0
 
 
+@COLD_ON_SQLITE
 async def test_release_keeps_row_waiting_with_error(store: Store) -> None:
     job_id, _ = await store.submit(await new_job(store), T0)
     rows = await claim_at(store, "r1", T0)
@@ -187,6 +233,7 @@ async def test_release_keeps_row_waiting_with_error(store: Store) -> None:
     assert len(await claim_at(store, "r2", T0 + timedelta(seconds=3))) == 1
 
 
+@COLD_ON_BOTH
 async def test_claim_increments_attempt_and_guards_live_lease(store: Store) -> None:
     job_id, _ = await store.submit(await new_job(store), T0)
     first = await store.claim_job(job_id, "w1", at(T0), LEASE)
@@ -200,6 +247,7 @@ async def test_claim_increments_attempt_and_guards_live_lease(store: Store) -> N
     assert (lost.won, lost.current_attempt, lost.current_state) == (False, 2, JobState.RUNNING)
 
 
+@COLD_ON_BOTH
 async def test_complete_then_nothing_moves_it(store: Store) -> None:
     job_id, _ = await store.submit(await new_job(store), T0)
     claim = await store.claim_job(job_id, "w1", at(T0), LEASE)
@@ -213,6 +261,7 @@ async def test_complete_then_nothing_moves_it(store: Store) -> None:
     assert [e.kind for e in await store.events(job_id)] == ["accepted", "claimed", "result_saved"]
 
 
+@COLD_ON_SQLITE
 async def test_retry_writes_outbox_row_and_waits_until_due(store: Store) -> None:
     job_id, _ = await store.submit(await new_job(store), T0)
     claim = await store.claim_job(job_id, "w1", at(T0), LEASE)
@@ -227,6 +276,7 @@ async def test_retry_writes_outbox_row_and_waits_until_due(store: Store) -> None
     assert await attempt_of(store, job_id, "w2", T0 + timedelta(seconds=5)) == 2
 
 
+@COLD_ON_BOTH
 async def test_attempt_budget_is_enforced_in_sql(store: Store) -> None:
     job_id, _ = await store.submit(await new_job(store), T0)
     for i in range(3):
@@ -234,6 +284,7 @@ async def test_attempt_budget_is_enforced_in_sql(store: Store) -> None:
     assert await attempt_of(store, job_id, "w9", T0 + LEASE * 10) is None
 
 
+@COLD_ON_BOTH
 async def test_quarantine_keeps_reason(store: Store) -> None:
     job_id, _ = await store.submit(await new_job(store), T0)
     assert await store.quarantine(job_id, "invalid payload: x", T0, deliveryTag=1)
@@ -242,3 +293,45 @@ async def test_quarantine_keeps_reason(store: Store) -> None:
     assert job.quarantine_reason == "invalid payload: x"
     events = await store.events(job_id)
     assert events[-1].kind == "quarantined" and events[-1].detail["deliveryTag"] == 1
+
+
+def ask(job_id: str, worker: str) -> ClaimRequest:
+    return ClaimRequest(job_id, "report.export", worker, {"redelivered": False})
+
+
+async def test_batch_claims_and_completions_are_fenced_per_job(store: Store) -> None:
+    """The worker's batched transitions (the held statements while it runs)."""
+    a, _ = await store.submit(await new_job(store, key="a"), T0)
+    b, _ = await store.submit(await new_job(store, key="b"), T0)
+    claims = await store.claim_many([ask(a, "w1"), ask(b, "w1")], at(T0), LEASE)
+    assert [c[0].attempt if c else None for c in claims] == [1, 1]
+    assert await store.claim_many([ask(a, "w2")], at(T0 + timedelta(seconds=1)), LEASE) == [None]
+    won_a, won_b = (c[0] for c in claims if c is not None)
+    stale = Claim(won_b.job_id, won_b.attempt + 1, "w1")  # not the claim that holds b
+    done = await store.complete_many(
+        [CompleteRequest(won_a, "exports/a.csv", {"rows": 1}), CompleteRequest(stale, "x", {})],
+        T0,
+    )
+    assert done == {a}
+    job_a, job_b = await store.get_job(a), await store.get_job(b)
+    assert job_a is not None and job_a.state is JobState.SUCCEEDED
+    assert job_a.result_key == "exports/a.csv"
+    assert job_b is not None and job_b.state is JobState.RUNNING and job_b.result_key is None
+    assert [e.kind for e in await store.events(a)] == ["accepted", "claimed", "result_saved"]
+    assert await store.claim_many([ask(a, "w2")], at(T0 + LEASE * 2), LEASE) == [None]
+
+
+@COLD_ON_SQLITE
+async def test_a_renewal_extends_only_the_claims_that_hold(store: Store) -> None:
+    a, _ = await store.submit(await new_job(store, key="a"), T0)
+    b, _ = await store.submit(await new_job(store, key="b"), T0)
+    await store.claim_job(b, "w1", at(T0), LEASE)
+    claim = await store.claim_job(a, "w1", at(T0), LEASE)
+    assert claim is not None
+    lost = Claim(b, 1, "w-other")  # b is held by w1, not by this claim
+    renewed = await store.renew_leases([claim, lost], LEASE, at(T0 + LEASE / 2))
+    assert set(renewed) == {claim} and not renewed.cancel_requested
+    # Past the first lease's end, within the renewed one: nobody takes a over; b is taken.
+    assert await attempt_of(store, a, "w2", T0 + LEASE + timedelta(seconds=1)) is None
+    assert await attempt_of(store, b, "w2", T0 + LEASE + timedelta(seconds=1)) == 2
+    assert await attempt_of(store, a, "w2", T0 + LEASE * 2) == 2
