@@ -28,6 +28,7 @@ from jobrelay.storage.dbapi import (
     DBAPIConnection,
     connection_identity,
     dbapi_dialect,
+    dialect_of,
     require_atomic,
     run_dbapi,
 )
@@ -254,7 +255,7 @@ class JobDefinition(Generic[P]):
                 conn,
                 self._enqueue_steps(
                     conn.sync_engine,
-                    conn.dialect.name,
+                    dialect_of(conn),
                     params,
                     key,
                     account,
@@ -281,7 +282,7 @@ class JobDefinition(Generic[P]):
         if isinstance(conn, Connection):
             with _schema_missing_hint("enqueue_sync"):
                 steps = self._enqueue_steps(
-                    conn.engine, conn.dialect.name, params, key, account, job_id, when
+                    conn.engine, dialect_of(conn), params, key, account, job_id, when
                 )
                 return run_sync(conn, steps)
         dialect = dbapi_dialect(conn)

@@ -331,10 +331,6 @@ class Settings(BaseSettings):
         return value.rstrip("/")
 
     @property
-    def is_postgres(self) -> bool:
-        return urlsplit(self.database_url).scheme.startswith("postgresql")
-
-    @property
     def uses_local_broker(self) -> bool:
         return self.broker_url == "local"
 

@@ -47,6 +47,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 import jobrelay
 from jobrelay.exports import defang
+from jobrelay.storage.capabilities import capabilities_of
 
 metadata = MetaData(naming_convention={"pk": "pk_%(table_name)s"})
 
@@ -230,7 +231,7 @@ async def fill_month(
     """One account-month becomes ``rows`` generated rows, in one transaction and one
     ``INSERT … SELECT`` over a series: row ``g`` is a function of ``g`` alone."""
     year, month = (int(part) for part in period.split("-"))
-    if engine.dialect.name == "postgresql":
+    if capabilities_of(engine).generates_series:
         series: Any = (
             func.generate_series(1, rows)
             .table_valued(column("g", Integer))
@@ -265,7 +266,7 @@ async def fill_month(
             delete(ledger_entries).where(c.account_id == account_id, c.period == period)
         )
         await conn.execute(insert(ledger_entries).from_select([*columns, "currency"], generated))
-    if engine.dialect.name == "postgresql":
+    if capabilities_of(engine).vacuums:
         # What autovacuum would do next (it is off on some machines): the planner's
         # statistics, and a visibility map, so the export's count is an index-only scan.
         async with engine.connect() as conn:

@@ -31,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 import jobrelay
 from jobrelay.effects.notify_email import NOTIFY_EMAIL, check_address
 from jobrelay.exports import csv_format, ledger
+from jobrelay.storage.capabilities import capabilities_of
 
 TYPE = "report.export"
 COLUMNS = csv_format.COLUMNS
@@ -92,7 +93,7 @@ async def run_export(
             progress = _Progress(ctx, total)
             async with session as writer:
                 await writer.write(csv_format.HEADER)
-                if conn.dialect.name == "postgresql":
+                if capabilities_of(conn).copies:
                     rows = await _copy_rows(conn, params, writer, progress)
                 else:
                     rows = await _python_rows(conn, params, writer, progress)

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from jobrelay.roles.runtime import Runtime
+from jobrelay.storage.capabilities import session_dsn
 
 log = logging.getLogger("jobrelay.reconcile")
 
@@ -26,9 +27,8 @@ class Leadership:
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        engine = rt.engine
-        self.enabled = engine.dialect.name == "postgresql"
-        self.dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self.enabled = rt.store.capabilities.leads
+        self.dsn = session_dsn(rt.engine)
         self._conn: Any = None
 
     @property

@@ -41,7 +41,7 @@ async def open_pool(rt: Runtime) -> None:
     the first burst, where each one waits for a backend to start (the slowest answers).
     Best effort: a connection that fails now is opened later, on demand, as before."""
     size = getattr(rt.engine.pool, "size", None)
-    if rt.engine.dialect.name != "postgresql" or size is None:
+    if not rt.store.capabilities.prewarms or size is None:
         return
     async with contextlib.AsyncExitStack() as opened:
         await asyncio.gather(

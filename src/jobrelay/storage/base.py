@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
+from jobrelay.storage.capabilities import capabilities_of
 from jobrelay.storage.delayed import due_since
 from jobrelay.storage.effects import EffectsLedger
 from jobrelay.storage.engine import read_tx, statement_tx, write_tx
@@ -70,6 +71,8 @@ class StoreBase:
     ) -> None:
         self.engine = engine
         self.is_postgres = engine.dialect.name == "postgresql"
+        # What callers above storage may ask of this database, instead of its name.
+        self.capabilities = capabilities_of(engine)
         # None: the database's clock on PostgreSQL, this process's on SQLite. Tests inject one.
         self._clock = clock
         # The secret job ids are keyed with: the installation's row, read once and kept

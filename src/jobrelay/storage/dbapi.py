@@ -19,11 +19,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from sqlalchemy import Connection as SAConnection
 from sqlalchemy import Executable
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 from sqlalchemy.dialects.sqlite import pysqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, NoResultFound
+from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.types import TypeDecorator
@@ -52,6 +54,12 @@ def dbapi_dialect(conn: object) -> str | None:
     if psycopg is not None and isinstance(conn, psycopg.Connection):
         return "postgresql"
     return None
+
+
+def dialect_of(conn: SAConnection | AsyncConnection) -> str:
+    """``dbapi_dialect`` for a SQLAlchemy connection: the name ``new_job_steps`` takes, passed
+    down from the caller's connection and never compared above storage."""
+    return conn.dialect.name
 
 
 def connection_identity(conn: Any, dialect: str) -> str:
