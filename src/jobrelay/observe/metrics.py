@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from jobrelay.storage.store import Store
+    from jobrelay.storage.port import StorePort
 
 log = logging.getLogger("jobrelay.metrics")
 
@@ -266,7 +266,7 @@ class GaugeSource(Protocol):
     @property
     def metrics(self) -> Metrics: ...
     @property
-    def store(self) -> Store: ...
+    def store(self) -> StorePort: ...
     @property
     def clock(self) -> Callable[[], datetime]: ...
 

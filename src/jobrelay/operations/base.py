@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jobrelay.observe.faults import Faults
 from jobrelay.results.base import ResultStore
-from jobrelay.storage.store import JobRecord, NewJob, Store
+from jobrelay.storage.port import StorePort
+from jobrelay.storage.store import JobRecord, NewJob
 
 if TYPE_CHECKING:
     from jobrelay.roles.threads import ThreadSlot
@@ -32,7 +33,7 @@ def _utc_now() -> datetime:
 class OperationContext:
     job: JobRecord
     attempt: int
-    store: Store
+    store: StorePort
     results: ResultStore
     faults: Faults
     report_progress: ProgressFn

@@ -25,6 +25,7 @@ from jobrelay.results.files import FileResults
 from jobrelay.roles.database_files import require_database
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import SCHEMA_HEAD, VERSION_TABLE, check_reachable, create_engine
+from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import Store
 from jobrelay.transport.base import Transport
 from jobrelay.transport.topology import Topology
@@ -40,7 +41,7 @@ def utc_now() -> datetime:
 class Runtime:
     settings: Settings
     engine: AsyncEngine
-    store: Store
+    store: StorePort
     transport: Transport
     results: ResultStore
     faults: Faults

@@ -23,7 +23,8 @@ from datetime import datetime
 from typing import Any
 
 from jobrelay.errors import StoreError
-from jobrelay.storage.store import PendingEvent, Store
+from jobrelay.storage.port import StorePort
+from jobrelay.storage.store import PendingEvent
 
 log = logging.getLogger(__name__)
 # The summary is the worker's line, with its lines per job: one logger to follow.
@@ -37,7 +38,7 @@ _SUMMARY_FIELDS = {"ack_sent": "acked", "rejected": "rejected", "settle_lost": "
 
 
 class TimelineWriter:
-    def __init__(self, store: Store, *, window: float = 0.005, limit: int = 10_000) -> None:
+    def __init__(self, store: StorePort, *, window: float = 0.005, limit: int = 10_000) -> None:
         self._store = store
         self._window = window
         self._limit = limit

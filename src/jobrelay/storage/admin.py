@@ -20,8 +20,9 @@ from sqlalchemy import delete, func, select
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.delayed import drop_held, due_since, waiting_due
+from jobrelay.storage.port import StorePort
 from jobrelay.storage.records import work_destination
-from jobrelay.storage.store import JobRecord, Store, aware_time, job_record
+from jobrelay.storage.store import JobRecord, aware_time, job_record
 from jobrelay.storage.tables import jobs, local_messages, outbox, pruned_jobs
 
 OPERATOR = "operator"
@@ -47,7 +48,7 @@ class QueuedMessage:
 
 
 class AdminQueries:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StorePort) -> None:
         self.store = store
 
     # --- operator actions -----------------------------------------------------------------

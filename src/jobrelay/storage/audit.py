@@ -14,7 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.domain.states import JobState
 from jobrelay.storage.engine import read_tx
-from jobrelay.storage.store import JobRecord, Store, job_record
+from jobrelay.storage.port import StorePort
+from jobrelay.storage.store import JobRecord, job_record
 from jobrelay.storage.tables import effects_ledger, job_events, jobs, outbox
 
 
@@ -40,7 +41,7 @@ async def non_terminal_and_unpublished(engine: AsyncEngine) -> tuple[int, int]:
     return int(moving or 0), int(unpublished or 0)
 
 
-async def collect(store: Store) -> Facts:
+async def collect(store: StorePort) -> Facts:
     engine = store.engine
     async with read_tx(engine, "audit") as conn:
         rows = (await conn.execute(store.job_query())).all()

@@ -17,7 +17,8 @@ from sqlalchemy import and_, exists, func, or_, select
 
 from jobrelay.domain.job_filter import STATE_ENTRY_KINDS, THROUGHPUT_KINDS, JobFilter, PageKey
 from jobrelay.storage.delayed import due_since
-from jobrelay.storage.store import JobRecord, Store, aware_time, job_record
+from jobrelay.storage.port import StorePort
+from jobrelay.storage.store import JobRecord, aware_time, job_record
 from jobrelay.storage.tables import job_events, jobs, outbox
 
 LAG_SAMPLE = 200  # published outbox rows the relay lag is measured on
@@ -75,7 +76,7 @@ def _where(query: Any, f: JobFilter) -> Any:
     return query
 
 
-async def event_ceiling(store: Store) -> int:
+async def event_ceiling(store: StorePort) -> int:
     """The highest job event id now: a bulk operation's start (``JobFilter.event_ceiling``).
 
     Ids come from one sequence, taken when a row is inserted, so an event written after this
@@ -87,7 +88,7 @@ async def event_ceiling(store: Store) -> int:
 
 
 async def search_jobs(
-    store: Store, f: JobFilter, *, limit: int, after: PageKey | None = None
+    store: StorePort, f: JobFilter, *, limit: int, after: PageKey | None = None
 ) -> list[JobRecord]:
     """One page of matching jobs, newest first, strictly after ``after``."""
     query = _where(store.job_query(), f)
@@ -104,13 +105,13 @@ async def search_jobs(
     return [job_record(r) for r in rows]
 
 
-async def count_jobs(store: Store, f: JobFilter) -> int:
+async def count_jobs(store: StorePort, f: JobFilter) -> int:
     async with store.reading() as conn:
         n = await conn.scalar(_where(select(func.count()).select_from(jobs), f))
     return int(n or 0)
 
 
-async def job_counts(store: Store) -> JobCounts:
+async def job_counts(store: StorePort) -> JobCounts:
     query = select(jobs.c.state, jobs.c.type, jobs.c.queue, func.count()).group_by(
         jobs.c.state, jobs.c.type, jobs.c.queue
     )
@@ -126,7 +127,7 @@ async def job_counts(store: Store) -> JobCounts:
     return JobCounts(by_state, by_type, by_queue, sum(by_state.values()))
 
 
-async def throughput(store: Store, since: datetime) -> list[tuple[datetime, str, int]]:
+async def throughput(store: StorePort, since: datetime) -> list[tuple[datetime, str, int]]:
     """``(minute, kind, count)`` of the counted event kinds at or after ``since``."""
     if store.is_postgres:
         minute: Any = func.date_trunc("minute", job_events.c.at)
@@ -146,7 +147,7 @@ async def throughput(store: Store, since: datetime) -> list[tuple[datetime, str,
     return out
 
 
-async def relay_lag(store: Store) -> RelayLag:
+async def relay_lag(store: StorePort) -> RelayLag:
     query = (
         # From when it was due: a delayed job's wait is not the relay's lag.
         select(due_since().label("created_at"), outbox.c.published_at)

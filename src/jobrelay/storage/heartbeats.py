@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import delete, select
 
-from jobrelay.storage.base import StoreBase
+from jobrelay.storage.port import StorePort
 from jobrelay.storage.tables import process_heartbeats as hb
 
 HEARTBEAT_RETENTION = timedelta(hours=1)
@@ -31,7 +31,7 @@ class ProcessBeat:
     last_seen_at: datetime
 
 
-async def beat(store: StoreBase, process: ProcessBeat, now: datetime) -> None:
+async def beat(store: StorePort, process: ProcessBeat, now: datetime) -> None:
     """Upsert this process's row as seen ``now``, and prune the rows long unseen."""
     values = {
         "role": process.role,
@@ -49,7 +49,7 @@ async def beat(store: StoreBase, process: ProcessBeat, now: datetime) -> None:
         await conn.execute(delete(hb).where(hb.c.last_seen_at < now - HEARTBEAT_RETENTION))
 
 
-async def seen_since(store: StoreBase, since: datetime, limit: int = 200) -> list[ProcessBeat]:
+async def seen_since(store: StorePort, since: datetime, limit: int = 200) -> list[ProcessBeat]:
     """The processes whose last beat is at or after ``since``, the latest first."""
     query = (
         select(hb).where(hb.c.last_seen_at >= since).order_by(hb.c.last_seen_at.desc()).limit(limit)

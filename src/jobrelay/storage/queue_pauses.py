@@ -12,7 +12,7 @@ from datetime import datetime
 
 from sqlalchemy import insert, select
 
-from jobrelay.storage.base import StoreBase
+from jobrelay.storage.port import StorePort
 from jobrelay.storage.tables import queue_events, queue_pauses
 
 
@@ -34,7 +34,7 @@ class QueueEvent:
     reason: str
 
 
-async def pauses(store: StoreBase) -> dict[str, QueuePause]:
+async def pauses(store: StorePort) -> dict[str, QueuePause]:
     """Every queue an operator has ever paused, with its current flag."""
     async with store.reading() as conn:
         rows = (await conn.execute(select(queue_pauses))).all()
@@ -44,7 +44,7 @@ async def pauses(store: StoreBase) -> dict[str, QueuePause]:
     }
 
 
-async def pause_of(store: StoreBase, queue: str) -> QueuePause | None:
+async def pause_of(store: StorePort, queue: str) -> QueuePause | None:
     """The pause holding ``queue`` now, or None: what ``job show`` and explain name."""
     async with store.reading() as conn:
         row = (
@@ -57,7 +57,7 @@ async def pause_of(store: StoreBase, queue: str) -> QueuePause | None:
     return QueuePause(row.queue, True, row.changed_at, row.changed_by, row.reason)
 
 
-async def paused_queues(store: StoreBase) -> set[str]:
+async def paused_queues(store: StorePort) -> set[str]:
     """The queues workers must not consume now (what each worker polls)."""
     async with store.reading() as conn:
         rows = await conn.execute(select(queue_pauses.c.queue).where(queue_pauses.c.paused))
@@ -65,7 +65,7 @@ async def paused_queues(store: StoreBase) -> set[str]:
 
 
 async def set_paused(
-    store: StoreBase, queue: str, paused: bool, *, actor: str, reason: str, now: datetime
+    store: StorePort, queue: str, paused: bool, *, actor: str, reason: str, now: datetime
 ) -> bool:
     """Pause or resume ``queue``; False (and nothing written) when it already was so."""
     async with store.writing() as conn:
@@ -84,7 +84,7 @@ async def set_paused(
     return True
 
 
-async def queue_history(store: StoreBase, queue: str, limit: int = 50) -> list[QueueEvent]:
+async def queue_history(store: StorePort, queue: str, limit: int = 50) -> list[QueueEvent]:
     """The queue's pauses and resumes, newest first."""
     query = (
         select(queue_events)

@@ -21,7 +21,7 @@ from datetime import datetime
 from sqlalchemy import exists, func, or_, select
 
 from jobrelay.domain.states import JobState
-from jobrelay.storage.base import StoreBase
+from jobrelay.storage.port import StorePort
 from jobrelay.storage.records import aware_time, work_destination
 from jobrelay.storage.tables import job_events, jobs, outbox
 from jobrelay.storage.tables import process_heartbeats as hb
@@ -45,7 +45,7 @@ class QueueProgress:
 
 
 async def queue_progress(
-    store: StoreBase,
+    store: StorePort,
     queue: str,
     since: datetime,
     oldest: datetime,

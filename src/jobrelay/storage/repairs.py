@@ -21,8 +21,9 @@ from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.storage.admin import ActionOutcome
 from jobrelay.storage.delayed import due_since
+from jobrelay.storage.port import StorePort
 from jobrelay.storage.records import work_destination
-from jobrelay.storage.store import JobRecord, Store, aware_time, job_record
+from jobrelay.storage.store import JobRecord, aware_time, job_record
 from jobrelay.storage.tables import job_events, jobs, outbox
 
 RECONCILED_LEASE = "reconciled_lease_expired"
@@ -54,7 +55,7 @@ class StaleOutboxRow:
 
 
 class RepairQueries:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StorePort) -> None:
         self.store = store
 
     async def states_of(self, job_ids: Iterable[str]) -> dict[str, JobState]:

@@ -54,6 +54,7 @@ from jobrelay.errors import TransientError
 from jobrelay.results.base import ResultStore
 from jobrelay.storage.base import StoreBase
 from jobrelay.storage.local_queue import QUARANTINE
+from jobrelay.storage.port import StorePort
 from jobrelay.storage.tables import (
     effects_ledger,
     job_events,
@@ -113,7 +114,7 @@ class PrunedJob:
 class Retention:
     def __init__(
         self,
-        store: StoreBase,
+        store: StorePort,
         results: ResultStore,
         *,
         keep_results: bool = False,

@@ -24,8 +24,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobrelay.domain.schedules import Cron, Plan, Skipped, skipped_between
 from jobrelay.errors import IdempotencyConflict
 from jobrelay.storage.enqueue import new_job_steps, run_async
+from jobrelay.storage.port import StorePort
 from jobrelay.storage.records import NewJob, aware_time, jsonable
-from jobrelay.storage.store import Store
 from jobrelay.storage.tables import jobs, schedule_events, schedules
 
 log = logging.getLogger("jobrelay.scheduler")
@@ -89,7 +89,7 @@ Planner = Callable[[Cron, datetime, datetime, bool], Plan]
 
 
 class ScheduleQueries:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StorePort) -> None:
         self.store = store
 
     async def _now(self, conn: AsyncConnection) -> datetime:

@@ -4,6 +4,9 @@ One class for callers, assembled from one module per concept (``jobs``, ``claims
 its ``hot_path`` and ``batches``, ``cancels``,
 ``outbox``, ``events``, ``tokens``) over ``base`` (the engine, the one clock
 and the SQL they share). The records it reads and writes are in ``records``.
+
+What code outside these classes may use of it is ``port.StorePort``; callers hold a store by
+that type, and mypy checks there that this class still provides all of it.
 """
 
 from __future__ import annotations
