@@ -335,3 +335,23 @@ async def test_a_renewal_extends_only_the_claims_that_hold(store: Store) -> None
     assert await attempt_of(store, a, "w2", T0 + LEASE + timedelta(seconds=1)) is None
     assert await attempt_of(store, b, "w2", T0 + LEASE + timedelta(seconds=1)) == 2
     assert await attempt_of(store, a, "w2", T0 + LEASE * 2) == 2
+
+
+@COLD_ON_SQLITE
+async def test_a_stale_claim_beside_the_current_one_of_the_same_job_is_not_renewed(
+    store: Store,
+) -> None:
+    """One worker can hold two claims of one job: its first attempt's lease ran out, a
+    redelivery came back to the same worker and claimed attempt 2 while the first run still
+    goes on. One renewal statement may carry both; only the claim that holds the job is
+    renewed (an answer matched by job id alone renewed the stale one too)."""
+    a, _ = await store.submit(await new_job(store, key="a"), T0)
+    first = await store.claim_job(a, "w1", at(T0), LEASE)
+    assert first is not None
+    current = await store.claim_job(a, "w1", at(T0 + LEASE + timedelta(seconds=1)), LEASE)
+    assert current is not None and current.attempt == first.attempt + 1
+    renewed = await store.renew_leases(
+        [first, current], LEASE, at(T0 + LEASE + timedelta(seconds=2))
+    )
+    assert set(renewed) == {current}, set(renewed)
+    assert not set(renewed.skipped)

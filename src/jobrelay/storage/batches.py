@@ -199,11 +199,11 @@ renewed AS (
     UPDATE jobs SET lease_expires_at = clock.now + :l_lease, updated_at = :l_now
     FROM req JOIN locked ON locked.id = req.id, clock
     WHERE jobs.id = req.id AND {_RENEW_HOLDS}
-    RETURNING jobs.id, jobs.cancel_requested_at IS NOT NULL AS cancel_requested
+    RETURNING jobs.id, req.attempt, jobs.cancel_requested_at IS NOT NULL AS cancel_requested
 )
-SELECT id, cancel_requested, false AS skipped FROM renewed
+SELECT id, attempt, cancel_requested, false AS skipped FROM renewed
 UNION ALL
-SELECT jobs.id, false, true FROM jobs JOIN req ON jobs.id = req.id
+SELECT jobs.id, req.attempt, false, true FROM jobs JOIN req ON jobs.id = req.id
 WHERE {_RENEW_HOLDS} AND NOT EXISTS (SELECT 1 FROM locked WHERE locked.id = req.id)
 """
     ).bindparams(
@@ -303,12 +303,18 @@ class BatchStore(SqliteBatches):
             "l_clock": self._clock() if self._clock is not None else None,
         }
         rows = await self.hot_rows(_RENEW_MANY, params)
-        won = {row["id"]: bool(row["cancel_requested"]) for row in rows if not row["skipped"]}
-        skipped = {row["id"] for row in rows if row["skipped"]}
+        # By job and attempt: one worker may send a stale claim of a job beside its current
+        # one (a redelivery it claimed again after the first lease ran out).
+        won = {
+            (row["id"], row["attempt"]): bool(row["cancel_requested"])
+            for row in rows
+            if not row["skipped"]
+        }
+        skipped = {(row["id"], row["attempt"]) for row in rows if row["skipped"]}
         return Renewed(
-            (c for c in claims if c.job_id in won),
-            (c for c in claims if won.get(c.job_id)),
-            (c for c in claims if c.job_id in skipped),
+            (c for c in claims if (c.job_id, c.attempt) in won),
+            (c for c in claims if won.get((c.job_id, c.attempt))),
+            (c for c in claims if (c.job_id, c.attempt) in skipped),
         )
 
 
