@@ -26,11 +26,11 @@ from sqlalchemy import insert, select, update
 
 from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
+from jobrelay.domain.unknown_types import DEFERS_HEADER
 from jobrelay.errors import StoreError
 from jobrelay.exports.ledger import ledger_entries
 from jobrelay.exports.seed import seed
 from jobrelay.observe.faults import Faults
-from jobrelay.roles.delivery import DEFERS_HEADER
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.worker import Worker
 from jobrelay.storage.store import Claim, NewJob, Store

@@ -16,7 +16,6 @@ in this process holds the same job; otherwise the attempt would be spent without
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import math
@@ -37,6 +36,7 @@ from jobrelay.domain.policy import (
     observe_delivery,
 )
 from jobrelay.domain.states import JobState
+from jobrelay.domain.unknown_types import DEFERS_HEADER, judge_unknown
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.observe import logs
 from jobrelay.operations.base import Registry
@@ -45,7 +45,6 @@ from jobrelay.roles.backoff import Backoff
 from jobrelay.roles.isolation import Isolation, is_suspect
 from jobrelay.roles.leases import LeaseRenewer
 from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.slots import delivery_slots
 from jobrelay.roles.threads import SyncThreads, ThreadSlot
 from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest, JobRecord
@@ -56,8 +55,6 @@ log = logging.getLogger("jobrelay.worker")
 # A claim can lose a race (another worker, a retry not yet due); re-read and decide again a
 # few times, then defer rather than drop.
 _MAX_DECISION_ROUNDS = 3
-# A deferred copy of a job whose type or version no worker here knows carries its count.
-DEFERS_HEADER = "x-jobrelay-defers"
 
 # A claim that won: the claim, the job as claimed, and the state it was claimed from.
 Claimed = tuple[Claim, JobRecord, JobState] | None
@@ -136,7 +133,7 @@ class DeliveryHandler:
             return
         logs.bind(jobId=message.job_id)
         # A def job's thread is taken before its claim: waiting for one, it is not claimed.
-        thread = await self._take_thread() if self._in_thread(message.type) else None
+        thread = await self.threads.take_aside() if self._in_thread(message.type) else None
         held = _thread.set(thread)
         self._holding[message.job_id] += 1
         try:
@@ -148,22 +145,6 @@ class DeliveryHandler:
             self._holding[message.job_id] -= 1
             if self._holding[message.job_id] <= 0:
                 del self._holding[message.job_id]
-
-    async def _take_thread(self) -> ThreadSlot:
-        """A thread for a def job; while none is free, the delivery gives its job slot up
-        (``Slots.set_aside``), so the worker's async def jobs keep running, and takes one
-        back once it has its thread, before it is claimed."""
-        slots, task = delivery_slots.get(), asyncio.current_task()
-        if slots is None or task is None or self.threads.held < self.threads.size:
-            return await self.threads.take()
-        slots.set_aside(task)
-        thread = await self.threads.take()
-        try:
-            await slots.take_back(task)
-        except BaseException:
-            thread.release()
-            raise
-        return thread
 
     def _in_thread(self, job_type: str) -> bool:
         return bool(getattr(self.registry.get(job_type), "in_thread", False))
@@ -433,14 +414,8 @@ class DeliveryHandler:
     async def _unknown(
         self, delivery: Delivery, exc: MessageDecodeError, job_id: str, meta: dict[str, Any]
     ) -> None:
-        """A type or version this worker does not know, for an existing job: defer it.
-
-        During a rolling deploy only the newer workers know it; quarantining here would
-        punish the job for our age. Each deferral carries its count; past the delivery limit
-        the job is quarantined saying no worker knew it. The event and the reason name this
-        worker, the type and the count: a worker started without ``--app`` looks, from the
-        job's side, exactly like no worker at all, unless it says it saw the job.
-        """
+        """A type or version this worker does not know, for an existing job: defer it
+        (``domain.unknown_types``: quarantining at once would punish the job for our age)."""
         job = await self.rt.store.get_job(job_id)
         if job is None:
             await self._invalid(delivery, f"{exc.reason} (and no such job)", None, meta)
@@ -450,39 +425,25 @@ class DeliveryHandler:
             message = JobMessage(job.id, job.type)
             await self._act(delivery, message, job, decision, meta)
             return
-        if exc.unknown_type is not None:
-            subject = f"type {exc.unknown_type}"
-            remedy = (
-                "start the workers with the app that defines it (`--app` or JOBRELAY_APP), "
-                "then replay the job"
-            )
-        else:
-            subject = f"this message ({exc.reason}) of type {job.type}"
-            remedy = "run workers of a version that knows it, then replay the job"
-        defers = str(delivery.headers.get(DEFERS_HEADER, "0"))
-        count = int(defers) if defers.isdigit() else 0
-        limit = self.rt.settings.delivery_limit
-        said = f"worker {self.worker_id} does not know {subject}"
-        if count >= limit:
-            await self._invalid(
-                delivery,
-                f"{said}, and no worker knew it after {count} deferrals: {remedy}",
-                job_id,
-                meta,
-                unknown=True,
-            )
+        verdict = judge_unknown(
+            self.worker_id,
+            job.type,
+            exc.unknown_type,
+            exc.reason,
+            delivery.headers.get(DEFERS_HEADER),
+            self.rt.settings.delivery_limit,
+        )
+        if verdict.quarantine:
+            await self._invalid(delivery, verdict.reason, job_id, meta, unknown=True)
             return
-        detail: dict[str, Any] = {"worker": self.worker_id, "deferral": count + 1, "of": limit}
-        if exc.unknown_type is not None:
-            detail["unknownType"] = exc.unknown_type
         await self._defer(
             delivery,
             job_id,
             delivery.body,
-            f"{said} (deferral {count + 1} of {limit})",
+            verdict.reason,
             None,
-            headers={DEFERS_HEADER: str(count + 1)},
-            detail=detail,
+            headers=verdict.headers,
+            detail=verdict.detail,
         )
 
     async def _invalid(

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jobrelay.observe.metrics import Metrics
+from jobrelay.roles.slots import delivery_slots
 
 log = logging.getLogger("jobrelay.worker")
 
@@ -48,6 +49,22 @@ class SyncThreads:
         self._freed = asyncio.Event()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._said_exhausted = False
+
+    async def take_aside(self) -> ThreadSlot:
+        """``take``, for a delivery holding a job slot: while no thread is free, it gives
+        its slot up (``Slots.set_aside``), so the worker's async def jobs keep running, and
+        takes one back once it has its thread, before it is claimed."""
+        slots, task = delivery_slots.get(), asyncio.current_task()
+        if slots is None or task is None or self.held < self.size:
+            return await self.take()
+        slots.set_aside(task)
+        thread = await self.take()
+        try:
+            await slots.take_back(task)
+        except BaseException:
+            thread.release()
+            raise
+        return thread
 
     async def take(self) -> ThreadSlot:
         """Wait for a free thread and hold it for the next ``def`` job's claim and body."""
