@@ -64,6 +64,31 @@ def poll(check: Callable[[], T | None], timeout: float = 30, what: str = "condit
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def supervise_workers(
+    start: Callable[..., Proc],
+    workers: list[Proc],
+    env: dict[str, str],
+    done: Callable[[], bool],
+    timeout: float,
+    what: str,
+) -> int:
+    """As a supervisor would: restart every worker that died by SIGKILL (exit 137, a fault
+    point's crash), until ``done``; returns how many were restarted."""
+    restarts = 0
+
+    def settled() -> bool:
+        nonlocal restarts
+        for i, worker in enumerate(workers):
+            if worker.popen.poll() is not None:
+                assert worker.popen.returncode == 137, worker.log()[-2000:]
+                restarts += 1
+                workers[i] = start("worker", "worker", env=env)
+        return done()
+
+    poll(settled, timeout, what)
+    return restarts
+
+
 class Proc:
     def __init__(
         self,

@@ -21,7 +21,16 @@ from jobrelay.domain.states import JobState
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.store import JobRecord, Store
 
-from .procs import FAST_ENV, clean_env, free_port, poll, processes, run_cli, wait_http
+from .procs import (
+    FAST_ENV,
+    clean_env,
+    free_port,
+    poll,
+    processes,
+    run_cli,
+    supervise_workers,
+    wait_http,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 T = TypeVar("T")
@@ -246,19 +255,15 @@ def test_crash_looping_job_ends_quarantined_while_healthy_jobs_flow(
         poison = _submit(db, env, period="2020-02")
         healthy = [_submit(db, env, period=f"2021-{m:02d}") for m in range(1, 7)]
         workers = [start("worker", "worker", env=poison_env) for _ in range(2)]
-        restarts = 0
 
         def settled() -> bool:
-            nonlocal restarts
-            for i, worker in enumerate(workers):  # a supervisor restarting dead workers
-                if worker.popen.poll() is not None:
-                    assert worker.popen.returncode == 137, worker.log()[-2000:]
-                    restarts += 1
-                    workers[i] = start("worker", "worker", env=poison_env)
             jobs = [db.job(j) for j in [poison, *healthy]]
             return all(j is not None and j.state.is_terminal for j in jobs)
 
-        poll(settled, 120, "the poison job to be quarantined and the others to finish")
+        restarts = supervise_workers(
+            start, workers, poison_env, settled, 120,
+            "the poison job to be quarantined and the others to finish",
+        )  # fmt: skip
     job = db.job(poison)
     assert job is not None and job.state is JobState.QUARANTINED
     assert job.attempt == 3 and "attempts exhausted" in (job.quarantine_reason or "")

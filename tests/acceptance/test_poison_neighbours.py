@@ -24,7 +24,7 @@ from jobrelay.roles.runtime import utc_now
 from jobrelay.storage.store import NewJob
 from tests.id_keys import request_id
 
-from .procs import FAST_ENV, clean_env, poll, processes
+from .procs import FAST_ENV, clean_env, poll, processes, supervise_workers
 from .test_claim_fencing import Db, backend, db, prepare
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -78,20 +78,16 @@ def test_a_crash_looping_job_takes_no_healthy_neighbour_with_it(
             "every message published",
         )
         workers = [start("worker", "worker", env=worker_env) for _ in range(2)]
-        deaths = 0
 
         def settled() -> bool:
-            nonlocal deaths
-            for i, worker in enumerate(workers):  # a supervisor restarting dead workers
-                if worker.popen.poll() is not None:
-                    assert worker.popen.returncode == 137, worker.log()[-2000:]
-                    deaths += 1
-                    workers[i] = start("worker", "worker", env=worker_env)
             jobs = [db.job(j) for j in [poison, *healthy]]
             return all(j is not None and j.state.is_terminal for j in jobs)
 
         # A dead-lettered message would leave its job queued: this would time out.
-        poll(settled, 240, "the poison job quarantined and every healthy job finished")
+        deaths = supervise_workers(
+            start, workers, worker_env, settled, 240,
+            "the poison job quarantined and every healthy job finished",
+        )  # fmt: skip
     job = db.job(poison)
     assert job is not None and job.state is JobState.QUARANTINED
     assert job.attempt == POISON_ATTEMPTS
