@@ -118,13 +118,16 @@ async def export_once(rt: Runtime, rows: int) -> float:
     await staging.publish()
     elapsed = time.perf_counter() - started
     assert result.result_key is not None and result.meta["rows"] == rows, result.meta
+    # Where this attempt stored it: on S3 a key of the attempt's own (issue 34).
+    key = staging.recorded_key(result.result_key)
+    assert key is not None
     digest = hashlib.sha256()
     size = 0
-    async for chunk in rt.results.read(result.result_key):
+    async for chunk in rt.results.read(key):
         digest.update(chunk)
         size += len(chunk)
     assert (size, digest.hexdigest()) == (result.meta["bytes"], result.meta["sha256"])
-    await rt.results.delete(result.result_key)
+    await rt.results.delete(key)
     return elapsed
 
 

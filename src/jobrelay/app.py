@@ -266,7 +266,7 @@ class App:
 
     def id_key_cache(self, engine: Engine | str) -> IdKeyCache:
         """This process's copy of the id keys of the database behind ``engine`` (or named so,
-        for a framework's DB-API connection: ``storage.dbapi.connection_identity``), from
+        for a framework's DB-API connection: ``storage.drivers.dbapi.connection_identity``), from
         ``JOBRELAY_ID_SECRET`` of this app's settings, else the installation's row."""
         keyed: MutableMapping[Any, IdKeyCache] = (
             self._id_keys_by_name if isinstance(engine, str) else self._id_keys

@@ -24,7 +24,7 @@ from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_
 from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidParams, PermanentError
 from jobrelay.operations.base import OperationContext, OperationResult
 from jobrelay.settings import Settings
-from jobrelay.storage.dbapi import (
+from jobrelay.storage.drivers.dbapi import (
     DBAPIConnection,
     connection_identity,
     dbapi_dialect,
@@ -32,7 +32,7 @@ from jobrelay.storage.dbapi import (
     require_atomic,
     run_dbapi,
 )
-from jobrelay.storage.enqueue import Steps, new_job_steps, run_async, run_sync
+from jobrelay.storage.drivers.new_job import Steps, new_job_steps, run_async, run_sync
 from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import NewJob, work_destination
 from jobrelay.sync_context import SyncJobFunction, run_in_thread, runs_in_thread

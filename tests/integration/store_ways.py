@@ -1,7 +1,7 @@
 """The four ways a store sends its statements, for the tests of the store's port.
 
 A store on SQLite writes through SQLAlchemy, or, while a worker holds it, on one plain
-``sqlite3`` connection (``storage/sqlite_hot.py``); on PostgreSQL through SQLAlchemy, or on
+``sqlite3`` connection (``storage/drivers/sqlite_conn.py``); on PostgreSQL through SQLAlchemy, or on
 the asyncpg connections a worker or relay holds (``storage/pg_hot.py``). ``way`` runs a test
 on each (River's ``riverdrivertest.Exercise``, Oban's per-engine modules); ``holding``
 holds a store's connections as the worker does and says how many statements went on them.
@@ -41,10 +41,10 @@ async def holding(store: Store, how: str) -> AsyncIterator[Callable[[], int]]:
         return
     async with store.hot_connections():
         if how == "asyncpg":
-            pool = store.hot
+            pool = store.driver.hot
             assert pool is not None and pool.active, "the asyncpg connections are not held"
             yield lambda: pool.sent
         else:
-            conn = store.sqlite_hot
+            conn = store.driver.hot
             assert conn is not None and conn.active, "the sqlite3 connection is not held"
             yield lambda: conn.sent

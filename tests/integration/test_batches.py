@@ -1,7 +1,8 @@
 """Batched claims and completions: each job in a batch wins or loses alone.
 
 The worker sends the claims (and completions) of concurrent deliveries as one statement
-(``storage/batches.py``); these check that statement's guards row by row, the same guards
+(``storage/drivers/pg_statements.py``); these check that statement's guards row by row, the
+same guards
 the one-job path has (``test_claims.py`` runs the worker through both). Each runs on SQLite
 (a batch is one write transaction there) and on both ways PostgreSQL gets them: through
 SQLAlchemy, and on the raw asyncpg connections a worker or relay holds
@@ -22,7 +23,7 @@ from sqlalchemy import Text, bindparam, text
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.roles.runtime import Runtime
-from jobrelay.storage.pg_hot import HotStatement
+from jobrelay.storage.drivers.pg_pool import HotStatement
 from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest
 from tests.integration.store_ways import holding, way_fixture  # noqa: F401 (fixture, by name)
@@ -41,8 +42,8 @@ LEASE = timedelta(seconds=30)
 
 @pytest.fixture
 async def db(way: tuple[str, str], tmp_path: Path) -> AsyncIterator[Runtime]:
-    """The store on SQLite (one write transaction per batch, ``sqlite_batches``: through
-    SQLAlchemy, and whole on the ``sqlite3`` connection a worker holds, ``sqlite_hot``) and
+    """The store on SQLite (one write transaction per batch, ``drivers/sqlite.py``: through
+    SQLAlchemy, and whole on the ``sqlite3`` connection a worker holds, ``sqlite_conn``) and
     on PostgreSQL through both ways it sends the statements."""
     url, how = way
     runtime = runtime_for(url, tmp_path)
@@ -157,7 +158,7 @@ async def test_a_connection_cut_mid_prepare_is_an_outage_not_a_crash(
     worker holds its delivery on, not an unclassified exception that releases it."""
     import asyncpg
 
-    assert db.store.hot is not None and db.store.hot.active
+    assert db.store.driver.hot.active
     real_fetch = asyncpg.connection.Connection.fetch
     cut = {"left": 1}
 
@@ -172,9 +173,9 @@ async def test_a_connection_cut_mid_prepare_is_an_outage_not_a_crash(
     monkeypatch.setattr(asyncpg.connection.Connection, "fetch", fetch_cut_once)
     one = HotStatement(text("SELECT 1 AS one"))
     with pytest.raises(StoreError) as lost:
-        await db.store.hot_rows(one, {})
+        await db.store.driver.rows(one, {})
     assert not isinstance(lost.value, StoreDataError)
-    assert [row["one"] for row in await db.store.hot_rows(one, {})] == [1]
+    assert [row["one"] for row in await db.store.driver.rows(one, {})] == [1]
 
 
 @pytest.mark.parametrize("way", ["sqlalchemy", "asyncpg"], indirect=True)
@@ -196,10 +197,10 @@ async def test_a_refused_value_is_a_data_error_and_a_lost_connection_an_outage(
         text("SELECT CAST(:value AS jsonb) AS v").bindparams(bindparam("value", type_=Text()))
     )
     with pytest.raises(StoreDataError, match="json"):
-        await db.store.hot_rows(not_json, {"value": "not json"})
+        await db.store.driver.rows(not_json, {"value": "not json"})
 
     sleep = HotStatement(text("SELECT pg_sleep(30) AS slept"))
-    sleeping = asyncio.create_task(db.store.hot_rows(sleep, {}))
+    sleeping = asyncio.create_task(db.store.driver.rows(sleep, {}))
     async with db.engine.connect() as admin:  # the backend running that statement goes away
         # Autocommit: in a transaction pg_stat_activity would show its first snapshot only.
         await admin.execution_options(isolation_level="AUTOCOMMIT")
@@ -217,7 +218,7 @@ async def test_a_refused_value_is_a_data_error_and_a_lost_connection_an_outage(
     with pytest.raises(StoreError) as lost:
         await asyncio.wait_for(sleeping, timeout=10)
     assert not isinstance(lost.value, StoreDataError)
-    [row] = await db.store.hot_rows(not_json, {"value": '{"a": 1}'})
+    [row] = await db.store.driver.rows(not_json, {"value": '{"a": 1}'})
     assert row["v"] == {"a": 1}
 
 

@@ -28,7 +28,7 @@ from sqlalchemy import select, text
 from jobrelay.errors import StoreError
 from jobrelay.roles.runtime import Runtime
 from jobrelay.storage.admin import AdminQueries
-from jobrelay.storage.outbox import _CLAIM_OUTBOX, _MARK_PUBLISHED
+from jobrelay.storage.drivers.pg_statements import CLAIM_OUTBOX, MARK_PUBLISHED
 from jobrelay.storage.tables import outbox
 
 from .api_fixtures import api_client, bearer, build_runtime, make_token
@@ -88,7 +88,7 @@ async def test_a_cancel_racing_the_relays_mark_of_a_due_delayed_job_does_not_dea
             "o_claim_for": timedelta(seconds=30),
             "o_clock": None,
         }
-        rows = (await relay.execute(_CLAIM_OUTBOX.statement, claim)).mappings().all()
+        rows = (await relay.execute(CLAIM_OUTBOX.statement, claim)).mappings().all()
         assert [r["job_id"] for r in rows] == [job_id]
         cancel = asyncio.create_task(
             client.post(
@@ -104,7 +104,7 @@ async def test_a_cancel_racing_the_relays_mark_of_a_due_delayed_job_does_not_dea
             "m_clock": None,
         }
         try:
-            marked = (await relay.execute(_MARK_PUBLISHED.statement, mark)).scalar_one()
+            marked = (await relay.execute(MARK_PUBLISHED.statement, mark)).scalar_one()
             await tx.commit()
         except Exception as exc:
             relay_error = exc

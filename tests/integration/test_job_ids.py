@@ -387,7 +387,7 @@ async def test_the_accept_path_runs_the_statements_it_ran_before(rt: Runtime) ->
         if recording[0]:
             seen.append(" ".join(statement.split()))
 
-    postgres = rt.store.is_postgres
+    postgres = rt.store.engine.dialect.name == "postgresql"
     new = ["WITH nj_job AS"] if postgres else [
         "BEGIN IMMEDIATE", "INSERT INTO jobs", "INSERT INTO outbox", "INSERT INTO job_events",
     ]  # fmt: skip

@@ -213,7 +213,7 @@ async def test_keys_make_one_job_and_refuse_other_params(
 async def test_sync_enqueue_on_a_synchronous_connection(rt: Runtime) -> None:
     """sqlite3 on SQLite, psycopg 3 on PostgreSQL: what Django or Flask would hold."""
     url = make_url(rt.settings.database_url)
-    if rt.store.is_postgres:
+    if rt.store.engine.dialect.name == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
     sync_engine = create_engine(url)
     try:

@@ -98,17 +98,14 @@ def count_failing_statements(p: Pipeline) -> Callable[[], Counter[str]]:
         failures[type(context.original_exception).__name__] += 1
 
     event.listen(p.rt.engine.sync_engine, "handle_error", on_error)
-    hot = p.rt.store.hot
-    return lambda: failures + (hot.failures if hot is not None else Counter())
+    hot_failures = getattr(p.rt.store.driver.hot, "failures", Counter())
+    return lambda: failures + hot_failures
 
 
 def on_the_hot_path(p: Pipeline) -> bool:
     """The worker's batched statements went over its held connections: asyncpg's on
     PostgreSQL, its ``sqlite3`` one on a SQLite file."""
-    hot, sqlite_hot = p.rt.store.hot, p.rt.store.sqlite_hot
-    if hot is not None:
-        return hot.sent > 0
-    return sqlite_hot is not None and sqlite_hot.sent > 0
+    return bool(p.rt.store.driver.hot.sent > 0)
 
 
 def finished(job: JobRecord) -> bool:
@@ -195,6 +192,45 @@ async def test_on_sqlite_an_unstorable_completion_fails_alone_in_its_batch(
             assert (await p.kinds(job_id)).count("claimed") == 1
             assert (await p.kinds(job_id)).count("result_saved") == 1
         assert on_the_hot_path(p)  # the held sqlite3 connection, one hand-off a batch
+
+
+def staged(barrier: asyncio.Barrier, key: str) -> Step:
+    """A first attempt that writes a staged result (as ``report.export`` does) and ends
+    together with the others."""
+
+    async def step(ctx: OperationContext) -> OperationResult:
+        async with ctx.results.writer(key) as writer:
+            await writer.write(f"{ctx.job.id}\n".encode())
+        await barrier.wait()
+        return OperationResult(key, {"rows": 1})
+
+    return step
+
+
+async def test_completions_that_publish_a_staged_result_share_a_batch(
+    make_pipeline: Any,
+) -> None:
+    """Issue 35: a job that stages its result (the flagship ``report.export``) completes on the
+    batched path too: three such completions ending together share their statement, each
+    result published inside it. Old code: a staged result always took the per-job completion
+    (the batcher saw none of them: 0 batches)."""
+    async with make_pipeline() as p:
+        periods = ("2020-01", "2020-02", "2020-03")
+        ids = [await p.submit(period=period) for period in periods]
+        barrier = asyncio.Barrier(3)
+        operation = Scripted({m: staged(barrier, f"exports/{m}.csv") for m in periods})
+        p.start_relay()
+        worker = await start_worker(p, operation)
+        jobs = [await p.wait_for(job_id, finished) for job_id in ids]
+
+        assert [(j.state, j.attempt) for j in jobs] == [(JobState.SUCCEEDED, 1)] * 3
+        for job in jobs:
+            assert job.result_key is not None
+            chunks = [chunk async for chunk in p.rt.results.read(job.result_key)]
+            assert b"".join(chunks) == f"{job.id}\n".encode()
+        completions = worker.deliveries._completions
+        assert 1 <= completions.batches < 3
+        assert on_the_hot_path(p)
 
 
 async def test_a_nul_byte_ends_its_job_with_a_reason_and_never_loops(make_pipeline: Any) -> None:

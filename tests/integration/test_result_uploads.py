@@ -68,7 +68,7 @@ async def _job_row_locked(rt: Runtime, job_id: str) -> bool:
     """Whether another transaction holds the job's row (PostgreSQL) or the write lock
     (SQLite) right now; asked a few times, so a passing writer is not taken for it."""
     for _ in range(20):
-        if rt.store.is_postgres:
+        if rt.store.engine.dialect.name == "postgresql":
             try:
                 async with rt.engine.connect() as conn, conn.begin():
                     await conn.execute(

@@ -373,7 +373,7 @@ async def test_without_autovacuum_the_leader_vacuums_jobrelays_tables(
     """The server's autovacuum off (as on this project's machine): after its prune, the
     pruner vacuums the hot tables itself; with autovacuum on, or JOBRELAY_SELF_VACUUM off,
     it leaves them to the server."""
-    if not runtime.store.is_postgres:
+    if runtime.store.engine.dialect.name != "postgresql":
         pytest.skip("VACUUM is PostgreSQL's; SQLite has nothing to reclaim this way")
     import jobrelay.roles.prune as prune_role
 

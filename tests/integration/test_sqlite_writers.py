@@ -18,8 +18,8 @@ from sqlalchemy import event, text
 
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.storage import local_queue
+from jobrelay.storage.drivers.sqlite_conn import SqliteHot
 from jobrelay.storage.engine import create_engine, write_tx
-from jobrelay.storage.sqlite_hot import SqliteHot
 
 
 async def test_writers_of_one_process_queue_instead_of_meeting_the_sqlite_lock(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -50,8 +51,9 @@ class Clock:
 
 
 CLOCK = Clock()
-# What the port does with no held statement yet: accepting, the single-job transitions and the
-# tokens go through SQLAlchemy on both drivers; the outbox and renewals on SQLite.
+# What the port does with no held statement yet: accepting, the portable transitions (retry,
+# quarantine, cancel) and the tokens go through SQLAlchemy on both drivers; the outbox on
+# SQLite. Claims, completions and renewals, of one job or many, take the held statements.
 COLD_ON_BOTH = pytest.mark.cold_on("sqlite", "postgresql")
 COLD_ON_SQLITE = pytest.mark.cold_on("sqlite")
 
@@ -79,7 +81,7 @@ async def store(way: tuple[str, str], request: pytest.FixtureRequest) -> AsyncIt
     finally:
         await engine.dispose()
     if held_way(how):
-        driver = "postgresql" if store.is_postgres else "sqlite"
+        driver = "postgresql" if (store.engine.dialect.name == "postgresql") else "sqlite"
         mark = request.node.get_closest_marker("cold_on")
         cold = mark is not None and driver in mark.args
         if cold and moved:
@@ -155,7 +157,7 @@ async def test_concurrent_submits_of_one_job_create_it_once(store: Store) -> Non
 
 @COLD_ON_BOTH
 async def test_submit_notifies_listening_relays_once_per_new_job(store: Store) -> None:
-    if not store.is_postgres:
+    if store.engine.dialect.name != "postgresql":
         pytest.skip("NOTIFY is PostgreSQL's")
     heard: list[str] = []
     marker = asyncio.Event()
@@ -233,7 +235,6 @@ async def test_release_keeps_row_waiting_with_error(store: Store) -> None:
     assert len(await claim_at(store, "r2", T0 + timedelta(seconds=3))) == 1
 
 
-@COLD_ON_BOTH
 async def test_claim_increments_attempt_and_guards_live_lease(store: Store) -> None:
     job_id, _ = await store.submit(await new_job(store), T0)
     first = await store.claim_job(job_id, "w1", at(T0), LEASE)
@@ -247,7 +248,6 @@ async def test_claim_increments_attempt_and_guards_live_lease(store: Store) -> N
     assert (lost.won, lost.current_attempt, lost.current_state) == (False, 2, JobState.RUNNING)
 
 
-@COLD_ON_BOTH
 async def test_complete_then_nothing_moves_it(store: Store) -> None:
     job_id, _ = await store.submit(await new_job(store), T0)
     claim = await store.claim_job(job_id, "w1", at(T0), LEASE)
@@ -261,7 +261,6 @@ async def test_complete_then_nothing_moves_it(store: Store) -> None:
     assert [e.kind for e in await store.events(job_id)] == ["accepted", "claimed", "result_saved"]
 
 
-@COLD_ON_SQLITE
 async def test_retry_writes_outbox_row_and_waits_until_due(store: Store) -> None:
     job_id, _ = await store.submit(await new_job(store), T0)
     claim = await store.claim_job(job_id, "w1", at(T0), LEASE)
@@ -276,7 +275,6 @@ async def test_retry_writes_outbox_row_and_waits_until_due(store: Store) -> None
     assert await attempt_of(store, job_id, "w2", T0 + timedelta(seconds=5)) == 2
 
 
-@COLD_ON_BOTH
 async def test_attempt_budget_is_enforced_in_sql(store: Store) -> None:
     job_id, _ = await store.submit(await new_job(store), T0)
     for i in range(3):
@@ -321,7 +319,58 @@ async def test_batch_claims_and_completions_are_fenced_per_job(store: Store) -> 
     assert await store.claim_many([ask(a, "w2")], at(T0 + LEASE * 2), LEASE) == [None]
 
 
-@COLD_ON_SQLITE
+async def test_completions_with_steps_of_their_own_commit_together_one_failed_step_alone(
+    store: Store,
+) -> None:
+    """A batch of completions that each publish a staged result and create a follow-up (as
+    ``report.export`` does) is one statement in one transaction, the steps of each winner
+    inside it; a step that raises leaves its own job running and costs no neighbour its
+    outcome. (Before: the batched completion took no such request at all.)"""
+    ids = [(await store.submit(await new_job(store, key=k), T0))[0] for k in "abc"]
+    claims = await store.claim_many([ask(i, "w1") for i in ids], at(T0), LEASE)
+    a, b, c = (claimed[0] for claimed in claims if claimed is not None)
+    published: list[str] = []
+
+    def publish(job_id: str, fail: bool = False) -> Callable[[], Awaitable[None]]:
+        async def step() -> None:
+            if fail:
+                raise OSError(f"no room for {job_id}'s result")
+            published.append(job_id)
+
+        return step
+
+    notice = replace(await new_job(store, key="notice-a"), type="notify.email", params={})
+    done = await store.complete_many(
+        [
+            CompleteRequest(a, "exports/a.csv", {}, publish(a.job_id), (notice,)),
+            CompleteRequest(b, "exports/b.csv", {}, publish(b.job_id, fail=True)),
+            CompleteRequest(c, "exports/c.csv", {}, publish(c.job_id)),
+        ],
+        T0,
+    )
+    assert set(done) == {a.job_id, c.job_id}
+    assert list(done.failed) == [b.job_id] and isinstance(done.failed[b.job_id], OSError)
+    # Each winner's step ran once in the transaction that committed (the failed try's too).
+    assert published.count(a.job_id) >= 1 and published.count(c.job_id) >= 1
+    states = {i: (await store.get_job(i)).state for i in ids}  # type: ignore[union-attr]
+    assert states == {
+        a.job_id: JobState.SUCCEEDED,
+        b.job_id: JobState.RUNNING,
+        c.job_id: JobState.SUCCEEDED,
+    }
+    [accepted] = [e for e in await store.events(notice.job_id) if e.kind == "accepted"]
+    assert accepted.detail["parentJobId"] == a.job_id
+    assert [e.kind for e in await store.events(a.job_id)][-2:] == [
+        "result_saved",
+        "follow_up_accepted",
+    ]
+    # The one that failed completes on its own once its step works.
+    again = await store.complete_many(
+        [CompleteRequest(b, "exports/b.csv", {}, publish(b.job_id))], T0
+    )
+    assert set(again) == {b.job_id} and not again.failed
+
+
 async def test_a_renewal_extends_only_the_claims_that_hold(store: Store) -> None:
     a, _ = await store.submit(await new_job(store, key="a"), T0)
     b, _ = await store.submit(await new_job(store, key="b"), T0)
@@ -337,7 +386,6 @@ async def test_a_renewal_extends_only_the_claims_that_hold(store: Store) -> None
     assert await attempt_of(store, a, "w2", T0 + LEASE * 2) == 2
 
 
-@COLD_ON_SQLITE
 async def test_a_stale_claim_beside_the_current_one_of_the_same_job_is_not_renewed(
     store: Store,
 ) -> None:

@@ -8,7 +8,7 @@ Pure: the caller passes the clock. The rules are the library's, the HTTP API's a
 CLI's alike, so they are stated here once.
 
 Which clock: a ``delay`` is NOT added here. It is kept as seconds (``RunTime.delay``) and the
-write adds it to the database's own clock in SQL (``storage.enqueue``), because the relay
+write adds it to the database's own clock in SQL (``storage.drivers.new_job``), because the relay
 judges the held row by the database's clock: a due time from the enqueuing host's clock
 would be off by that host's skew (120 s ahead made ``delay=5`` wait 125 s; 120 s behind made
 ``delay=60`` run at once). A ``run_at`` is absolute and stays as given; only whether it is

@@ -52,15 +52,16 @@ from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.stopping import RunStop, end_cancelled, time_limit
 from jobrelay.roles.threads import ThreadSlot
 from jobrelay.storage.storable import outcome_json
-from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, NewJob
+from jobrelay.storage.store import Claim, CompleteRequest, Completion, Fenced, JobRecord, NewJob
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
 
 
 Settle = Callable[[Delivery, str, Action, int], Awaitable[None]]
-# A completion with nothing to publish and no follow-ups, sent with others (see batching).
-Complete = Callable[[CompleteRequest], Awaitable[bool]]
+# A completion, sent with those of other deliveries (see batching): whether it won, or what
+# its own step (publishing its staged result) raised.
+Complete = Callable[[CompleteRequest], Awaitable[Completion]]
 # Stored instead when even the quarantine with the refusal's reason was refused.
 _UNSTORABLE = "the outcome could not be stored (the database refused its data)"
 
@@ -77,7 +78,7 @@ class AttemptRun:
         *,
         settle: Settle,
         wait_for_database: Callable[[], Awaitable[None]],
-        complete: Complete | None = None,
+        complete: Complete,
         leases: LeaseRenewer,
         thread: ThreadSlot | None = None,
     ) -> None:
@@ -302,21 +303,17 @@ class AttemptRun:
             key = results.recorded_key(observation.result_key)
             meta = {**result.meta, "attempt": claim.attempt}
             outcome_json(key, meta)  # StoreDataError: refused before sent
-            if self._complete is not None and not results.staged and not result.follow_ups:
-                request = CompleteRequest(claim, key, meta)
-                return (
-                    Fenced(True) if await self._complete(request) else await self._current(job.id)
-                )
-            completed = await store.complete(
+            request = CompleteRequest(
                 claim,
                 key,
                 meta,
-                now,
-                follow_ups=tuple[NewJob, ...](result.follow_ups),
                 publish=results.publish if results.staged else None,
+                follow_ups=tuple[NewJob, ...](result.follow_ups),
             )
-            self.rt.faults.hit("worker.after_complete")  # tests: committed, not yet acked
-            return completed
+            answer = await self._complete(request)
+            if isinstance(answer, Exception):
+                raise answer  # the staged result could not be published: nothing committed
+            return Fenced(True) if answer else await self._current(job.id)
         if decision.action is Action.ACK:
             assert decision.retry_delay is not None
             return await store.schedule_retry(

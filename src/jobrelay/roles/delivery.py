@@ -47,7 +47,14 @@ from jobrelay.roles.leases import LeaseRenewer
 from jobrelay.roles.runtime import Runtime
 from jobrelay.roles.threads import SyncThreads, ThreadSlot
 from jobrelay.roles.timeline import TimelineWriter
-from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest, JobRecord
+from jobrelay.storage.store import (
+    Claim,
+    Claimed,
+    ClaimRequest,
+    CompleteRequest,
+    Completion,
+    JobRecord,
+)
 from jobrelay.transport.base import Delivery
 
 log = logging.getLogger("jobrelay.worker")
@@ -56,8 +63,8 @@ log = logging.getLogger("jobrelay.worker")
 # few times, then defer rather than drop.
 _MAX_DECISION_ROUNDS = 3
 
-# A claim that won: the claim, the job as claimed, and the state it was claimed from.
-Claimed = tuple[Claim, JobRecord, JobState] | None
+# The most claims (or completions) sent in one statement.
+BATCH_SIZE = 100
 # The def job's thread the delivery being handled took before its claim (its run's body's).
 _thread: ContextVar[ThreadSlot | None] = ContextVar("jobrelay_def_thread", default=None)
 
@@ -82,19 +89,21 @@ class DeliveryHandler:
         self.lease = lease
         self.timeline = timeline
         self._wait_for_database = wait_for_database
-        # The claims and completions of concurrent deliveries share a statement (PostgreSQL)
-        # or a write transaction, so one commit (SQLite, where the commit is the cost).
-        self._claims: Batcher[ClaimRequest, Claimed] | None = None
-        self._completions: Batcher[CompleteRequest, bool] | None = None
-        if rt.settings.batching:
-            # A statement the database refused for one row's data is sent again row by row.
-            def alone_on(exc: Exception) -> bool:
-                return isinstance(exc, StoreDataError)
+        # Every claim and completion is a batch (a single job is a batch of one): those of
+        # concurrent deliveries share a statement (PostgreSQL) or a write transaction, so one
+        # commit (SQLite, where the commit is the cost). JOBRELAY_BATCHING=false: batches of 1.
+        size = BATCH_SIZE if rt.settings.batching else 1
 
-            self._claims = Batcher(self._claim_many, key=lambda r: r.job_id, alone_on=alone_on)
-            self._completions = Batcher(
-                self._complete_many, key=lambda r: r.claim.job_id, alone_on=alone_on
-            )
+        # A statement the database refused for one row's data is sent again row by row.
+        def alone_on(exc: Exception) -> bool:
+            return isinstance(exc, StoreDataError)
+
+        self._claims: Batcher[ClaimRequest, Claimed] = Batcher(
+            self._claim_many, key=lambda r: r.job_id, max_size=size, alone_on=alone_on
+        )
+        self._completions: Batcher[CompleteRequest, Completion] = Batcher(
+            self._complete_many, key=lambda r: r.claim.job_id, max_size=size, alone_on=alone_on
+        )
         settings = rt.settings  # the threads of def jobs (roles.threads)
         self.threads = SyncThreads(settings.sync_threads, settings.sync_abandoned_max, rt.metrics)
         # Every running claim's lease, renewed in one statement (one renewer per worker).
@@ -154,12 +163,8 @@ class DeliveryHandler:
     ) -> None:
         # The happy path first: a claim guarded on exactly "ready to run" needs no read.
         async def claim() -> Claimed:
-            if self._claims is not None:
-                request = ClaimRequest(message.job_id, message.type, self.worker_id, meta)
-                return await self._claims.submit(request)
-            return await self.rt.store.claim_delivered(
-                message.job_id, message.type, self.worker_id, self.rt.clock(), self.lease, **meta
-            )
+            request = ClaimRequest(message.job_id, message.type, self.worker_id, meta)
+            return await self._claims.submit(request)
 
         async with self.isolation.shared():
             claimed = await self._claim(message.job_id, claim)
@@ -347,7 +352,7 @@ class DeliveryHandler:
             self.lease,
             settle=self._settle,
             wait_for_database=self._wait_for_database,
-            complete=self._completions.submit if self._completions is not None else None,
+            complete=self._completions.submit,
             leases=self.leases,
             thread=_thread.get(),
         )
@@ -356,11 +361,11 @@ class DeliveryHandler:
     async def _claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claimed]:
         return await self.rt.store.claim_many(requests, self.rt.clock(), self.lease)
 
-    async def _complete_many(self, requests: Sequence[CompleteRequest]) -> list[bool]:
-        won = await self.rt.store.complete_many(requests, self.rt.clock())
+    async def _complete_many(self, requests: Sequence[CompleteRequest]) -> list[Completion]:
+        done = await self.rt.store.complete_many(requests, self.rt.clock())
         # Tests: the batch committed, none of its deliveries settled yet.
         self.rt.faults.hit("worker.after_complete")
-        return [r.claim.job_id in won for r in requests]
+        return [done.failed.get(r.claim.job_id, r.claim.job_id in done) for r in requests]
 
     # --- settling ---------------------------------------------------------------------------
 

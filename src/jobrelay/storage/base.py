@@ -26,43 +26,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import (
-    ColumnElement,
-    func,
-    insert,
-    literal,
-    literal_column,
-    select,
-    text,
-    type_coerce,
-    update,
-)
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import ColumnElement, func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
-from jobrelay.storage.capabilities import capabilities_of
 from jobrelay.storage.delayed import due_since
+from jobrelay.storage.drivers import open_driver
+from jobrelay.storage.drivers.new_job import queued_job_row
 from jobrelay.storage.effects import EffectsLedger
-from jobrelay.storage.engine import read_tx, statement_tx, write_tx
-from jobrelay.storage.enqueue import queued_job_row
+from jobrelay.storage.engine import read_tx, write_tx
 from jobrelay.storage.installation import IdKeyCache, Installation
-from jobrelay.storage.pg_hot import HotPool, HotStatement
-from jobrelay.storage.records import (
-    NOTIFY_CHANNEL,
-    Clock,
-    NewJob,
-    jsonable,
-    utc_now,
-)
-from jobrelay.storage.sqlite_hot import SqliteHot
-from jobrelay.storage.tables import (
-    UTCDateTime,
-    job_events,
-    jobs,
-    outbox,
-)
+from jobrelay.storage.records import Clock, NewJob, jsonable, utc_now
+from jobrelay.storage.tables import job_events, jobs, outbox
+from jobrelay.storage.transitions import state_in
 
 
 class StoreBase:
@@ -70,9 +47,10 @@ class StoreBase:
         self, engine: AsyncEngine, *, clock: Clock | None = None, id_secret: bytes | None = None
     ) -> None:
         self.engine = engine
-        self.is_postgres = engine.dialect.name == "postgresql"
+        # What differs between the databases, in one object (``storage.drivers``).
+        self.driver = open_driver(engine, clock)
         # What callers above storage may ask of this database, instead of its name.
-        self.capabilities = capabilities_of(engine)
+        self.capabilities = self.driver.capabilities
         # None: the database's clock on PostgreSQL, this process's on SQLite. Tests inject one.
         self._clock = clock
         # The secret job ids are keyed with: the installation's row, read once and kept
@@ -84,70 +62,34 @@ class StoreBase:
         self.outbox_listeners: list[asyncio.Event] = []
         # External effects of jobs (e-mails sent): a small module of its own, same database.
         self.effects = EffectsLedger(engine)
-        # PostgreSQL: the asyncpg connections a worker or relay holds for its hot statements.
-        self.hot = HotPool(engine.url) if self.is_postgres else None
-        # SQLite: the connection a worker holds for its batch transactions (``sqlite_hot``).
-        self.sqlite_hot = None if self.is_postgres else SqliteHot(engine)
 
     @property
     def renewal_blocks_takeover(self) -> bool:
-        """Whether a lease renewal that waits also holds off every takeover of its claims.
-
-        SQLite: a renewal waits only for the one write lock, and a takeover (a claim) needs
-        that lock too, so however long the wait, the renewer awaits the database's answer.
-        PostgreSQL: the renewal waits on no row (``SKIP LOCKED``), so a renewal that gets no
-        answer in time means the database cannot be reached.
-        """
-        return not self.is_postgres
+        """Whether a lease renewal that waits also holds off every takeover of its claims
+        (the driver's answer: SQLite's one write lock does; PostgreSQL's ``SKIP LOCKED``
+        renewal waits on no row, so no answer in time means the database is away)."""
+        return self.driver.renewal_blocks_takeover
 
     def hot_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
-        """Held by a worker or relay while it runs: asyncpg connections for its hot
-        statements on PostgreSQL, one ``sqlite3`` connection for its batches on SQLite."""
-        if self.hot is not None:
-            return self.hot.held()
-        if self.sqlite_hot is not None:
-            return self.sqlite_hot.held()
-        return contextlib.nullcontext()
-
-    async def hot_rows(self, statement: HotStatement, params: Mapping[str, Any]) -> Sequence[Any]:
-        """One hot statement in autocommit; its rows, each read by column name.
-
-        On the held asyncpg connections while a worker or relay holds them, else through
-        SQLAlchemy: the same statement either way (``pg_hot``), so the same guards.
-        PostgreSQL only (SQLite keeps its own statements).
-        """
-        if self.hot is not None and self.hot.active:
-            return await self.hot.fetch(statement, params)
-        async with statement_tx(self.engine, "database") as conn:
-            result = await conn.execute(statement.statement, params)
-            return list(result.mappings()) if result.returns_rows else []
+        """Held by a worker or relay while it runs: the connections its hot statements use
+        (asyncpg connections on PostgreSQL, one ``sqlite3`` connection on SQLite)."""
+        return self.driver.hot_connections()
 
     def wake_relays(self) -> None:
         for listener in self.outbox_listeners:
             listener.set()
 
     def now_sql(self, plus: timedelta = timedelta(0)) -> ColumnElement[datetime]:
-        """The store's clock (+ ``plus``) as a SQL expression, for guards and lease ends.
-
-        On PostgreSQL it is ``now()`` evaluated by the server; elsewhere the value is computed
-        here (SQLite has no interval arithmetic on the text it stores times as).
-        """
-        if self._clock is None and self.is_postgres:
-            expr = func.now() if not plus else func.now() + plus
-            return type_coerce(expr, UTCDateTime())
-        return literal(self.local_now() + plus, UTCDateTime())
+        """The store's clock (+ ``plus``) as a SQL expression, for guards and lease ends:
+        the database's ``now()`` on PostgreSQL, this process's clock on SQLite."""
+        return self.driver.now_sql(plus)
 
     def local_now(self) -> datetime:
         return self._clock() if self._clock is not None else utc_now()
 
     async def db_now(self) -> datetime:
         """The store's clock as a value (one round trip on PostgreSQL, none on SQLite)."""
-        if self._clock is None and self.is_postgres:
-            async with self.reading() as conn:
-                value = await conn.scalar(select(self.now_sql()))
-            assert isinstance(value, datetime)
-            return value
-        return self.local_now()
+        return await self.driver.db_now()
 
     def writing(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
         return write_tx(self.engine, "database")
@@ -156,8 +98,10 @@ class StoreBase:
         return read_tx(self.engine, "database")
 
     def upsert(self, table: Any) -> Any:
-        dialect = postgresql if self.is_postgres else sqlite
-        return dialect.insert(table)
+        return self.driver.upsert(table)
+
+    def minute_of(self, column: Any) -> ColumnElement[Any]:
+        return self.driver.minute_of(column)
 
     async def add_event(
         self, conn: AsyncConnection, job_id: str, kind: str, now: datetime, **detail: Any
@@ -199,15 +143,9 @@ class StoreBase:
                 **({"available_at": available_at} if available_at is not None else {}),
             )
         )
-        if self.is_postgres:
-            # Delivered at commit, to listening relays only: a hint, never the only path.
-            await conn.execute(text("SELECT pg_notify(:c, '')"), {"c": NOTIFY_CHANNEL})
+        await self.driver.notify_outbox(conn)
 
-    @staticmethod
-    def state_in(states: Iterable[JobState]) -> ColumnElement[bool]:
-        """``state IN ('a', 'b')`` written out: the states are our own constants, and a bound
-        list would be re-expanded (compiled again) on every execution."""
-        return jobs.c.state.in_([literal_column(f"'{s.value}'") for s in sorted(states)])
+    state_in = staticmethod(state_in)
 
     async def transition(
         self,
@@ -223,7 +161,7 @@ class StoreBase:
         allowed = sources if sources is not None else sources_for(target)
         result = await conn.execute(
             update(jobs)
-            .where(jobs.c.id == job_id, self.state_in(allowed), *where)
+            .where(jobs.c.id == job_id, state_in(allowed), *where)
             .values(state=target.value, updated_at=now, **values)
         )
         return bool(result.rowcount == 1)

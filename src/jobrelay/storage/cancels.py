@@ -3,7 +3,7 @@
 An operator cannot move a ``running`` job to ``cancelled`` at once: its worker holds the
 claim and may be committing its outcome right now. So the request is recorded on the row
 (``cancel_requested_at``/``_by``, ``cancel_reason``) with a ``cancel_requested`` event, in
-one transaction, and from then on the outcome fences (``claims.fenced``) refuse that claim:
+one transaction, and from then on the outcome fences (``transitions.fenced``) refuse that claim:
 a run that finishes after the request can no longer become ``succeeded``. The job ends
 ``cancelled`` with the operator's reason either by its worker, fenced on its claim, once it
 has learnt the request (its lease renewal carries it) or lost its outcome to it
@@ -22,10 +22,10 @@ from sqlalchemy import select, update
 
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
-from jobrelay.storage.claims import holds, lease_expired
 from jobrelay.storage.records import Claim
 from jobrelay.storage.storable import safe_text
 from jobrelay.storage.tables import jobs
+from jobrelay.storage.transitions import holds, lease_expired
 
 _RUNNING = JobState.RUNNING.value
 

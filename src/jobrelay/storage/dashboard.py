@@ -129,10 +129,7 @@ async def job_counts(store: StorePort) -> JobCounts:
 
 async def throughput(store: StorePort, since: datetime) -> list[tuple[datetime, str, int]]:
     """``(minute, kind, count)`` of the counted event kinds at or after ``since``."""
-    if store.is_postgres:
-        minute: Any = func.date_trunc("minute", job_events.c.at)
-    else:  # UTCDateTime stores naive UTC text on SQLite
-        minute = func.strftime("%Y-%m-%d %H:%M:00", job_events.c.at)
+    minute = store.minute_of(job_events.c.at)
     query = (
         select(minute.label("minute"), job_events.c.kind, func.count())
         .where(job_events.c.at >= since, job_events.c.kind.in_(list(THROUGHPUT_KINDS)))

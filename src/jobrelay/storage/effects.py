@@ -63,7 +63,6 @@ class SendPermit:
 class EffectsLedger:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self._lock_rows = engine.dialect.name == "postgresql"
 
     def _write(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
         return write_tx(self.engine, "effects ledger")
@@ -72,9 +71,8 @@ class EffectsLedger:
         query = select(effects_ledger).where(
             effects_ledger.c.job_id == job_id, effects_ledger.c.kind == kind
         )
-        if self._lock_rows:
-            query = query.with_for_update()
-        row = (await conn.execute(query)).first()
+        # FOR UPDATE where rows lock (SQLite compiles it to nothing: its write lock is whole).
+        row = (await conn.execute(query.with_for_update())).first()
         return _record(row._mapping) if row is not None else None
 
     async def _event(
@@ -96,9 +94,7 @@ class EffectsLedger:
         query = select(
             jobs.c.state, jobs.c.attempt, jobs.c.lease_owner, jobs.c.cancel_requested_at
         ).where(jobs.c.id == job_id)
-        if self._lock_rows:
-            query = query.with_for_update()
-        row = (await conn.execute(query)).first()
+        row = (await conn.execute(query.with_for_update())).first()
         if row is None:
             return {"currentState": None, "currentAttempt": None}
         if (

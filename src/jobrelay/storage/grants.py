@@ -25,6 +25,7 @@ from sqlalchemy import Integer, MetaData, Table, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.errors import ConfigError
+from jobrelay.storage.capabilities import capabilities_of
 from jobrelay.storage.tables import metadata as jobrelay_metadata
 
 DML = "SELECT, INSERT, UPDATE, DELETE"
@@ -43,7 +44,7 @@ class Granted:
 async def grant_runtime_role(
     engine: AsyncEngine, role: str, app_metadata: Sequence[MetaData] = ()
 ) -> Granted:
-    if engine.dialect.name != "postgresql":
+    if not capabilities_of(engine).grants:
         raise ConfigError(
             "JOBRELAY_DATABASE_URL", "db grant is for PostgreSQL (SQLite has no roles)"
         )

@@ -16,8 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobrelay.domain.ids import IdKeys
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
+from jobrelay.storage.drivers.new_job import run_async, steps_on
 from jobrelay.storage.engine import statement_tx
-from jobrelay.storage.enqueue import new_job_steps, run_async
 from jobrelay.storage.records import (
     Clock,
     JobRecord,
@@ -106,9 +106,7 @@ class JobsStore(StoreBase):
         the writes are one statement, sent in autocommit mode: one round trip.
         """
         async with statement_tx(self.engine, "database") as conn:
-            job_id, created = await run_async(
-                conn, new_job_steps(self.engine.dialect.name, job, now)
-            )
+            job_id, created = await run_async(conn, steps_on(conn, job, now))
         if created:
             self.wake_relays()
         return job_id, created

@@ -17,6 +17,7 @@ from typing import Any
 import asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobrelay.storage.capabilities import capabilities_of, session_dsn
 from jobrelay.storage.store import NOTIFY_CHANNEL
 
 log = logging.getLogger("jobrelay.notify")
@@ -26,8 +27,8 @@ _RECONNECT_SECONDS = 5.0
 class OutboxListener:
     def __init__(self, engine: AsyncEngine, wake: asyncio.Event) -> None:
         self.wake = wake
-        self.enabled = engine.dialect.name == "postgresql"
-        self.dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self.enabled = capabilities_of(engine).listens
+        self.dsn = session_dsn(engine)
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> OutboxListener:

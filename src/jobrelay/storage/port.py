@@ -40,8 +40,12 @@ from jobrelay.storage.cancels import CancelAsked
 from jobrelay.storage.capabilities import Capabilities
 from jobrelay.storage.effects import EffectsLedger
 from jobrelay.storage.installation import Installation
+from jobrelay.storage.outcomes import Completed
 from jobrelay.storage.records import (
     Claim,
+    Claimed,
+    ClaimRequest,
+    CompleteRequest,
     EventRecord,
     Fenced,
     JobRecord,
@@ -52,7 +56,6 @@ from jobrelay.storage.records import (
     TokenInfo,
     TokenRecord,
 )
-from jobrelay.storage.sqlite_batches import ClaimRequest, CompleteRequest
 from jobrelay.storage.store import Store
 
 
@@ -154,7 +157,7 @@ class Claims(Protocol):
 
     async def claim_many(
         self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
-    ) -> list[tuple[Claim, JobRecord, JobState] | None]:
+    ) -> list[Claimed]:
         """``claim_delivered`` for distinct jobs, answered in request order; rows locked in
         id order so two batches never deadlock, and one bad row fails only itself."""
 
@@ -197,9 +200,11 @@ class Outcomes(Protocol):
         the commit (its failure rolls back), and ``follow_ups`` commit in the same
         transaction, so a stale attempt never replaces the winner's result."""
 
-    async def complete_many(self, requests: Sequence[CompleteRequest], now: datetime) -> set[str]:
-        """``complete`` (no publish, no follow-ups) for many claims in one statement, rows
-        locked in id order; the ids whose fence held."""
+    async def complete_many(self, requests: Sequence[CompleteRequest], now: datetime) -> Completed:
+        """``complete`` for many claims in one statement, rows locked in id order; the ids
+        whose fence held. Requests with a step of their own (``publish``, ``follow_ups``)
+        share one write transaction, each winner's steps before the commit; one whose step
+        raised is left out (``Completed.failed``) and the others committed without it."""
 
     async def schedule_retry(
         self,
@@ -395,11 +400,8 @@ class SqlAccess(Protocol):
     def job_query(self) -> Any:
         """The SELECT every ``JobRecord`` is read with, so all readers see the same columns."""
 
-    @property
-    def is_postgres(self) -> bool:
-        """A database-name check still made by ``dashboard.throughput`` (its minute bucket);
-        listed so it is visible, to become a capability or move into the drivers."""
-        ...
+    def minute_of(self, column: Any) -> ColumnElement[Any]:
+        """``column`` (a time) truncated to its minute, as the database can group by it."""
 
 
 class StorePort(

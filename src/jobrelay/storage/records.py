@@ -5,7 +5,7 @@ No I/O here: the store modules build these from rows, and the roles pass them ar
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -50,6 +50,8 @@ class NewJob:
     run_at: datetime | None = None
     # Or its delay in seconds: the write adds it to the database's clock (``enqueue``).
     delay: float | None = None
+    # The job whose success created it (a follow-up): named in its ``accepted`` event.
+    parent_job_id: str | None = None
 
 
 Clock = Callable[[], datetime]
@@ -89,6 +91,43 @@ class Renewed(frozenset[Claim]):
         renewed.cancel_requested = frozenset(cancel_requested)
         renewed.skipped = frozenset(skipped)
         return renewed
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """A claim to make: of ``job_id`` for ``worker_id``, in a batch or alone.
+
+    ``job_type``: the type the delivery names (None: any). ``seen_state``/``seen_attempt``:
+    what the policy read, when it read the job first (a racing copy loses on them).
+    ``alone``: made by a worker running nothing else (a suspect may be claimed only so).
+    ``detail``: more of the ``claimed`` event.
+    """
+
+    job_id: str
+    job_type: str | None
+    worker_id: str
+    detail: dict[str, Any]
+    seen_state: str | None = None
+    seen_attempt: int | None = None
+    alone: bool = False
+
+
+@dataclass(frozen=True)
+class CompleteRequest:
+    """A fenced completion. ``publish`` (make the staged result visible) and ``follow_ups``
+    (jobs this success creates) run inside the completion's transaction, before its commit,
+    only for a completion that won."""
+
+    claim: Claim
+    result_key: str | None
+    result_meta: dict[str, Any]
+    publish: Callable[[], Awaitable[None]] | None = None
+    follow_ups: tuple[NewJob, ...] = ()
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether it has a step of its own inside the completion's transaction."""
+        return self.publish is not None or bool(self.follow_ups)
 
 
 @dataclass(frozen=True)
@@ -151,6 +190,13 @@ class JobRecord:
             next_attempt_at=self.next_attempt_at,
             result_key=self.result_key,
         )
+
+
+# A completion's answer: whether it won, or what its own step (the publication of its staged
+# result) raised, in which case nothing of it was committed.
+Completion = bool | Exception
+# A claim's answer: the claim, the job as claimed, and the state it left; None if it lost.
+Claimed = tuple[Claim, JobRecord, JobState] | None
 
 
 @dataclass(frozen=True)
@@ -259,3 +305,16 @@ def jsonable(detail: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in detail.items():
         out[key] = value.isoformat() if isinstance(value, datetime) else value
     return out
+
+
+def outbox_row(r: Mapping[Any, Any], publish_attempts: int) -> OutboxRow:
+    """An outbox row as a relay claimed it (``publish_attempts`` counting this claim)."""
+    return OutboxRow(
+        id=r["id"],
+        job_id=r["job_id"],
+        destination=r["destination"],
+        body=r["body"].encode(),
+        headers=dict(r["headers"] or {}),
+        publish_attempts=publish_attempts,
+        taken_at=r["taken_at"],
+    )

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobrelay.domain.schedules import Cron, Plan, Skipped, skipped_between
 from jobrelay.errors import IdempotencyConflict
-from jobrelay.storage.enqueue import new_job_steps, run_async
+from jobrelay.storage.drivers.new_job import run_async, steps_on
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.records import NewJob, aware_time, jsonable
 from jobrelay.storage.tables import jobs, schedule_events, schedules
@@ -158,7 +158,7 @@ class ScheduleQueries:
     ) -> Enqueued:
         job = schedule.tick_job(tick)
         try:
-            job_id, created = await run_async(conn, new_job_steps(conn.dialect.name, job, now))
+            job_id, created = await run_async(conn, steps_on(conn, job, now))
         except IdempotencyConflict:
             # The tick's job exists with other parameters (written by a scheduler running
             # another version of the app): it is this tick's one job all the same.

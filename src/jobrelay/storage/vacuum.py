@@ -16,6 +16,7 @@ from __future__ import annotations
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobrelay.storage.capabilities import capabilities_of
 from jobrelay.storage.tables import effects_ledger, job_events, jobs, local_messages, outbox
 
 # Fixed names from the schema (VACUUM takes no parameters), the busiest first.
@@ -24,7 +25,7 @@ HOT_TABLES = tuple(t.name for t in (outbox, local_messages, jobs, job_events, ef
 
 async def autovacuum_on(engine: AsyncEngine) -> bool:
     """The server's ``autovacuum`` setting; True on SQLite (nothing to do there)."""
-    if engine.dialect.name != "postgresql":
+    if not capabilities_of(engine).vacuums:
         return True
     async with engine.connect() as conn:
         value = (await conn.execute(text("SELECT current_setting('autovacuum')"))).scalar_one()
@@ -35,7 +36,7 @@ async def may_vacuum(engine: AsyncEngine) -> bool:
     """Whether this role may VACUUM the hot tables: their owner, the database's owner or a
     superuser. For anyone else (the least-privileged role of ``jobrelay db grant``)
     PostgreSQL skips each table with only a warning, so it is checked, not tried."""
-    if engine.dialect.name != "postgresql":
+    if not capabilities_of(engine).vacuums:
         return True
     query = text(
         "SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)"

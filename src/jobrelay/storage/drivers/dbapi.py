@@ -31,7 +31,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.types import TypeDecorator
 
 from jobrelay.errors import ConfigError
-from jobrelay.storage.enqueue import Steps
+from jobrelay.storage.drivers.new_job import Steps
 
 T = TypeVar("T")
 # psycopg.Connection or sqlite3.Connection (psycopg is optional: checked at run time).

@@ -160,11 +160,15 @@ def queued_job_row(job: NewJob, now: datetime) -> dict[str, Any]:
     }
 
 
-def accepted_detail(job_type: str, run_at: datetime | None) -> dict[str, Any]:
-    """The ``accepted`` event's detail: the type, and a delayed job's run time."""
-    if run_at is None:
-        return {"type": job_type}
-    return {"type": job_type, "runAt": run_at.isoformat()}
+def accepted_detail(job: NewJob, run_at: datetime | None) -> dict[str, Any]:
+    """The ``accepted`` event's detail: the type, a follow-up's parent, a delayed job's run
+    time."""
+    detail: dict[str, Any] = {"type": job.type}
+    if job.parent_job_id is not None:
+        detail["parentJobId"] = job.parent_job_id
+    if run_at is not None:
+        detail["runAt"] = run_at.isoformat()
+    return detail
 
 
 def sqlite_due(seconds: float) -> ColumnElement[Any]:
@@ -215,9 +219,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
                     "nj_headers": dict(job.headers or {}),
                     # (A delayed job's is written in SQL, with the database's time.)
                     **(
-                        {"nj_detail": accepted_detail(job.type, job.run_at)}
-                        if job.delay is None
-                        else {}
+                        {"nj_detail": accepted_detail(job, job.run_at)} if job.delay is None else {}
                     ),
                     # Delivered at commit, to listening relays only: a hint, never the only path.
                     "nj_channel": NOTIFY_CHANNEL,
@@ -261,11 +263,18 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     )
     yield (
         insert(job_events).values(
-            job_id=job.job_id, at=now, kind="accepted", detail=accepted_detail(job.type, run_at)
+            job_id=job.job_id, at=now, kind="accepted", detail=accepted_detail(job, run_at)
         ),
         None,
     )
     return job.job_id, True
+
+
+def steps_on(
+    bind: AsyncConnection | Connection, job: NewJob, now: datetime
+) -> Steps[tuple[str, bool]]:
+    """``new_job_steps`` for the database ``bind`` is a connection to."""
+    return new_job_steps(bind.dialect.name, job, now)
 
 
 def _pg_statement(job: NewJob) -> Executable:

@@ -36,8 +36,8 @@ from sqlalchemy.dialects.sqlite.aiosqlite import dialect as aiosqlite_dialect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.errors import StoreBusy, StoreDataError, StoreError
+from jobrelay.storage.drivers.pg_pool import HotStatement
 from jobrelay.storage.engine import first_line, sqlite_busy, sqlite_session, write_lock
-from jobrelay.storage.pg_hot import HotStatement
 from jobrelay.storage.shared import Shared
 
 T = TypeVar("T")

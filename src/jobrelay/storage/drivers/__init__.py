@@ -1,0 +1,101 @@
+"""One driver per database: what differs between PostgreSQL and SQLite, and nothing else.
+
+The store (``storage.store``) is written once over this port: the portable queries in
+SQLAlchemy Core, the hot transitions (``transitions``) through ``Driver``, whose two
+implementations compile the same declarations into their own statements and run them on the
+connections they hold. ``open_driver`` is the one place that picks one by the engine's
+database; a new backend is a module here implementing ``Driver`` and a line in it (compare
+River's ``riverdriver`` and Oban's engines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from sqlalchemy import ColumnElement
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobrelay.storage.capabilities import Capabilities
+from jobrelay.storage.drivers.postgres import PostgresDriver
+from jobrelay.storage.drivers.sqlite import SqliteDriver
+from jobrelay.storage.records import (
+    Claim,
+    Claimed,
+    ClaimRequest,
+    Clock,
+    CompleteRequest,
+    OutboxRow,
+    PendingEvent,
+    Renewed,
+)
+
+
+class Driver(Protocol):
+    """What a database backend implements. Each method keeps the guarantees ``port``
+    states (the fence, the lock order, the one clock); ``tests/integration/test_store_contract``
+    holds every driver to them, with its connections held and not."""
+
+    capabilities: Capabilities
+
+    @property
+    def renewal_blocks_takeover(self) -> bool:
+        """Whether a lease renewal that waits also holds off every takeover of its claims."""
+
+    def hot_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Held by a worker or relay while it runs: the connections its hot statements use."""
+
+    def now_sql(self, plus: timedelta = timedelta(0)) -> ColumnElement[datetime]:
+        """The store's clock (+ ``plus``) as a SQL expression, for guards and lease ends."""
+
+    async def db_now(self) -> datetime:
+        """The store's clock as a value."""
+
+    def upsert(self, table: Any) -> Any:
+        """An ``INSERT`` with ``on_conflict_do_nothing``/``on_conflict_do_update``."""
+
+    def minute_of(self, column: Any) -> ColumnElement[Any]:
+        """``column`` (a time) truncated to its minute, as this database can group by it."""
+
+    async def notify_outbox(self, conn: AsyncConnection) -> None:
+        """Wake listening relays at ``conn``'s commit (a hint, never the only path)."""
+
+    async def claim_many(
+        self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
+    ) -> list[Claimed]:
+        """CLAIM for each request, each winning or losing on its own; in request order."""
+
+    async def complete_many(
+        self,
+        requests: Sequence[CompleteRequest],
+        now: datetime,
+        conn: AsyncConnection | None = None,
+    ) -> set[str]:
+        """COMPLETE for each request; the ids that won. With ``conn``: inside that (write)
+        transaction, which the caller commits; else in a transaction of its own."""
+
+    async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
+        """RENEW for each claim."""
+
+    async def record_events(self, events: Sequence[PendingEvent]) -> None:
+        """Many state-less events at once; unknown jobs' skipped."""
+
+    async def claim_outbox(
+        self, relay_id: str, limit: int, claim_for: timedelta
+    ) -> list[OutboxRow]:
+        """Take up to ``limit`` waiting rows for ``claim_for``, skipping rows another holds."""
+
+    async def mark_published(self, relay_id: str, rows: Sequence[OutboxRow]) -> int:
+        """``published_at`` for confirmed rows not yet marked, one ``published`` event each."""
+
+
+def open_driver(engine: AsyncEngine, clock: Clock | None) -> Driver:
+    """The driver of ``engine``'s database: the one place that names the backend."""
+    if engine.dialect.name == "postgresql":
+        return PostgresDriver(engine, clock)
+    return SqliteDriver(engine, clock)
+
+
+__all__ = ["Driver", "open_driver"]

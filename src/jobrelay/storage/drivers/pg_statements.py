@@ -1,0 +1,274 @@
+"""The PostgreSQL driver's statements: each transition of ``transitions`` compiled once, over
+arrays (``unnest``), so one prepared statement serves a batch of 1 and of 100.
+
+Each is a data-modifying CTE: the guarded ``UPDATE … RETURNING`` and its ``job_events`` rows
+in one statement, sent in autocommit on the held asyncpg connections (``pg_pool``) or, where a
+completion must do more inside its transaction, on a SQLAlchemy connection in that
+transaction: the same text either way.
+
+Rows are locked in id order (``ORDER BY id FOR NO KEY UPDATE``): two batches never wait on
+each other in a cycle, and the key-share locks of event and outbox inserts (their foreign
+keys) never conflict with them (a plain ``FOR UPDATE`` would, and deadlocked the relay).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    Column,
+    Integer,
+    Interval,
+    String,
+    Text,
+    bindparam,
+    literal_column,
+    text,
+)
+
+from jobrelay.storage.delayed import outbox_due
+from jobrelay.storage.drivers.pg_pool import HotStatement
+from jobrelay.storage.tables import UTCDateTime, jobs, outbox
+from jobrelay.storage.transitions import CLAIM, COMPLETE, RENEW, Inputs, guard_sql, set_sql
+
+
+def _req(name: str) -> object:
+    # The request's meta is JSON text in the array; the column is ``json``.
+    return literal_column("CAST(req.meta AS json)" if name == "meta" else f"req.{name}")
+
+
+_BATCH = Inputs(
+    now=literal_column(":b_now"),
+    clock=literal_column("clock.now", UTCDateTime()),
+    due_by=literal_column("clock.now + :b_slack", UTCDateTime()),
+    lease_ends=literal_column("clock.now + :b_lease", UTCDateTime()),
+    req=_req,
+)
+
+CLAIM_MANY = HotStatement(
+    text(
+        f"""
+WITH clock AS (SELECT COALESCE(:b_clock, now()) AS now),
+asked AS (
+    SELECT * FROM unnest(CAST(:b_ids AS text[]), CAST(:b_types AS text[]),
+                         CAST(:b_workers AS text[]), CAST(:b_details AS text[]),
+                         CAST(:b_seen_states AS text[]), CAST(:b_seen_attempts AS integer[]),
+                         CAST(:b_alone AS integer[]))
+        AS r(id, type, worker, detail, seen_state, seen_attempt, alone)
+),
+req AS (
+    SELECT j.id, j.state AS from_state, asked.type, asked.worker, asked.detail,
+           asked.seen_state, asked.seen_attempt, asked.alone
+    FROM jobs j JOIN asked ON j.id = asked.id
+    ORDER BY j.id
+    FOR NO KEY UPDATE OF j
+),
+claimed AS (
+    UPDATE jobs SET
+    {set_sql(CLAIM.sets(_BATCH))}
+    FROM req, clock
+    WHERE jobs.id = req.id AND {guard_sql(CLAIM.guards(_BATCH))}
+    RETURNING jobs.*, req.from_state AS claimed_from_state, req.detail AS claim_detail
+),
+event AS (
+    INSERT INTO job_events (job_id, at, kind, detail)
+    SELECT id, :b_now, '{CLAIM.event}',
+           CAST(CAST(claim_detail AS jsonb) || jsonb_build_object('attempt', attempt) AS json)
+    FROM claimed
+)
+SELECT * FROM claimed
+"""
+    )
+    .bindparams(
+        bindparam("b_ids", type_=ARRAY(String())),
+        bindparam("b_types", type_=ARRAY(String())),
+        bindparam("b_workers", type_=ARRAY(String())),
+        bindparam("b_details", type_=ARRAY(Text())),
+        bindparam("b_seen_states", type_=ARRAY(String())),
+        bindparam("b_seen_attempts", type_=ARRAY(Integer())),
+        bindparam("b_alone", type_=ARRAY(Integer())),
+        bindparam("b_now", type_=UTCDateTime()),
+        bindparam("b_lease", type_=Interval()),
+        bindparam("b_slack", type_=Interval()),
+        bindparam("b_clock", type_=UTCDateTime()),
+    )
+    .columns(
+        *(Column(c.name, c.type) for c in jobs.c),
+        Column("claimed_from_state", String()),
+        Column("claim_detail", Text()),
+    )
+)
+
+COMPLETE_MANY = HotStatement(
+    text(
+        f"""
+WITH req AS (
+    SELECT * FROM unnest(CAST(:b_ids AS text[]), CAST(:b_attempts AS integer[]),
+                         CAST(:b_workers AS text[]), CAST(:b_keys AS text[]),
+                         CAST(:b_metas AS text[]), CAST(:b_details AS text[]))
+        AS r(id, attempt, worker, result_key, meta, detail)
+),
+locked AS (
+    SELECT j.id FROM jobs j JOIN req ON j.id = req.id ORDER BY j.id FOR NO KEY UPDATE OF j
+),
+done AS (
+    UPDATE jobs SET
+    {set_sql(COMPLETE.sets(_BATCH))}
+    FROM req JOIN locked ON locked.id = req.id
+    WHERE jobs.id = req.id AND {guard_sql(COMPLETE.guards(_BATCH))}
+    RETURNING jobs.id, req.detail
+),
+event AS (
+    INSERT INTO job_events (job_id, at, kind, detail)
+    SELECT id, :b_now, '{COMPLETE.event}', CAST(detail AS json) FROM done
+)
+SELECT id FROM done
+"""
+    )
+    .bindparams(
+        bindparam("b_ids", type_=ARRAY(String())),
+        bindparam("b_attempts", type_=ARRAY(Integer())),
+        bindparam("b_workers", type_=ARRAY(String())),
+        bindparam("b_keys", type_=ARRAY(Text())),
+        bindparam("b_metas", type_=ARRAY(Text())),
+        bindparam("b_details", type_=ARRAY(Text())),
+        bindparam("b_now", type_=UTCDateTime()),
+    )
+    .columns(Column("id", String()))
+)
+
+_RENEW_HOLDS = guard_sql(RENEW.guards(_BATCH))
+
+# Every running claim of a worker renewed at once (its one lease renewer), fenced per row as
+# a completion is, rows locked in id order as the completions lock them. A row another
+# transaction holds locked (its own completion, an upload once made under it) is SKIPPED,
+# never waited on: one locked row must not hold up the renewal of its neighbours. A skipped
+# row whose last committed state still shows the claim holding it is answered ``skipped``
+# (not renewed, not lost: nobody can take it over while the lock is held either).
+RENEW_MANY = HotStatement(
+    text(
+        f"""
+WITH clock AS (SELECT COALESCE(:b_clock, now()) AS now),
+req AS (
+    SELECT * FROM unnest(CAST(:b_ids AS text[]), CAST(:b_attempts AS integer[]),
+                         CAST(:b_workers AS text[]))
+        AS r(id, attempt, worker)
+),
+locked AS (
+    SELECT j.id FROM jobs j JOIN req ON j.id = req.id
+    ORDER BY j.id FOR NO KEY UPDATE OF j SKIP LOCKED
+),
+renewed AS (
+    UPDATE jobs SET
+    {set_sql(RENEW.sets(_BATCH))}
+    FROM req JOIN locked ON locked.id = req.id, clock
+    WHERE jobs.id = req.id AND {_RENEW_HOLDS}
+    RETURNING jobs.id, req.attempt, jobs.cancel_requested_at IS NOT NULL AS cancel_requested
+)
+SELECT id, attempt, cancel_requested, false AS skipped FROM renewed
+UNION ALL
+SELECT jobs.id, req.attempt, false, true FROM jobs JOIN req ON jobs.id = req.id
+WHERE {_RENEW_HOLDS} AND NOT EXISTS (SELECT 1 FROM locked WHERE locked.id = req.id)
+"""
+    ).bindparams(
+        bindparam("b_ids", type_=ARRAY(String())),
+        bindparam("b_attempts", type_=ARRAY(Integer())),
+        bindparam("b_workers", type_=ARRAY(String())),
+        bindparam("b_lease", type_=Interval()),
+        bindparam("b_now", type_=UTCDateTime()),
+        bindparam("b_clock", type_=UTCDateTime()),
+    )
+)
+
+# The events of a batch as arrays, one statement whatever their number; unknown jobs' skipped.
+RECORD_MANY = HotStatement(
+    text(
+        """
+INSERT INTO job_events (job_id, at, kind, detail)
+SELECT r.job_id, r.at, r.kind, CAST(r.detail AS json)
+FROM unnest(CAST(:e_jobs AS text[]), CAST(:e_ats AS timestamptz[]),
+            CAST(:e_kinds AS text[]), CAST(:e_details AS text[])) AS r(job_id, at, kind, detail)
+WHERE EXISTS (SELECT 1 FROM jobs WHERE jobs.id = r.job_id)
+"""
+    ).bindparams(
+        bindparam("e_jobs", type_=ARRAY(String())),
+        bindparam("e_ats", type_=ARRAY(UTCDateTime())),
+        bindparam("e_kinds", type_=ARRAY(String())),
+        bindparam("e_details", type_=ARRAY(Text())),
+    )
+)
+
+# The relay's claim: rows waiting and not claimed by a live relay, skipped when another claim
+# holds them, taken for ``o_claim_for`` by the store's clock, which is also their ``taken_at``.
+# Only rows due by then (``delayed.outbox_due``: a delayed job's row is held until its time).
+CLAIM_OUTBOX = HotStatement(
+    text(
+        f"""
+WITH clock AS (SELECT COALESCE(:o_clock, now()) AS now),
+picked AS (
+    SELECT outbox.id FROM outbox, clock
+    WHERE outbox.published_at IS NULL
+      AND (outbox.claimed_until IS NULL OR outbox.claimed_until < clock.now)
+      AND ({guard_sql([outbox_due(literal_column("clock.now"))])})
+    ORDER BY outbox.id
+    LIMIT :o_limit
+    FOR UPDATE OF outbox SKIP LOCKED
+)
+UPDATE outbox SET
+    claimed_by = :o_relay, claimed_until = clock.now + :o_claim_for,
+    publish_attempts = outbox.publish_attempts + 1
+FROM picked, clock
+WHERE outbox.id = picked.id
+RETURNING outbox.id, outbox.job_id, outbox.destination, outbox.body, outbox.headers,
+          outbox.publish_attempts, clock.now AS taken_at
+"""
+    )
+    .bindparams(
+        bindparam("o_relay", type_=String()),
+        bindparam("o_limit", type_=Integer()),
+        bindparam("o_claim_for", type_=Interval()),
+        bindparam("o_clock", type_=UTCDateTime()),
+    )
+    .columns(
+        outbox.c.id,
+        outbox.c.job_id,
+        outbox.c.destination,
+        outbox.c.body,
+        outbox.c.headers,
+        outbox.c.publish_attempts,
+        Column("taken_at", UTCDateTime()),
+    )
+)
+
+# The relay's mark: confirmed rows not yet marked, and a ``published`` event each, stamped
+# with the instant the row was taken (``OutboxStore.mark_published``).
+MARK_PUBLISHED = HotStatement(
+    text(
+        """
+WITH req AS (
+    SELECT * FROM unnest(CAST(:m_ids AS bigint[]), CAST(:m_taken AS timestamptz[]))
+        AS r(id, taken_at)
+),
+marked AS (
+    UPDATE outbox SET
+        published_at = COALESCE(:m_clock, now()), claimed_until = NULL, last_error = NULL
+    FROM req
+    WHERE outbox.id = req.id AND outbox.published_at IS NULL
+    RETURNING outbox.id, outbox.job_id, outbox.destination, req.taken_at
+),
+event AS (
+    INSERT INTO job_events (job_id, at, kind, detail)
+    SELECT job_id, taken_at, 'published',
+           json_build_object('destination', destination, 'outboxId', id,
+                             'relay', CAST(:m_relay AS text))
+    FROM marked
+)
+SELECT count(*) AS marked FROM marked
+"""
+    ).bindparams(
+        bindparam("m_ids", type_=ARRAY(BigInteger())),
+        bindparam("m_taken", type_=ARRAY(UTCDateTime())),
+        bindparam("m_relay", type_=String()),
+        bindparam("m_clock", type_=UTCDateTime()),
+    )
+)

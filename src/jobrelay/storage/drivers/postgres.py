@@ -1,0 +1,214 @@
+"""The PostgreSQL driver: the transitions' statements (``pg_statements``) on the asyncpg
+connections a worker or relay holds (``pg_pool``), else through SQLAlchemy; the database's
+own ``now()`` as the store's clock; ``NOTIFY`` to wake relays.
+
+One statement per transition serves one job and a batch alike (arrays, ``unnest``): a single
+job is a batch of one. A completion with a step of its own (publish a staged result, create
+follow-ups) runs the same statement in a write transaction with those steps before the commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import ColumnElement, func, literal, select, text, type_coerce
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobrelay import fastjson
+from jobrelay.domain.policy import RETRY_SLACK
+from jobrelay.domain.states import JobState
+from jobrelay.storage.capabilities import POSTGRESQL
+from jobrelay.storage.drivers import pg_statements as sql
+from jobrelay.storage.drivers.pg_pool import HotPool, HotStatement
+from jobrelay.storage.engine import read_tx, statement_tx
+from jobrelay.storage.records import (
+    NOTIFY_CHANNEL,
+    Claim,
+    Claimed,
+    ClaimRequest,
+    Clock,
+    CompleteRequest,
+    OutboxRow,
+    PendingEvent,
+    Renewed,
+    job_record,
+    jsonable,
+    outbox_row,
+    utc_now,
+)
+from jobrelay.storage.storable import outcome_json
+from jobrelay.storage.tables import UTCDateTime
+from jobrelay.storage.transitions import claimed_detail, result_saved_detail
+
+
+class PostgresDriver:
+    capabilities = POSTGRESQL
+
+    def __init__(self, engine: AsyncEngine, clock: Clock | None) -> None:
+        self.engine = engine
+        # None: the database's clock. Tests inject one, bound as ``clock.now``.
+        self._clock = clock
+        self.hot = HotPool(engine.url)
+
+    @property
+    def renewal_blocks_takeover(self) -> bool:
+        # The renewal waits on no row (``SKIP LOCKED``): no answer in time means the
+        # database cannot be reached.
+        return False
+
+    def hot_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.hot.held()
+
+    def now_sql(self, plus: timedelta = timedelta(0)) -> ColumnElement[datetime]:
+        if self._clock is None:
+            expr = func.now() if not plus else func.now() + plus
+            return type_coerce(expr, UTCDateTime())
+        return literal(self._clock() + plus, UTCDateTime())
+
+    async def db_now(self) -> datetime:
+        if self._clock is not None:
+            return self._clock()
+        async with read_tx(self.engine, "database") as conn:
+            value = await conn.scalar(select(self.now_sql()))
+        assert isinstance(value, datetime)
+        return value
+
+    def upsert(self, table: Any) -> Any:
+        return postgresql.insert(table)
+
+    def minute_of(self, column: Any) -> ColumnElement[Any]:
+        return func.date_trunc("minute", column)
+
+    async def notify_outbox(self, conn: AsyncConnection) -> None:
+        # Delivered at commit, to listening relays only: a hint, never the only path.
+        await conn.execute(text("SELECT pg_notify(:c, '')"), {"c": NOTIFY_CHANNEL})
+
+    async def rows(
+        self,
+        statement: HotStatement,
+        params: Mapping[str, Any],
+        conn: AsyncConnection | None = None,
+    ) -> Sequence[Any]:
+        """One statement; its rows, each read by column name. In ``conn``'s transaction when
+        given; else in autocommit, on the held connections while a role holds them."""
+        if conn is None and self.hot.active:
+            return await self.hot.fetch(statement, params)
+        if conn is not None:
+            result = await conn.execute(statement.statement, params)
+            return list(result.mappings()) if result.returns_rows else []
+        async with statement_tx(self.engine, "database") as own:
+            result = await own.execute(statement.statement, params)
+            return list(result.mappings()) if result.returns_rows else []
+
+    def _clock_param(self) -> datetime | None:
+        return self._clock() if self._clock is not None else None
+
+    async def claim_many(
+        self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
+    ) -> list[Claimed]:
+        params = {
+            "b_ids": [r.job_id for r in requests],
+            "b_types": [r.job_type for r in requests],
+            "b_workers": [r.worker_id for r in requests],
+            "b_details": [fastjson.dumps(claimed_detail(r.worker_id, r.detail)) for r in requests],
+            "b_seen_states": [r.seen_state for r in requests],
+            "b_seen_attempts": [r.seen_attempt for r in requests],
+            "b_alone": [int(r.alone) for r in requests],
+            "b_now": now,
+            "b_lease": lease,
+            "b_slack": RETRY_SLACK,
+            "b_clock": self._clock_param(),
+        }
+        won = {row["id"]: row for row in await self.rows(sql.CLAIM_MANY, params)}
+        results: list[Claimed] = []
+        for request in requests:
+            row = won.get(request.job_id)
+            if row is None:
+                results.append(None)
+                continue
+            job = job_record(row)
+            claim = Claim(job.id, job.attempt, request.worker_id)
+            results.append((claim, job, JobState(row["claimed_from_state"])))
+        return results
+
+    async def complete_many(
+        self,
+        requests: Sequence[CompleteRequest],
+        now: datetime,
+        conn: AsyncConnection | None = None,
+    ) -> set[str]:
+        params = {
+            "b_ids": [r.claim.job_id for r in requests],
+            "b_attempts": [r.claim.attempt for r in requests],
+            "b_workers": [r.claim.worker_id for r in requests],
+            "b_keys": [r.result_key for r in requests],
+            "b_metas": [outcome_json(r.result_key, r.result_meta) for r in requests],
+            "b_details": [
+                fastjson.dumps(result_saved_detail(r.claim, r.result_key, r.result_meta))
+                for r in requests
+            ],
+            "b_now": now,
+        }
+        return {row["id"] for row in await self.rows(sql.COMPLETE_MANY, params, conn)}
+
+    async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
+        params = {
+            "b_ids": [c.job_id for c in claims],
+            "b_attempts": [c.attempt for c in claims],
+            "b_workers": [c.worker_id for c in claims],
+            "b_lease": lease,
+            "b_now": now,
+            "b_clock": self._clock_param(),
+        }
+        rows = await self.rows(sql.RENEW_MANY, params)
+        # By job and attempt: one worker may send a stale claim of a job beside its current
+        # one (a redelivery it claimed again after the first lease ran out).
+        won = {
+            (row["id"], row["attempt"]): bool(row["cancel_requested"])
+            for row in rows
+            if not row["skipped"]
+        }
+        skipped = {(row["id"], row["attempt"]) for row in rows if row["skipped"]}
+        return Renewed(
+            (c for c in claims if (c.job_id, c.attempt) in won),
+            (c for c in claims if won.get((c.job_id, c.attempt))),
+            (c for c in claims if (c.job_id, c.attempt) in skipped),
+        )
+
+    async def record_events(self, events: Sequence[PendingEvent]) -> None:
+        params = {
+            "e_jobs": [e.job_id for e in events],
+            "e_ats": [e.at for e in events],
+            "e_kinds": [e.kind for e in events],
+            "e_details": [fastjson.dumps(jsonable(e.detail)) for e in events],
+        }
+        await self.rows(sql.RECORD_MANY, params)
+
+    async def claim_outbox(
+        self, relay_id: str, limit: int, claim_for: timedelta
+    ) -> list[OutboxRow]:
+        params = {
+            "o_relay": relay_id,
+            "o_limit": limit,
+            "o_claim_for": claim_for,
+            "o_clock": self._clock_param(),
+        }
+        claimed = sorted(await self.rows(sql.CLAIM_OUTBOX, params), key=lambda r: r["id"])
+        return [outbox_row(r, r["publish_attempts"]) for r in claimed]
+
+    async def mark_published(self, relay_id: str, rows: Sequence[OutboxRow]) -> int:
+        params = {
+            "m_ids": [r.id for r in rows],
+            "m_taken": [r.taken_at for r in rows],
+            "m_relay": relay_id,
+            "m_clock": self._clock_param(),
+        }
+        [marked] = await self.rows(sql.MARK_PUBLISHED, params)
+        return int(marked["marked"])
+
+
+__all__ = ["PostgresDriver", "utc_now"]

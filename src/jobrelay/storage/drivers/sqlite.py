@@ -1,0 +1,318 @@
+"""The SQLite driver: the transitions' statements (``sqlite_statements``) in ONE write
+transaction per batch, on the ``sqlite3`` connection a worker holds (``sqlite_conn``: the
+whole transaction in one hand-off to its thread), else through SQLAlchemy; this process's
+clock as the store's (one process owns the file); no wake-up beyond the process.
+
+There is no network to save round trips on: what costs is the commit (the write lock taken
+and given back; at ``synchronous=NORMAL`` in WAL no fsync per commit) and the Python per
+statement. So a batch of claims is three statements (the states left, the claims, their
+events), a batch of completions two. A single job is a batch of one.
+
+A row that cannot be stored fails the transaction, all of it rolled back, with a
+``StoreDataError``: the worker's batcher then sends each request alone, so only that job
+fails. Nothing of a batch is acked before it has committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from sqlalchemy import ColumnElement, func, insert, literal, or_, select, update
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from jobrelay import fastjson
+from jobrelay.domain.policy import RETRY_SLACK
+from jobrelay.domain.states import JobState
+from jobrelay.errors import StoreDataError
+from jobrelay.storage.capabilities import SQLITE
+from jobrelay.storage.delayed import outbox_due
+from jobrelay.storage.drivers import sqlite_statements as sql
+from jobrelay.storage.drivers.sqlite_conn import SqliteHot, run
+from jobrelay.storage.engine import write_tx
+from jobrelay.storage.records import (
+    Claim,
+    Claimed,
+    ClaimRequest,
+    Clock,
+    CompleteRequest,
+    OutboxRow,
+    PendingEvent,
+    Renewed,
+    job_record,
+    jsonable,
+    outbox_row,
+    utc_now,
+)
+from jobrelay.storage.storable import outcome_json, safe_text
+from jobrelay.storage.tables import UTCDateTime, job_events, outbox
+from jobrelay.storage.transitions import claimed_detail, result_saved_detail
+
+T = TypeVar("T")
+
+
+def _on_held(conn: sqlite3.Connection) -> sql.Execute:
+    """Statements on the worker's held connection, in its thread (``sqlite_conn``)."""
+
+    def execute(statement: sql.Statement, params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        rows = run(conn, statement.hot, params)
+        return statement.reader.read(rows) if statement.reader is not None else []
+
+    return execute
+
+
+def _on_sqlalchemy(conn: Connection) -> sql.Execute:
+    """The same statements through SQLAlchemy (a store used without a running worker)."""
+
+    def execute(statement: sql.Statement, params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        result = conn.execute(statement.statement, params)
+        return [dict(row) for row in result.mappings()] if statement.reader is not None else []
+
+    return execute
+
+
+def _bindable(result_key: str | None) -> str | None:
+    """The key as SQLite's driver would bind it, or StoreDataError: a lone surrogate cannot
+    be UTF-8 (bound alone, the driver refuses it; inside the batch's JSON, escaped, SQLite
+    would store something else)."""
+    if result_key is not None:
+        try:
+            result_key.encode()
+        except UnicodeEncodeError as exc:
+            raise StoreDataError(
+                f"the result key {safe_text(result_key)!r} is not UTF-8: {exc.reason}"
+            ) from None
+    return result_key
+
+
+def _events(execute: sql.Execute, kind: str, at: datetime, rows: list[list[Any]]) -> None:
+    """(job id, detail) pairs as ``kind`` events, in one insert."""
+    if rows:
+        execute(sql.EVENTS_RUN, {"reqs": fastjson.dumps(rows), "at": at, "kind": kind})
+
+
+def _claim_tx(
+    execute: sql.Execute, requests: Sequence[ClaimRequest], params: dict[str, Any], now: datetime
+) -> tuple[dict[str, str], dict[str, Mapping[str, Any]]]:
+    asked = {r.job_id: r for r in requests}
+    left = {row["id"]: row["state"] for row in execute(sql.STATES_RUN, params)}
+    won = {row["id"]: row for row in execute(sql.CLAIM_RUN, params)}
+    events = [
+        [
+            job_id,
+            {
+                **claimed_detail(asked[job_id].worker_id, asked[job_id].detail),
+                "attempt": row["attempt"],
+            },
+        ]
+        for job_id, row in won.items()
+    ]
+    _events(execute, "claimed", now, events)
+    return left, won
+
+
+def _complete_tx(
+    execute: sql.Execute, requests: Sequence[CompleteRequest], reqs: str, now: datetime
+) -> set[str]:
+    ids = {row["id"] for row in execute(sql.COMPLETE_RUN, {"reqs": reqs, "updated_at": now})}
+    events = [
+        [r.claim.job_id, result_saved_detail(r.claim, r.result_key, r.result_meta)]
+        for r in requests
+        if r.claim.job_id in ids
+    ]
+    _events(execute, "result_saved", now, events)
+    return ids
+
+
+class SqliteDriver:
+    capabilities = SQLITE
+
+    def __init__(self, engine: AsyncEngine, clock: Clock | None) -> None:
+        self.engine = engine
+        self._clock = clock
+        self.hot = SqliteHot(engine)
+
+    @property
+    def renewal_blocks_takeover(self) -> bool:
+        # A renewal waits only for the one write lock, and a takeover (a claim) needs that
+        # lock too: however long the wait, the renewer awaits the database's answer.
+        return True
+
+    def hot_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.hot.held()
+
+    def local_now(self) -> datetime:
+        return self._clock() if self._clock is not None else utc_now()
+
+    def now_sql(self, plus: timedelta = timedelta(0)) -> ColumnElement[datetime]:
+        # Computed here: SQLite has no interval arithmetic on the text it stores times as.
+        return literal(self.local_now() + plus, UTCDateTime())
+
+    async def db_now(self) -> datetime:
+        return self.local_now()
+
+    def upsert(self, table: Any) -> Any:
+        return sqlite.insert(table)
+
+    def minute_of(self, column: Any) -> ColumnElement[Any]:
+        # UTCDateTime stores naive UTC text on SQLite.
+        return func.strftime("%Y-%m-%d %H:%M:00", column)
+
+    async def notify_outbox(self, conn: AsyncConnection) -> None:
+        return None  # nothing listens beyond the process (``capabilities.listens``)
+
+    async def _tx(self, work: Callable[[sql.Execute], T], conn: AsyncConnection | None = None) -> T:
+        """``work`` in one write transaction: ``conn``'s when given; else on the held
+        connection in one hand-off to its thread while a worker runs, else SQLAlchemy's."""
+        if conn is not None:
+            return await conn.run_sync(lambda sync: work(_on_sqlalchemy(sync)))
+        if self.hot.active:
+            return await self.hot.transaction(lambda held: work(_on_held(held)), "database")
+        async with write_tx(self.engine, "database") as own:
+            return await own.run_sync(lambda sync: work(_on_sqlalchemy(sync)))
+
+    async def claim_many(
+        self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
+    ) -> list[Claimed]:
+        """The batch's claims in one transaction: the states the jobs leave, ONE guarded
+        ``UPDATE … FROM json_each(…) RETURNING`` (each row's owner its request's worker) and
+        their ``claimed`` events in one insert. Under ``BEGIN IMMEDIATE`` nothing else writes
+        between the read and the update."""
+        clock = self.local_now()
+        rows = [
+            [r.job_id, r.job_type, r.worker_id, r.seen_state, r.seen_attempt, int(r.alone)]
+            for r in requests
+        ]
+        params = {
+            "reqs": fastjson.dumps(rows),
+            "updated_at": now,
+            "lease_ends": clock + lease,
+            "now": clock,
+            "due_by": clock + RETRY_SLACK,
+        }
+        left, won = await self._tx(lambda run: _claim_tx(run, requests, params, now))
+        results: list[Claimed] = []
+        for request in requests:
+            row = won.get(request.job_id)
+            if row is None:
+                results.append(None)
+                continue
+            job = job_record(row)
+            claim = Claim(job.id, job.attempt, request.worker_id)
+            results.append((claim, job, JobState(left[request.job_id])))
+        return results
+
+    async def complete_many(
+        self,
+        requests: Sequence[CompleteRequest],
+        now: datetime,
+        conn: AsyncConnection | None = None,
+    ) -> set[str]:
+        """ONE update fenced per row, ``RETURNING`` the jobs whose completion won, and their
+        ``result_saved`` events in one insert. Every row is checked (``outcome_json``,
+        ``_bindable``) before the transaction begins."""
+        reqs = fastjson.dumps(
+            [
+                [
+                    r.claim.job_id,
+                    r.claim.attempt,
+                    r.claim.worker_id,
+                    _bindable(r.result_key),
+                    outcome_json(r.result_key, r.result_meta),
+                ]
+                for r in requests
+            ]
+        )
+        return await self._tx(lambda run: _complete_tx(run, requests, reqs, now), conn)
+
+    async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
+        reqs = fastjson.dumps([[c.job_id, c.attempt, c.worker_id] for c in claims])
+        params = {"reqs": reqs, "updated_at": now, "lease_ends": self.local_now() + lease}
+        rows = await self._tx(lambda run: run(sql.RENEW_RUN, params))
+        # The column itself, not ``… IS NOT NULL`` in RETURNING: this SQLite evaluates an
+        # expression there over the FROM's row, not the updated one (measured: always 1).
+        won = {
+            (row["id"], int(row["attempt"])): row["cancel_requested_at"] is not None for row in rows
+        }
+        return Renewed(
+            (c for c in claims if (c.job_id, c.attempt) in won),
+            (c for c in claims if won.get((c.job_id, c.attempt))),
+        )
+
+    async def record_events(self, events: Sequence[PendingEvent]) -> None:
+        by_kind: dict[tuple[str, datetime], list[list[Any]]] = {}
+        for e in events:
+            by_kind.setdefault((e.kind, e.at), []).append([e.job_id, jsonable(e.detail)])
+
+        def work(execute: sql.Execute) -> None:
+            for (kind, at), rows in by_kind.items():
+                _events(execute, kind, at, rows)
+
+        await self._tx(work)
+
+    async def claim_outbox(
+        self, relay_id: str, limit: int, claim_for: timedelta
+    ) -> list[OutboxRow]:
+        now = self.now_sql()
+        async with write_tx(self.engine, "database") as conn:
+            rows = (
+                await conn.execute(
+                    select(outbox, now.label("taken_at"))
+                    .where(
+                        outbox.c.published_at.is_(None),
+                        or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
+                        outbox_due(now),
+                    )
+                    .order_by(outbox.c.id)
+                    .limit(limit)
+                )
+            ).all()
+            if not rows:
+                return []
+            await conn.execute(
+                update(outbox)
+                .where(outbox.c.id.in_([r.id for r in rows]))
+                .values(
+                    claimed_by=relay_id,
+                    claimed_until=self.now_sql(claim_for),
+                    publish_attempts=outbox.c.publish_attempts + 1,
+                )
+            )
+        return [outbox_row(r._mapping, r.publish_attempts + 1) for r in rows]
+
+    async def mark_published(self, relay_id: str, rows: Sequence[OutboxRow]) -> int:
+        taken = {r.id: r.taken_at for r in rows}
+        async with write_tx(self.engine, "database") as conn:
+            done = await conn.execute(
+                update(outbox)
+                .where(outbox.c.id.in_([r.id for r in rows]), outbox.c.published_at.is_(None))
+                .values(published_at=self.now_sql(), claimed_until=None, last_error=None)
+                .returning(outbox.c.id, outbox.c.job_id, outbox.c.destination)
+            )
+            marked = done.all()
+            if marked:
+                await conn.execute(
+                    insert(job_events),
+                    [
+                        {
+                            "job_id": m.job_id,
+                            "at": taken[m.id],
+                            "kind": "published",
+                            "detail": {
+                                "destination": m.destination,
+                                "outboxId": m.id,
+                                "relay": relay_id,
+                            },
+                        }
+                        for m in marked
+                    ],
+                )
+        return len(marked)
+
+
+__all__ = ["SqliteDriver"]

@@ -1,0 +1,287 @@
+"""The outcome of a run, fenced on its claim: complete, retry, quarantine; and a deferral.
+
+A completion is the driver's one COMPLETE statement (``transitions.COMPLETE``), for one job
+or a batch. A completion with a step of its own (publish a staged result, create follow-ups)
+runs the same statement in a write transaction with those steps before the commit (River's
+``job_complete_tx``): the guarded UPDATE that proves the claim holds also holds the job's row
+lock (PostgreSQL) or the write lock (SQLite) until the commit, so a stale attempt can never
+replace the object the winning attempt committed, and a success never lands without its
+follow-ups. Retry and quarantine are portable SQLAlchemy statements over the same
+declarations (``transitions.RETRY``, ``QUARANTINE``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from jobrelay.domain.disclosure import public_detail
+from jobrelay.domain.messages import JobMessage
+from jobrelay.domain.policy import JobView
+from jobrelay.domain.queues import DEFAULT_QUEUE
+from jobrelay.storage.claims import ClaimsStore
+from jobrelay.storage.drivers.new_job import run_async, steps_on
+from jobrelay.storage.records import (
+    Claim,
+    CompleteRequest,
+    Fenced,
+    NewJob,
+    retry_destination,
+)
+from jobrelay.storage.storable import safe_text
+from jobrelay.storage.tables import jobs
+from jobrelay.storage.transitions import QUARANTINE, RETRY, Inputs, fenced, values_of
+
+
+class _StepFailed(Exception):
+    """A completion's own step failed: its transaction is rolled back and sent again
+    without that completion."""
+
+
+class Completed(frozenset[str]):
+    """The ids of the completions that won, and ``failed``: the completions whose own step
+    (the publication of their staged result) raised, by job id, with what it raised. Those
+    were not committed; every other completion of the batch was answered on its own."""
+
+    failed: Mapping[str, Exception]
+
+    def __new__(
+        cls, won: Iterable[str] = (), failed: Mapping[str, Exception] | None = None
+    ) -> Completed:
+        completed = super().__new__(cls, won)
+        completed.failed = dict(failed or {})
+        return completed
+
+
+class OutcomesStore(ClaimsStore):
+    async def complete_many(self, requests: Sequence[CompleteRequest], now: datetime) -> Completed:
+        """Fenced completions, each winning or losing on its own, BEFORE their deliveries
+        are acked: one statement in autocommit when none has a step of its own, else one
+        write transaction with each winner's steps before the commit.
+
+        A step that raises (a staged result that cannot be published) rolls the transaction
+        back; it is sent again without that completion, whose error is in ``failed``: one
+        job's failed publication never costs its neighbours their outcome.
+        """
+        if not any(r.in_transaction for r in requests):
+            return Completed(await self.driver.complete_many(requests, now))
+        failed: dict[str, Exception] = {}
+        while True:
+            todo = [r for r in requests if r.claim.job_id not in failed]
+            if not todo:
+                return Completed((), failed)
+            try:
+                won = await self._complete_in_transaction(todo, now, failed)
+            except _StepFailed:
+                continue
+            if any(r.follow_ups and r.claim.job_id in won for r in todo):
+                self.wake_relays()
+            return Completed(won, failed)
+
+    async def _complete_in_transaction(
+        self, requests: Sequence[CompleteRequest], now: datetime, failed: dict[str, Exception]
+    ) -> set[str]:
+        async with self.writing() as conn:
+            won = await self.driver.complete_many(requests, now, conn)
+            for request in requests:
+                if request.claim.job_id not in won:
+                    continue
+                if request.publish is not None:
+                    try:
+                        await request.publish()
+                    except Exception as exc:
+                        failed[request.claim.job_id] = exc
+                        raise _StepFailed from exc
+                for follow_up in request.follow_ups:
+                    await self.add_follow_up(conn, request.claim.job_id, follow_up, now)
+        return won
+
+    async def complete(
+        self,
+        claim: Claim,
+        result_key: str | None,
+        result_meta: dict[str, Any],
+        now: datetime,
+        follow_ups: Sequence[NewJob] = (),
+        publish: Callable[[], Awaitable[None]] | None = None,
+    ) -> Fenced:
+        """``complete_many`` of one: running -> succeeded with its result key, BEFORE the
+        delivery is acked. A ``publish`` that fails raises, and nothing is committed."""
+        request = CompleteRequest(claim, result_key, result_meta, publish, tuple(follow_ups))
+        done = await self.complete_many([request], now)
+        if claim.job_id in done.failed:
+            raise done.failed[claim.job_id]
+        if claim.job_id in done:
+            return Fenced(True)
+        return await self.current(None, claim.job_id)
+
+    async def add_follow_up(
+        self, conn: AsyncConnection, parent_id: str, job: NewJob, now: datetime
+    ) -> None:
+        """A job created by its parent's success, in the parent's transaction: the same
+        writes as any new job (``new_job``), and the parent's ``follow_up_accepted``."""
+        job = replace(job, parent_job_id=parent_id)
+        _, created = await run_async(conn, steps_on(conn, job, now))
+        if not created:
+            return  # created by an earlier success of the same parent
+        await self.add_event(
+            conn, parent_id, "follow_up_accepted", now, jobId=job.job_id, type=job.type
+        )
+
+    async def schedule_retry(
+        self,
+        claim: Claim,
+        job_type: str,
+        error: str,
+        delay: int,
+        now: datetime,
+        *,
+        public: str | None = None,
+        asked_delay: float | None = None,
+        traceback: str | None = None,
+    ) -> Fenced:
+        """running -> retry_wait, and the retry message into the outbox, in one transaction.
+
+        Fenced on the claim; the due time is the store's clock + ``delay``; ``asked_delay``
+        (kept in the event) is what the job asked with ``Retry(delay=)``. ``public`` is the
+        error as the job's account reads it (``domain.disclosure``); ``error`` the operators',
+        and ``traceback`` where the run raised (``roles.failures``; None clears an earlier
+        one). All are stored with their NUL bytes escaped (``storable``): they must not make
+        the write fail.
+        """
+        error = safe_text(error)
+        i = Inputs(
+            now=now,
+            clock=self.now_sql(),
+            lease_ends=self.now_sql(timedelta(seconds=delay)),
+            req=values_of(
+                {
+                    "id": claim.job_id,
+                    "attempt": claim.attempt,
+                    "worker": claim.worker_id,
+                    "error": error[:4000],
+                    "public": None if public is None else safe_text(public),
+                    "traceback": None if traceback is None else safe_text(traceback),
+                }
+            ),
+        )
+        async with self.writing() as conn:
+            result = await conn.execute(
+                update(jobs)
+                .where(jobs.c.id == claim.job_id, *RETRY.guards(i))
+                .values(**RETRY.sets(i))
+                .returning(jobs.c.next_attempt_at, jobs.c.queue)
+            )
+            row = result.first()
+            if row is None:
+                return await self.current(conn, claim.job_id)
+            await self.add_message(
+                conn,
+                claim.job_id,
+                JobMessage(claim.job_id, job_type),
+                retry_destination(delay, row.queue),
+                now,
+            )
+            await self.add_event(
+                conn,
+                claim.job_id,
+                "retry_scheduled",
+                now,
+                error=error,
+                delaySeconds=delay,
+                **({} if asked_delay is None else {"askedDelaySeconds": asked_delay}),
+                nextAttemptAt=row.next_attempt_at,
+                attempt=claim.attempt,
+                worker=claim.worker_id,
+                **public_detail(i.req("public")),
+            )
+        self.wake_relays()
+        return Fenced(True)
+
+    async def quarantine(
+        self,
+        job_id: str,
+        reason: str,
+        now: datetime,
+        *,
+        claim: Claim | None = None,
+        seen: JobView | None = None,
+        public: str | None = None,
+        traceback: str | None = None,
+        **detail: Any,
+    ) -> bool:
+        """-> quarantined with the reason kept.
+
+        With ``claim`` (the worker's own run failed for good) only while that claim holds;
+        with ``seen`` (a delivery-time decision) only if the job is still exactly as the
+        policy saw it: same state, same attempt, same lease. A bad copy read while the job
+        was ``queued`` therefore never quarantines a job a good copy has claimed since.
+        The reason is stored with its NUL bytes escaped (``storable``). A worker's quarantine
+        (``claim``) also stores ``traceback``, where its run raised (None clears an earlier
+        one); a delivery-time one ran nothing and keeps the last failure's.
+        """
+        reason = safe_text(reason)
+        public = None if public is None else safe_text(public)
+        i = Inputs(
+            now=now,
+            clock=self.now_sql(),
+            req=values_of({"reason": reason[:4000], "public": public}),
+        )
+        where: list[Any] = [jobs.c.id == job_id, *QUARANTINE.guards(i)]
+        values = QUARANTINE.sets(i)
+        if claim is not None:
+            where += fenced(claim)
+            detail = {**detail, "attempt": claim.attempt, "worker": claim.worker_id}
+            values["last_traceback"] = None if traceback is None else safe_text(traceback)
+        if seen is not None:
+            where += self.as_seen(seen)
+        async with self.writing() as conn:
+            won = (await conn.execute(update(jobs).where(*where).values(**values))).rowcount == 1
+            if won:
+                await self.add_event(
+                    conn,
+                    job_id,
+                    "quarantined",
+                    now,
+                    reason=reason,
+                    **detail,
+                    **public_detail(public),
+                )
+        return bool(won)
+
+    async def defer(
+        self,
+        job_id: str,
+        message: JobMessage | bytes,
+        delay: int,
+        reason: str,
+        now: datetime,
+        *,
+        headers: Mapping[str, str] | None = None,
+        **detail: Any,
+    ) -> None:
+        """Re-check a job later through the delay route: an outbox row, no state change.
+
+        ``message`` may be the raw body of a delivery this worker cannot read (a type or
+        version only newer workers know): it is passed on unchanged, with ``headers`` added.
+        ``detail``: more of the ``deferred`` event (who deferred it, which deferral).
+        """
+        async with self.writing() as conn:
+            queue = await conn.scalar(select(jobs.c.queue).where(jobs.c.id == job_id))
+            await self.add_message(
+                conn,
+                job_id,
+                message,
+                retry_destination(delay, queue or DEFAULT_QUEUE),
+                now,
+                extra_headers=headers,
+            )
+            await self.add_event(
+                conn, job_id, "deferred", now, reason=reason, delaySeconds=delay, **detail
+            )
+        self.wake_relays()
