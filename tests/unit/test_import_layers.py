@@ -22,16 +22,16 @@ PACKAGE = "jobrelay"
 # The modules of the library surface (``App``, definitions, contexts, schedules, the HTTP
 # helpers): above storage, below nothing that storage may import.
 SURFACE = {
-    "jobrelay.app",
-    "jobrelay.job_definition",
-    "jobrelay.context",
-    "jobrelay.sync_context",
-    "jobrelay.periodic",
-    "jobrelay.loader",
+    "jobrelay.library.app",
+    "jobrelay.library.job_definition",
+    "jobrelay.library.context",
+    "jobrelay.library.sync_context",
+    "jobrelay.library.periodic",
+    "jobrelay.library.loader",
     "jobrelay.http",
 }
 # The processes' entry points, which start the API's server: the top layer, above api/.
-ROLE_ENTRY_POINTS = {"jobrelay.roles.api_server", "jobrelay.roles.processes"}
+ROLE_ENTRY_POINTS = {"jobrelay.processes.api_server", "jobrelay.processes.entry_points"}
 
 
 def _modules() -> dict[str, Path]:
@@ -127,7 +127,7 @@ def _arrows(source: str) -> list[tuple[str, str, int]]:
 def test_the_graph_is_read() -> None:
     # The walk itself: a known arrow of each kind is seen, so an empty graph cannot pass.
     assert "jobrelay.domain.states" in GRAPH["jobrelay.storage.records"]
-    assert "jobrelay.storage.store" in GRAPH["jobrelay.roles.runtime"]
+    assert "jobrelay.storage.store" in GRAPH["jobrelay.runtime.wiring"]
     assert len(GRAPH) > 150
 
 
