@@ -12,21 +12,26 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from jobrelay.observe.faults import Faults
 from jobrelay.results.base import ResultStore
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import JobRecord, NewJob
 
-if TYPE_CHECKING:
-    from jobrelay.worker.threads import ThreadSlot
-
 ProgressFn = Callable[[int, int], Awaitable[None]]
 
 
 def _utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+class JobThread(Protocol):
+    """What a ``def`` job's body needs of the thread it runs on (the worker's is
+    ``worker.threads.ThreadSlot``): named here so that the library imports nothing of the
+    worker."""
+
+    async def run(self, job_id: str, body: Callable[[], Any]) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class OperationContext:
     # ``attempt``), so a context without one may skip a delivered effect but not start one.
     worker: str | None = None
     # A ``def`` job's thread, taken by the worker before the claim (``worker.threads``).
-    thread: ThreadSlot | None = None
+    thread: JobThread | None = None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from jobrelay.errors import AttemptSuperseded, ConfigError
 
 if TYPE_CHECKING:
     from jobrelay.library.context import JobContext, JobType
-    from jobrelay.worker.threads import ThreadSlot
+    from jobrelay.library.operations import JobThread
 
 P = TypeVar("P", bound=BaseModel)
 # How long a thread's ``ctx.progress`` waits for the loop to record it; the write is not
@@ -129,7 +129,7 @@ SyncJobFunction = Callable[[SyncJobContext[P], P], Any]
 
 
 async def run_in_thread(
-    thread: ThreadSlot | None,
+    thread: JobThread | None,
     fn: SyncJobFunction[P],
     ctx: JobContext[P],
     params: P,
