@@ -89,7 +89,7 @@ class AttemptRun:
         self._wait_for_database = wait_for_database
         self._complete = complete
         self._leases = leases
-        self._thread = thread  # a def job's, taken before the claim (roles.threads)
+        self._thread = thread  # a def job's, taken before the claim (worker.threads)
         self._renewed: Claim | None = None  # held by the worker's lease renewer
 
     async def run(self, delivery: Delivery, job: JobRecord, claim: Claim) -> None:
@@ -199,7 +199,7 @@ class AttemptRun:
     ) -> TransientFailure:
         """A transient failure; ``asked``: the next delay the job asked for (``Retry(delay=)``),
         as this topology can wait it (``Topology.retry_delay``), else the type's delays;
-        ``trace``: where it raised (``roles.failures``)."""
+        ``trace``: where it raised (``worker.failures``)."""
         operation = self.registry.get(job.type)
         delays = getattr(operation, "retry_delays", None) or self.rt.settings.retry_delays
         delay = None if asked is None else self.rt.topology.retry_delay(asked)

@@ -95,11 +95,11 @@ class DeliveryHandler:
             self._completions = Batcher(
                 self._complete_many, key=lambda r: r.claim.job_id, alone_on=alone_on
             )
-        settings = rt.settings  # the threads of def jobs (roles.threads)
+        settings = rt.settings  # the threads of def jobs (worker.threads)
         self.threads = SyncThreads(settings.sync_threads, settings.sync_abandoned_max, rt.metrics)
         # Every running claim's lease, renewed in one statement (one renewer per worker).
         self.leases = LeaseRenewer(rt, lease, rt.settings.cancel_check_seconds)
-        # Runs together, or a suspect alone (``roles.isolation``).
+        # Runs together, or a suspect alone (``worker.isolation``).
         self.isolation = Isolation()
         # Deliveries of each job being claimed or run in this process (a lost claim's reply
         # is adopted only by the one delivery that holds the job here).
