@@ -87,7 +87,7 @@ test-slow: $(TEST_STAMP)
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/ruff format --check src tests bench examples
-	# The import arrows: no circles, domain <- storage <- roles <- api/cli (issue 35).
+	# The import arrows: no circles, domain <- storage <- library <- runtime <- worker, relay, maintenance, admin <- api <- processes <- cli (issue 35).
 	$(BIN)/python -m pytest -q -n 0 -p no:cacheprovider tests/unit/test_import_layers.py tests/unit/test_exported_members.py
 
 typecheck: $(TEST_STAMP)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 import jobrelay
-from jobrelay.exports.app import app
+from jobrelay.exports.shipped import app
 
 NOOP = "bench.noop"
 

@@ -22,10 +22,10 @@ import asyncpg
 from sqlalchemy import text
 
 from jobrelay.domain.ids import job_id_for, request_hash
-from jobrelay.exports.app import report_export
+from jobrelay.exports.shipped import report_export
+from jobrelay.library.operations import OperationContext
 from jobrelay.observe.faults import Faults
-from jobrelay.operations.base import OperationContext
-from jobrelay.roles.runtime import open_runtime
+from jobrelay.runtime.wiring import open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import upgrade_async
 from jobrelay.storage.store import NewJob

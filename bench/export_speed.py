@@ -40,12 +40,12 @@ from typing import Any
 import asyncpg
 
 from jobrelay.domain.ids import job_id_for, request_hash
-from jobrelay.exports.app import report_export
 from jobrelay.exports.seed import seed_month
+from jobrelay.exports.shipped import report_export
+from jobrelay.library.operations import OperationContext
 from jobrelay.observe.faults import Faults
-from jobrelay.operations.base import OperationContext
 from jobrelay.results.staging import StagingResults
-from jobrelay.roles.runtime import Runtime, open_runtime
+from jobrelay.runtime.wiring import Runtime, open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import create_engine, upgrade_async
 from jobrelay.storage.store import NewJob

@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jobrelay.domain.messages import CURRENT_VERSION
-from jobrelay.roles.api_server import KEEP_ALIVE_SECONDS
+from jobrelay.processes.api_server import KEEP_ALIVE_SECONDS
 from jobrelay.storage.records import NOTIFY_CHANNEL, work_destination
 
 NAMESPACE = uuid.UUID("5b0d3c1e-9f6a-4c55-b7a2-6a1f0e1d2c3b")  # jobrelay's, for equal ids

@@ -36,8 +36,9 @@ from bench_env import BenchFailure, RoleProcess, Sandbox, run_command
 READY_TIMEOUT = 30.0
 ROLES = {"worker": "worker_started", "relay": "relay_started"}
 # What `python -m jobrelay worker` / `relay` import before they log that they are ready.
-IMPORTS = "import jobrelay.cli.entry, jobrelay.roles.processes, jobrelay.roles.worker, " + (
-    "jobrelay.roles.relay, jobrelay.roles.reconcile, jobrelay.roles.scheduler"
+IMPORTS = (
+    "import jobrelay.cli.entry, jobrelay.processes.entry_points, jobrelay.worker.consumer, "
+    + ("jobrelay.relay.publisher, jobrelay.maintenance.reconcile, jobrelay.maintenance.scheduler")
 )
 
 

@@ -118,7 +118,7 @@ def _grant_app_role(url: str, role: str = APP_ROLE) -> None:
     export app's tables), then ``jobrelay db grant``."""
     import asyncio
 
-    from jobrelay.roles.processes import grant_role, upgrade_database
+    from jobrelay.processes.entry_points import grant_role, upgrade_database
     from jobrelay.settings import Settings
 
     settings = Settings(database_url=url)

@@ -10,8 +10,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jobrelay.app import App
-    from jobrelay.context import JobContext, Result
     from jobrelay.domain.states import JobState
     from jobrelay.errors import (
         ConfigError,
@@ -22,22 +20,24 @@ if TYPE_CHECKING:
         Permanent,
         Retry,
     )
-    from jobrelay.job_definition import JobDefinition
-    from jobrelay.periodic import Schedule
+    from jobrelay.library.app import App
+    from jobrelay.library.context import JobContext, Result
+    from jobrelay.library.job_definition import JobDefinition
+    from jobrelay.library.periodic import Schedule
+    from jobrelay.library.sync_context import SyncJobContext
     from jobrelay.results.base import ResultWriter
     from jobrelay.settings import Settings
     from jobrelay.storage.engine import create_engine
     from jobrelay.storage.records import JobRecord as Job
-    from jobrelay.sync_context import SyncJobContext
 
 # Each public name and the module that holds it. Imported on first use (PEP 562), so that
 # `import jobrelay.cli` or `jobrelay --help` does not pay for SQLAlchemy, aio-pika and the
 # app machinery a command may never touch.
 _EXPORTS = {
-    "App": "jobrelay.app",
-    "JobDefinition": "jobrelay.job_definition",
-    "JobContext": "jobrelay.context",
-    "Result": "jobrelay.context",
+    "App": "jobrelay.library.app",
+    "JobDefinition": "jobrelay.library.job_definition",
+    "JobContext": "jobrelay.library.context",
+    "Result": "jobrelay.library.context",
     "JobState": "jobrelay.domain.states",
     "ConfigError": "jobrelay.errors",
     "IdempotencyConflict": "jobrelay.errors",
@@ -46,12 +46,12 @@ _EXPORTS = {
     "JobrelayError": "jobrelay.errors",
     "Permanent": "jobrelay.errors",
     "Retry": "jobrelay.errors",
-    "Schedule": "jobrelay.periodic",
+    "Schedule": "jobrelay.library.periodic",
     "ResultWriter": "jobrelay.results.base",
     "Settings": "jobrelay.settings",
     "create_engine": "jobrelay.storage.engine",
     "Job": "jobrelay.storage.records",
-    "SyncJobContext": "jobrelay.sync_context",
+    "SyncJobContext": "jobrelay.library.sync_context",
 }
 _ATTRIBUTE = {"Job": "JobRecord"}
 

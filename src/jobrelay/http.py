@@ -52,9 +52,9 @@ from jobrelay.domain.delays import RunTime
 from jobrelay.domain.ids import job_id_for
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError, IdempotencyConflict
-from jobrelay.job_definition import JobDefinition
+from jobrelay.library.job_definition import JobDefinition
 from jobrelay.observe.metrics import NEW as _NEW_JOB
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 
 __all__ = [
     "ACCEPT_RESPONSES",

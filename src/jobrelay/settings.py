@@ -135,7 +135,7 @@ class Settings(BaseSettings):
     # keeps (``installation``): for operators who keep secrets outside the database. Every
     # process of an installation must then have the same value; rotate it by changing it.
     id_secret: str | None = Field(default=None, repr=False)
-    # The API's HTTP server, before a request reaches the application (roles/http_guard.py):
+    # The API's HTTP server, before a request reaches the application (processes/http_guard.py):
     # the most bytes of a request line and headers (431 beyond), how long a new connection,
     # or a next request on a kept-alive one, has to send its whole head (closed after), and
     # how many connections one API process holds at once (503 beyond).

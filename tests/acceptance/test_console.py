@@ -199,7 +199,7 @@ def test_console_looks_up_and_replays(browser: Any, tmp_path: Path) -> None:
 # same few milliseconds, so they share their first 8 characters (the creation time).
 ENQUEUE_V7 = """
 import asyncio, json
-from jobrelay.exports.app import app
+from jobrelay.exports.shipped import app
 
 async def main():
     ids = [

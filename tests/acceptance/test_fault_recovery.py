@@ -277,7 +277,7 @@ def test_crash_looping_job_ends_quarantined_while_healthy_jobs_flow(
 
 def _submit(db: Db, env: dict[str, str], period: str = "2020-05") -> str:
     from jobrelay.domain.ids import request_hash
-    from jobrelay.roles.runtime import utc_now
+    from jobrelay.runtime.wiring import utc_now
     from jobrelay.storage.store import NewJob
     from tests.id_keys import request_id
 

@@ -20,7 +20,7 @@ import pytest
 
 from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
-from jobrelay.roles.runtime import utc_now
+from jobrelay.runtime.wiring import utc_now
 from jobrelay.storage.store import NewJob
 from tests.id_keys import request_id
 

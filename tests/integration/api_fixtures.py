@@ -25,7 +25,7 @@ from jobrelay.api import create_app
 from jobrelay.api.auth import hash_token, new_token
 from jobrelay.observe.faults import Faults
 from jobrelay.results.files import FileResults
-from jobrelay.roles.runtime import Runtime, topology_for
+from jobrelay.runtime.wiring import Runtime, topology_for
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.store import Store

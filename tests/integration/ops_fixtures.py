@@ -24,10 +24,10 @@ import pytest
 from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.exports.seed import seed
-from jobrelay.operations.base import OperationContext, OperationResult, Registry
-from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.worker import Worker
+from jobrelay.library.operations import OperationContext, OperationResult, Registry
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.store import NewJob, Store
+from jobrelay.worker.consumer import Worker
 from tests.id_keys import request_id
 
 from .pipeline import pipeline, settings_for

@@ -21,12 +21,12 @@ from typing import Any, NoReturn
 from jobrelay.domain.ids import request_hash
 from jobrelay.exports.seed import seed
 from jobrelay.observe.faults import Faults
-from jobrelay.roles.relay import Relay
-from jobrelay.roles.runtime import Runtime, build_transport, open_runtime
-from jobrelay.roles.worker import Worker
+from jobrelay.relay.publisher import Relay
+from jobrelay.runtime.wiring import Runtime, build_transport, open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.store import JobRecord, NewJob
 from jobrelay.transport.base import Transport
+from jobrelay.worker.consumer import Worker
 from tests.id_keys import request_id
 
 FAST = {

@@ -34,7 +34,7 @@ def held_way(how: str) -> bool:
 @contextlib.asynccontextmanager
 async def holding(store: Store, how: str) -> AsyncIterator[Callable[[], int]]:
     """``store``'s hot connections held for the block where ``how`` says so, as a worker
-    holds them (``roles/worker.py``); gives the count of what was sent on them so far (0
+    holds them (``worker/consumer.py``); gives the count of what was sent on them so far (0
     when nothing is held), so a test can tell the held executor did the work."""
     if not held_way(how):
         yield lambda: 0

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 import jobrelay
 from jobrelay.observe.faults import Faults
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 
 from .api_fixtures import MAX_ATTEMPTS, api_client, bearer, build_runtime, make_token
 from .test_metrics import samples, value

@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 
 import jobrelay
 from jobrelay.api.job_search import MAX_PAGE_BYTES
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage import jobs as jobs_module
 from jobrelay.storage.engine import read_only
 from jobrelay.storage.jobs import QUOTA_RECOUNT_SECONDS

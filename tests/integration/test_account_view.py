@@ -20,7 +20,7 @@ import pytest
 
 from jobrelay.domain.disclosure import TEMPORARY, public_error
 from jobrelay.domain.states import JobState
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.records import PendingEvent
 from tests.integration.api_fixtures import T0, Clock, api_client, bearer, build_runtime, make_token
 

@@ -24,7 +24,7 @@ from jobrelay.domain.disclosure import FAILED
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransportError
 from jobrelay.observe.faults import Faults
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.settings import Settings
 from tests.id_keys import request_id
 from tests.integration.api_fixtures import (
@@ -576,7 +576,7 @@ async def test_lifespan_closes_only_the_runtime_it_opened(
             closed.append(rt)
             await rt.engine.dispose()
 
-    monkeypatch.setattr("jobrelay.api.app.open_runtime", fake_open_runtime)
+    monkeypatch.setattr("jobrelay.api.factory.open_runtime", fake_open_runtime)
     app = create_app(settings_for(database_url, tmp_path))
     async with app.router.lifespan_context(app), client_for(app) as client:
         assert (await client.get("/readyz")).status_code == 200

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jobrelay.roles.api_server import build_server
-from jobrelay.roles.runtime import Runtime
+from jobrelay.processes.api_server import build_server
+from jobrelay.runtime.wiring import Runtime
 from tests.integration.api_fixtures import api_client, bearer, build_runtime, make_token
 
 PROBLEM = "application/problem+json"

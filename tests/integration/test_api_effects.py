@@ -18,7 +18,7 @@ import pytest
 from jobrelay.api import create_app
 from jobrelay.domain.ids import follow_up_job_id, request_hash
 from jobrelay.results.s3 import S3Results
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.store import NewJob
 from tests.id_keys import request_id
 from tests.integration.api_fixtures import bearer, build_runtime, finish_job, make_token

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from jobrelay.domain.states import JobState
-from jobrelay.roles.prune import Pruner
-from jobrelay.roles.runtime import Runtime
+from jobrelay.maintenance.prune import Pruner
+from jobrelay.runtime.wiring import Runtime
 from tests.integration.api_fixtures import (
     Clock,
     api_client,

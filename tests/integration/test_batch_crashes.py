@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobrelay.domain.states import JobState
-from jobrelay.operations.base import OperationContext, OperationResult
+from jobrelay.library.operations import OperationContext, OperationResult
 
 from .test_claims import eventually
 from .test_outcomes import Scripted, start_worker

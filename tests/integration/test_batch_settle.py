@@ -14,7 +14,7 @@ import asyncio
 from typing import Any
 
 from jobrelay.domain.states import JobState
-from jobrelay.operations.base import OperationResult
+from jobrelay.library.operations import OperationResult
 
 from .test_claims import eventually
 from .test_outcomes import Scripted, start_worker, together

@@ -22,7 +22,7 @@ from sqlalchemy import Text, bindparam, text
 
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreDataError, StoreError
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.drivers.pg_pool import HotStatement
 from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest
@@ -94,7 +94,7 @@ async def test_an_expired_lease_is_claimed_again_by_the_store_clock(db: Runtime)
     assert early is None
     clock_of(db).advance(LEASE.total_seconds() + 1)
     # Its worker was lost: a suspect, never claimed in a batch beside others; the read path
-    # claims it (``claim_job``), alone in its worker (``roles.isolation``).
+    # claims it (``claim_job``), alone in its worker (``worker.isolation``).
     [batched] = await db.store.claim_many([ask(job_id)], db.clock(), LEASE)
     assert batched is None
     late = await db.store.claim_job(job_id, "w-1", db.clock(), LEASE)

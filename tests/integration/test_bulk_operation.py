@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from jobrelay.domain.states import JobState
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from tests.integration.api_fixtures import api_client, bearer, build_runtime, make_token
 
 from .ops_fixtures import WORKER, new_job

@@ -26,7 +26,7 @@ import pytest
 from sqlalchemy import select, text
 
 from jobrelay.errors import StoreError
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.drivers.pg_statements import CLAIM_OUTBOX, MARK_PUBLISHED
 from jobrelay.storage.tables import outbox

@@ -29,14 +29,14 @@ from pydantic import BaseModel
 from sqlalchemy import func, select
 
 import jobrelay
+from jobrelay.admin.actions import Operator
+from jobrelay.admin.explain import next_step
 from jobrelay.api import create_app
 from jobrelay.domain.ids import follow_up_job_id
 from jobrelay.domain.states import JobState
 from jobrelay.errors import AttemptSuperseded
-from jobrelay.ops.explain import next_step
-from jobrelay.ops.operator import Operator
-from jobrelay.roles.reconcile import LEASE_EXPIRED, Reconciler
-from jobrelay.roles.runtime import Runtime
+from jobrelay.maintenance.reconcile import LEASE_EXPIRED, Reconciler
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.store import Claim
 from jobrelay.storage.tables import effects_ledger
 
@@ -281,7 +281,7 @@ async def test_a_delivery_ends_a_cancelled_job_whose_lease_expired(runtime: Runt
     job_id = await job_in_state(store, S.RUNNING, T0)
     assert (await Operator(runtime).cancel(job_id, actor="ops", reason="stuck")).requested
     live = Delivery(json.dumps({"jobId": job_id, "type": "report.export", "version": 1}).encode())
-    from jobrelay.roles.worker import Worker
+    from jobrelay.worker.consumer import Worker
 
     await Worker(runtime).handle(live)  # the lease is live: deferred, not ended, not run
     assert (await store.get_job(job_id)).state is S.RUNNING  # type: ignore[union-attr]

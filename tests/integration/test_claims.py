@@ -31,11 +31,11 @@ from jobrelay.errors import StoreError
 from jobrelay.exports.ledger import ledger_entries
 from jobrelay.exports.seed import seed
 from jobrelay.observe.faults import Faults
-from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.store import Claim, NewJob, Store
 from jobrelay.storage.tables import jobs, outbox
 from jobrelay.transport.base import Delivery
+from jobrelay.worker.consumer import Worker
 from tests.id_keys import request_id
 
 from .api_fixtures import Clock, build_runtime
@@ -143,7 +143,7 @@ async def test_two_copies_in_one_process_only_the_newest_claim_saves_its_result(
     the second copy claims again. The first run finishes first, but its claim was
     superseded: it must record ``lease_lost``, not ``result_saved``. (Two handlers: in one
     handler the second copy, a suspect, would wait for the first run to end,
-    ``roles.isolation``; the fence is on the attempt, not only the owner.)"""
+    ``worker.isolation``; the fence is on the attempt, not only the owner.)"""
     rt = runtime_for(database_url, tmp_path, faults="export.run:stall:0.5:1,export.run:stall:1.5:2")
     await seed(rt.engine, ROWS)
     job_id = await submit(rt)

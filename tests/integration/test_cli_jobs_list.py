@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from jobrelay.roles.runtime import utc_now
+from jobrelay.runtime.wiring import utc_now
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.store import Store
 

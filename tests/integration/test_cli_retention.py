@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from jobrelay.cli.main import app
 from jobrelay.domain.states import JobState
-from jobrelay.roles.runtime import utc_now
+from jobrelay.runtime.wiring import utc_now
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.store import Store
 

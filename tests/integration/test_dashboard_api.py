@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import insert, update
 
 from jobrelay.domain.states import JobState
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.heartbeats import ProcessBeat, beat, seen_since
 from jobrelay.storage.queue_pauses import paused_queues, queue_history
 from jobrelay.storage.tables import job_events, jobs

@@ -28,9 +28,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import jobrelay
 import jobrelay.api.jobs
-import jobrelay.job_definition
-from jobrelay.ops.operator import Operator
-from jobrelay.roles.runtime import Runtime
+import jobrelay.library.job_definition
+from jobrelay.admin.actions import Operator
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.engine import read_only
 from jobrelay.storage.store import Store
 from jobrelay.storage.tables import job_events, jobs, outbox
@@ -69,7 +69,7 @@ def skewed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> f
         def now(cls, tz: Any = None) -> Any:
             return datetime.now(tz) + timedelta(seconds=skew)
 
-    for module in (jobrelay.job_definition, jobrelay.api.jobs):
+    for module in (jobrelay.library.job_definition, jobrelay.api.jobs):
         monkeypatch.setattr(module, "datetime", HostClock)
     return float(delay)
 

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import create_engine, func, make_url, select
 
 import jobrelay
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.engine import read_only
 from jobrelay.storage.tables import jobs, outbox
 

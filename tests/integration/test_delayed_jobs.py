@@ -21,8 +21,8 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 
 from jobrelay.domain.states import JobState
-from jobrelay.exports.app import report_export
-from jobrelay.roles.runtime import Runtime
+from jobrelay.exports.shipped import report_export
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.tables import outbox
 from tests.acceptance.procs import (

@@ -25,9 +25,9 @@ from sqlalchemy import event
 import jobrelay
 from jobrelay.domain.states import JobState
 from jobrelay.errors import PermanentError, StoreError, TransientError
-from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.transport.base import Delivery
+from jobrelay.worker.consumer import Worker
 from tests.integration.api_fixtures import Clock, api_client, bearer, build_runtime, make_token
 
 pytestmark = pytest.mark.timeout(90)

@@ -22,8 +22,8 @@ from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
 from jobrelay.domain.states import JobState
-from jobrelay.roles.worker import Worker
 from jobrelay.storage.tables import jobs
+from jobrelay.worker.consumer import Worker
 
 from .api_fixtures import build_runtime
 from .test_library import Delivery

@@ -20,7 +20,7 @@ from jobrelay.domain.ids import follow_up_job_id
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.effects.notify_email import NotifyEmail
-from jobrelay.operations.base import OperationContext
+from jobrelay.library.operations import OperationContext
 from jobrelay.transport.base import OutgoingMessage
 
 from .effects_fixtures import (  # noqa: F401 (fixtures, registered by name)

@@ -19,7 +19,7 @@ from jobrelay.domain.ids import follow_up_job_id, request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.effects.notify_email import NotifyEmail
 from jobrelay.errors import AttemptSuperseded
-from jobrelay.operations.base import OperationContext
+from jobrelay.library.operations import OperationContext
 from jobrelay.storage.store import NewJob
 
 from .effects_fixtures import (  # noqa: F401 (fixtures, registered by name)

@@ -42,13 +42,13 @@ from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransientError
 from jobrelay.exports import ledger, report_export
-from jobrelay.exports.app import report_export as export_job
 from jobrelay.exports.defang import FORMULA_CHARS, INVISIBLE, SPACES, defang
 from jobrelay.exports.seed import seed_month
+from jobrelay.exports.shipped import report_export as export_job
+from jobrelay.library.operations import OperationContext
 from jobrelay.observe.faults import Faults
-from jobrelay.operations.base import OperationContext
 from jobrelay.results.staging import StagingResults
-from jobrelay.roles.runtime import open_runtime
+from jobrelay.runtime.wiring import open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import create_engine, snapshot
 from jobrelay.storage.store import Claim, NewJob

@@ -24,13 +24,13 @@ from pydantic import BaseModel
 from sqlalchemy import update
 
 import jobrelay
+from jobrelay.admin.actions import Operator
 from jobrelay.domain.states import JobState
-from jobrelay.ops.operator import Operator
-from jobrelay.roles.failures import CUT_MARKER, MAX_TRACEBACK_BYTES
-from jobrelay.roles.runtime import Runtime, open_runtime
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import Runtime, open_runtime
 from jobrelay.storage.store import JobRecord
 from jobrelay.storage.tables import jobs
+from jobrelay.worker.consumer import Worker
+from jobrelay.worker.failures import CUT_MARKER, MAX_TRACEBACK_BYTES
 
 from .api_fixtures import api_client, bearer, build_runtime, make_token
 from .ops_fixtures import LEASE

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from tests.integration.api_fixtures import api_client, bearer, build_runtime, make_token
 
 pytestmark = pytest.mark.timeout(60)

@@ -28,7 +28,7 @@ import jobrelay
 from jobrelay.cli.main import app as cli_app
 from jobrelay.domain.ids import canonical_json, job_id_for, request_hash
 from jobrelay.errors import IdempotencyConflict
-from jobrelay.roles.runtime import Runtime, open_runtime
+from jobrelay.runtime.wiring import Runtime, open_runtime
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import create_engine, upgrade
 from jobrelay.storage.store import NewJob, Store

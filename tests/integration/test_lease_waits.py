@@ -17,8 +17,8 @@ from typing import Any
 
 from sqlalchemy import text
 
-from jobrelay.operations.base import OperationContext, OperationResult
-from jobrelay.roles.runtime import Runtime
+from jobrelay.library.operations import OperationContext, OperationResult
+from jobrelay.runtime.wiring import Runtime
 
 from .ops_fixtures import held_runs
 from .test_claims import eventually, runtime_for

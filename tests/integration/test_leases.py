@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import update
 
 from jobrelay.domain.states import JobState
-from jobrelay.operations.base import OperationResult
+from jobrelay.library.operations import OperationResult
 from jobrelay.storage.store import Claim
 from jobrelay.storage.tables import jobs
 

@@ -34,15 +34,15 @@ from sqlalchemy import (
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 import jobrelay
+from jobrelay.admin.explain import show_job
 from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError
-from jobrelay.loader import load_app
-from jobrelay.ops.explain import show_job
-from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.worker import Worker
+from jobrelay.library.loader import load_app
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.engine import async_url, read_only
 from jobrelay.storage.tables import job_events, jobs, outbox
+from jobrelay.worker.consumer import Worker
 
 from .api_fixtures import bearer, build_runtime, make_token
 
@@ -319,8 +319,8 @@ def test_a_bad_app_string_is_a_config_error_naming_the_variable() -> None:
     for spec in (
         "nodots",
         "no.such.module:app",
-        "jobrelay.loader:nothing",
-        "jobrelay.loader:DEFAULT_APP",
+        "jobrelay.library.loader:nothing",
+        "jobrelay.library.loader:DEFAULT_APP",
     ):
         with pytest.raises(ConfigError) as raised:
             load_app(spec)

@@ -26,10 +26,10 @@ from sqlalchemy import update
 import jobrelay
 from jobrelay.domain.states import JobState
 from jobrelay.errors import AttemptSuperseded, ConfigError
-from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.tables import jobs, outbox
 from jobrelay.transport.topology import Topology
+from jobrelay.worker.consumer import Worker
 
 from .api_fixtures import build_runtime
 from .test_library import Delivery  # a delivery that records its ack or reject

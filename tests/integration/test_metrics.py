@@ -18,7 +18,7 @@ from jobrelay.api import create_app
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.observe.metrics import CONTENT_TYPE, Metrics, refresh_database_gauges, serve_metrics
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.transport.base import OutgoingMessage
 from tests.integration.api_fixtures import T0, Clock, bearer, build_runtime, make_token
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from alembic import command
 from sqlalchemy import inspect
 
-from jobrelay.roles.scheduler import Scheduler
+from jobrelay.maintenance.scheduler import Scheduler
 from jobrelay.storage.engine import alembic_config, create_engine, upgrade
 
 from .api_fixtures import T0, Clock, build_runtime

@@ -153,7 +153,7 @@ def test_the_schema_head_the_code_expects_is_the_newest_migration(tmp_path: Path
     refuse a freshly migrated database (or run on an old one)."""
     from alembic.script import ScriptDirectory
 
-    from jobrelay.roles.runtime import schema_revision
+    from jobrelay.runtime.wiring import schema_revision
     from jobrelay.storage.engine import SCHEMA_HEAD
 
     url = f"sqlite:///{tmp_path}/jr.db"

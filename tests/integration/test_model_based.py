@@ -28,7 +28,7 @@ expectations do not change, because leases and due times are the store's to judg
 due by the store runs on a worker 30 s behind; a live lease is deferred on one 30 s ahead).
 
 ``two_copies`` handles two copies of one message under ONE worker id (two handlers: one
-handler runs a suspect copy only after its other runs end, ``roles.isolation``), the second
+handler runs a suspect copy only after its other runs end, ``worker.isolation``), the second
 while the first waits inside the operation (a ``Gate``), with the
 store's clock moved past the first's lease in between or not. Every claim ends in exactly
 one outcome or in ``lease_lost``; the outcome recorded (and the result's attempt) is the
@@ -68,24 +68,24 @@ from hypothesis.stateful import (
 )
 from sqlalchemy import select
 
+from jobrelay.admin.actions import Operator
 from jobrelay.domain.ids import request_hash
 from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.queues import retry_seconds
 from jobrelay.domain.states import JobState, can_transition
 from jobrelay.exports.seed import seed
-from jobrelay.loader import default_registry
+from jobrelay.library.loader import default_registry
+from jobrelay.library.operations import Operation, OperationContext, OperationResult, Registry
+from jobrelay.maintenance.reconcile import LEASE_EXPIRED, Reconciler
 from jobrelay.observe.faults import Faults
-from jobrelay.operations.base import Operation, OperationContext, OperationResult, Registry
-from jobrelay.ops.operator import Operator
 from jobrelay.results.files import FileResults
-from jobrelay.roles.reconcile import LEASE_EXPIRED, Reconciler
-from jobrelay.roles.runtime import Runtime, topology_for
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import Runtime, topology_for
 from jobrelay.settings import Settings
 from jobrelay.storage.engine import create_engine, upgrade
 from jobrelay.storage.repairs import RECONCILED_LEASE, RECONCILED_QUEUED, RECONCILED_RETRY
 from jobrelay.storage.store import WORK_DESTINATION, EventRecord, JobRecord, NewJob, Store
 from jobrelay.storage.tables import job_events, outbox
+from jobrelay.worker.consumer import Worker
 from tests.id_keys import request_id
 
 ACCOUNTS = ("acme", "globex", "initech")  # seeded, like every month of 2020
@@ -514,7 +514,7 @@ class PipelineModel(RuleBasedStateMachine):
         assert export is not None
         gate = Gate(export)
         # Two handlers under one worker id: in ONE handler the second copy, a suspect once
-        # the first's lease lapsed, would wait for the first's run to end (roles.isolation).
+        # the first's lease lapsed, would wait for the first's run to end (worker.isolation).
         # The fence is the attempt, not only the owner, so one id is the hard case.
         workers = tuple(
             Worker(self.rt, registry=gate.registry(self.settings), worker_id=worker_id)

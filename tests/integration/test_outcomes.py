@@ -26,11 +26,11 @@ from sqlalchemy import event
 from jobrelay.domain.states import JobState
 from jobrelay.errors import Permanent, Retry, StoreError
 from jobrelay.exports.seed import seed
-from jobrelay.operations.base import Operation, OperationContext, OperationResult, Registry
-from jobrelay.roles.reconcile import LEASE_EXPIRED, Reconciler
-from jobrelay.roles.runtime import build_transport
-from jobrelay.roles.worker import Worker
+from jobrelay.library.operations import Operation, OperationContext, OperationResult, Registry
+from jobrelay.maintenance.reconcile import LEASE_EXPIRED, Reconciler
+from jobrelay.runtime.wiring import build_transport
 from jobrelay.storage.records import JobRecord
+from jobrelay.worker.consumer import Worker
 
 from .pipeline import Pipeline
 from .test_claims import (

@@ -22,9 +22,9 @@ from pydantic import BaseModel
 
 import jobrelay
 from jobrelay.domain.states import JobState
-from jobrelay.roles.runtime import build_transport
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import build_transport
 from jobrelay.storage.queue_pauses import set_paused
+from jobrelay.worker.consumer import Worker
 
 from .ops_fixtures import eventually
 

@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 
 import jobrelay
 from jobrelay.domain.states import JobState
-from jobrelay.roles.runtime import open_runtime
+from jobrelay.runtime.wiring import open_runtime
 from jobrelay.storage.tables import jobs
 
 from .pipeline import Pipeline, settings_for

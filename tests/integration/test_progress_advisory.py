@@ -24,9 +24,9 @@ from pydantic import BaseModel
 import jobrelay
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreError
-from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.store import Claim
+from jobrelay.worker.consumer import Worker
 
 from .api_fixtures import build_runtime
 from .test_library import Delivery  # a delivery that records its ack or reject

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+from jobrelay.admin.actions import Operator
+from jobrelay.admin.quarantine_purge import purge_quarantine
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
-from jobrelay.ops.operator import Operator
-from jobrelay.ops.quarantine_purge import purge_quarantine
-from jobrelay.roles.reconcile import QUARANTINE_MISMATCH, Reconciler
+from jobrelay.maintenance.reconcile import QUARANTINE_MISMATCH, Reconciler
 from jobrelay.transport.base import OutgoingMessage
 
 from .ops_fixtures import eventually

@@ -15,11 +15,11 @@ import pytest
 
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreError
-from jobrelay.roles.queue_gate import QueueGate
-from jobrelay.roles.runtime import build_transport
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import build_transport
 from jobrelay.storage.queue_pauses import paused_queues, queue_history, set_paused
 from jobrelay.transport.base import ReportsQueues
+from jobrelay.worker.consumer import Worker
+from jobrelay.worker.queue_gate import QueueGate
 
 from .ops_fixtures import eventually
 

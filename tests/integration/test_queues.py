@@ -26,10 +26,9 @@ from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError
 from jobrelay.observe.faults import Faults
+from jobrelay.relay.publisher import Relay
 from jobrelay.results.files import FileResults
-from jobrelay.roles.relay import Relay
-from jobrelay.roles.runtime import Runtime, topology_for
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import Runtime, topology_for
 from jobrelay.settings import Settings
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.engine import create_engine
@@ -37,6 +36,7 @@ from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import EventRecord, Store
 from jobrelay.storage.tables import outbox
 from jobrelay.transport.local import LocalTransport
+from jobrelay.worker.consumer import Worker
 
 
 class Ping(BaseModel):

@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 from jobrelay.api import create_app
 from jobrelay.api.ratelimit import Limit, RateLimiter, parse_limit
 from jobrelay.errors import ConfigError
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.settings import Settings, load_settings
 from jobrelay.storage import tokens as tokens_module
 from jobrelay.storage.tables import jobs

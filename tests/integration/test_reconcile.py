@@ -24,7 +24,7 @@ from sqlalchemy import func, select, text
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
-from jobrelay.roles.reconcile import (
+from jobrelay.maintenance.reconcile import (
     LEASE_EXPIRED,
     OUTBOX_STALE,
     QUARANTINE_MISMATCH,
@@ -33,7 +33,7 @@ from jobrelay.roles.reconcile import (
     Leadership,
     Reconciler,
 )
-from jobrelay.roles.runtime import Runtime, utc_now
+from jobrelay.runtime.wiring import Runtime, utc_now
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.heartbeats import ProcessBeat, beat
 from jobrelay.storage.queue_pauses import set_paused

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from jobrelay.domain.states import JobState
-from jobrelay.roles.reconcile import QUEUED_UNCLAIMED, Finding, Reconciler
-from jobrelay.roles.runtime import Runtime
+from jobrelay.maintenance.reconcile import QUEUED_UNCLAIMED, Finding, Reconciler
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.store import Claim
 
 from .ops_fixtures import backend, job_in_state, kinds, make_pipeline

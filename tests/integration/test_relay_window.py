@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from jobrelay.roles.relay import Relay
+from jobrelay.relay.publisher import Relay
 from jobrelay.storage.tables import job_events, outbox
 from jobrelay.transport.base import OutgoingMessage
 

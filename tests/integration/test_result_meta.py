@@ -53,7 +53,7 @@ async def saved(store: Store, job_id: str) -> dict[str, Any]:
 
 
 def the_worker_s_meta(attempt: int) -> dict[str, Any]:
-    return {**HOSTILE, "attempt": attempt}  # roles/attempt.py adds the attempt
+    return {**HOSTILE, "attempt": attempt}  # worker/attempt.py adds the attempt
 
 
 async def test_user_meta_stays_under_its_own_key(store: Store) -> None:

@@ -20,11 +20,11 @@ from sqlalchemy import text, update
 from sqlalchemy.exc import DBAPIError
 
 from jobrelay.domain.states import JobState
-from jobrelay.operations.base import OperationContext, OperationResult, Registry
+from jobrelay.library.operations import OperationContext, OperationResult, Registry
 from jobrelay.results.s3 import S3Results, S3Session
-from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.tables import jobs
+from jobrelay.worker.consumer import Worker
 
 from .effects_fixtures import (  # noqa: F401 (fixtures, registered by name)
     S3Server,

@@ -16,9 +16,9 @@ from sqlalchemy import func, insert, select, update
 
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransientError
-from jobrelay.roles.prune import Pruner
-from jobrelay.roles.reconcile import Reconciler
-from jobrelay.roles.runtime import Runtime
+from jobrelay.maintenance.prune import Pruner
+from jobrelay.maintenance.reconcile import Reconciler
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.retention import PruneCounts, Retention
 from jobrelay.storage.tables import (
     effects_ledger,
@@ -375,7 +375,7 @@ async def test_without_autovacuum_the_leader_vacuums_jobrelays_tables(
     it leaves them to the server."""
     if runtime.store.engine.dialect.name != "postgresql":
         pytest.skip("VACUUM is PostgreSQL's; SQLite has nothing to reclaim this way")
-    import jobrelay.roles.prune as prune_role
+    import jobrelay.maintenance.prune as prune_role
 
     monkeypatch.setattr(prune_role, "autovacuum_on", _constant(True))
     assert await Pruner(runtime).vacuum_if_needed() is False

@@ -18,7 +18,7 @@ import pytest
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.exports import ledger
-from jobrelay.roles.relay import Relay
+from jobrelay.relay.publisher import Relay
 from jobrelay.storage.tables import outbox
 from jobrelay.transport.base import OutgoingMessage
 

@@ -21,10 +21,10 @@ from pydantic import BaseModel
 from sqlalchemy import func, select, update
 
 import jobrelay
+from jobrelay.admin.schedules import ScheduleOperator
 from jobrelay.domain.schedules import tick_key
-from jobrelay.ops.schedules import ScheduleOperator
-from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.scheduler import Scheduler
+from jobrelay.maintenance.scheduler import Scheduler
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.tables import job_events, jobs, schedule_events, schedules
 
 from .api_fixtures import T0, Clock, api_client, bearer, build_runtime, make_token

@@ -33,8 +33,8 @@ from pydantic import BaseModel
 import jobrelay
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError
-from jobrelay.roles.runtime import Runtime
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import Runtime
+from jobrelay.worker.consumer import Worker
 
 from .api_fixtures import build_runtime
 from .ops_fixtures import eventually

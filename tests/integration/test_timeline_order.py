@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from sqlalchemy import func, insert, select
 
+from jobrelay.admin.explain import console, show_job
 from jobrelay.domain.states import JobState
-from jobrelay.ops.explain import console, show_job
-from jobrelay.roles.relay import Relay
-from jobrelay.roles.runtime import Runtime, utc_now
+from jobrelay.relay.publisher import Relay
+from jobrelay.runtime.wiring import Runtime, utc_now
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.records import PendingEvent
 from jobrelay.storage.store import Store

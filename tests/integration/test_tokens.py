@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 import jobrelay.storage.tokens as tokens_module
 from jobrelay.api.auth import hash_token, new_token
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.tables import api_tokens
 from jobrelay.storage.tokens import TOKEN_CACHE_SECONDS
 from tests.integration.api_fixtures import Clock, api_client, bearer, build_runtime

@@ -23,12 +23,12 @@ from sqlalchemy import insert, select
 
 from jobrelay.domain.queues import WORK_ROUTING_KEY
 from jobrelay.domain.states import JobState
-from jobrelay.roles.relay import Relay
-from jobrelay.roles.runtime import Runtime, open_runtime, utc_now
-from jobrelay.roles.worker import Worker
+from jobrelay.relay.publisher import Relay
+from jobrelay.runtime.wiring import Runtime, open_runtime, utc_now
 from jobrelay.storage.tables import jobs, outbox
 from jobrelay.transport.rabbitmq import RabbitTransport
 from jobrelay.transport.topology import EXCHANGE, WORK_QUEUE
+from jobrelay.worker.consumer import Worker
 
 from .pipeline import settings_for
 from .transport_fixtures import rabbitmqctl, wait_until

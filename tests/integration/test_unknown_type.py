@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
+from jobrelay.admin.explain import explain_document
 from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
-from jobrelay.ops.explain import explain_document
-from jobrelay.roles.runtime import build_transport
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import build_transport
 from jobrelay.storage.store import NewJob
+from jobrelay.worker.consumer import Worker
 from tests.id_keys import request_id
 
 from .ops_fixtures import eventually

@@ -20,9 +20,9 @@ from sqlalchemy import select
 
 import jobrelay
 from jobrelay.domain.states import JobState
-from jobrelay.roles.runtime import build_transport
-from jobrelay.roles.worker import Worker
+from jobrelay.runtime.wiring import build_transport
 from jobrelay.storage.tables import jobs
+from jobrelay.worker.consumer import Worker
 
 from .ops_fixtures import eventually
 

@@ -20,9 +20,9 @@ BACKEND_NAMES = {"postgresql", "postgres", "postgresql+asyncpg", "sqlite", "sqli
 
 # Where a URL is read before anything is opened, its scheme is parsed there, and nowhere else:
 # settings.py checks JOBRELAY_DATABASE_URL's scheme when the setting is read (a bad one is a
-# one-line error before any connection); roles/database_files.py finds the file an SQLite URL
+# one-line error before any connection); database_files.py finds the file an SQLite URL
 # names, to refuse a missing one before aiosqlite would create it.
-URL_READERS = {SRC / "settings.py", SRC / "roles" / "database_files.py"}
+URL_READERS = {SRC / "settings.py", SRC / "database_files.py"}
 
 
 def _names_backend(node: ast.AST) -> bool:

@@ -12,7 +12,14 @@ import json
 import subprocess
 import sys
 
-HEAVY = ("sqlalchemy", "aio_pika", "fastapi", "jobrelay.roles.runtime", "jobrelay.app", "boto3")
+HEAVY = (
+    "sqlalchemy",
+    "aio_pika",
+    "fastapi",
+    "jobrelay.runtime.wiring",
+    "jobrelay.library.app",
+    "boto3",
+)
 
 
 def _modules_after(code: str) -> set[str]:
@@ -34,8 +41,8 @@ def test_the_command_tree_imports_no_runtime() -> None:
 # What ``jobrelay worker`` and ``jobrelay relay`` import before they are ready (issue 23,
 # item 8), and what only the API, the migrations and the exports need.
 PROCESSES = (
-    "import jobrelay.cli.main, jobrelay.roles.processes, jobrelay.roles.worker, "
-    "jobrelay.roles.relay, jobrelay.roles.reconcile, jobrelay.roles.scheduler"
+    "import jobrelay.cli.main, jobrelay.processes.entry_points, jobrelay.worker.consumer, "
+    "jobrelay.relay.publisher, jobrelay.maintenance.reconcile, jobrelay.maintenance.scheduler"
 )
 NOT_FOR_WORKERS = (
     "uvicorn",
@@ -43,8 +50,8 @@ NOT_FOR_WORKERS = (
     "fastapi",
     "starlette",
     "jobrelay.api",
-    "jobrelay.roles.http_guard",
-    "jobrelay.roles.api_server",
+    "jobrelay.processes.http_guard",
+    "jobrelay.processes.api_server",
     "alembic",
     "mako",
     "jobrelay.exports",
@@ -59,7 +66,7 @@ def test_the_worker_and_the_relay_import_no_http_server_and_no_migrations() -> N
 def test_the_package_imports_its_public_names_on_first_use() -> None:
     assert _heavy(_modules_after("import jobrelay")) == set()
     loaded = _modules_after("import jobrelay\njobrelay.App")
-    assert "jobrelay.app" in loaded
+    assert "jobrelay.library.app" in loaded
 
 
 def test_every_public_name_resolves() -> None:

@@ -19,7 +19,7 @@ from jobrelay.domain.states import JobState
 from jobrelay.effects.mail import parse_smtp_url
 from jobrelay.effects.notify_email import NotifyEmail, message_id_for, notification_for
 from jobrelay.errors import ConfigError, InvalidParams, PermanentError
-from jobrelay.exports.app import report_export
+from jobrelay.exports.shipped import report_export
 from jobrelay.observe.faults import Faults, parse
 from jobrelay.results.s3 import parse_s3_url
 from jobrelay.settings import load_settings

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from jobrelay.admin.explain import attempts, explain_document, next_step
 from jobrelay.domain.states import JobState as S
-from jobrelay.ops.explain import attempts, explain_document, next_step
 from jobrelay.storage.store import EventRecord, JobRecord
 
 from .records import JOB_ID, NOW

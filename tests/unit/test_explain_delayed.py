@@ -7,9 +7,9 @@ from datetime import timedelta
 
 import pytest
 
+from jobrelay.admin.account_view import account_next_step
+from jobrelay.admin.explain import explain_document, next_step, render_job
 from jobrelay.domain.states import JobState as S
-from jobrelay.ops.account_view import account_next_step
-from jobrelay.ops.explain import explain_document, next_step, render_job
 from jobrelay.storage.store import JobRecord
 
 from .records import NOW

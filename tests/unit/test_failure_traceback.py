@@ -1,10 +1,10 @@
-"""``roles.failures``: what a failed attempt's traceback is stored as (scrubbed, storable, at
+"""``worker.failures``: what a failed attempt's traceback is stored as (scrubbed, storable, at
 most 8 KiB of UTF-8 with its end kept). The worker's side is in
 tests/integration/test_failure_traceback.py."""
 
 from __future__ import annotations
 
-from jobrelay.roles.failures import CUT_MARKER, MAX_TRACEBACK_BYTES, bounded, failure_traceback
+from jobrelay.worker.failures import CUT_MARKER, MAX_TRACEBACK_BYTES, bounded, failure_traceback
 
 
 def _raised(exc: BaseException) -> BaseException:

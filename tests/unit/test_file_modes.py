@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from jobrelay.processes.entry_points import upgrade_database
 from jobrelay.results.files import FileResults
-from jobrelay.roles.processes import upgrade_database
 from jobrelay.settings import Settings
 
 

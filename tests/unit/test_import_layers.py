@@ -1,5 +1,13 @@
 """The import arrows of ``src/jobrelay``, read from the source with ``ast``: no circles, and
-the layers point one way (domain <- storage <- roles <- api/cli).
+the layers point one way:
+
+    domain <- storage <- library <- runtime <- (worker, relay, maintenance, admin)
+           <- api (and ``jobrelay.http``) <- processes <- cli
+
+``library`` is the surface applications use (``App``, definitions, contexts, schedules, the
+operation port); ``runtime`` is the wiring every process role is handed (the adapters picked
+from settings, the heartbeat); ``processes`` holds the entry points that start the roles and
+the API's server.
 
 Every import counts, wherever it is written: at module level, inside a function, and under
 ``if TYPE_CHECKING:``. A circle hidden in a function body or behind ``TYPE_CHECKING`` is still
@@ -19,19 +27,14 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "jobrelay"
 
-# The modules of the library surface (``App``, definitions, contexts, schedules, the HTTP
-# helpers): above storage, below nothing that storage may import.
-SURFACE = {
-    "jobrelay.app",
-    "jobrelay.job_definition",
-    "jobrelay.context",
-    "jobrelay.sync_context",
-    "jobrelay.periodic",
-    "jobrelay.loader",
-    "jobrelay.http",
-}
-# The processes' entry points, which start the API's server: the top layer, above api/.
-ROLE_ENTRY_POINTS = {"jobrelay.roles.api_server", "jobrelay.roles.processes"}
+# The library surface: above storage, below every process-side package.
+LIBRARY = "jobrelay.library"
+# The process roles, each handed a runtime.
+ROLES = ("jobrelay.worker", "jobrelay.relay", "jobrelay.maintenance", "jobrelay.admin")
+# The HTTP API, and its public helpers for applications' own routes.
+API = ("jobrelay.api", "jobrelay.http")
+# The entry points that start the roles and the API's server, and the command line on top.
+ENTRY = ("jobrelay.processes", "jobrelay.cli")
 
 
 def _modules() -> dict[str, Path]:
@@ -127,7 +130,8 @@ def _arrows(source: str) -> list[tuple[str, str, int]]:
 def test_the_graph_is_read() -> None:
     # The walk itself: a known arrow of each kind is seen, so an empty graph cannot pass.
     assert "jobrelay.domain.states" in GRAPH["jobrelay.storage.records"]
-    assert "jobrelay.storage.store" in GRAPH["jobrelay.roles.runtime"]
+    assert "jobrelay.storage.store" in GRAPH["jobrelay.runtime.wiring"]
+    assert "jobrelay.api.factory" in GRAPH["jobrelay.processes.api_server"]
     assert len(GRAPH) > 150
 
 
@@ -163,24 +167,55 @@ def test_the_domain_imports_no_io_package() -> None:
     "forbidden",
     [
         "jobrelay.transport",
-        "jobrelay.roles",
-        "jobrelay.api",
-        "jobrelay.cli",
-        "jobrelay.operations",
-        "jobrelay.ops",
+        LIBRARY,
+        "jobrelay.runtime",
+        *ROLES,
+        *API,
+        *ENTRY,
+        "jobrelay.database_files",
         "jobrelay.exports",
         "jobrelay.chaos",
         "jobrelay.observe.metrics",
-        *sorted(SURFACE),
     ],
 )
 def test_storage_never_imports(forbidden: str) -> None:
     assert [arrow for arrow in _arrows("jobrelay.storage") if _in(arrow[1], forbidden)] == []
 
 
-def test_roles_never_import_api_or_cli() -> None:
+def test_the_library_imports_no_process_side_package() -> None:
+    above = ("jobrelay.runtime", *ROLES, *API, *ENTRY, "jobrelay.exports")
+    assert [arrow for arrow in _arrows(LIBRARY) if _in(arrow[1], *above)] == []
+
+
+def test_the_runtime_imports_no_role() -> None:
     assert [
-        arrow
-        for arrow in _arrows("jobrelay.roles")
-        if arrow[0] not in ROLE_ENTRY_POINTS and _in(arrow[1], "jobrelay.api", "jobrelay.cli")
+        arrow for arrow in _arrows("jobrelay.runtime") if _in(arrow[1], *ROLES, *API, *ENTRY)
     ] == []
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_roles_never_import_api_or_entry_points(role: str) -> None:
+    assert [arrow for arrow in _arrows(role) if _in(arrow[1], *API, *ENTRY)] == []
+
+
+@pytest.mark.parametrize(
+    ("role", "others"),
+    [
+        ("jobrelay.worker", ("jobrelay.relay", "jobrelay.maintenance", "jobrelay.admin")),
+        ("jobrelay.relay", ("jobrelay.worker", "jobrelay.maintenance", "jobrelay.admin")),
+        # The operator tools use the maintenance loops (the scheduler, the quarantine scan),
+        # never the other way round.
+        ("jobrelay.maintenance", ("jobrelay.worker", "jobrelay.relay", "jobrelay.admin")),
+    ],
+)
+def test_roles_stand_apart(role: str, others: tuple[str, ...]) -> None:
+    assert [arrow for arrow in _arrows(role) if _in(arrow[1], *others)] == []
+
+
+@pytest.mark.parametrize("api", API)
+def test_the_api_never_imports_entry_points(api: str) -> None:
+    assert [arrow for arrow in _arrows(api) if _in(arrow[1], *ENTRY)] == []
+
+
+def test_entry_points_never_import_the_cli() -> None:
+    assert [arrow for arrow in _arrows("jobrelay.processes") if _in(arrow[1], "jobrelay.cli")] == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from jobrelay.roles.isolation import Isolation
+from jobrelay.worker.isolation import Isolation
 
 
 async def _settle() -> None:

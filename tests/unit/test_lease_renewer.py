@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from jobrelay.errors import StoreBusy, StoreError
-from jobrelay.roles.leases import LeaseRenewer
 from jobrelay.storage.records import Renewed
 from jobrelay.storage.store import Claim
+from jobrelay.worker.leases import LeaseRenewer
 
 
 class HeldRenewal:

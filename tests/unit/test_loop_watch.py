@@ -11,7 +11,7 @@ import time
 import pytest
 
 from jobrelay.observe.metrics import Metrics
-from jobrelay.roles.loop_watch import LoopWatch
+from jobrelay.worker.loop_watch import LoopWatch
 
 
 async def test_a_job_that_blocks_after_a_lag_is_named(caplog: pytest.LogCaptureFixture) -> None:

@@ -10,11 +10,11 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
-from jobrelay import sync_context
 from jobrelay.errors import StoreError
-from jobrelay.roles import progress as progress_module
-from jobrelay.roles.progress import Progress
-from jobrelay.sync_context import SyncJobContext
+from jobrelay.library import sync_context
+from jobrelay.library.sync_context import SyncJobContext
+from jobrelay.worker import progress as progress_module
+from jobrelay.worker.progress import Progress
 
 
 class _Store:

@@ -10,7 +10,7 @@ import pytest
 from jobrelay.errors import ConfigError, PermanentError, TransientError
 from jobrelay.exports.defang import defang
 from jobrelay.observe.faults import Faults, parse
-from jobrelay.roles.runtime import build_transport
+from jobrelay.runtime.wiring import build_transport
 from jobrelay.settings import load_settings
 from jobrelay.transport.rabbitmq import RabbitTransport
 

@@ -1,5 +1,5 @@
 """At INFO a worker logs its settles as one line per batch, not a line per job
-(roles/timeline.py): how many acked, rejected and lost, the first and last job; the last
+(worker/timeline.py): how many acked, rejected and lost, the first and last job; the last
 batch is logged when the writer closes, and every event still reaches the store."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from jobrelay.roles import timeline
-from jobrelay.roles.timeline import TimelineWriter
 from jobrelay.storage.records import PendingEvent
+from jobrelay.worker import timeline
+from jobrelay.worker.timeline import TimelineWriter
 
 NOW = datetime(2026, 1, 2, tzinfo=UTC)
 

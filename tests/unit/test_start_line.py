@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from jobrelay.app import App
-from jobrelay.roles.processes import start_line
+from jobrelay.library.app import App
+from jobrelay.processes.entry_points import start_line
 from jobrelay.settings import Settings
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jobrelay.api.app import create_app
+    from jobrelay.api.factory import create_app
 
 __all__ = ["create_app"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "create_app":
-        from jobrelay.api.app import create_app
+        from jobrelay.api.factory import create_app
 
         return create_app
     raise AttributeError(f"module 'jobrelay.api' has no attribute {name!r}")

@@ -7,7 +7,7 @@ the admin token that did it (``token#<id> (<label>)``), never the token itself. 
 tokens get 403 on every admin endpoint, even for their own jobs: those actions are for
 operators. ``/explain`` follows the read rules of ``GET /v1/jobs/{jobId}`` (an account sees
 only its own jobs; another account's job is a 404), and an account token reads the account
-view (``ops.account_view``): the job's story without actors, hosts or operator notes.
+view (``admin.account_view``): the job's story without actors, hosts or operator notes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from fastapi import APIRouter, Depends, Header, Path, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from jobrelay.admin.account_view import account_explain_document
+from jobrelay.admin.actions import Operator, refusal
+from jobrelay.admin.explain import explain_document
 from jobrelay.api.auth import Principal, PrincipalDep, bearer_scheme, hash_token
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
@@ -25,10 +28,7 @@ from jobrelay.api.problems import ProblemError, problem_openapi
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.routes import PRUNED_RESPONSE, missing_job
 from jobrelay.api.schemas import WireModel, canonical_job_id, valid_traceparent
-from jobrelay.ops.account_view import account_explain_document
-from jobrelay.ops.explain import explain_document
-from jobrelay.ops.operator import Operator, refusal
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.admin import ActionOutcome, AdminQueries
 from jobrelay.storage.queue_pauses import pause_of
 from jobrelay.storage.store import JobRecord

@@ -23,7 +23,7 @@ M = TypeVar("M", bound=BaseModel)
 
 async def read_body(request: Request) -> bytes:
     """The body, at most ``MAX_BODY_BYTES`` (413). A client gone before its body ended (or
-    cut off at ``JOBRELAY_API_BODY_TIMEOUT_SECONDS``, roles/http_guard.py) is a 408 nobody
+    cut off at ``JOBRELAY_API_BODY_TIMEOUT_SECONDS``, processes/http_guard.py) is a 408 nobody
     reads, not an unhandled error with a traceback in the log."""
     body = bytearray()
     try:

@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Request
 
 from jobrelay.api.problems import ProblemError
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 
 _KEY = "runtime"
 

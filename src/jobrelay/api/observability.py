@@ -19,7 +19,7 @@ from jobrelay.api.schemas import valid_traceparent
 from jobrelay.errors import StoreError
 from jobrelay.observe import logs
 from jobrelay.observe.metrics import CONTENT_TYPE, Metrics, authorized, refresh_database_gauges
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 
 log = logging.getLogger("jobrelay.api")
 

@@ -9,7 +9,7 @@ when it answers; the local transport: ready and in-flight rows, consumers from t
 heartbeats) with its pause flag (``api.queues``). A number
 the broker cannot give is ``null``, never a guess; a broker that does not answer leaves
 the counts ``null`` with ``queuesError`` saying why, and the rest of the overview still comes.
-The processes are the workers and relays whose heartbeat (``roles.heartbeat``) is recent,
+The processes are the workers and relays whose heartbeat (``runtime.heartbeat``) is recent,
 each with a ``status``: ``gone`` once it missed ``GONE_AFTER_BEATS`` beats in a row (the rule
 the local transport's consumer count uses too), else ``alive``. It is computed here, from the
 database's ``last_seen_at`` and this process's ``JOBRELAY_HEARTBEAT_SECONDS``, so a page that
@@ -37,7 +37,7 @@ from jobrelay.api.problems import problem_openapi
 from jobrelay.api.queues import QueueOut, queue_rows
 from jobrelay.api.schemas import WireModel
 from jobrelay.domain.job_filter import minute_series, window_start
-from jobrelay.roles.reconcile import Reconciler
+from jobrelay.maintenance.reconcile import Reconciler
 from jobrelay.storage.admin import AdminQueries
 from jobrelay.storage.dashboard import job_counts, relay_lag, throughput
 from jobrelay.storage.heartbeats import seen_since

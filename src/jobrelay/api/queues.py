@@ -24,7 +24,7 @@ from jobrelay.api.problems import ProblemError, ValidationProblem, problem_opena
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES
 from jobrelay.api.schemas import WireModel
 from jobrelay.errors import TransportError
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.heartbeats import seen_since
 from jobrelay.storage.queue_pauses import pauses, set_paused
 from jobrelay.transport.base import QueueStats, ReportsQueues

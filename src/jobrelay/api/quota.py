@@ -23,7 +23,7 @@ transaction) are not counted: the application is trusted with what it enqueues i
 from __future__ import annotations
 
 from jobrelay.api.problems import ProblemError, problem_openapi
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 
 QUOTA_EXCEEDED = "urn:jobrelay:problem:quota-exceeded"
 QUOTA_RESPONSES: dict[int | str, dict[str, object]] = {

@@ -38,7 +38,7 @@ from jobrelay.api.schemas import (
 )
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransientError
-from jobrelay.roles.runtime import Runtime
+from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.retention import Retention
 from jobrelay.storage.store import JobRecord
 

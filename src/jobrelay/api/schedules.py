@@ -13,13 +13,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request
 from pydantic import Field
 
+from jobrelay.admin.schedules import ScheduleOperator, pause_refusal
 from jobrelay.api.admin import INVALID_TRANSITION, AdminActor, CancelRequest
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, problem_openapi
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES
 from jobrelay.api.schemas import WireModel
-from jobrelay.ops.schedules import ScheduleOperator, pause_refusal
 
 router = APIRouter()
 

@@ -18,7 +18,7 @@ from jobrelay.chaos.plan import Plan
 from jobrelay.chaos.sandbox import Sandbox
 from jobrelay.chaos.sinks import MailServer, S3Server
 from jobrelay.chaos.verdict import Mail, Verdict, World, as_json
-from jobrelay.ops.quarantine_scan import browse_rabbitmq
+from jobrelay.maintenance.quarantine_scan import browse_rabbitmq
 
 if TYPE_CHECKING:
     from jobrelay.chaos.options import ChaosOptions

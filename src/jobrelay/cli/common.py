@@ -119,7 +119,7 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
 
 def app_command(settings: Settings, name: str) -> Callable[..., int]:
     """The body of command ``name`` from the app (``--app``/``JOBRELAY_APP``)."""
-    from jobrelay.loader import load_app
+    from jobrelay.library.loader import load_app
 
     command = load_app(settings.app).commands.get(name)
     if command is None:

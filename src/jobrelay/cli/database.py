@@ -32,7 +32,7 @@ def db_grant_cmd(
 
     Run as the owner after `jobrelay db upgrade`; ROLE then owns nothing and may not change
     the schema."""
-    from jobrelay.roles.processes import grant_role
+    from jobrelay.processes.entry_points import grant_role
 
     if not _ROLE.match(role):
         raise fail(f"ROLE: not a role name: {role!r}", 2)
@@ -69,8 +69,8 @@ def db_rotate_id_secret_cmd(
     or a second rotation inside it, no longer finds a job accepted under the old secret."""
     from datetime import timedelta
 
-    from jobrelay.ops.operator import cli_actor
-    from jobrelay.roles.runtime import open_runtime, utc_now
+    from jobrelay.admin.actions import cli_actor
+    from jobrelay.runtime.wiring import open_runtime, utc_now
 
     if settings.id_secret is not None:
         raise fail(

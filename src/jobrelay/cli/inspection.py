@@ -27,8 +27,8 @@ def job_show_cmd(
     ] = False,
 ) -> None:
     """State, facts, attempts and timeline of one job, and where to look next."""
+    from jobrelay.admin.explain import show_job
     from jobrelay.cli.retention import fail_missing
-    from jobrelay.ops.explain import show_job
 
     job_id = known_job_id(job_id)
     if not run(show_job(settings, job_id, as_json=as_json, traceback=traceback)):
@@ -53,9 +53,9 @@ def jobs_list_cmd(
     account: Annotated[Optional[str], typer.Option(help="Only jobs of this account.")] = None,  # noqa: UP045
 ) -> None:
     """Recent jobs, newest first."""
+    from jobrelay.admin.job_list import list_jobs
     from jobrelay.domain.queues import QUEUE_NAME
     from jobrelay.domain.states import JobState
-    from jobrelay.ops.job_list import list_jobs
 
     try:
         wanted = JobState(state) if state else None

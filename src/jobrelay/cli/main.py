@@ -73,7 +73,7 @@ def api_cmd(
     port: Port = 8000,
 ) -> None:
     """Serve the HTTP API."""
-    from jobrelay.roles.processes import serve_api
+    from jobrelay.processes.entry_points import serve_api
 
     logs.configure("api", settings.log_level)
     run_until_signalled(lambda stop: serve_api(settings, host, port, stop), fast_loop=True)
@@ -95,7 +95,7 @@ MetricsHost = Annotated[
 
 
 def _metrics_at(host: str, port: int | None) -> Any:
-    from jobrelay.roles.processes import MetricsAddress
+    from jobrelay.processes.entry_points import MetricsAddress
 
     return MetricsAddress(host, port) if port is not None else None
 
@@ -106,7 +106,7 @@ def relay_cmd(
     settings: Settings, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1"
 ) -> None:
     """Publish outbox rows to the broker (several may run at once), and reconcile."""
-    from jobrelay.roles.processes import run_relay
+    from jobrelay.processes.entry_points import run_relay
 
     logs.configure("relay", settings.log_level)
     at = _metrics_at(metrics_host, metrics_port)
@@ -130,7 +130,7 @@ def worker_cmd(
     ] = None,
 ) -> None:
     """Consume jobs and run them."""
-    from jobrelay.roles.processes import run_worker
+    from jobrelay.processes.entry_points import run_worker
 
     logs.configure("worker", settings.log_level)
     at = _metrics_at(metrics_host, metrics_port)
@@ -146,7 +146,7 @@ def up_cmd(
     port: Port = 8000,
 ) -> None:
     """API + relay + worker in one process (development and the embedded default)."""
-    from jobrelay.roles.processes import run_up
+    from jobrelay.processes.entry_points import run_up
 
     logs.configure("up", settings.log_level)
     run_until_signalled(lambda stop: run_up(settings, host, port, stop), fast_loop=True)

@@ -20,7 +20,7 @@ broker_app = typer.Typer(help="Broker topology.", no_args_is_help=True)
 @with_settings
 def db_upgrade_cmd(settings: Settings) -> None:
     """Create or migrate the schema (idempotent)."""
-    from jobrelay.roles.processes import upgrade_database
+    from jobrelay.processes.entry_points import upgrade_database
 
     revision = run(upgrade_database(settings))
     typer.echo(f"database schema at revision {revision}")
@@ -30,7 +30,7 @@ def db_upgrade_cmd(settings: Settings) -> None:
 @with_settings
 def broker_declare_cmd(settings: Settings) -> None:
     """Declare exchanges and queues (idempotent)."""
-    from jobrelay.roles.processes import declare_broker
+    from jobrelay.processes.entry_points import declare_broker
 
     typer.echo(run(declare_broker(settings)))
 
@@ -70,7 +70,7 @@ def seed_cmd(
     already there unless --replace; or, with --account/--period/--rows, one account-month of
     N generated rows.
     """
-    from jobrelay.roles.database_files import require_database
+    from jobrelay.database_files import require_database
 
     require_database(settings.database_url)
     options: dict[str, Any] = {"rows_per_month": rows_per_month, "replace": replace}

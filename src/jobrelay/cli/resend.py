@@ -24,8 +24,8 @@ if TYPE_CHECKING:  # imported where they run, so `jobrelay --help` stays light
 
 
 async def _resend(settings: Settings, job_id: str, actor: str, reason: str) -> "ActionOutcome":
-    from jobrelay.ops.operator import Operator
-    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.admin.actions import Operator
+    from jobrelay.runtime.wiring import open_runtime
 
     async with open_runtime(settings, connect_transport=False) as rt:
         return await Operator(rt).resend(job_id, actor=actor, reason=reason)
@@ -43,7 +43,7 @@ def job_resend_cmd(
     ] = None,
 ) -> None:
     """Send a stuck queued job's work message again (its message was lost)."""
-    from jobrelay.ops.operator import cli_actor, refusal
+    from jobrelay.admin.actions import cli_actor, refusal
 
     if not reason.strip():
         raise fail("--reason must not be empty", 2)

@@ -2,7 +2,7 @@
 job commands print for a job that retention deleted.
 
 Its Typer app is mounted on the ``jobrelay`` command by ``cli.main``. The
-prune is the one the reconciler leader runs (``roles/prune.py``), repeated until nothing
+prune is the one the reconciler leader runs (``maintenance/prune.py``), repeated until nothing
 older is left; ``--dry-run`` counts the same rows and changes nothing. A bad
 ``--older-than`` is one line on stderr and exit code 2, before the database is opened.
 
@@ -41,8 +41,8 @@ def parse_days(text: str, option: str = "--older-than") -> float:
 
 
 async def _prune(settings: Settings, days: float, dry_run: bool) -> "PruneCounts":
-    from jobrelay.roles.prune import Pruner
-    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.maintenance.prune import Pruner
+    from jobrelay.runtime.wiring import open_runtime
 
     async with open_runtime(settings, connect_transport=False) as rt:
         pruner = Pruner(rt)
@@ -102,7 +102,7 @@ def prune_cmd(
 
 
 async def _pruned_line(settings: Settings, job_id: str) -> str | None:
-    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.runtime.wiring import open_runtime
     from jobrelay.storage.retention import Retention
 
     async with open_runtime(settings, connect_transport=False) as rt:

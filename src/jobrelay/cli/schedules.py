@@ -17,7 +17,7 @@ from jobrelay.cli.common import fail, run, with_settings
 from jobrelay.settings import Settings
 
 if TYPE_CHECKING:  # imported where they run, so `jobrelay --help` stays light
-    from jobrelay.ops.schedules import ScheduleRow
+    from jobrelay.admin.schedules import ScheduleRow
     from jobrelay.storage.schedules import PauseOutcome
 
 app = typer.Typer()  # mounted by cli.main
@@ -33,8 +33,8 @@ Reason = Annotated[str, typer.Option(help="Why; kept in the schedule's timeline 
 
 
 async def _rows(settings: Settings) -> "list[ScheduleRow]":
-    from jobrelay.ops.schedules import ScheduleOperator
-    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.admin.schedules import ScheduleOperator
+    from jobrelay.runtime.wiring import open_runtime
 
     async with open_runtime(settings, connect_transport=False) as rt:
         return await ScheduleOperator(rt).rows()
@@ -97,8 +97,8 @@ def _note(r: dict[str, Any]) -> str:
 
 
 async def _show(settings: Settings, name: str) -> "tuple[ScheduleRow | None, list[dict[str, Any]]]":
-    from jobrelay.ops.schedules import ScheduleOperator
-    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.admin.schedules import ScheduleOperator
+    from jobrelay.runtime.wiring import open_runtime
 
     async with open_runtime(settings, connect_transport=False) as rt:
         operator = ScheduleOperator(rt)
@@ -134,8 +134,8 @@ def schedules_show_cmd(
 async def _pause(
     settings: Settings, name: str, paused: bool, actor: str, reason: str
 ) -> "PauseOutcome":
-    from jobrelay.ops.schedules import ScheduleOperator
-    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.admin.schedules import ScheduleOperator
+    from jobrelay.runtime.wiring import open_runtime
 
     async with open_runtime(settings, connect_transport=False) as rt:
         return await ScheduleOperator(rt).set_paused(name, paused, actor=actor, reason=reason)
@@ -144,8 +144,8 @@ async def _pause(
 def _set_paused(
     settings: Settings, name: str, paused: bool, reason: str, actor: str | None
 ) -> None:
-    from jobrelay.ops.operator import cli_actor
-    from jobrelay.ops.schedules import pause_refusal
+    from jobrelay.admin.actions import cli_actor
+    from jobrelay.admin.schedules import pause_refusal
 
     if not reason.strip():
         raise fail("--reason must not be empty", 2)

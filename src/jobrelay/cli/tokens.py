@@ -41,7 +41,7 @@ def token_create_cmd(
 ) -> None:
     """Create an API token; the token alone is printed on the last line."""
     from jobrelay.api.schemas import ACCOUNT_PATTERN
-    from jobrelay.roles.processes import create_token
+    from jobrelay.processes.entry_points import create_token
 
     if account is None and not admin:
         raise fail("give --account ACCOUNT (or --admin)", 2)
@@ -63,7 +63,7 @@ def token_create_cmd(
 
 
 async def _list(settings: Settings) -> "tuple[list[TokenInfo], datetime]":
-    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.runtime.wiring import open_runtime
 
     async with open_runtime(settings, connect_transport=False) as rt:
         return await rt.store.list_tokens(), await rt.store.db_now()
@@ -118,7 +118,7 @@ def token_list_cmd(
 
 
 async def _revoke(settings: Settings, token_id: int) -> "TokenInfo | None":
-    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.runtime.wiring import open_runtime
 
     async with open_runtime(settings, connect_transport=False) as rt:
         return await rt.store.revoke_token(token_id)

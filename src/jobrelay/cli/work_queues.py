@@ -34,7 +34,7 @@ Reason = Annotated[str, typer.Option(help="Why; kept in the queue's audit (requi
 
 async def _rows(settings: Settings) -> "QueuesOut":
     from jobrelay.api.queues import queue_rows  # FastAPI only for the command that needs it
-    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.runtime.wiring import open_runtime
 
     async with open_runtime(settings) as rt:
         return await queue_rows(rt)
@@ -67,7 +67,7 @@ def queues_list_cmd(
 
 
 async def _set(settings: Settings, queue: str, paused: bool, actor: str, reason: str) -> bool:
-    from jobrelay.roles.runtime import open_runtime
+    from jobrelay.runtime.wiring import open_runtime
     from jobrelay.storage.queue_pauses import set_paused
 
     async with open_runtime(settings, connect_transport=False) as rt:
@@ -81,7 +81,7 @@ async def _set(settings: Settings, queue: str, paused: bool, actor: str, reason:
 def _set_paused(
     settings: Settings, queue: str, paused: bool, reason: str, actor: str | None
 ) -> None:
-    from jobrelay.ops.operator import cli_actor
+    from jobrelay.admin.actions import cli_actor
 
     if not reason.strip():
         raise fail("--reason must not be empty", 2)

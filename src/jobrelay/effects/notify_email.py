@@ -35,7 +35,7 @@ from jobrelay.domain.ids import follow_up_job_id, request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.effects.mail import Mailer
 from jobrelay.errors import EffectOutcomeUnknown, OperationError, PermanentError
-from jobrelay.operations.base import OperationContext, OperationResult
+from jobrelay.library.operations import OperationContext, OperationResult
 from jobrelay.settings import Settings
 from jobrelay.storage.store import JobRecord, NewJob
 

@@ -23,12 +23,12 @@ from rich.table import Table
 
 from jobrelay.exports.seed import seed_database
 from jobrelay.observe.faults import Faults
-from jobrelay.roles.api_server import build_server, serve_until
-from jobrelay.roles.processes import create_token, upgrade_database
-from jobrelay.roles.relay import Relay
-from jobrelay.roles.runtime import open_runtime
-from jobrelay.roles.worker import Worker
+from jobrelay.processes.api_server import build_server, serve_until
+from jobrelay.processes.entry_points import create_token, upgrade_database
+from jobrelay.relay.publisher import Relay
+from jobrelay.runtime.wiring import open_runtime
 from jobrelay.settings import Settings, redact_url
+from jobrelay.worker.consumer import Worker
 
 console = Console(highlight=False)
 

@@ -32,7 +32,7 @@ from jobrelay.http import (
     read_body,
     valid_traceparent,
 )
-from jobrelay.job_definition import JobDefinition
+from jobrelay.library.job_definition import JobDefinition
 
 ACCOUNT_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 # The schema states the server's rule exactly (1900-01 to 2999-12), so a client generated

@@ -61,7 +61,7 @@ def create_engine(database_url: str) -> AsyncEngine:
 
 def _sqlite_engine(url: URL) -> AsyncEngine:
     # The file's directory is never created here: a mistyped path must fail, not leave
-    # directories behind (db upgrade's rule is in roles/database_files.py).
+    # directories behind (db upgrade's rule is in database_files.py).
     memory = url.database in (None, "", ":memory:")
     kwargs: dict[str, Any] = {"connect_args": {"timeout": 30}}
     if memory:

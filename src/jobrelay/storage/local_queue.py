@@ -96,7 +96,7 @@ async def _record_dead_letter(
 ) -> None:
     """A ``dead_lettered`` event on the job the message names, in the claim's transaction, so
     its timeline says why it stopped coming (RabbitMQ's own backstop is silent; see
-    ``roles.worker`` for the event written there)."""
+    ``worker.consumer`` for the event written there)."""
     job_id = peek_job_id(body.encode())
     if job_id is None or await conn.scalar(select(jobs.c.id).where(jobs.c.id == job_id)) is None:
         return

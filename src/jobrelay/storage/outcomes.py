@@ -150,7 +150,7 @@ class OutcomesStore(ClaimsStore):
         Fenced on the claim; the due time is the store's clock + ``delay``; ``asked_delay``
         (kept in the event) is what the job asked with ``Retry(delay=)``. ``public`` is the
         error as the job's account reads it (``domain.disclosure``); ``error`` the operators',
-        and ``traceback`` where the run raised (``roles.failures``; None clears an earlier
+        and ``traceback`` where the run raised (``worker.failures``; None clears an earlier
         one). All are stored with their NUL bytes escaped (``storable``): they must not make
         the write fail.
         """

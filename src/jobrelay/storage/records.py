@@ -167,7 +167,7 @@ class JobRecord:
     observed_at: datetime | None = None
     queue: str = DEFAULT_QUEUE  # the queue its messages go to (retries and re-sends too)
     public_error: str | None = None  # last_error as the account reads it (domain.disclosure)
-    # The last failed attempt's traceback (roles.failures): operators' only, never an account's.
+    # The last failed attempt's traceback (worker.failures): operators' only, never an account's.
     last_traceback: str | None = None
     run_at: datetime | None = None  # a delayed job's due time (kept after it ran)
 

@@ -97,7 +97,7 @@ jobs = Table(
     # the migration adds it: the claim's ``RETURNING jobs.*`` is read by position.
     Column("public_error", Text),
     # Where the last failed attempt raised: its traceback, scrubbed and cut to 8 KiB
-    # (roles.failures), for operators only (migration 0012). Kept after a later success.
+    # (worker.failures), for operators only (migration 0012). Kept after a later success.
     Column("last_traceback", Text),
     # When a delayed job may first run (``enqueue(delay=…, run_at=…)``, migration 0013): its
     # outbox row is held until then. None: it ran as soon as it was published. Kept after the

@@ -101,7 +101,7 @@ def suspect() -> ColumnElement[bool]:
 
     Among claimable jobs: ``running`` (claimable only once its lease has expired, so its
     worker died or froze) or ``retry_wait`` after the reconciler ended such an attempt
-    (``worker_lost``). A worker claims a suspect alone (``roles.isolation``), never in a
+    (``worker_lost``). A worker claims a suspect alone (``worker.isolation``), never in a
     batch beside healthy jobs, so a job that kills its worker takes no neighbour with it.
     """
     return or_(
@@ -154,7 +154,7 @@ def _claim_guards(i: Inputs) -> list[Any]:
         or_(i.req("type").is_(None), jobs.c.type == i.req("type")),
         or_(i.req("seen_state").is_(None), jobs.c.state == i.req("seen_state")),
         or_(i.req("seen_attempt").is_(None), jobs.c.attempt == i.req("seen_attempt")),
-        # A suspect only where the claim is made alone (``roles.isolation``), never in a
+        # A suspect only where the claim is made alone (``worker.isolation``), never in a
         # delivery's claim unread: it loses there, is read, and is claimed by itself.
         or_(i.req("alone") == 1, not_(suspect())),
     ]

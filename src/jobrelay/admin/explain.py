@@ -1,0 +1,413 @@
+"""``jobrelay job show`` and ``jobs list``: what a person on call reads first.
+
+The answer to "where is my export?" is a boundary: not yet published (look at the relay),
+published but not claimed (look at the workers), waiting for a retry, quarantined (read the
+reason), or done (here is the file). ``next_step`` says which, in one line.
+
+``explain_document`` is the same explanation as JSON, for ``job show --json``, the HTTP
+``/v1/jobs/{jobId}/explain`` and the support console; ``attempts`` folds the timeline into
+one row per attempt with its outcome and error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from jobrelay.domain.delays import runs_at_text
+from jobrelay.domain.states import JobState
+from jobrelay.runtime.wiring import open_runtime, utc_now
+from jobrelay.settings import Settings
+from jobrelay.storage.queue_pauses import QueuePause, pause_of
+from jobrelay.storage.store import EventRecord, JobRecord
+
+# Piped into a file or grep, lines are not wrapped at 80 columns (job ids stay whole).
+console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+
+
+def ago(when: datetime | None, now: datetime) -> str:
+    if when is None:
+        return "-"
+    seconds = int((now - when).total_seconds())
+    span = f"{abs(seconds)} s" if abs(seconds) < 120 else f"{abs(seconds) // 60} min"
+    return f"{span} ago" if seconds >= 0 else f"in {span}"
+
+
+def _span(when: datetime | None, now: datetime) -> str:
+    return ago(when, now).removesuffix(" ago").removeprefix("in ")
+
+
+def paused_line(pause: QueuePause, now: datetime) -> str:
+    """The pause as ``job show`` names it: since when, by whom, why."""
+    since = pause.changed_at.isoformat(timespec="seconds")
+    return (
+        f"queue {pause.queue} is paused since {since} ({ago(pause.changed_at, now)}) by "
+        f"{pause.changed_by}: {pause.reason}"
+    )
+
+
+def next_step(
+    job: JobRecord,
+    now: datetime,
+    pause: QueuePause | None = None,
+    events: Sequence[EventRecord] = (),
+) -> str:
+    """The one line that says where the job waits; ``pause`` is its queue's, if paused;
+    ``events``, its timeline, if read (a worker that passed the job on says so there)."""
+    waiting = job.state in (JobState.QUEUED, JobState.RETRY_WAIT)
+    if pause is not None and waiting:
+        step = _next_step(job, now, events, paused=True)
+        return (
+            f"{paused_line(pause, now)}; no worker takes its jobs until "
+            f"`jobrelay queues resume {pause.queue} --reason ...`; {step}"
+        )
+    return _next_step(job, now, events, paused=False)
+
+
+def unknown_to_workers(events: Sequence[EventRecord]) -> EventRecord | None:
+    """The last deferral by a worker that did not know the job's type or version, unless a
+    worker claimed the job since: the one fact that tells "no worker" from "a worker without
+    the app that defines this type" (which looks the same from the job's row)."""
+    found: EventRecord | None = None
+    for event in events:
+        if event.kind == "claimed":
+            found = None
+        elif event.kind == "deferred" and "deferral" in event.detail:
+            found = event
+    return found
+
+
+def _next_step(
+    job: JobRecord, now: datetime, events: Sequence[EventRecord], *, paused: bool
+) -> str:
+    if job.state is JobState.SUCCEEDED:
+        if job.result_key is None:
+            return "done: succeeded, no result to download (the job returned no result key)"
+        return f"done: result at {job.result_key}"
+    if job.state is JobState.QUARANTINED:
+        return (
+            f"quarantined: {job.quarantine_reason or job.last_error}; fix the cause, then "
+            f"replay it: jobrelay job replay {job.id}"
+        )
+    if job.state is JobState.CANCELLED:
+        return "cancelled by an operator; later deliveries are acked without work"
+    if job.state is JobState.RUNNING and job.cancel_requested_at is not None:
+        return (
+            f"cancel requested by {job.cancel_requested_by} {ago(job.cancel_requested_at, now)}"
+            f" ({job.cancel_reason}): {job.lease_owner} stops attempt {job.attempt} and ends it "
+            "cancelled; if that worker died, it is ended once its lease expires"
+        )
+    if job.state is JobState.RUNNING:
+        lease = job.lease_expires_at
+        if lease is not None and lease <= now:
+            return (
+                f"running attempt {job.attempt}/{job.max_attempts}, but the lease of "
+                f"{job.lease_owner} expired {ago(lease, now)}: that worker is presumed lost; "
+                "a redelivery or the reconciler takes the job over"
+            )
+        return (
+            f"running attempt {job.attempt}/{job.max_attempts} on {job.lease_owner}, lease "
+            f"expires {ago(lease, now)}; if that worker died the job is taken over when the "
+            "lease expires"
+        )
+    if job.waiting_for_run_at(now):
+        assert job.run_at is not None
+        return (
+            f"delayed, not stuck: {runs_at_text(job.run_at, now)}; its message is held in the "
+            "outbox until then (no worker holds it); `jobrelay job cancel` stops it first"
+        )
+    waiting = job.state in (JobState.QUEUED, JobState.RETRY_WAIT)
+    unknown = unknown_to_workers(events) if waiting else None
+    if unknown is not None:
+        remedy = (
+            "start the workers with the app that defines it (`--app` or JOBRELAY_APP)"
+            if "unknownType" in unknown.detail
+            else "run workers of a version that knows it"
+        )
+        return (
+            f"{unknown.detail.get('reason')}, {ago(unknown.at, now)}: {remedy}, or let the "
+            "rolling deploy finish; once every deferral is used it is quarantined"
+        )
+    if not job.published and job.unpublished_since is not None:
+        hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
+        if job.state is JobState.QUEUED and job.attempt == 0:
+            what = f"accepted {ago(job.created_at, now)}"
+        elif job.state is JobState.RETRY_WAIT:
+            what = f"retry scheduled {ago(job.updated_at, now)}"
+        else:
+            what = f"{job.state.value} since {ago(job.updated_at, now)}"
+        return (
+            f"{what}, outbox row not yet published (waiting "
+            f"{_span(job.unpublished_since, now)}): is a relay running?{hint}"
+        )
+    if job.state is JobState.RETRY_WAIT:
+        due = job.next_attempt_at
+        if paused:
+            return f"its retry is due {ago(due, now)} after: {job.last_error}"
+        if due is not None and due <= now:
+            return (
+                f"retry was due {ago(due, now)} after: {job.last_error}; is a worker running "
+                "and consuming? (the reconciler re-sends an overdue retry)"
+            )
+        return (
+            f"waiting to retry ({ago(due, now)}) after: {job.last_error}; "
+            "the retry message is in the delay route"
+        )
+    if paused:
+        return f"published and waiting (accepted {ago(job.created_at, now)})"
+    return (
+        f"published and waiting for a worker (accepted {ago(job.created_at, now)}): "
+        "is a worker running and consuming?"
+    )
+
+
+@dataclass(frozen=True)
+class Attempt:
+    number: int
+    started_at: datetime
+    worker: str | None
+    outcome: str  # succeeded, retry, quarantined, lease lost, lost, running, no outcome
+    error: str | None = None
+    ended_at: datetime | None = None  # the outcome's event; None while running or unknown
+
+
+_OUTCOME_EVENTS = {
+    "result_saved": "succeeded",
+    "retry_scheduled": "retry",
+    "quarantined": "quarantined",
+    "lease_lost": "lease lost",
+    "reconciled_lease_expired": "lost (lease expired, re-queued by the reconciler)",
+}
+
+
+def attempts(job: JobRecord, events: list[EventRecord]) -> list[Attempt]:
+    """One row per claimed attempt, with how it ended, from the timeline alone."""
+    found: dict[int, Attempt] = {}
+    current: int | None = None
+    for event in events:
+        detail = event.detail
+        if event.kind == "claimed":
+            current = int(detail.get("attempt") or len(found) + 1)
+            found[current] = Attempt(current, event.at, detail.get("worker"), "no outcome")
+            continue
+        outcome = _OUTCOME_EVENTS.get(event.kind)
+        if outcome is None:
+            continue
+        number = detail.get("attempt", current)
+        if event.kind == "reconciled_lease_expired":
+            number = detail.get("attempt")
+        if not isinstance(number, int) or number not in found:
+            continue  # decided on delivery, before any attempt (invalid payload, exhausted)
+        previous = found[number]
+        if previous.outcome not in ("no outcome", "lease lost"):
+            continue  # the first outcome of an attempt is the one that counted
+        error = detail.get("error") or detail.get("reason")
+        if event.kind == "result_saved":
+            error = None
+        if event.kind == "reconciled_lease_expired":
+            error = f"worker {detail.get('worker')} stopped renewing its lease"
+        found[number] = Attempt(
+            number,
+            previous.started_at,
+            previous.worker,
+            outcome,
+            str(error) if error else None,
+            event.at,
+        )
+    if job.state is JobState.RUNNING and job.attempt in found:
+        last = found[job.attempt]
+        if last.outcome == "no outcome":
+            found[job.attempt] = Attempt(last.number, last.started_at, last.worker, "running")
+    return [found[n] for n in sorted(found)]
+
+
+def explain_document(
+    job: JobRecord,
+    events: list[EventRecord],
+    now: datetime,
+    trace_id: str | None = None,
+    pause: QueuePause | None = None,
+) -> dict[str, Any]:
+    """Everything ``job show`` prints, as camelCase JSON."""
+
+    def iso(when: datetime | None) -> str | None:
+        return when.isoformat() if when is not None else None
+
+    return {
+        "jobId": job.id,
+        "type": job.type,
+        "accountId": job.account_id,
+        "params": job.params,
+        "state": job.state.value,
+        "queue": job.queue,
+        "queuePause": (
+            {
+                "since": iso(pause.changed_at),
+                "by": pause.changed_by,
+                "reason": pause.reason,
+            }
+            if pause is not None
+            else None
+        ),
+        "published": job.published,
+        "unpublishedSince": iso(job.unpublished_since),
+        "lastPublishError": job.last_publish_error,
+        "attempt": job.attempt,
+        "maxAttempts": job.max_attempts,
+        "lastError": job.last_error,
+        "quarantineReason": job.quarantine_reason,
+        # Operators' only: not in the account view's keys (admin.account_view).
+        "lastTraceback": job.last_traceback,
+        "nextAttemptAt": iso(job.next_attempt_at),
+        "runAt": iso(job.run_at),
+        "leaseOwner": job.lease_owner,
+        "leaseExpiresAt": iso(job.lease_expires_at),
+        "resultKey": job.result_key,
+        "progress": (
+            {"done": job.progress_done or 0, "total": job.progress_total}
+            if job.progress_total is not None
+            else None
+        ),
+        "traceId": trace_id,
+        "createdAt": iso(job.created_at),
+        "updatedAt": iso(job.updated_at),
+        "attempts": [
+            {
+                "attempt": a.number,
+                "startedAt": iso(a.started_at),
+                "worker": a.worker,
+                "outcome": a.outcome,
+                "error": a.error,
+                "endedAt": iso(a.ended_at),
+                "durationSeconds": (
+                    (a.ended_at - a.started_at).total_seconds() if a.ended_at else None
+                ),
+            }
+            for a in attempts(job, events)
+        ],
+        "nextStep": next_step(job, now, pause, events),
+        "events": [{"at": iso(e.at), "kind": e.kind, "detail": e.detail} for e in events],
+    }
+
+
+def render_job(
+    job: JobRecord,
+    events: list[EventRecord],
+    now: datetime,
+    trace_id: str | None = None,
+    pause: QueuePause | None = None,
+) -> None:
+    owner = f"  account {job.account_id}" if job.account_id is not None else ""
+    console.print(f"[bold]job {job.id}[/bold]  {escape(job.type + owner)}")
+    facts = Table.grid(padding=(0, 2))
+    facts.add_row("state", f"[bold]{job.state.value}[/bold]")
+    queue = job.queue if pause is None else f"{job.queue} ({paused_line(pause, now)})"
+    facts.add_row("queue", queue)
+    if job.waiting_for_run_at(now):
+        assert job.run_at is not None
+        facts.add_row("delayed", runs_at_text(job.run_at, now))
+    elif job.run_at is not None:
+        facts.add_row("run at", job.run_at.isoformat(timespec="seconds"))
+    facts.add_row(
+        "published",
+        "yes"
+        if job.published
+        else "not yet: held until its run time"
+        if job.waiting_for_run_at(now)
+        else f"no (an outbox row waits since {ago(job.unpublished_since, now)})"
+        if job.unpublished_since is not None
+        else "no",
+    )
+    if job.last_publish_error and not job.published:
+        facts.add_row("publish error", job.last_publish_error)
+    facts.add_row("attempts", f"{job.attempt}/{job.max_attempts}")
+    facts.add_row("last error", job.last_error or "-")
+    if job.quarantine_reason:
+        facts.add_row("quarantined for", job.quarantine_reason)
+    facts.add_row("next attempt", ago(job.next_attempt_at, now))
+    facts.add_row(
+        "lease",
+        f"{job.lease_owner} until {ago(job.lease_expires_at, now)}" if job.lease_owner else "-",
+    )
+    facts.add_row("result key", job.result_key or "-")
+    if job.progress_total is not None:
+        facts.add_row("progress", f"{job.progress_done or 0}/{job.progress_total}")
+    facts.add_row("params", escape(json.dumps(job.params, ensure_ascii=False, default=str)))
+    facts.add_row("trace id", trace_id or "-")
+    facts.add_row(
+        "accepted", f"{job.created_at.isoformat(timespec='seconds')} ({ago(job.created_at, now)})"
+    )
+    console.print(facts)
+    tried = attempts(job, events)
+    if tried:
+        table = Table(title="attempts", show_edge=False)
+        for column in ("#", "started", "worker", "outcome", "error"):
+            table.add_column(column)
+        for a in tried:
+            table.add_row(
+                str(a.number),
+                a.started_at.isoformat(timespec="milliseconds"),
+                a.worker or "-",
+                a.outcome,
+                a.error or "",
+            )
+        console.print(table)
+    timeline = Table(title="timeline", show_edge=False)
+    for column in ("at", "event", "detail"):
+        timeline.add_column(column)
+    for event in events:
+        detail = ", ".join(f"{k}={_shown(v)}" for k, v in event.detail.items() if v is not None)
+        timeline.add_row(event.at.isoformat(timespec="milliseconds"), event.kind, detail)
+    console.print(timeline)
+    console.print(f"next: {next_step(job, now, pause, events)}")
+
+
+def render_traceback(job: JobRecord, wanted: bool) -> None:
+    """After the view: the last failure's traceback (``wanted``), else a hint that there is one.
+
+    Printed as stored, not as rich markup: a traceback quotes code and messages, whose
+    brackets and colons rich would read as styles and emoji.
+    """
+    if not wanted:
+        if job.last_traceback:
+            console.print("last failure has a traceback: --traceback")
+        return
+    if not job.last_traceback:
+        console.print("no traceback stored for this job")
+        return
+    console.print("traceback of the last failure:")
+    console.print(job.last_traceback.rstrip("\n"), markup=False, emoji=False)
+
+
+async def show_job(
+    settings: Settings, job_id: str, *, as_json: bool = False, traceback: bool = False
+) -> bool:
+    from jobrelay.storage.admin import AdminQueries
+
+    async with open_runtime(settings, connect_transport=False) as rt:
+        job = await rt.store.get_job(job_id)
+        if job is None:
+            return False
+        events = await rt.store.events(job_id)
+        trace_id = await AdminQueries(rt.store).trace_id(job_id)
+        pause = await pause_of(rt.store, job.queue)
+    now = utc_now()
+    if as_json:
+        print(json.dumps(explain_document(job, events, now, trace_id, pause), indent=2))
+    else:
+        render_job(job, events, now, trace_id, pause)
+        render_traceback(job, traceback)
+    return True
+
+
+def _shown(value: Any) -> str:
+    """A detail value as the timeline prints it: nested ones (``meta``) as JSON."""
+    return json.dumps(value, default=str) if isinstance(value, dict | list) else str(value)

@@ -1,0 +1,400 @@
+"""One job type of an ``App`` (``@app.job``): its params model, how to enqueue it (in the
+caller's transaction, async or sync) and, for the worker, how to run it (``async def`` on the
+loop, ``def`` in the app's thread pool).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from datetime import UTC, datetime
+from typing import Any, Generic, Protocol, TypeVar, cast
+
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from jobrelay.domain import delays
+from jobrelay.domain.delays import Delay, RunTime
+from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
+from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidParams, PermanentError
+from jobrelay.library.context import JobContext, JobType, Result
+from jobrelay.library.operations import OperationContext, OperationResult
+from jobrelay.library.sync_context import SyncJobFunction, run_in_thread, runs_in_thread
+from jobrelay.settings import Settings
+from jobrelay.storage.drivers.dbapi import (
+    DBAPIConnection,
+    connection_identity,
+    dbapi_dialect,
+    dialect_of,
+    require_atomic,
+    run_dbapi,
+)
+from jobrelay.storage.drivers.new_job import Steps, new_job_steps, run_async, run_sync
+from jobrelay.storage.installation import IdKeyCache
+from jobrelay.storage.records import NewJob, work_destination
+
+P = TypeVar("P", bound=BaseModel)
+JobFunction = Callable[[JobContext[P], P], Awaitable[Result | None]]
+
+
+def _field_errors(exc: ValidationError) -> list[dict[str, str]]:
+    return [
+        {"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
+        for err in exc.errors(include_url=False)
+    ]
+
+
+def unknown_type(name: str, known: Iterable[str]) -> str:
+    """``no job type 'x' in this app``, with the closest known names (difflib)."""
+    close = difflib.get_close_matches(name, sorted(known), n=3)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return f"no job type {name!r} in this app{hint}"
+
+
+def _wrong_connection(conn: object, expected: str, opened_by: str, raw: str = "") -> str:
+    kind = f"{type(conn).__module__}.{type(conn).__qualname__}"
+    return (
+        f"pass the SQLAlchemy {expected} of your transaction (`with engine.{opened_by} as conn`,"
+        f" the engine from jobrelay.create_engine or sqlalchemy){raw}, not a {kind}"
+    )
+
+
+_RAW_KINDS = (
+    " or the psycopg 3 or sqlite3 connection your framework holds"
+    " (Django: `django.db.connection.connection`)"
+)
+
+
+def check_params_model(name: str, params: object) -> None:
+    """Refuse, where the job is defined, a ``params=`` that is not a pydantic model class
+    (``dict``, an instance): it would be accepted here and fail at the first enqueue."""
+    if isinstance(params, type) and issubclass(params, BaseModel):
+        return
+    given = params.__name__ if isinstance(params, type) else f"{params!r}"
+    raise ConfigError(
+        "@app.job",
+        f"{name}: params must be a pydantic model class, got {given}: write"
+        " `class Params(BaseModel)` with one typed field per parameter, and"
+        " `model_config = ConfigDict(extra='allow')` in it to accept any other keys",
+    )
+
+
+def check_job_signature(name: str, fn: object, model: type[BaseModel]) -> None:
+    """Refuse, where the job is defined, a function the worker cannot call as
+    ``fn(ctx, params)`` (``def f(params)`` from Celery's habits): it would be accepted here
+    and fail on every attempt at run time, until the job was quarantined."""
+    try:
+        signature = inspect.signature(cast("Callable[..., Any]", fn))
+    except (TypeError, ValueError):
+        return  # no signature to read (some builtins): the run says it
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        pass
+    else:
+        return
+    label = getattr(fn, "__name__", None) or "f"
+    shown = "f" if not label.isidentifier() else label
+    m = model.__name__
+    raise ConfigError(
+        "@app.job",
+        f"{name}: {label}{signature} must take (ctx, params): write"
+        f" `async def {shown}(ctx: jobrelay.JobContext[{m}], params: {m})`, or"
+        f" `def {shown}(ctx: jobrelay.SyncJobContext[{m}], params: {m})` to run it in a thread",
+    )
+
+
+@contextlib.contextmanager
+def _schema_missing_hint(where: str) -> Iterator[None]:
+    """A database without jobrelay's tables: say to run ``jobrelay db upgrade``."""
+    try:
+        yield
+    except DBAPIError as exc:
+        text = (str(exc.orig).splitlines() or [""])[0]
+        if "no such table" in text or getattr(exc.orig, "sqlstate", None) == "42P01":
+            raise ConfigError(
+                where, f"the database has no jobrelay schema ({text}): run `jobrelay db upgrade`"
+            ) from exc
+        raise
+
+
+class Owner(Protocol):
+    """What a definition needs of the ``App`` that defined it (the app imports this module,
+    so the definition sees it through this)."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def included_types(self) -> frozenset[str]: ...
+    def id_key_cache(self, engine: Engine | str) -> IdKeyCache: ...
+
+
+class JobDefinition(Generic[P]):
+    """One job type of an ``App``: how to enqueue it, and (for the worker) how to run it."""
+
+    def __init__(
+        self,
+        app: Owner,
+        name: str,
+        fn: JobFunction[P] | SyncJobFunction[P],
+        params: type[P],
+        *,
+        max_attempts: int | None,
+        retry_delays: tuple[int, ...] | None,
+        queue: str,
+        http: bool,
+        result_filename: Callable[[str, Mapping[str, Any]], str] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.app = app
+        self.type = name
+        self.fn = fn
+        self.in_thread = runs_in_thread(name, fn)  # a plain def: on a worker's thread
+        check_job_signature(name, fn, params)  # the model: App.job, before the decorator
+        self.params_model = params
+        self._max_attempts = max_attempts
+        self.retry_delays = retry_delays
+        self.queue = queue
+        self.http = http
+        self.result_filename = result_filename
+        self.timeout = timeout  # seconds an attempt may run (the worker's ``worker.stopping``)
+
+    def __repr__(self) -> str:
+        return f"<jobrelay job {self.type}>"
+
+    @property
+    def max_attempts(self) -> int:
+        return self.max_attempts_under(self.app.settings)
+
+    def max_attempts_under(self, settings: Settings) -> int:
+        """The definition's own ``max_attempts``, else ``settings.max_attempts``."""
+        return self._max_attempts or settings.max_attempts
+
+    # --- enqueue ---------------------------------------------------------------------------
+
+    def parse(self, params: P | Mapping[str, Any]) -> P:
+        """The parameters as the model, or ``InvalidParams`` naming each bad field."""
+        if isinstance(params, self.params_model):
+            params = params.model_dump(mode="json")
+        try:
+            return self.params_model.model_validate(params)
+        except ValidationError as exc:
+            raise InvalidParams(self.type, _field_errors(exc)) from None
+
+    def new_job(
+        self,
+        params: P | Mapping[str, Any],
+        *,
+        key: str | None = None,
+        account: str | None = None,
+        job_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        max_attempts: int | None = None,
+        keys: IdKeys | None = None,
+        when: RunTime = delays.NOW,
+    ) -> NewJob:
+        """The job to write. Its id: ``job_id``; else, with ``key``, keyed with ``keys`` (the
+        installation's, required then: ``Store.id_keys``), and also the id under the previous
+        secret while that one counts; else a fresh UUIDv7. ``when``: its run time
+        (``domain.delays.resolve``), part of the request hash as it was asked for."""
+        stored = self.parse(params).model_dump(mode="json")
+        previous = None
+        if job_id is None and key is not None:
+            if keys is None:
+                raise ConfigError("enqueue", "a job with key= needs the installation's id keys")
+            job_id, previous = keys.derive(lambda s: keyed_job_id(s, self.type, account, key))
+        elif job_id is None:
+            job_id = uuid7()
+        return NewJob(
+            job_id=job_id,
+            type=self.type,
+            account_id=account,
+            params=stored,
+            request_hash=request_hash(account, self.type, stored, when.requested),
+            max_attempts=max_attempts or self.max_attempts,
+            idempotency_key=key,
+            headers=headers,
+            destination=work_destination(self.queue),
+            queue=self.queue,
+            previous_job_id=previous,
+            run_at=when.due,
+            delay=when.delay,
+        )
+
+    async def enqueue(
+        self,
+        conn: AsyncConnection,
+        params: P | Mapping[str, Any],
+        *,
+        key: str | None = None,
+        account: str | None = None,
+        job_id: str | None = None,
+        delay: Delay | None = None,
+        run_at: datetime | None = None,
+    ) -> str:
+        """Write the job on ``conn`` (the caller's open transaction); returns its id.
+
+        The same ``key`` with the same parameters returns the same id and writes nothing;
+        with other parameters it raises ``IdempotencyConflict``. ``job_id`` replaces the
+        id derived from ``key`` (an application with its own id scheme); the same id with
+        the same parameters is again the same job.
+
+        ``delay`` (seconds or a ``timedelta``) or ``run_at`` (an aware ``datetime``) hold the
+        job until then: it is not published, so no worker holds it while it waits. A bad one
+        raises ``InvalidRunTime`` before anything is written; the run time is part of the
+        request (the same key with another run time is an ``IdempotencyConflict``).
+        """
+        if not isinstance(conn, AsyncConnection):
+            raise ConfigError("enqueue", _wrong_connection(conn, "AsyncConnection", "begin()"))
+        with _schema_missing_hint("enqueue"):
+            return await run_async(
+                conn,
+                self._enqueue_steps(
+                    conn.sync_engine,
+                    dialect_of(conn),
+                    params,
+                    key,
+                    account,
+                    job_id,
+                    _resolved(delay, run_at),
+                ),
+            )
+
+    def enqueue_sync(
+        self,
+        conn: Connection | DBAPIConnection,
+        params: P | Mapping[str, Any],
+        *,
+        key: str | None = None,
+        account: str | None = None,
+        job_id: str | None = None,
+        delay: Delay | None = None,
+        run_at: datetime | None = None,
+    ) -> str:
+        """``enqueue`` for a synchronous application: on a SQLAlchemy ``Connection``, or on
+        the DB-API connection a framework holds (psycopg 3, sqlite3: Django's
+        ``connection.connection`` inside ``transaction.atomic()``), never committed here."""
+        when = _resolved(delay, run_at)
+        if isinstance(conn, Connection):
+            with _schema_missing_hint("enqueue_sync"):
+                steps = self._enqueue_steps(
+                    conn.engine, dialect_of(conn), params, key, account, job_id, when
+                )
+                return run_sync(conn, steps)
+        dialect = dbapi_dialect(conn)
+        if dialect is None:
+            raise ConfigError(
+                "enqueue_sync", _wrong_connection(conn, "Connection", "begin()", _RAW_KINDS)
+            )
+        require_atomic(conn, dialect)
+        with _schema_missing_hint("enqueue_sync"):
+            database = connection_identity(conn, dialect) if key is not None else dialect
+            steps = self._enqueue_steps(database, dialect, params, key, account, job_id, when)
+            return run_dbapi(conn, dialect, steps)
+
+    def _enqueue_steps(
+        self,
+        database: Engine | str,
+        dialect: str,
+        params: P | Mapping[str, Any],
+        key: str | None,
+        account: str | None,
+        job_id: str | None,
+        when: RunTime,
+    ) -> Steps[str]:
+        now = _now()
+        keys = None
+        if key is not None and job_id is None:
+            keys = yield from self.app.id_key_cache(database).steps(now)
+        job = self.new_job(params, key=key, account=account, job_id=job_id, keys=keys, when=when)
+        try:
+            written, _ = yield from new_job_steps(dialect, job, now)
+        except IdempotencyConflict:
+            raise IdempotencyConflict(
+                f"key {key!r} was already used for {self.type} with other params"
+            ) from None
+        return written
+
+    # --- run (the worker's Operation) -------------------------------------------------------
+
+    def validate(self, params: Mapping[str, Any]) -> None:
+        """``InvalidParams`` naming each bad field, as ``enqueue`` would raise it."""
+        try:
+            self.params_model.model_validate(params)
+        except ValidationError as exc:
+            raise InvalidParams(self.type, _field_errors(exc)) from None
+
+    async def run(self, ctx: OperationContext) -> OperationResult:
+        try:
+            params = self.params_model.model_validate(ctx.job.params)
+        except ValidationError as exc:
+            raise PermanentError(str(InvalidParams(self.type, _field_errors(exc)))) from None
+        job = ctx.job
+
+        def follow_up(target: JobType | str, p: BaseModel | Mapping[str, Any]) -> NewJob:
+            if isinstance(target, JobDefinition):
+                return target.new_job(
+                    p,
+                    account=job.account_id,
+                    job_id=follow_up_job_id(job.id, target.type),
+                    max_attempts=target._max_attempts or job.max_attempts,
+                )
+            if not isinstance(target, str):
+                raise ConfigError(
+                    "ctx.follow_up", f"{target!r} is not a job definition or a type name"
+                )
+            if target not in self.app.included_types:
+                raise ConfigError("ctx.follow_up", unknown_type(target, self.app.included_types))
+            stored = p.model_dump(mode="json") if isinstance(p, BaseModel) else dict(p)
+            return NewJob(
+                job_id=follow_up_job_id(job.id, target),
+                type=target,
+                account_id=job.account_id,
+                params=stored,
+                request_hash=request_hash(job.account_id, target, stored),
+                max_attempts=job.max_attempts,
+            )
+
+        async def fault_point(point: str) -> None:
+            await ctx.faults.ahit(point, attempt=ctx.attempt, params=job.params)
+
+        context: JobContext[P] = JobContext(
+            job_id=job.id,
+            job_type=job.type,
+            attempt=ctx.attempt,
+            params=params,
+            account=job.account_id,
+            results=ctx.results,
+            engine=ctx.store.engine,
+            lease_lost=ctx.lease_lost,
+            report_progress=ctx.report_progress,
+            make_follow_up=follow_up,
+            fault_point=fault_point,
+        )
+        if self.in_thread:
+            sync_fn = cast("SyncJobFunction[P]", self.fn)
+            returned = await run_in_thread(ctx.thread, sync_fn, context, params)
+        else:
+            returned = self.fn(context, params)  # type: ignore[arg-type]
+            if inspect.isawaitable(returned):
+                returned = await returned
+        result = returned or Result()
+        return OperationResult(
+            result_key=result.key,
+            meta=dict(result.meta),
+            follow_ups=tuple(context.follow_ups),
+        )
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _resolved(delay: Delay | None, run_at: datetime | None) -> RunTime:
+    """The run time, checked at the call (before any statement is sent). This host's clock
+    only judges whether a ``run_at`` is past; a delay is added by the database's."""
+    return delays.resolve(_now(), delay=delay, run_at=run_at)

@@ -1,1 +1,0 @@
-"""Operations: the business work a job performs. ``report.export`` is the first."""

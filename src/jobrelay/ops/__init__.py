@@ -1,1 +1,0 @@
-"""Operator tools: explaining a job, replay and cancel, the quarantine scan."""

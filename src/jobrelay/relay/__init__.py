@@ -1,0 +1,1 @@
+"""The relay: outbox rows to the broker, marked published once confirmed."""

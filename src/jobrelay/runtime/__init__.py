@@ -1,0 +1,1 @@
+"""A running process's wiring: the adapters picked from settings, and its heartbeat."""

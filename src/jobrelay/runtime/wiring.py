@@ -1,0 +1,205 @@
+"""Wiring: turn one Settings into the live adapters, and check they answer before anything runs.
+
+This is the only module that chooses between adapters (SQLite or PostgreSQL, local or
+RabbitMQ). The relay, worker and API receive a ``Runtime`` and never look at URLs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from sqlalchemy import inspect, text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from jobrelay.database_files import require_database
+from jobrelay.errors import ConfigError, StoreError, TransportError
+from jobrelay.library.app import App
+from jobrelay.library.loader import load_app
+from jobrelay.observe.faults import Faults
+from jobrelay.observe.metrics import Metrics
+from jobrelay.results.base import ResultStore
+from jobrelay.results.files import FileResults
+from jobrelay.settings import Settings
+from jobrelay.storage.engine import SCHEMA_HEAD, VERSION_TABLE, check_reachable, create_engine
+from jobrelay.storage.port import StorePort
+from jobrelay.storage.store import Store
+from jobrelay.transport.base import Transport
+from jobrelay.transport.topology import Topology
+
+Clock = Callable[[], datetime]
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: AsyncEngine
+    store: StorePort
+    transport: Transport
+    results: ResultStore
+    faults: Faults
+    topology: Topology
+    clock: Clock = field(default=utc_now)
+    metrics: Metrics = field(default_factory=Metrics)
+    # The application whose jobs run here (``--app``); None in tests that wire a registry.
+    app: App | None = None
+
+    def job_app(self) -> App:
+        """``app``, or (a runtime built without one) the app the settings name."""
+        return self.app if self.app is not None else load_app(self.settings.app)
+
+
+def topology_for(settings: Settings, app: App | None = None) -> Topology:
+    """The broker names in force: an app's own retry delays each get a tier too, and each
+    queue its job types use gets a work queue and tiers of its own."""
+    if app is None:
+        return Topology(
+            retry_delays=settings.retry_delays,
+            delivery_limit=settings.delivery_limit,
+            quorum_size=settings.quorum_group_size,
+            dynamic_delays=settings.uses_local_broker,
+        )
+    return Topology(
+        retry_delays=app.retry_tiers(settings),
+        delivery_limit=settings.delivery_limit,
+        queues=app.queues,
+        quorum_size=settings.quorum_group_size,
+        dynamic_delays=settings.uses_local_broker,
+    )
+
+
+def build_transport(
+    settings: Settings, engine: AsyncEngine, clock: Clock = utc_now, app: App | None = None
+) -> Transport:
+    topology = topology_for(settings, app)
+    if settings.uses_local_broker:
+        from jobrelay.transport.local import LocalTransport
+
+        return LocalTransport(
+            engine, topology, visibility_seconds=settings.visibility_seconds, clock=clock
+        )
+    from jobrelay.transport.rabbitmq import RabbitTransport
+
+    # A worker draining after SIGTERM acks on the channel its deliveries came on: keep that
+    # channel settleable for as long as the drain may last.
+    return RabbitTransport(
+        settings.broker_url,
+        topology,
+        confirm_timeout=settings.confirm_timeout,
+        settle_grace_seconds=settings.drain_seconds,
+    )
+
+
+def build_results(settings: Settings) -> ResultStore:
+    if settings.results_url.startswith("s3://"):
+        from jobrelay.results.s3 import S3Results
+
+        return S3Results(settings.results_url, endpoint_url=settings.s3_endpoint_url)
+    return FileResults(settings.results_url)
+
+
+async def schema_revision(engine: AsyncEngine) -> str | None:
+    """The revision the database is at (Alembic's ``alembic_version``), or None."""
+    async with engine.connect() as conn:
+        if not await conn.run_sync(lambda sync: inspect(sync).has_table(VERSION_TABLE)):
+            return None
+        revision = await conn.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}"))
+        return None if revision is None else str(revision)
+
+
+async def check_schema(settings: Settings, engine: AsyncEngine) -> None:
+    """Refuse to run on a schema that is not the one this code was written for.
+
+    Compared with ``SCHEMA_HEAD``, not with Alembic's script directory, so that a worker
+    does not import Alembic (and Mako) to start: a test keeps the two the same.
+    """
+    current = await schema_revision(engine)
+    if current != SCHEMA_HEAD:
+        raise ConfigError(
+            "JOBRELAY_DATABASE_URL",
+            f"schema is at {current or 'nothing'}, expected {SCHEMA_HEAD}: "
+            "run `jobrelay db upgrade`",
+        )
+
+
+@contextlib.asynccontextmanager
+async def open_runtime(
+    settings: Settings,
+    *,
+    connect_transport: bool = True,
+    clock: Clock | None = None,
+    faults: Faults | None = None,
+) -> AsyncIterator[Runtime]:
+    """Open the database and broker, failing fast with the variable to fix.
+
+    ``clock`` (tests) drives both this process and the store. Without it the store judges
+    leases and due times by the database's clock on PostgreSQL, never by this host's.
+    """
+    store_clock = clock
+    clock = clock or utc_now
+    app = load_app(settings.app)
+    engine = create_engine(settings.database_url)
+    transport: Transport | None = None
+    results: ResultStore | None = None
+    try:
+        transport = build_transport(settings, engine, clock, app)
+        # A remote broker is checked first, so an unreachable one fails before the database
+        # is touched; the local transport lives in the database and must come after it.
+        if connect_transport and not settings.uses_local_broker:
+            await _connect(transport)
+        require_database(settings.database_url)  # before SQLite would create the file
+        try:
+            await check_reachable(engine)
+        except StoreError as exc:
+            raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
+        await check_schema(settings, engine)
+        try:
+            await app.create_tables(engine)
+        except DBAPIError as exc:  # a least-privileged role (db grant) may not CREATE
+            first = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+            raise ConfigError(
+                "JOBRELAY_DATABASE_URL",
+                f"the application's tables are missing and cannot be created ({first}): "
+                "run `jobrelay db upgrade` as the schema's owner",
+            ) from None
+        if connect_transport and settings.uses_local_broker:
+            await _connect(transport)
+        # Not probed here: an unreachable S3 endpoint is a transient failure of the jobs
+        # that write to it (retried), never a reason for a worker not to start.
+        results = build_results(settings)
+        yield Runtime(
+            settings=settings,
+            engine=engine,
+            store=Store(engine, clock=store_clock, id_secret=settings.id_secret_key),
+            transport=transport,
+            results=results,
+            faults=faults if faults is not None else Faults(settings.faults),
+            topology=topology_for(settings, app),
+            clock=clock,
+            app=app,
+        )
+    finally:
+        if results is not None:
+            with contextlib.suppress(Exception):
+                await results.aclose()
+        if transport is not None:
+            with contextlib.suppress(Exception):
+                await transport.close()
+        await engine.dispose()
+
+
+async def _connect(transport: Transport) -> None:
+    try:
+        await transport.connect()
+    except TransportError as exc:
+        # A broker that answered and refused the topology is no unreachable one.
+        refused = str(exc).startswith("topology mismatch")
+        reason = str(exc) if refused else f"broker unreachable: {exc}"
+        raise ConfigError("JOBRELAY_BROKER_URL", reason) from None
