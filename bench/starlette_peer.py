@@ -4,7 +4,7 @@
 the same work per request as ``jobrelay api``: the bearer token's SHA-256 looked up in
 ``api_tokens``, the body checked (an exposed type, ``params.n`` an integer, the key's
 shape), the keyed job id and the request hash, then ONE transaction writing exactly what
-``storage/enqueue.py`` writes: the job row (``ON CONFLICT (id) DO NOTHING``, the request
+``storage/drivers/new_job.py`` writes: the job row (``ON CONFLICT (id) DO NOTHING``, the request
 hash compared when it already exists), its outbox row, ``pg_notify`` and the ``accepted``
 event; a 202 with ``jobId``, ``statusUrl`` and ``Location``. It writes into the sandbox's
 own jobrelay tables, after jobrelay's phases are over.

@@ -1,10 +1,10 @@
 """The four ways a store sends its statements, for the tests of the store's port.
 
-A store on SQLite writes through SQLAlchemy, or, while a worker holds it, on one plain
-``sqlite3`` connection (``storage/drivers/sqlite_conn.py``); on PostgreSQL through SQLAlchemy, or on
-the asyncpg connections a worker or relay holds (``storage/pg_hot.py``). ``way`` runs a test
-on each (River's ``riverdrivertest.Exercise``, Oban's per-engine modules); ``holding``
-holds a store's connections as the worker does and says how many statements went on them.
+A store on SQLite writes through SQLAlchemy, or, while a worker holds it, on one plain ``sqlite3``
+connection (``storage/drivers/sqlite_conn.py``); on PostgreSQL through SQLAlchemy, or on the asyncpg
+connections a worker or relay holds (``storage/drivers/pg_pool.py``). ``way`` runs a test on each
+(River's ``riverdrivertest.Exercise``, Oban's per-engine modules); ``holding`` holds a store's
+connections as the worker does and says how many statements went on them.
 """
 
 from __future__ import annotations

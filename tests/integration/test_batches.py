@@ -6,7 +6,7 @@ same guards
 the one-job path has (``test_claims.py`` runs the worker through both). Each runs on SQLite
 (a batch is one write transaction there) and on both ways PostgreSQL gets them: through
 SQLAlchemy, and on the raw asyncpg connections a worker or relay holds
-(``storage/pg_hot.py``): the same guards, so the same answers. The tests of PostgreSQL's
+(``storage/drivers/pg_pool.py``): the same guards, so the same answers. The tests of PostgreSQL's
 own locks and errors run on PostgreSQL only.
 """
 

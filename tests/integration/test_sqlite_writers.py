@@ -60,7 +60,7 @@ async def test_writers_of_one_process_queue_instead_of_meeting_the_sqlite_lock(
 async def test_a_failed_transaction_on_the_held_connection_leaves_nothing_behind(
     sqlite_url: str,
 ) -> None:
-    """A worker's batch transaction on its held ``sqlite3`` connection (``sqlite_hot``) is
+    """A worker's batch transaction on its held ``sqlite3`` connection (``drivers.sqlite_conn``) is
     all or nothing, like the engine's: a row the database refuses (here an event of no job:
     the foreign key) rolls back what the transaction wrote before it, surfaces as a
     ``StoreDataError`` (the batcher then sends each request alone), and the connection is

@@ -22,7 +22,7 @@ def outbox_due(now: ColumnElement[datetime]) -> ColumnElement[bool]:
     """The relay's guard: the row may be published at ``now`` (not held, or held until then).
 
     The one statement of it: the SQLAlchemy claim uses it as it is, the asyncpg claim as
-    PostgreSQL text (``claims.guard_sql``)."""
+    PostgreSQL text (``transitions.guard_sql``)."""
     return or_(outbox.c.available_at.is_(None), outbox.c.available_at <= now)
 
 

@@ -100,8 +100,8 @@ def no_database(path: Path, why: str = "") -> ConfigError:
 
 
 def sqlite_session(dbapi_connection: Any, *, memory: bool = False) -> None:
-    """How every SQLite connection of jobrelay's is set up (the engine's, ``sqlite_hot``'s):
-    WAL, a busy timeout, foreign keys, ``synchronous=NORMAL``, and BEGIN issued by us
+    """How every SQLite connection of jobrelay's is set up (the engine's, the driver's held
+    one): WAL, a busy timeout, foreign keys, ``synchronous=NORMAL``, and BEGIN issued by us
     (pysqlite's implicit BEGIN is DEFERRED)."""
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()

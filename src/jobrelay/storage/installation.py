@@ -10,7 +10,7 @@ value.
 
 A rotation (``jobrelay db rotate-id-secret``) makes a new secret and keeps the one before as
 the previous until a given time. While it counts, accepting a request first looks for the
-job under the id the previous secret gives (``NewJob.previous_job_id``, ``enqueue.py``), so
+job under the id the previous secret gives (``NewJob.previous_job_id``, ``drivers/new_job.py``), so
 a retry of a request accepted before the rotation finds its job. There is one previous
 secret: rotating again inside a window drops the older one.
 """

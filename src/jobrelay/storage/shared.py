@@ -1,9 +1,9 @@
 """A resource the roles of one process share: opened by its first holder, closed by its last.
 
-``jobrelay up`` runs a worker and a relay in one process; each holds the store's hot
-connections while it runs (``pg_hot.HotPool``: asyncpg connections; ``sqlite_hot.SqliteHot``:
-one ``sqlite3`` connection and its thread). Whoever comes first opens them, and they close
-when the last holder lets go, not while another still runs.
+``jobrelay up`` runs a worker and a relay in one process; each holds the store's hot connections
+while it runs (``drivers.pg_pool.HotPool``: asyncpg connections; ``drivers.sqlite_conn.SqliteHot``:
+one ``sqlite3`` connection and its thread). Whoever comes first opens them, and they close when the
+last holder lets go, not while another still runs.
 """
 
 from __future__ import annotations

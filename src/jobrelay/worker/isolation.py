@@ -10,7 +10,7 @@ process has ended, and no other claim starts until the suspect's run ends. A poi
 dies alone on each attempt after its first and is quarantined when its attempts are used;
 each healthy job it was claimed beside pays that first death only, and runs alone next.
 Deliveries waiting for a turn are not claimed (no attempt, no lease). The suspect's storage
-claims (``claims.claimable_delivered``) refuse a suspect in the claims made without a read,
+claims (``transitions.CLAIM``) refuse a suspect in the claims made without a read,
 so it always comes here first.
 
 A little jitter before a suspect's turn in a busy worker: the suspects of one death come

@@ -8,7 +8,7 @@ recorded as a failed attempt, fenced on the claim:
 - past its time limit (``@app.job(timeout=)``, else ``JOBRELAY_JOB_TIMEOUT``) that failure
   lands, with the reason ``time limit of 2 s exceeded``, and follows the retry policy;
 - after an operator's cancel (learnt by the lease renewer, ``leases``) the fence refuses it
-  (``claims.fenced``), as it refuses any outcome of a claim whose cancel was requested, even
+  (``transitions.fenced``), as it refuses any outcome of a claim whose cancel was requested, even
   a success committed a moment after the request; the worker then ends the job
   ``cancelled`` with the operator's reason (``end_cancelled``) and acks. Nothing of the run
   is published: its staged result is discarded with the refused outcome, and an effect is
@@ -99,7 +99,7 @@ async def end_cancelled(rt: Runtime, claim: Claim, lost: Fenced) -> bool:
     asked to cancel it): end it ``cancelled``, fenced on the claim; True: ack the delivery.
 
     A failure here leaves the job running with its cancel requested: no delivery claims it
-    again (``claims.claimable``), and the reconciler ends it once the lease has expired.
+    again (``transitions.claimable``), and the reconciler ends it once the lease has expired.
     """
     if lost.current_state is not JobState.RUNNING or lost.current_attempt != claim.attempt:
         return False
