@@ -1,24 +1,25 @@
 """The store port: the whole list of what a database backend must provide to jobrelay.
 
-Today one class (``Store``) provides all of it, through a chain of mixins, and its callers
-were typed against that class, so nothing said which of its ~70 methods are the contract and
-which are its insides. This module says it: one small ``Protocol`` per concept, holding exactly
-the members that code outside the store classes calls (the roles, the API, the CLI, ``ops``, and
-the portable query classes and functions built on a store: ``AdminQueries``,
-``RepairQueries``, ``ScheduleQueries``, ``Retention``, ``queue_pauses``, ``heartbeats``,
-``queue_progress``, ``dashboard``, ``audit``), with their current signatures. ``StorePort`` is
-their union, plus ``capabilities``: the questions callers ask instead of which database this is.
+One class (``Store``) provides all of it, assembled from one module per concept over a driver
+per database (``drivers``); so that its ~70 methods do not all become the contract, this
+module names the contract: one small ``Protocol`` per concept, holding exactly the members
+that code outside the store classes calls (the worker, the relay, the maintenance loops, the
+operator tools, the API, the CLI, and the portable query classes and functions built on a
+store: ``AdminQueries``, ``RepairQueries``, ``ScheduleQueries``, ``Retention``,
+``queue_pauses``, ``heartbeats``, ``queue_progress``, ``dashboard``, ``audit``). ``StorePort``
+is their union, plus ``capabilities``: the questions callers ask instead of which database
+this is.
 
 Each docstring states what a backend must *guarantee* (the fence, the lock order, the clock,
-the transaction a write shares), not how today's store does it: a second driver is correct
-when it keeps these, and ``tests/integration/test_store_contract.py`` is where they are
-exercised. The module-level check at the bottom makes ``mypy --strict`` fail the moment
-``Store`` and the port drift apart.
+the transaction a write shares), not how a driver does it: a driver is correct when it keeps
+these, and ``tests/integration/test_store_contract.py`` exercises them on each driver, with
+its hot connections held and not. The module-level check at the bottom makes ``mypy
+--strict`` fail the moment ``Store`` and the port drift apart.
 
 Admin, repairs, schedules, retention, pauses and heartbeats are not members here: they are
 portable SQLAlchemy Core (one shape for both databases) written over ``SqlAccess``, the
-store's transactions, clock expression and shared writes. Those members expose SQLAlchemy and
-are the part of the port a driver split would shrink first.
+store's transactions, clock expression and shared writes. Those members expose SQLAlchemy:
+they are what a backend SQLAlchemy cannot speak to would have to replace.
 """
 
 from __future__ import annotations
@@ -372,8 +373,9 @@ class SqlAccess(Protocol):
         where: Sequence[Any] = (),
         **values: Any,
     ) -> bool:
-        """A guarded state change (only from the legal or given sources, plus ``where``) with
-        its event, in the caller's transaction; False: the guard lost, nothing written."""
+        """A guarded state change (only from the legal or given sources, plus ``where``) in
+        the caller's transaction, which writes its event beside it; False: the guard lost,
+        nothing written."""
 
     async def add_event(
         self, conn: AsyncConnection, job_id: str, kind: str, now: datetime, **detail: Any
