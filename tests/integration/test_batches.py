@@ -23,7 +23,7 @@ from sqlalchemy import Text, bindparam, text
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.runtime.wiring import Runtime
-from jobrelay.storage.drivers.pg_pool import HotStatement
+from jobrelay.storage.drivers.pg_pool import pg_statement
 from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest
 from tests.integration.store_ways import holding, way_fixture  # noqa: F401 (fixture, by name)
@@ -171,7 +171,7 @@ async def test_a_connection_cut_mid_prepare_is_an_outage_not_a_crash(
         return await real_fetch(self, *args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(asyncpg.connection.Connection, "fetch", fetch_cut_once)
-    one = HotStatement(text("SELECT 1 AS one"))
+    one = pg_statement(text("SELECT 1 AS one"))
     with pytest.raises(StoreError) as lost:
         await db.store.driver.rows(one, {})
     assert not isinstance(lost.value, StoreDataError)
@@ -193,13 +193,13 @@ async def test_a_refused_value_is_a_data_error_and_a_lost_connection_an_outage(
             [CompleteRequest(Claim(claimed[0].job_id, 2**40, claimed[0].worker_id), "k", {})],
             db.clock(),
         )
-    not_json = HotStatement(
+    not_json = pg_statement(
         text("SELECT CAST(:value AS jsonb) AS v").bindparams(bindparam("value", type_=Text()))
     )
     with pytest.raises(StoreDataError, match="json"):
         await db.store.driver.rows(not_json, {"value": "not json"})
 
-    sleep = HotStatement(text("SELECT pg_sleep(30) AS slept"))
+    sleep = pg_statement(text("SELECT pg_sleep(30) AS slept"))
     sleeping = asyncio.create_task(db.store.driver.rows(sleep, {}))
     async with db.engine.connect() as admin:  # the backend running that statement goes away
         # Autocommit: in a transaction pg_stat_activity would show its first snapshot only.

@@ -185,7 +185,7 @@ async def test_on_sqlite_an_unstorable_completion_fails_alone_in_its_batch(
         ]
         assert "could not be stored" in (jobs[1].quarantine_reason or "")
         assert operation.runs == {"2020-01": 1, "2020-02": 1, "2020-03": 1}
-        completions = worker.deliveries._completions
+        completions = worker.deliveries.scope.completions
         # The three went as one batch first (refused whole), then each alone.
         assert completions is not None and completions.batches >= 4
         for job_id in (left, right):
@@ -228,7 +228,7 @@ async def test_completions_that_publish_a_staged_result_share_a_batch(
             assert job.result_key is not None
             chunks = [chunk async for chunk in p.rt.results.read(job.result_key)]
             assert b"".join(chunks) == f"{job.id}\n".encode()
-        completions = worker.deliveries._completions
+        completions = worker.deliveries.scope.completions
         assert 1 <= completions.batches < 3
         assert on_the_hot_path(p)
 

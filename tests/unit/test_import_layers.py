@@ -118,11 +118,11 @@ def _in(module: str, *packages: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-def _arrows(source: str) -> list[tuple[str, str, int]]:
+def _arrows(*sources: str) -> list[tuple[str, str, int]]:
     return [
         (a, b, line)
         for a, targets in sorted(GRAPH.items())
-        if _in(a, source)
+        if _in(a, *sources)
         for b, line in sorted(targets.items())
     ]
 
@@ -219,3 +219,37 @@ def test_the_api_never_imports_entry_points(api: str) -> None:
 
 def test_entry_points_never_import_the_cli() -> None:
     assert [arrow for arrow in _arrows("jobrelay.processes") if _in(arrow[1], "jobrelay.cli")] == []
+
+
+# Each database's driver modules; what both use (``drivers.compiled``, the port in
+# ``drivers/__init__``, ``new_job``, ``dbapi``) belongs to neither.
+POSTGRES_DRIVER = (
+    "jobrelay.storage.drivers.postgres",
+    "jobrelay.storage.drivers.pg_pool",
+    "jobrelay.storage.drivers.pg_statements",
+)
+SQLITE_DRIVER = (
+    "jobrelay.storage.drivers.sqlite",
+    "jobrelay.storage.drivers.sqlite_conn",
+    "jobrelay.storage.drivers.sqlite_statements",
+)
+
+
+@pytest.mark.parametrize(
+    ("driver", "other"), [(POSTGRES_DRIVER, SQLITE_DRIVER), (SQLITE_DRIVER, POSTGRES_DRIVER)]
+)
+def test_drivers_never_import_each_other(driver: tuple[str, ...], other: tuple[str, ...]) -> None:
+    assert all(module in GRAPH for module in driver)
+    assert [arrow for arrow in _arrows(*driver) if _in(arrow[1], *other)] == []
+
+
+def test_the_store_reaches_a_driver_only_through_the_port() -> None:
+    """Outside ``storage/drivers``, nothing imports one database's driver: the store holds
+    a ``Driver`` that ``open_driver`` chose."""
+    outside = [
+        arrow
+        for arrow in _arrows("jobrelay")
+        if not _in(arrow[0], "jobrelay.storage.drivers")
+        and _in(arrow[1], *POSTGRES_DRIVER, *SQLITE_DRIVER)
+    ]
+    assert outside == []

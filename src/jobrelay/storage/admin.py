@@ -17,13 +17,12 @@ from typing import Any
 
 from sqlalchemy import delete, func, select
 
-from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.delayed import drop_held, due_since, waiting_due
 from jobrelay.storage.port import StorePort
-from jobrelay.storage.records import work_destination
 from jobrelay.storage.store import JobRecord, aware_time, job_record
 from jobrelay.storage.tables import jobs, local_messages, outbox, pruned_jobs
+from jobrelay.storage.transitions import CANCEL, REPLAY
 
 OPERATOR = "operator"
 
@@ -91,27 +90,14 @@ class AdminQueries:
             won = await store.transition(
                 conn,
                 job_id,
-                JobState.QUEUED,
+                REPLAY,
                 now,
                 sources=sources_for(JobState.QUEUED, by=OPERATOR),
-                max_attempts=jobs.c.attempt + granted,
-                quarantine_reason=None,
-                next_attempt_at=None,
-                lease_owner=None,
-                lease_expires_at=None,
-                progress_done=None,
-                progress_total=None,
+                granted=granted,
             )
             if not won:
                 return ActionOutcome(job_id, False, state)
-            await store.add_message(
-                conn,
-                job_id,
-                JobMessage(job_id, row.type),
-                work_destination(row.queue),
-                now,
-                headers,
-            )
+            await store.next_message(conn, job_id, row.type, row.queue, now, headers=headers)
             await store.add_event(
                 conn,
                 job_id,
@@ -142,14 +128,7 @@ class AdminQueries:
                 return ActionOutcome(job_id, False, None)
             state = JobState(current)
             won = await store.transition(
-                conn,
-                job_id,
-                JobState.CANCELLED,
-                now,
-                sources=sources_for(JobState.CANCELLED, by=OPERATOR),
-                next_attempt_at=None,
-                lease_owner=None,
-                lease_expires_at=None,
+                conn, job_id, CANCEL, now, sources=sources_for(JobState.CANCELLED, by=OPERATOR)
             )
             if not won:
                 return ActionOutcome(job_id, False, state)

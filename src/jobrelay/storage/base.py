@@ -33,13 +33,18 @@ from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.delayed import due_since
 from jobrelay.storage.drivers import open_driver
-from jobrelay.storage.drivers.new_job import queued_job_row
 from jobrelay.storage.effects import EffectsLedger
 from jobrelay.storage.engine import read_tx, write_tx
 from jobrelay.storage.installation import IdKeyCache, Installation
-from jobrelay.storage.records import Clock, NewJob, jsonable, utc_now
+from jobrelay.storage.records import (
+    Clock,
+    jsonable,
+    retry_destination,
+    utc_now,
+    work_destination,
+)
 from jobrelay.storage.tables import job_events, jobs, outbox
-from jobrelay.storage.transitions import state_in
+from jobrelay.storage.transitions import Inputs, Transition, state_in, values_of
 
 
 class StoreBase:
@@ -110,19 +115,26 @@ class StoreBase:
             insert(job_events).values(job_id=job_id, at=now, kind=kind, detail=jsonable(detail))
         )
 
-    async def add_message(
+    async def next_message(
         self,
         conn: AsyncConnection,
         job_id: str,
-        message: JobMessage | bytes,
-        destination: str,
+        message: str | bytes,
+        queue: str,
         now: datetime,
-        headers: Mapping[str, str] | None = None,
         *,
+        delay: int | None = None,
+        headers: Mapping[str, str] | None = None,
         extra_headers: Mapping[str, str] | None = None,
         available_at: datetime | None = None,
     ) -> None:
-        """``available_at``: held until then (a delayed job's message, ``storage.delayed``)."""
+        """The job's next message, an outbox row in the caller's transaction: its work queue,
+        or with ``delay`` the delay route back to it (a retry, a deferral). ``message`` is the
+        job's type (its message is written from it) or a raw body passed on unchanged (a
+        delivery only newer workers can read). Without ``headers`` it carries the trace of the
+        job's first message. ``available_at``: held until then (``storage.delayed``)."""
+        destination = work_destination(queue) if delay is None else retry_destination(delay, queue)
+        body = message if isinstance(message, bytes) else JobMessage(job_id, message).encode()
         if headers is None:
             # Retries, deferrals and repairs carry on the trace of the job's first message.
             first = await conn.scalar(
@@ -137,7 +149,7 @@ class StoreBase:
             insert(outbox).values(
                 job_id=job_id,
                 destination=destination,
-                body=(message if isinstance(message, bytes) else message.encode()).decode(),
+                body=body.decode(),
                 headers={**(headers or {}), **(extra_headers or {})},
                 created_at=now,
                 **({"available_at": available_at} if available_at is not None else {}),
@@ -151,29 +163,25 @@ class StoreBase:
         self,
         conn: AsyncConnection,
         job_id: str,
-        target: JobState,
+        declared: Transition,
         now: datetime,
         *,
         sources: Iterable[JobState] | None = None,
         where: Sequence[Any] = (),
         **values: Any,
     ) -> bool:
-        allowed = sources if sources is not None else sources_for(target)
+        """``declared`` (``transitions``) on one job, guarded on the legal sources of its
+        target (or ``sources``) and ``where``; ``values`` are the request's (``Inputs.req``).
+        True when it won."""
+        assert declared.target is not None
+        allowed = sources if sources is not None else sources_for(declared.target)
+        i = Inputs(now=now, clock=self.now_sql(), req=values_of(values))
         result = await conn.execute(
             update(jobs)
-            .where(jobs.c.id == job_id, state_in(allowed), *where)
-            .values(state=target.value, updated_at=now, **values)
+            .where(jobs.c.id == job_id, state_in(allowed), *declared.guards(i), *where)
+            .values(**declared.sets(i))
         )
         return bool(result.rowcount == 1)
-
-    async def insert_job(self, conn: AsyncConnection, job: NewJob, now: datetime) -> bool:
-        """Insert a queued job unless its id exists; True when this call created it."""
-        inserted = await conn.execute(
-            self.upsert(jobs)
-            .values(**queued_job_row(job, now))
-            .on_conflict_do_nothing(index_elements=[jobs.c.id])
-        )
-        return bool(inserted.rowcount == 1)
 
     def job_query(self) -> Any:
         waiting = (

@@ -25,7 +25,7 @@ from jobrelay.storage.base import StoreBase
 from jobrelay.storage.records import Claim
 from jobrelay.storage.storable import safe_text
 from jobrelay.storage.tables import jobs
-from jobrelay.storage.transitions import holds, lease_expired
+from jobrelay.storage.transitions import CANCEL, Inputs, holds, lease_expired
 
 _RUNNING = JobState.RUNNING.value
 
@@ -129,13 +129,7 @@ class CancelsStore(StoreBase):
                 await conn.execute(
                     update(jobs)
                     .where(*where, jobs.c.cancel_requested_at.is_not(None))
-                    .values(
-                        state=JobState.CANCELLED.value,
-                        updated_at=now,
-                        lease_owner=None,
-                        lease_expires_at=None,
-                        next_attempt_at=None,
-                    )
+                    .values(**CANCEL.sets(Inputs(now=now, clock=self.now_sql())))
                     .returning(jobs.c.cancel_requested_by, jobs.c.cancel_reason, jobs.c.attempt)
                 )
             ).first()

@@ -31,7 +31,6 @@ from jobrelay.storage.records import (
     CompleteRequest,
     Fenced,
     NewJob,
-    retry_destination,
 )
 from jobrelay.storage.storable import safe_text
 from jobrelay.storage.tables import jobs
@@ -180,13 +179,7 @@ class OutcomesStore(ClaimsStore):
             row = result.first()
             if row is None:
                 return await self.current(conn, claim.job_id)
-            await self.add_message(
-                conn,
-                claim.job_id,
-                JobMessage(claim.job_id, job_type),
-                retry_destination(delay, row.queue),
-                now,
-            )
+            await self.next_message(conn, claim.job_id, job_type, row.queue, now, delay=delay)
             await self.add_event(
                 conn,
                 claim.job_id,
@@ -273,13 +266,9 @@ class OutcomesStore(ClaimsStore):
         """
         async with self.writing() as conn:
             queue = await conn.scalar(select(jobs.c.queue).where(jobs.c.id == job_id))
-            await self.add_message(
-                conn,
-                job_id,
-                message,
-                retry_destination(delay, queue or DEFAULT_QUEUE),
-                now,
-                extra_headers=headers,
+            body = message if isinstance(message, bytes) else message.encode()
+            await self.next_message(
+                conn, job_id, body, queue or DEFAULT_QUEUE, now, delay=delay, extra_headers=headers
             )
             await self.add_event(
                 conn, job_id, "deferred", now, reason=reason, delaySeconds=delay, **detail

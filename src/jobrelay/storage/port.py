@@ -58,6 +58,7 @@ from jobrelay.storage.records import (
     TokenRecord,
 )
 from jobrelay.storage.store import Store
+from jobrelay.storage.transitions import Transition
 
 
 class Connections(Protocol):
@@ -366,35 +367,39 @@ class SqlAccess(Protocol):
         self,
         conn: AsyncConnection,
         job_id: str,
-        target: JobState,
+        declared: Transition,
         now: datetime,
         *,
         sources: Iterable[JobState] | None = None,
         where: Sequence[Any] = (),
         **values: Any,
     ) -> bool:
-        """A guarded state change (only from the legal or given sources, plus ``where``) in
-        the caller's transaction, which writes its event beside it; False: the guard lost,
-        nothing written."""
+        """A declared state change (``transitions``), guarded on the legal or given sources
+        plus ``where``, in the caller's transaction (its event is the caller's to add, with
+        what it knows); ``values`` are its request's; False: the guard lost, nothing
+        written."""
 
     async def add_event(
         self, conn: AsyncConnection, job_id: str, kind: str, now: datetime, **detail: Any
     ) -> None:
         """An event in the caller's transaction, so it commits with the change it records."""
 
-    async def add_message(
+    async def next_message(
         self,
         conn: AsyncConnection,
         job_id: str,
-        message: JobMessage | bytes,
-        destination: str,
+        message: str | bytes,
+        queue: str,
         now: datetime,
-        headers: Mapping[str, str] | None = None,
         *,
+        delay: int | None = None,
+        headers: Mapping[str, str] | None = None,
         extra_headers: Mapping[str, str] | None = None,
         available_at: datetime | None = None,
     ) -> None:
-        """An outbox row in the caller's transaction, held until ``available_at`` if given."""
+        """The job's next message (of its type, or a raw body) to its queue, or with
+        ``delay`` through the delay route: an outbox row in the caller's transaction, held
+        until ``available_at`` if given, carrying the job's trace unless ``headers``."""
 
     def upsert(self, table: Any) -> Any:
         """An INSERT that can take ``on_conflict_do_update``, in this database's dialect."""

@@ -17,16 +17,15 @@ from typing import Any
 from sqlalchemy import exists, func, or_, select, update
 
 from jobrelay.domain.disclosure import WORKER_LOST, public_error
-from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.storage.admin import ActionOutcome
 from jobrelay.storage.delayed import due_since
 from jobrelay.storage.port import StorePort
-from jobrelay.storage.records import work_destination
 from jobrelay.storage.store import JobRecord, aware_time, job_record
 from jobrelay.storage.tables import job_events, jobs, outbox
+from jobrelay.storage.transitions import LEASE_EXPIRED
 
-RECONCILED_LEASE = "reconciled_lease_expired"
+RECONCILED_LEASE = "reconciled_lease_expired"  # LEASE_EXPIRED.event
 RECONCILED_RETRY = "reconciled_retry_overdue"
 RECONCILED_QUEUED = "reconciled_queued_unclaimed"
 RESENT = "resent"  # an operator re-sent a queued job's message
@@ -191,20 +190,15 @@ class RepairQueries:
             won = await store.transition(
                 conn,
                 job_id,
-                JobState.RETRY_WAIT,
+                LEASE_EXPIRED,
                 now,
                 where=[owner_guard, jobs.c.lease_expires_at < before],
-                lease_owner=None,
-                lease_expires_at=None,
-                next_attempt_at=now,
-                last_error=f"lease of {owner} expired: the worker was presumed lost",
-                public_error=public_error(WORKER_LOST),
+                error=f"lease of {owner} expired: the worker was presumed lost",
+                public=public_error(WORKER_LOST),
             )
             if not won:
                 return False
-            await store.add_message(
-                conn, job_id, JobMessage(job_id, row.type), work_destination(row.queue), now
-            )
+            await store.next_message(conn, job_id, row.type, row.queue, now)
             await store.add_event(
                 conn,
                 job_id,
@@ -286,14 +280,7 @@ class RepairQueries:
                 return ActionOutcome(job_id, False, JobState(row.state))
             # A delayed job re-sent before its time: the new message is held until then too.
             held = row.run_at if row.run_at is not None and row.not_due else None
-            await store.add_message(
-                conn,
-                job_id,
-                JobMessage(job_id, row.type),
-                work_destination(row.queue),
-                now,
-                available_at=held,
-            )
+            await store.next_message(conn, job_id, row.type, row.queue, now, available_at=held)
             await store.add_event(
                 conn, job_id, RESENT, now, actor=actor, reason=reason, queue=row.queue
             )
@@ -339,9 +326,7 @@ class RepairQueries:
             )
             if result.rowcount != 1:
                 return False
-            await store.add_message(
-                conn, job_id, JobMessage(job_id, row.type), work_destination(row.queue), now
-            )
+            await store.next_message(conn, job_id, row.type, row.queue, now)
             await store.add_event(conn, job_id, kind, now, actor=actor, **detail(row))
         store.wake_relays()
         return True

@@ -246,6 +246,59 @@ QUARANTINE = Transition(
 )
 
 
+# The job's end at an operator's request: by the operator's action (``admin``) from a state
+# no worker holds, or by the worker whose claim holds it, or by the reconciler once its
+# lease has expired (``cancels``); each caller adds its own guard.
+CANCEL = Transition(
+    target=JobState.CANCELLED,
+    event="cancelled",
+    guards=lambda i: [],
+    sets=lambda i: {
+        "state": _state(JobState.CANCELLED),
+        "updated_at": i.now,
+        "lease_owner": null(),
+        "lease_expires_at": null(),
+        "next_attempt_at": null(),
+    },
+)
+
+# quarantined -> queued by an operator, with ``granted`` more attempts: ``attempt`` keeps
+# counting, the budget becomes ``attempt + granted``.
+REPLAY = Transition(
+    target=JobState.QUEUED,
+    event="replayed",
+    guards=lambda i: [],
+    sets=lambda i: {
+        "state": _state(JobState.QUEUED),
+        "updated_at": i.now,
+        "max_attempts": jobs.c.attempt + i.req("granted"),
+        "quarantine_reason": null(),
+        "next_attempt_at": null(),
+        "lease_owner": null(),
+        "lease_expires_at": null(),
+        "progress_done": null(),
+        "progress_total": null(),
+    },
+)
+
+# running -> retry_wait, due now, by the reconciler: the lease expired, its worker presumed
+# lost (the next delivery claims it, or quarantines it if no attempt is left).
+LEASE_EXPIRED = Transition(
+    target=JobState.RETRY_WAIT,
+    event="reconciled_lease_expired",  # repairs.RECONCILED_LEASE
+    guards=lambda i: [],
+    sets=lambda i: {
+        "state": _state(JobState.RETRY_WAIT),
+        "updated_at": i.now,
+        "lease_owner": null(),
+        "lease_expires_at": null(),
+        "next_attempt_at": i.now,
+        "last_error": i.req("error"),
+        "public_error": i.req("public"),
+    },
+)
+
+
 def claimed_detail(worker_id: str, detail: Mapping[str, Any]) -> dict[str, Any]:
     """A ``claimed`` event's detail before the attempt (which the statement adds)."""
     return jsonable({"worker": worker_id, **detail})
@@ -296,12 +349,15 @@ def set_sql(sets: Mapping[str, Any], dialect: Dialect | None = None) -> str:
 
 
 __all__ = [
+    "CANCEL",
     "CLAIM",
     "COMPLETABLE",
     "COMPLETE",
+    "LEASE_EXPIRED",
     "PROGRESS",
     "QUARANTINE",
     "RENEW",
+    "REPLAY",
     "RETRY",
     "Inputs",
     "Transition",

@@ -20,8 +20,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from datetime import timedelta
 from typing import Any
 
 from jobrelay.domain.policy import (
@@ -41,27 +39,22 @@ from jobrelay.errors import (
     StoreDataError,
     StoreError,
 )
-from jobrelay.library.operations import OperationContext, Registry
+from jobrelay.library.operations import OperationContext
 from jobrelay.results.staging import StagingResults
-from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.storable import outcome_json
-from jobrelay.storage.store import Claim, CompleteRequest, Completion, Fenced, JobRecord, NewJob
+from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, NewJob
 from jobrelay.transport.base import Delivery
 from jobrelay.worker.backoff import Backoff
 from jobrelay.worker.failures import failure_texts, failure_traceback
-from jobrelay.worker.leases import LeaseRenewer
 from jobrelay.worker.loop_watch import job_task_name
 from jobrelay.worker.progress import Progress
+from jobrelay.worker.scope import WorkerScope
 from jobrelay.worker.stopping import RunStop, end_cancelled, time_limit
 from jobrelay.worker.threads import ThreadSlot
 
 log = logging.getLogger("jobrelay.worker")
 
 
-Settle = Callable[[Delivery, str, Action, int], Awaitable[None]]
-# A completion, sent with those of other deliveries (see batching): whether it won, or what
-# its own step (publishing its staged result) raised.
-Complete = Callable[[CompleteRequest], Awaitable[Completion]]
 # Stored instead when even the quarantine with the refusal's reason was refused.
 _UNSTORABLE = "the outcome could not be stored (the database refused its data)"
 
@@ -69,27 +62,13 @@ _UNSTORABLE = "the outcome could not be stored (the database refused its data)"
 class AttemptRun:
     """The worker's side of one claim; made per claim, holding nothing between them."""
 
-    def __init__(
-        self,
-        rt: Runtime,
-        registry: Registry,
-        worker_id: str,
-        lease: timedelta,
-        *,
-        settle: Settle,
-        wait_for_database: Callable[[], Awaitable[None]],
-        complete: Complete,
-        leases: LeaseRenewer,
-        thread: ThreadSlot | None = None,
-    ) -> None:
-        self.rt = rt
-        self.registry = registry
-        self.worker_id = worker_id
-        self.lease = lease
-        self._settle = settle
-        self._wait_for_database = wait_for_database
-        self._complete = complete
-        self._leases = leases
+    def __init__(self, scope: WorkerScope, *, thread: ThreadSlot | None = None) -> None:
+        self.scope = scope
+        self.rt = scope.rt
+        self.registry = scope.registry
+        self.worker_id = scope.worker_id
+        self.lease = scope.lease
+        self._leases = scope.leases
         self._thread = thread  # a def job's, taken before the claim (worker.threads)
         self._renewed: Claim | None = None  # held by the worker's lease renewer
 
@@ -256,7 +235,7 @@ class AttemptRun:
                     exc,
                     extra={"event": "outcome_held", "jobId": job.id},
                 )
-                await self._wait_for_database()
+                await self.scope.wait_for_database()
                 await backoff.wait()
             except OperationError as exc:  # the staged result could not be published
                 await results.discard()
@@ -281,11 +260,11 @@ class AttemptRun:
         if not won:
             await results.discard(lost=True)
             if await end_cancelled(self.rt, claim, fenced):  # an operator cancelled it
-                await self._settle(delivery, claim.job_id, Action.ACK, claim.attempt)
+                await self.scope.settle(delivery, claim.job_id, Action.ACK, claim.attempt)
             else:
                 await self._lease_lost(delivery, claim, fenced)
             return
-        await self._settle(delivery, job.id, decision.action, claim.attempt)
+        await self.scope.settle(delivery, job.id, decision.action, claim.attempt)
 
     async def _write_outcome(
         self,
@@ -310,7 +289,7 @@ class AttemptRun:
                 publish=results.publish if results.staged else None,
                 follow_ups=tuple[NewJob, ...](result.follow_ups),
             )
-            answer = await self._complete(request)
+            answer = await self.scope.completions.submit(request)
             if isinstance(answer, Exception):
                 raise answer  # the staged result could not be published: nothing committed
             return Fenced(True) if answer else await self._current(job.id)
@@ -379,7 +358,7 @@ class AttemptRun:
                 currentAttempt=fenced.current_attempt,
                 currentState=fenced.current_state.value if fenced.current_state else None,
             )
-        await self._settle(delivery, claim.job_id, Action.ACK, claim.attempt)
+        await self.scope.settle(delivery, claim.job_id, Action.ACK, claim.attempt)
 
     def _measure(
         self, job: JobRecord, decision: Decision, won: bool, started: float | None

@@ -50,6 +50,7 @@ from jobrelay.worker.delivery import DeliveryHandler
 from jobrelay.worker.failures import record_release
 from jobrelay.worker.loop_watch import LoopWatch
 from jobrelay.worker.queue_gate import QueueGate
+from jobrelay.worker.scope import WorkerScope
 from jobrelay.worker.slots import Slots, delivery_slots
 from jobrelay.worker.timeline import TimelineWriter
 
@@ -108,12 +109,14 @@ class Worker:
             lambda: paused_queues(rt.store), self.queues, rt.settings.queue_pause_poll_seconds
         )
         self.deliveries = DeliveryHandler(
-            rt,
-            registry,
-            self.worker_id,
-            self.lease,
-            timeline=self.timeline,
-            wait_for_database=self._wait_for_database,
+            WorkerScope.open(
+                rt,
+                registry,
+                self.worker_id,
+                self.lease,
+                timeline=self.timeline,
+                wait_for_database=self._wait_for_database,
+            )
         )
 
     # --- the consume loop -------------------------------------------------------------------

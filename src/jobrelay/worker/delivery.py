@@ -20,12 +20,11 @@ import dataclasses
 import logging
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
-from jobrelay.batching import Batcher
 from jobrelay.domain.messages import JobMessage, MessageDecodeError, decode, outbox_id_of
 from jobrelay.domain.policy import (
     Action,
@@ -38,24 +37,19 @@ from jobrelay.domain.policy import (
 from jobrelay.domain.states import JobState
 from jobrelay.domain.unknown_types import DEFERS_HEADER, judge_unknown
 from jobrelay.errors import StoreDataError, StoreError
-from jobrelay.library.operations import Registry
 from jobrelay.observe import logs
-from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.store import (
     Claim,
     Claimed,
     ClaimRequest,
-    CompleteRequest,
-    Completion,
     JobRecord,
 )
 from jobrelay.transport.base import Delivery
 from jobrelay.worker.attempt import AttemptRun
 from jobrelay.worker.backoff import Backoff
 from jobrelay.worker.isolation import Isolation, is_suspect
-from jobrelay.worker.leases import LeaseRenewer
+from jobrelay.worker.scope import WorkerScope
 from jobrelay.worker.threads import SyncThreads, ThreadSlot
-from jobrelay.worker.timeline import TimelineWriter
 
 log = logging.getLogger("jobrelay.worker")
 
@@ -63,51 +57,24 @@ log = logging.getLogger("jobrelay.worker")
 # few times, then defer rather than drop.
 _MAX_DECISION_ROUNDS = 3
 
-# The most claims (or completions) sent in one statement.
-BATCH_SIZE = 100
 # The def job's thread the delivery being handled took before its claim (its run's body's).
 _thread: ContextVar[ThreadSlot | None] = ContextVar("jobrelay_def_thread", default=None)
 
 
 class DeliveryHandler:
     """What the worker does with each delivery; it holds no state between deliveries
-    except the batchers that let concurrent ones share their statements."""
+    beyond its scope's (the batchers concurrent deliveries share, the lease renewer) and the
+    jobs it holds now."""
 
-    def __init__(
-        self,
-        rt: Runtime,
-        registry: Registry,
-        worker_id: str,
-        lease: timedelta,
-        *,
-        timeline: TimelineWriter,
-        wait_for_database: Callable[[], Awaitable[None]],
-    ) -> None:
-        self.rt = rt
-        self.registry = registry
-        self.worker_id = worker_id
-        self.lease = lease
-        self.timeline = timeline
-        self._wait_for_database = wait_for_database
-        # Every claim and completion is a batch (a single job is a batch of one): those of
-        # concurrent deliveries share a statement (PostgreSQL) or a write transaction, so one
-        # commit (SQLite, where the commit is the cost). JOBRELAY_BATCHING=false: batches of 1.
-        size = BATCH_SIZE if rt.settings.batching else 1
-
-        # A statement the database refused for one row's data is sent again row by row.
-        def alone_on(exc: Exception) -> bool:
-            return isinstance(exc, StoreDataError)
-
-        self._claims: Batcher[ClaimRequest, Claimed] = Batcher(
-            self._claim_many, key=lambda r: r.job_id, max_size=size, alone_on=alone_on
-        )
-        self._completions: Batcher[CompleteRequest, Completion] = Batcher(
-            self._complete_many, key=lambda r: r.claim.job_id, max_size=size, alone_on=alone_on
-        )
+    def __init__(self, scope: WorkerScope) -> None:
+        self.scope = scope
+        rt = self.rt = scope.rt
+        self.registry = scope.registry
+        self.worker_id = scope.worker_id
+        self.lease = scope.lease
+        self.leases = scope.leases
         settings = rt.settings  # the threads of def jobs (worker.threads)
         self.threads = SyncThreads(settings.sync_threads, settings.sync_abandoned_max, rt.metrics)
-        # Every running claim's lease, renewed in one statement (one renewer per worker).
-        self.leases = LeaseRenewer(rt, lease, rt.settings.cancel_check_seconds)
         # Runs together, or a suspect alone (``worker.isolation``).
         self.isolation = Isolation()
         # Deliveries of each job being claimed or run in this process (a lost claim's reply
@@ -164,7 +131,7 @@ class DeliveryHandler:
         # The happy path first: a claim guarded on exactly "ready to run" needs no read.
         async def claim() -> Claimed:
             request = ClaimRequest(message.job_id, message.type, self.worker_id, meta)
-            return await self._claims.submit(request)
+            return await self.scope.claims.submit(request)
 
         async with self.isolation.shared():
             claimed = await self._claim(message.job_id, claim)
@@ -197,7 +164,7 @@ class DeliveryHandler:
         ``cancelled`` now, as the reconciler would, and ack (``storage.cancels``)."""
         if not await self.rt.store.end_abandoned(job.id, self.rt.clock()):
             return False  # its worker still holds it (the policy defers), or it moved on
-        await self._settle(delivery, job.id, Action.ACK, job.attempt)
+        await self.scope.settle(delivery, job.id, Action.ACK, job.attempt)
         return True
 
     async def _with_last_release(
@@ -234,7 +201,7 @@ class DeliveryHandler:
                 )
                 if decision.event == "duplicate_acked":
                     self.rt.metrics.duplicates_acked.inc()
-                await self._settle(delivery, job.id, Action.ACK, job.attempt)
+                await self.scope.settle(delivery, job.id, Action.ACK, job.attempt)
                 return True
             case Action.DEFER:
                 reason = decision.reason or "deferred"
@@ -259,7 +226,7 @@ class DeliveryHandler:
                     await self.rt.store.record_event(
                         job.id, decision.event, now, reason=decision.reason, **meta
                     )
-                await self._settle(delivery, job.id, Action.REJECT, job.attempt)
+                await self.scope.settle(delivery, job.id, Action.REJECT, job.attempt)
                 return True
             case Action.RUN:
 
@@ -307,7 +274,7 @@ class DeliveryHandler:
                     exc,
                     extra={"event": "claim_held", "jobId": job_id},
                 )
-                await self._wait_for_database()
+                await self.scope.wait_for_database()
                 await backoff.wait()
                 own = await self._own_claim(job_id)
                 if own is not None:
@@ -345,52 +312,8 @@ class DeliveryHandler:
     ) -> None:
         self.rt.metrics.transition(claimed_from.value, JobState.RUNNING.value)
         logs.bind(attempt=claim.attempt)
-        run = AttemptRun(
-            self.rt,
-            self.registry,
-            self.worker_id,
-            self.lease,
-            settle=self._settle,
-            wait_for_database=self._wait_for_database,
-            complete=self._completions.submit,
-            leases=self.leases,
-            thread=_thread.get(),
-        )
+        run = AttemptRun(self.scope, thread=_thread.get())
         await run.run(delivery, job, claim)
-
-    async def _claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claimed]:
-        return await self.rt.store.claim_many(requests, self.rt.clock(), self.lease)
-
-    async def _complete_many(self, requests: Sequence[CompleteRequest]) -> list[Completion]:
-        done = await self.rt.store.complete_many(requests, self.rt.clock())
-        # Tests: the batch committed, none of its deliveries settled yet.
-        self.rt.faults.hit("worker.after_complete")
-        return [done.failed.get(r.claim.job_id, r.claim.job_id in done) for r in requests]
-
-    # --- settling ---------------------------------------------------------------------------
-
-    async def _settle(self, delivery: Delivery, job_id: str, action: Action, attempt: int) -> None:
-        """Ack or reject AFTER the outcome is committed, then record whether the broker took it.
-
-        ``settle_lost``: the channel the delivery came on had closed, so the broker requeues
-        the message and its redelivery is handled as a duplicate of the committed outcome.
-        """
-        self.rt.faults.hit("worker.before_ack")
-        if action is Action.REJECT:
-            taken = await delivery.reject()
-            kind = "rejected"
-        else:
-            taken = await delivery.ack()
-            kind = "ack_sent"
-        detail: dict[str, Any] = {"attempt": attempt}
-        if not taken:
-            detail["action"] = kind
-            kind = "settle_lost"
-        # Per job at DEBUG: the timeline writer logs one INFO line per batch of settles. A
-        # settle the broker did not take is rare and worth a line of its own.
-        level = logging.INFO if kind == "settle_lost" else logging.DEBUG
-        log.log(level, kind, extra={"event": kind, "jobId": job_id, "attempt": attempt})
-        await self.timeline.record(job_id, kind, self.rt.clock(), **detail)
 
     async def _defer(
         self,
@@ -406,7 +329,7 @@ class DeliveryHandler:
         await self.rt.store.defer(
             job_id, body, delay, reason, self.rt.clock(), headers=headers, **(detail or {})
         )
-        await self._settle(delivery, job_id, Action.ACK, job.attempt if job else 0)
+        await self.scope.settle(delivery, job_id, Action.ACK, job.attempt if job else 0)
 
     def _defer_delay(self, job: JobRecord | None) -> int:
         """The shortest retry tier that outlasts the other worker's lease, else the longest."""
@@ -483,7 +406,7 @@ class DeliveryHandler:
             extra={"event": "invalid_message", "jobId": job_id, "reason": reason},
         )
         if job is not None:
-            await self._settle(delivery, job.id, Action.REJECT, job.attempt)
+            await self.scope.settle(delivery, job.id, Action.REJECT, job.attempt)
         else:
             self.rt.faults.hit("worker.before_ack")
             await delivery.reject()

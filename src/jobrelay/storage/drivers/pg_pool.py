@@ -7,12 +7,12 @@ follow a settle, the relay's claim and mark), so on PostgreSQL they hold a small
 pool (``HotPool.held``, opened before they say they started) and run those statements on
 it. asyncpg prepares each statement once per connection and keeps it (its statement cache).
 
-Nothing is written twice: a ``HotStatement`` is the SQLAlchemy statement the store runs
+Nothing is written twice: a ``CompiledStatement`` is the SQLAlchemy statement the store runs
 anyway, compiled once for asyncpg, with SQLAlchemy's own bind processors, and its result rows
-read by name as the SQLAlchemy path's rows are. The guards in it come from ``claims``
-(``claimable``, ``fenced``). So the two paths run the same text; the store picks the held
-pool when there is one (``StoreBase.hot_rows``) and SQLAlchemy otherwise (SQLite, the API,
-tests that drive the store alone).
+read by name as the SQLAlchemy path's rows are. The guards and writes in it are the
+declarations of ``transitions``. So the two paths run the same text; the driver picks the
+held pool when there is one (``PostgresDriver.rows``) and SQLAlchemy otherwise (the API, a
+completion with steps of its own, tests that drive the store alone).
 
 Failures are told apart as on SQLAlchemy (``engine.store_error``): a refusal of the data
 (SQLSTATE classes 22 and 23, a value asyncpg cannot encode) is a ``StoreDataError``; a lost
@@ -30,41 +30,29 @@ from typing import Any
 
 import asyncpg
 from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
-from sqlalchemy.engine import URL, Dialect
+from sqlalchemy.engine import URL
 from sqlalchemy.sql.expression import Executable
 
 from jobrelay import fastjson
 from jobrelay.errors import StoreDataError, StoreError
+from jobrelay.storage.drivers.compiled import CompiledStatement
 from jobrelay.storage.engine import first_line, refuses_data
 from jobrelay.storage.shared import Shared
 
 log = logging.getLogger(__name__)
 
 _DIALECT = asyncpg_dialect()  # type: ignore[no-untyped-call]
+
+
+def pg_statement(statement: Executable) -> CompiledStatement:
+    """``statement`` compiled once for asyncpg, bound as SQLAlchemy binds it."""
+    return CompiledStatement(statement, _DIALECT)
+
+
 # Connections a worker or relay holds: a claim, a completion, the events and the lease
 # renewal may be in flight at once; the relay needs two (claim, mark).
 HOT_POOL_SIZE = 4
 _CLOSE_SECONDS = 5.0
-
-
-class HotStatement:
-    """One SQLAlchemy statement compiled once for asyncpg (or ``dialect``: SQLite's, for
-    ``sqlite_hot``): its text and how to bind it."""
-
-    def __init__(self, statement: Executable, dialect: Dialect | None = None) -> None:
-        compiled = statement.compile(dialect=dialect or _DIALECT)  # type: ignore[attr-defined]
-        self.statement = statement
-        self.sql: str = compiled.string
-        processors = compiled._bind_processors
-        self._binds = tuple((name, processors.get(name)) for name in compiled.positiontup or ())
-
-    def args(self, params: Mapping[str, Any]) -> list[Any]:
-        """The positional arguments for ``params``, as SQLAlchemy would have bound them."""
-        args: list[Any] = []
-        for name, process in self._binds:
-            value = params[name]
-            args.append(value if process is None else process(value))
-        return args
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -127,7 +115,7 @@ class HotPool:
         )
 
     async def fetch(
-        self, statement: HotStatement, params: Mapping[str, Any], what: str = "database"
+        self, statement: CompiledStatement, params: Mapping[str, Any], what: str = "database"
     ) -> Sequence[asyncpg.Record]:
         """Run ``statement`` on a held connection, in autocommit: one round trip."""
         pool = self._shared.value
@@ -173,4 +161,4 @@ async def _close(pool: asyncpg.Pool) -> None:
         pool.terminate()
 
 
-__all__ = ["HOT_POOL_SIZE", "HotPool", "HotStatement", "hot_error"]
+__all__ = ["HOT_POOL_SIZE", "HotPool", "hot_error", "pg_statement"]

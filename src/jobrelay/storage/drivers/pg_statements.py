@@ -27,7 +27,7 @@ from sqlalchemy import (
 )
 
 from jobrelay.storage.delayed import outbox_due
-from jobrelay.storage.drivers.pg_pool import HotStatement
+from jobrelay.storage.drivers.pg_pool import pg_statement
 from jobrelay.storage.tables import UTCDateTime, jobs, outbox
 from jobrelay.storage.transitions import CLAIM, COMPLETE, RENEW, Inputs, guard_sql, set_sql
 
@@ -45,7 +45,7 @@ _BATCH = Inputs(
     req=_req,
 )
 
-CLAIM_MANY = HotStatement(
+CLAIM_MANY = pg_statement(
     text(
         f"""
 WITH clock AS (SELECT COALESCE(:b_clock, now()) AS now),
@@ -99,7 +99,7 @@ SELECT * FROM claimed
     )
 )
 
-COMPLETE_MANY = HotStatement(
+COMPLETE_MANY = pg_statement(
     text(
         f"""
 WITH req AS (
@@ -145,7 +145,7 @@ _RENEW_HOLDS = guard_sql(RENEW.guards(_BATCH))
 # never waited on: one locked row must not hold up the renewal of its neighbours. A skipped
 # row whose last committed state still shows the claim holding it is answered ``skipped``
 # (not renewed, not lost: nobody can take it over while the lock is held either).
-RENEW_MANY = HotStatement(
+RENEW_MANY = pg_statement(
     text(
         f"""
 WITH clock AS (SELECT COALESCE(:b_clock, now()) AS now),
@@ -181,7 +181,7 @@ WHERE {_RENEW_HOLDS} AND NOT EXISTS (SELECT 1 FROM locked WHERE locked.id = req.
 )
 
 # The events of a batch as arrays, one statement whatever their number; unknown jobs' skipped.
-RECORD_MANY = HotStatement(
+RECORD_MANY = pg_statement(
     text(
         """
 INSERT INTO job_events (job_id, at, kind, detail)
@@ -201,7 +201,7 @@ WHERE EXISTS (SELECT 1 FROM jobs WHERE jobs.id = r.job_id)
 # The relay's claim: rows waiting and not claimed by a live relay, skipped when another claim
 # holds them, taken for ``o_claim_for`` by the store's clock, which is also their ``taken_at``.
 # Only rows due by then (``delayed.outbox_due``: a delayed job's row is held until its time).
-CLAIM_OUTBOX = HotStatement(
+CLAIM_OUTBOX = pg_statement(
     text(
         f"""
 WITH clock AS (SELECT COALESCE(:o_clock, now()) AS now),
@@ -242,7 +242,7 @@ RETURNING outbox.id, outbox.job_id, outbox.destination, outbox.body, outbox.head
 
 # The relay's mark: confirmed rows not yet marked, and a ``published`` event each, stamped
 # with the instant the row was taken (``OutboxStore.mark_published``).
-MARK_PUBLISHED = HotStatement(
+MARK_PUBLISHED = pg_statement(
     text(
         """
 WITH req AS (

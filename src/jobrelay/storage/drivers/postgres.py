@@ -23,7 +23,8 @@ from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.states import JobState
 from jobrelay.storage.capabilities import POSTGRESQL
 from jobrelay.storage.drivers import pg_statements as sql
-from jobrelay.storage.drivers.pg_pool import HotPool, HotStatement
+from jobrelay.storage.drivers.compiled import CompiledStatement
+from jobrelay.storage.drivers.pg_pool import HotPool
 from jobrelay.storage.engine import read_tx, statement_tx
 from jobrelay.storage.records import (
     NOTIFY_CHANNEL,
@@ -89,7 +90,7 @@ class PostgresDriver:
 
     async def rows(
         self,
-        statement: HotStatement,
+        statement: CompiledStatement,
         params: Mapping[str, Any],
         conn: AsyncConnection | None = None,
     ) -> Sequence[Any]:

@@ -10,8 +10,8 @@ started) and runs each batch transaction (``transaction``: a function of the con
 that connection's thread in ONE hand-off, still queued in the process's write lock
 (``engine.write_lock``) and begun ``IMMEDIATE``, exactly as ``engine.begin_write`` does.
 
-The statements are the store's own (``sqlite_batches``): the same text, compiled once for
-SQLite with SQLAlchemy's bind processors (``pg_hot.HotStatement``), rows read with the column
+The statements are the driver's own (``sqlite_statements``): the same text, compiled once for
+SQLite with SQLAlchemy's bind processors (``drivers.compiled``), rows read with the column
 types' own result processors. The connection is set up as the engine's are
 (``engine.sqlite_session``): WAL, ``synchronous=NORMAL``, the busy timeout, foreign keys; so a
 commit is as durable as before. An in-memory database has no second connection to the same
@@ -36,7 +36,7 @@ from sqlalchemy.dialects.sqlite.aiosqlite import dialect as aiosqlite_dialect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.errors import StoreBusy, StoreDataError, StoreError
-from jobrelay.storage.drivers.pg_pool import HotStatement
+from jobrelay.storage.drivers.compiled import CompiledStatement
 from jobrelay.storage.engine import first_line, sqlite_busy, sqlite_session, write_lock
 from jobrelay.storage.shared import Shared
 
@@ -54,9 +54,9 @@ _DATA_ERRORS = (
 )
 
 
-def sqlite_statement(statement: Any) -> HotStatement:
+def sqlite_statement(statement: Any) -> CompiledStatement:
     """``statement`` compiled once for SQLite, bound as SQLAlchemy binds it."""
-    return HotStatement(statement, DIALECT)
+    return CompiledStatement(statement, DIALECT)
 
 
 class RowReader:
@@ -79,7 +79,9 @@ class RowReader:
         ]
 
 
-def run(conn: sqlite3.Connection, statement: HotStatement, params: Mapping[str, Any]) -> list[Any]:
+def run(
+    conn: sqlite3.Connection, statement: CompiledStatement, params: Mapping[str, Any]
+) -> list[Any]:
     """One statement on the held connection (in its thread); its rows as tuples."""
     return conn.execute(statement.sql, statement.args(params)).fetchall()
 

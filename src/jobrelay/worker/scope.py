@@ -1,0 +1,115 @@
+"""What every delivery of one worker shares, handed down the hot loop as one object.
+
+A delivery's life reads in one direction: the consumer (``consumer``) hands it to the
+delivery handler (``delivery``: decode, ask the policy, claim), which hands the claim to an
+attempt (``attempt``: run, write the outcome), which settles it (``settle`` here). Each of
+them is given this scope instead of callbacks into the one before (Oban's executor passes
+one struct down the same way): the runtime, the job types, who the worker is, its lease,
+the batchers its claims and completions share a statement in, its one lease renewer, the
+timeline its settles are recorded in, and how to wait out a database outage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from jobrelay.batching import Batcher
+from jobrelay.domain.policy import Action
+from jobrelay.errors import StoreDataError
+from jobrelay.library.operations import Registry
+from jobrelay.runtime.wiring import Runtime
+from jobrelay.storage.store import Claimed, ClaimRequest, CompleteRequest, Completion
+from jobrelay.transport.base import Delivery
+from jobrelay.worker.leases import LeaseRenewer
+from jobrelay.worker.timeline import TimelineWriter
+
+log = logging.getLogger("jobrelay.worker")
+
+# The most claims (or completions) sent in one statement.
+BATCH_SIZE = 100
+
+
+@dataclass
+class WorkerScope:
+    rt: Runtime
+    registry: Registry
+    worker_id: str
+    lease: timedelta
+    timeline: TimelineWriter
+    leases: LeaseRenewer
+    wait_for_database: Callable[[], Awaitable[None]]
+    claims: Batcher[ClaimRequest, Claimed]
+    completions: Batcher[CompleteRequest, Completion]
+
+    @classmethod
+    def open(
+        cls,
+        rt: Runtime,
+        registry: Registry,
+        worker_id: str,
+        lease: timedelta,
+        *,
+        timeline: TimelineWriter,
+        wait_for_database: Callable[[], Awaitable[None]],
+    ) -> WorkerScope:
+        """The scope of a worker: every claim and completion is a batch (a single job is a
+        batch of one): those of concurrent deliveries share a statement (PostgreSQL) or a
+        write transaction, so one commit (SQLite, where the commit is the cost).
+        JOBRELAY_BATCHING=false: batches of 1."""
+        size = BATCH_SIZE if rt.settings.batching else 1
+
+        # A statement the database refused for one row's data is sent again row by row.
+        def alone_on(exc: Exception) -> bool:
+            return isinstance(exc, StoreDataError)
+
+        async def claim_many(requests: Sequence[ClaimRequest]) -> Sequence[Claimed]:
+            return await rt.store.claim_many(requests, rt.clock(), lease)
+
+        async def complete_many(requests: Sequence[CompleteRequest]) -> Sequence[Completion]:
+            done = await rt.store.complete_many(requests, rt.clock())
+            # Tests: the batch committed, none of its deliveries settled yet.
+            rt.faults.hit("worker.after_complete")
+            return [done.failed.get(r.claim.job_id, r.claim.job_id in done) for r in requests]
+
+        return cls(
+            rt,
+            registry,
+            worker_id,
+            lease,
+            timeline,
+            # Every running claim's lease, renewed in one statement (one renewer per worker).
+            LeaseRenewer(rt, lease, rt.settings.cancel_check_seconds),
+            wait_for_database,
+            Batcher(claim_many, key=lambda r: r.job_id, max_size=size, alone_on=alone_on),
+            Batcher(complete_many, key=lambda r: r.claim.job_id, max_size=size, alone_on=alone_on),
+        )
+
+    async def settle(self, delivery: Delivery, job_id: str, action: Action, attempt: int) -> None:
+        """Ack or reject AFTER the outcome is committed, then record whether the broker took it.
+
+        ``settle_lost``: the channel the delivery came on had closed, so the broker requeues
+        the message and its redelivery is handled as a duplicate of the committed outcome.
+        """
+        self.rt.faults.hit("worker.before_ack")
+        if action is Action.REJECT:
+            taken = await delivery.reject()
+            kind = "rejected"
+        else:
+            taken = await delivery.ack()
+            kind = "ack_sent"
+        detail: dict[str, Any] = {"attempt": attempt}
+        if not taken:
+            detail["action"] = kind
+            kind = "settle_lost"
+        # Per job at DEBUG: the timeline writer logs one INFO line per batch of settles. A
+        # settle the broker did not take is rare and worth a line of its own.
+        level = logging.INFO if kind == "settle_lost" else logging.DEBUG
+        log.log(level, kind, extra={"event": kind, "jobId": job_id, "attempt": attempt})
+        await self.timeline.record(job_id, kind, self.rt.clock(), **detail)
+
+
+__all__ = ["BATCH_SIZE", "WorkerScope"]
