@@ -5,7 +5,7 @@ No I/O here: the store modules build these from rows, and the roles pass them ar
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -305,6 +305,25 @@ def jsonable(detail: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in detail.items():
         out[key] = value.isoformat() if isinstance(value, datetime) else value
     return out
+
+
+def claimed_in_order(
+    requests: Sequence[ClaimRequest],
+    won: Mapping[str, Mapping[Any, Any]],
+    left: Mapping[str, str],
+) -> list[Claimed]:
+    """A batch's claims answered in request order: for each request, the claim, the job as
+    its statement returned it (``won``, by id) and the state it left (``left``); or None."""
+    results: list[Claimed] = []
+    for request in requests:
+        row = won.get(request.job_id)
+        if row is None:
+            results.append(None)
+            continue
+        job = job_record(row)
+        claim = Claim(job.id, job.attempt, request.worker_id)
+        results.append((claim, job, JobState(left[request.job_id])))
+    return results
 
 
 def outbox_row(r: Mapping[Any, Any], publish_attempts: int) -> OutboxRow:

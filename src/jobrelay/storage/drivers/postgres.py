@@ -20,7 +20,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay import fastjson
 from jobrelay.domain.policy import RETRY_SLACK
-from jobrelay.domain.states import JobState
 from jobrelay.storage.capabilities import POSTGRESQL
 from jobrelay.storage.drivers import pg_statements as sql
 from jobrelay.storage.drivers.compiled import CompiledStatement
@@ -36,10 +35,9 @@ from jobrelay.storage.records import (
     OutboxRow,
     PendingEvent,
     Renewed,
-    job_record,
+    claimed_in_order,
     jsonable,
     outbox_row,
-    utc_now,
 )
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.tables import UTCDateTime
@@ -125,16 +123,8 @@ class PostgresDriver:
             "b_clock": self._clock_param(),
         }
         won = {row["id"]: row for row in await self.rows(sql.CLAIM_MANY, params)}
-        results: list[Claimed] = []
-        for request in requests:
-            row = won.get(request.job_id)
-            if row is None:
-                results.append(None)
-                continue
-            job = job_record(row)
-            claim = Claim(job.id, job.attempt, request.worker_id)
-            results.append((claim, job, JobState(row["claimed_from_state"])))
-        return results
+        left = {job_id: row["claimed_from_state"] for job_id, row in won.items()}
+        return claimed_in_order(requests, won, left)
 
     async def complete_many(
         self,
@@ -212,4 +202,4 @@ class PostgresDriver:
         return int(marked["marked"])
 
 
-__all__ = ["PostgresDriver", "utc_now"]
+__all__ = ["PostgresDriver"]

@@ -28,7 +28,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay import fastjson
 from jobrelay.domain.policy import RETRY_SLACK
-from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreDataError
 from jobrelay.storage.capabilities import SQLITE
 from jobrelay.storage.delayed import outbox_due
@@ -44,7 +43,7 @@ from jobrelay.storage.records import (
     OutboxRow,
     PendingEvent,
     Renewed,
-    job_record,
+    claimed_in_order,
     jsonable,
     outbox_row,
     utc_now,
@@ -196,16 +195,7 @@ class SqliteDriver:
             "due_by": clock + RETRY_SLACK,
         }
         left, won = await self._tx(lambda run: _claim_tx(run, requests, params, now))
-        results: list[Claimed] = []
-        for request in requests:
-            row = won.get(request.job_id)
-            if row is None:
-                results.append(None)
-                continue
-            job = job_record(row)
-            claim = Claim(job.id, job.attempt, request.worker_id)
-            results.append((claim, job, JobState(left[request.job_id])))
-        return results
+        return claimed_in_order(requests, won, left)
 
     async def complete_many(
         self,
