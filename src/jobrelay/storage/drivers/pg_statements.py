@@ -29,7 +29,15 @@ from sqlalchemy import (
 from jobrelay.storage.delayed import outbox_due
 from jobrelay.storage.drivers.pg_pool import pg_statement
 from jobrelay.storage.tables import UTCDateTime, jobs, outbox
-from jobrelay.storage.transitions import CLAIM, COMPLETE, RENEW, Inputs, guard_sql, set_sql
+from jobrelay.storage.transitions import (
+    CLAIM,
+    COMPLETE,
+    RENEW,
+    Inputs,
+    guard_sql,
+    outbox_admissible,
+    set_sql,
+)
 
 
 def _req(name: str) -> object:
@@ -117,6 +125,9 @@ done AS (
     FROM req JOIN locked ON locked.id = req.id
     WHERE jobs.id = req.id AND {guard_sql(COMPLETE.guards(_BATCH))}
     RETURNING jobs.id, req.detail
+),
+released AS (
+    DELETE FROM job_slots USING done WHERE job_slots.job_id = done.id
 ),
 event AS (
     INSERT INTO job_events (job_id, at, kind, detail)
@@ -209,7 +220,7 @@ picked AS (
     SELECT outbox.id FROM outbox, clock
     WHERE outbox.published_at IS NULL
       AND (outbox.claimed_until IS NULL OR outbox.claimed_until < clock.now)
-      AND ({guard_sql([outbox_due(literal_column("clock.now"))])})
+      AND ({guard_sql([outbox_due(literal_column("clock.now")), outbox_admissible()])})
     ORDER BY outbox.id
     LIMIT :o_limit
     FOR UPDATE OF outbox SKIP LOCKED

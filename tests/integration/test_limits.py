@@ -1,0 +1,288 @@
+"""Limits per key, applied where jobrelay can apply them: before the broker (issue 36).
+
+On both databases: the relay's admission (``Store.admit_waiting``) hands a key no more jobs
+than its limit, takes keys in turns, spends a rate limit's tokens and honours an operator's
+override; the outbox claim sends only admitted jobs; the transaction that ends a run gives
+its slot back, exactly once (a success, a retry, the reconciler's takeover); a retry waits
+in the outbox (not in a delay queue holding its slot); a copy of a job met while it waits
+for admission is acked unrun.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import Counter
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from sqlalchemy import func, insert, select
+
+import jobrelay
+from jobrelay.domain.policy import Action, decide, observe_delivery
+from jobrelay.storage.engine import create_engine
+from jobrelay.storage.records import Claim, NewJob
+from jobrelay.storage.repairs import RepairQueries
+from jobrelay.storage.store import Store
+from jobrelay.storage.tables import job_slots, limit_overrides, outbox
+
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+LEASE = timedelta(seconds=30)
+
+
+class Export(BaseModel):
+    account: str
+    n: int = 0
+
+
+app = jobrelay.App()
+
+
+@app.job(
+    "lab.export",
+    params=Export,
+    max_attempts=3,
+    limits=[jobrelay.ConcurrencyLimit(2, key=lambda p: p.account)],
+)
+async def export(ctx: jobrelay.JobContext[Export], p: Export) -> None:
+    return None
+
+
+@app.job(
+    "lab.mail",
+    params=Export,
+    limits=[jobrelay.RateLimit("2/second", burst=2, name="smtp")],
+)
+async def mail(ctx: jobrelay.JobContext[Export], p: Export) -> None:
+    return None
+
+
+@app.job("lab.free", params=Export)
+async def free(ctx: jobrelay.JobContext[Export], p: Export) -> None:
+    return None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[tuple[Store, Clock]]:
+    engine = create_engine(database_url)
+    clock = Clock()
+    yield Store(engine, clock=clock), clock
+    await engine.dispose()
+
+
+async def submit(store: Store, job: jobrelay.JobDefinition[Export], account: str, n: int) -> str:
+    new: NewJob = job.new_job(Export(account=account, n=n), account=account)
+    job_id, _ = await store.submit(new, T0)
+    return job_id
+
+
+async def slots(store: Store, key: str) -> int:
+    async with store.reading() as conn:
+        return int(
+            await conn.scalar(
+                select(func.count()).where(job_slots.c.limit_id == f"lab.export\x1f{key}")
+            )
+            or 0
+        )
+
+
+async def sent(store: Store) -> list[str]:
+    """What a relay claims and (confirmed) marks published now."""
+    rows = await store.claim_outbox("relay-1", 100, timedelta(seconds=30))
+    await store.mark_published("relay-1", rows)
+    return [row.job_id for row in rows]
+
+
+async def test_a_key_is_admitted_no_more_jobs_than_its_limit(
+    store: tuple[Store, Clock],
+) -> None:
+    """Old code: no limits at all (``limits=`` was refused by ``@app.job``); every job went
+    to the broker at once."""
+    s, _ = store
+    acme = [await submit(s, export, "acme", i) for i in range(5)]
+    globex = await submit(s, export, "globex", 0)
+    unlimited = await submit(s, free, "acme", 0)
+    answer = await s.admit_waiting(100)
+    assert (answer.admitted, answer.held) == (3, 3)
+    assert sorted(await sent(s)) == sorted([acme[0], acme[1], globex, unlimited])
+    assert await slots(s, "acme") == 2
+    held = [e for e in await s.events(acme[2]) if e.kind == "throttled"]
+    assert len(held) == 1 and "acme has 2 of 2 running" in held[0].detail["reason"]
+    # Held once: the next round writes no second ``throttled`` event.
+    await s.admit_waiting(100)
+    assert [e.kind for e in await s.events(acme[2])].count("throttled") == 1
+    job = await s.get_job(acme[2])
+    assert job is not None and job.awaiting_admission
+
+
+async def test_a_success_gives_its_slot_back_and_the_next_job_is_admitted(
+    store: tuple[Store, Clock],
+) -> None:
+    s, _ = store
+    acme = [await submit(s, export, "acme", i) for i in range(3)]
+    await s.admit_waiting(100)
+    assert set(await sent(s)) == {acme[0], acme[1]}
+    claim = await s.claim_job(acme[0], "w1", T0, LEASE)
+    assert claim is not None
+    assert (await s.complete(claim, None, {}, T0)).won
+    assert await slots(s, "acme") == 1
+    assert (await s.admit_waiting(100)).admitted == 1
+    assert await sent(s) == [acme[2]]
+    kinds = [e.kind for e in await s.events(acme[2])]
+    assert kinds == ["accepted", "throttled", "admitted", "published"]
+
+
+async def test_a_retry_gives_its_slot_back_and_waits_in_the_outbox_until_due(
+    store: tuple[Store, Clock],
+) -> None:
+    s, clock = store
+    job_id = await submit(s, export, "acme", 0)
+    await s.admit_waiting(100)
+    assert await sent(s) == [job_id]
+    claim = await s.claim_job(job_id, "w1", T0, LEASE)
+    assert claim is not None
+    assert (await s.schedule_retry(claim, "lab.export", "boom", 60, T0)).won
+    assert await slots(s, "acme") == 0
+    async with s.reading() as conn:
+        waiting = (
+            await conn.execute(
+                select(outbox.c.destination, outbox.c.available_at).where(
+                    outbox.c.job_id == job_id, outbox.c.published_at.is_(None)
+                )
+            )
+        ).one()
+    assert "delay" not in waiting.destination and waiting.available_at is not None
+    assert (await s.admit_waiting(100)).admitted == 0  # not due: not even a candidate
+    clock.now = T0 + timedelta(seconds=61)
+    assert (await s.admit_waiting(100)).admitted == 1
+    assert await sent(s) == [job_id]
+
+
+async def test_the_reconcilers_takeover_gives_the_slot_back_once(
+    store: tuple[Store, Clock],
+) -> None:
+    s, clock = store
+    job_id = await submit(s, export, "acme", 0)
+    await s.admit_waiting(100)
+    claim = await s.claim_job(job_id, "w1", T0, LEASE)
+    assert claim is not None and await slots(s, "acme") == 1
+    clock.now = T0 + LEASE * 2
+    repairs = RepairQueries(s)
+    assert await repairs.requeue_expired_lease(job_id, "w1", clock.now, clock.now, "reconciler")
+    assert await slots(s, "acme") == 0
+    assert not await repairs.requeue_expired_lease(job_id, "w1", clock.now, clock.now, "r")
+    assert await slots(s, "acme") == 0
+    # A late outcome of the lost attempt is fenced out and releases nothing more.
+    assert not (await s.complete(Claim(job_id, 1, "w1"), None, {}, clock.now)).won
+    assert await slots(s, "acme") == 0
+
+
+async def test_a_copy_met_while_its_job_waits_for_admission_is_acked_unrun(
+    store: tuple[Store, Clock],
+) -> None:
+    s, _ = store
+    first = await submit(s, export, "acme", 0)
+    second = await submit(s, export, "acme", 1)
+    third = await submit(s, export, "acme", 2)
+    await s.admit_waiting(100)
+    assert await s.claim_delivered(third, "lab.export", "w1", T0, LEASE) is None
+    job = await s.get_job(third)
+    assert job is not None
+    decision = decide(observe_delivery(job.view(), T0))
+    assert decision.action is Action.ACK and decision.reason == "waiting for its limits"
+    assert await s.claim_delivered(first, "lab.export", "w1", T0, LEASE) is not None
+    assert second  # admitted beside the first
+
+
+async def test_keys_take_turns_so_a_backlog_does_not_delay_another_keys_job(
+    store: tuple[Store, Clock],
+) -> None:
+    s, _ = store
+    await s.engine.dispose()
+    backlog = [await submit(s, export, "big", i) for i in range(6)]
+    late = await submit(s, export, "small", 0)
+    answer = await s.admit_waiting(2)
+    assert answer.admitted == 2
+    assert set(await sent(s)) == {backlog[0], late}
+
+
+async def test_a_rate_limit_admits_its_burst_then_its_rate(store: tuple[Store, Clock]) -> None:
+    s, clock = store
+    mails = [await submit(s, mail, f"acct-{i}", i) for i in range(6)]
+    assert (await s.admit_waiting(100)).admitted == 2
+    clock.now = T0 + timedelta(seconds=1)
+    assert (await s.admit_waiting(100)).admitted == 2
+    assert (await s.admit_waiting(100)).admitted == 0
+    assert len(await sent(s)) == 4
+    assert mails
+
+
+async def test_an_operators_override_raises_a_limit_at_once(store: tuple[Store, Clock]) -> None:
+    s, _ = store
+    [await submit(s, export, "acme", i) for i in range(5)]
+    assert (await s.admit_waiting(100)).admitted == 2
+    async with s.writing() as conn:
+        await conn.execute(
+            insert(limit_overrides).values(
+                limit_id="lab.export", max=4, changed_at=T0, changed_by="ops", reason="sale"
+            )
+        )
+    assert (await s.admit_waiting(100)).admitted == 2
+    assert await slots(s, "acme") == 4
+
+
+running: Counter[str] = Counter()
+peak: Counter[str] = Counter()
+
+
+@app.job(
+    "lab.slow",
+    params=Export,
+    limits=[jobrelay.ConcurrencyLimit(2, key=lambda p: p.account)],
+)
+async def slow(ctx: jobrelay.JobContext[Export], p: Export) -> None:
+    running[p.account] += 1
+    peak[p.account] = max(peak[p.account], running[p.account])
+    try:
+        await asyncio.sleep(0.05)  # the work: long enough for the others to pile up
+    finally:
+        running[p.account] -= 1
+
+
+async def test_running_jobs_per_key_never_exceed_the_limit_end_to_end(make_pipeline: Any) -> None:
+    """Through the relay, the broker (RabbitMQ, or the local transport) and two workers of 8
+    slots each: 8 jobs of one account and 2 of another, ``ConcurrencyLimit(2)`` per account.
+    Each job counts the jobs of its account running beside it. Old code: no limit, all 8
+    ran at once (peak 8)."""
+    running.clear()
+    peak.clear()
+    async with make_pipeline(prefetch=8) as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        ids = [
+            (await p.store.submit(slow.new_job(Export(account=a, n=i), account=a), now))[0]
+            for a, n in (("acme", 8), ("globex", 2))
+            for i in range(n)
+        ]
+        p.start_relay()
+        await p.start_worker()
+        await p.start_worker()
+        jobs = [await p.wait_for(job_id, lambda j: j.state.is_terminal) for job_id in ids]
+        assert {j.state for j in jobs} == {jobrelay.JobState.SUCCEEDED}
+        assert peak["acme"] == 2 and peak["globex"] <= 2
+        async with p.store.reading() as conn:
+            assert await conn.scalar(select(func.count()).select_from(job_slots)) == 0
+        for job in jobs:
+            kinds = await p.kinds(job.id)
+            assert kinds.count("admitted") == 1 and kinds.count("claimed") == 1
