@@ -45,6 +45,18 @@ def _req(name: str) -> object:
     return literal_column("CAST(req.meta AS json)" if name == "meta" else f"req.{name}")
 
 
+def _by_id(guard: str) -> str:
+    """The guard with ``jobs.state`` kept out of index choice (as SQLite's ``+jobs.state``).
+
+    Without statistics (a fresh database; autovacuum late, or off as on the bench machine)
+    the planner takes the guard's ``state IN (…)`` for a match of the partial index
+    ``ix_jobs_account_unfinished`` and scans every unfinished job once per batch: the no-op
+    drain fell from 3,150 to 1,742 jobs/s with 20,000 queued (measured). With the state out
+    of play, and the batch's ids an index condition (``= ANY``), each statement looks its
+    jobs up by primary key, whatever the statistics say."""
+    return guard.replace("jobs.state", "(jobs.state || '')")
+
+
 _BATCH = Inputs(
     now=literal_column(":b_now"),
     clock=literal_column("clock.now", UTCDateTime()),
@@ -68,6 +80,7 @@ req AS (
     SELECT j.id, j.state AS from_state, asked.type, asked.worker, asked.detail,
            asked.seen_state, asked.seen_attempt, asked.alone
     FROM jobs j JOIN asked ON j.id = asked.id
+    WHERE j.id = ANY(CAST(:b_ids AS text[]))
     ORDER BY j.id
     FOR NO KEY UPDATE OF j
 ),
@@ -75,7 +88,8 @@ claimed AS (
     UPDATE jobs SET
     {set_sql(CLAIM.sets(_BATCH))}
     FROM req, clock
-    WHERE jobs.id = req.id AND {guard_sql(CLAIM.guards(_BATCH))}
+    WHERE jobs.id = ANY(CAST(:b_ids AS text[])) AND jobs.id = req.id
+      AND {_by_id(guard_sql(CLAIM.guards(_BATCH)))}
     RETURNING jobs.*, req.from_state AS claimed_from_state, req.detail AS claim_detail
 ),
 event AS (
@@ -117,13 +131,16 @@ WITH req AS (
         AS r(id, attempt, worker, result_key, meta, detail)
 ),
 locked AS (
-    SELECT j.id FROM jobs j JOIN req ON j.id = req.id ORDER BY j.id FOR NO KEY UPDATE OF j
+    SELECT j.id FROM jobs j JOIN req ON j.id = req.id
+    WHERE j.id = ANY(CAST(:b_ids AS text[]))
+    ORDER BY j.id FOR NO KEY UPDATE OF j
 ),
 done AS (
     UPDATE jobs SET
     {set_sql(COMPLETE.sets(_BATCH))}
     FROM req JOIN locked ON locked.id = req.id
-    WHERE jobs.id = req.id AND {guard_sql(COMPLETE.guards(_BATCH))}
+    WHERE jobs.id = ANY(CAST(:b_ids AS text[])) AND jobs.id = req.id
+      AND {_by_id(guard_sql(COMPLETE.guards(_BATCH)))}
     RETURNING jobs.id, req.detail
 ),
 released AS (
@@ -148,7 +165,7 @@ SELECT id FROM done
     .columns(Column("id", String()))
 )
 
-_RENEW_HOLDS = guard_sql(RENEW.guards(_BATCH))
+_RENEW_HOLDS = _by_id(guard_sql(RENEW.guards(_BATCH)))
 
 # Every running claim of a worker renewed at once (its one lease renewer), fenced per row as
 # a completion is, rows locked in id order as the completions lock them. A row another
@@ -167,19 +184,21 @@ req AS (
 ),
 locked AS (
     SELECT j.id FROM jobs j JOIN req ON j.id = req.id
+    WHERE j.id = ANY(CAST(:b_ids AS text[]))
     ORDER BY j.id FOR NO KEY UPDATE OF j SKIP LOCKED
 ),
 renewed AS (
     UPDATE jobs SET
     {set_sql(RENEW.sets(_BATCH))}
     FROM req JOIN locked ON locked.id = req.id, clock
-    WHERE jobs.id = req.id AND {_RENEW_HOLDS}
+    WHERE jobs.id = ANY(CAST(:b_ids AS text[])) AND jobs.id = req.id AND {_RENEW_HOLDS}
     RETURNING jobs.id, req.attempt, jobs.cancel_requested_at IS NOT NULL AS cancel_requested
 )
 SELECT id, attempt, cancel_requested, false AS skipped FROM renewed
 UNION ALL
 SELECT jobs.id, req.attempt, false, true FROM jobs JOIN req ON jobs.id = req.id
-WHERE {_RENEW_HOLDS} AND NOT EXISTS (SELECT 1 FROM locked WHERE locked.id = req.id)
+WHERE jobs.id = ANY(CAST(:b_ids AS text[])) AND {_RENEW_HOLDS}
+  AND NOT EXISTS (SELECT 1 FROM locked WHERE locked.id = req.id)
 """
     ).bindparams(
         bindparam("b_ids", type_=ARRAY(String())),
