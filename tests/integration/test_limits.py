@@ -27,7 +27,7 @@ from jobrelay.storage.engine import create_engine
 from jobrelay.storage.records import Claim, NewJob
 from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import Store
-from jobrelay.storage.tables import job_slots, limit_overrides, outbox
+from jobrelay.storage.tables import job_slots, jobs, limit_overrides, outbox
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -286,3 +286,101 @@ async def test_running_jobs_per_key_never_exceed_the_limit_end_to_end(make_pipel
         for job in jobs:
             kinds = await p.kinds(job.id)
             assert kinds.count("admitted") == 1 and kinds.count("claimed") == 1
+
+
+@app.job(
+    "lab.crashy",
+    params=Export,
+    limits=[jobrelay.ConcurrencyLimit(2, key=lambda p: p.account)],
+)
+async def crashy(ctx: jobrelay.JobContext[Export], p: Export) -> None:
+    running[p.account] += 1
+    peak[p.account] = max(peak[p.account], running[p.account])
+    try:
+        await ctx.fault_point("export.run")  # armed: the worker dies here, once
+        await asyncio.sleep(0.02)
+    finally:
+        running[p.account] -= 1
+
+
+async def test_a_worker_killed_mid_run_leaks_no_slot_and_never_overfills_a_key(
+    make_pipeline: Any,
+) -> None:
+    """Issue 36 property 1, in process: the worker dies inside a run (its runs and acks cut
+    off, leases held); the fresh worker takes the expired leases over with the slots the
+    dead claims held, never more than 2 running per key (sampled from the database the whole
+    time), and every slot is given back once all have succeeded. Old code: no limits."""
+    running.clear()
+    peak.clear()
+    async with make_pipeline(faults="export.run:crash:1@n=2", prefetch=8, lease_seconds="3") as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        ids = [
+            (
+                await p.store.submit(
+                    crashy.new_job(Export(account="acme", n=i), account="acme"), now
+                )
+            )[0]
+            for i in range(6)
+        ]
+        most = 0
+        sampling = True
+
+        async def sample() -> None:
+            nonlocal most
+            while sampling:
+                async with p.store.reading() as conn:
+                    held = await conn.scalar(select(func.count()).select_from(job_slots))
+                    live = await conn.scalar(
+                        select(func.count()).where(jobs.c.id.in_(ids), jobs.c.state == "running")
+                    )
+                most = max(most, int(held or 0), int(live or 0))
+                await asyncio.sleep(0.02)
+
+        sampler = asyncio.create_task(sample())
+        p.start_relay()
+        await p.start_worker()
+        await p.kill_crashed_worker(timeout=30)
+        await p.start_worker()
+        jobs_ = [await p.wait_for(job_id, lambda j: j.state.is_terminal, 60) for job_id in ids]
+        sampling = False
+        await sampler
+        assert {j.state for j in jobs_} == {jobrelay.JobState.SUCCEEDED}
+        assert most <= 2 and peak["acme"] <= 2
+        async with p.store.reading() as conn:
+            assert await conn.scalar(select(func.count()).select_from(job_slots)) == 0
+        assert sum(j.attempt for j in jobs_) > len(jobs_)  # a run was cut off and taken over
+
+
+@app.job("lab.ping", params=Export, limits=[jobrelay.RateLimit("4/second", burst=2, name="pings")])
+async def ping(ctx: jobrelay.JobContext[Export], p: Export) -> None:
+    return None
+
+
+async def test_no_window_holds_more_starts_than_the_rate_plus_the_burst(make_pipeline: Any) -> None:
+    """Issue 36 property 2: two relays and two workers; 12 jobs under ``RateLimit("4/second",
+    burst=2)``. Every second-long window of their ``claimed`` times holds at most 4 + 2
+    starts (the times are the store's, from the events), and they took at least (12 - 2) / 4
+    seconds in all. Old code: no limits (all 12 started at once)."""
+    async with make_pipeline(prefetch=8) as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        ids = [
+            (await p.store.submit(ping.new_job(Export(account=f"a{i}", n=i)), now))[0]
+            for i in range(12)
+        ]
+        p.start_relay()
+        p.start_relay()
+        await p.start_worker()
+        await p.start_worker()
+        for job_id in ids:
+            await p.wait_for(job_id, lambda j: j.state is jobrelay.JobState.SUCCEEDED, 60)
+        starts: list[datetime] = []
+        for job_id in ids:
+            starts += [e.at for e in await p.store.events(job_id) if e.kind == "admitted"]
+        starts.sort()
+        assert len(starts) == 12
+        for i, first in enumerate(starts):
+            in_window = [t for t in starts[i:] if t < first + timedelta(seconds=1)]
+            assert len(in_window) <= 4 + 2, (first, in_window)
+        assert starts[-1] - starts[0] >= timedelta(seconds=(12 - 2 - 4) / 4)
