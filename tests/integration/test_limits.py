@@ -384,3 +384,41 @@ async def test_no_window_holds_more_starts_than_the_rate_plus_the_burst(make_pip
             in_window = [t for t in starts[i:] if t < first + timedelta(seconds=1)]
             assert len(in_window) <= 4 + 2, (first, in_window)
         assert starts[-1] - starts[0] >= timedelta(seconds=(12 - 2 - 4) / 4)
+
+
+@app.job("lab.fair", params=Export, fair_by=lambda p: p.account)
+async def fair(ctx: jobrelay.JobContext[Export], p: Export) -> None:
+    return None
+
+
+async def test_fair_by_key_lets_a_late_key_in_ahead_of_an_earlier_backlog(
+    store: tuple[Store, Clock],
+) -> None:
+    """Issue 36 property 3: key A's backlog of 40 came first, key B's 3 jobs after it. With
+    4 admitted ahead of their end, B's jobs are handed to the broker in A's turns: each
+    round alternates the keys, so B waits at most one round behind A, not 40 jobs. Old
+    code: no ``fair_by`` (the broker got A's 40 first, in arrival order)."""
+    s, _ = store
+    backlog = [await submit(s, fair, "a", i) for i in range(40)]
+    late = [await submit(s, fair, "b", i) for i in range(3)]
+    assert (await s.admit_waiting(100, fair_ahead=4)).admitted == 4
+    first = await sent(s)
+    assert sorted(first) == sorted([backlog[0], backlog[1], late[0], late[1]])
+    for job_id in first[:2]:
+        claim = await s.claim_job(job_id, "w1", T0, LEASE)
+        assert claim is not None and (await s.complete(claim, None, {}, T0)).won
+    assert (await s.admit_waiting(100, fair_ahead=4)).admitted == 2
+    assert late[2] in await sent(s)
+
+
+async def test_a_backlog_longer_than_a_round_does_not_hide_another_keys_job(
+    store: tuple[Store, Clock],
+) -> None:
+    """A round reads the oldest waiting jobs of every key: 12 of acme waited before globex's
+    one, and a round of 2 admits one of each. (Before: the round read the oldest 4 x 2 rows,
+    all acme's, and globex's job was not even looked at until acme's backlog shrank.)"""
+    s, _ = store
+    acme = [await submit(s, export, "acme", i) for i in range(12)]
+    globex = await submit(s, export, "globex", 0)
+    assert (await s.admit_waiting(2)).admitted == 2
+    assert sorted(await sent(s)) == sorted([acme[0], globex])

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 
 CONCURRENCY = "concurrency"
 RATE = "rate"
+# Fair between keys (``@app.job(fair_by=…)``): no limit per key, but the type's jobs are
+# admitted at most ``fair_ahead`` ahead of their end, so that the turns across keys decide
+# the order in which they reach the broker (a FIFO queue would keep the order they came in).
+FAIR = "fair"
 _PERIODS = {"second": 1.0, "minute": 60.0, "hour": 3600.0}
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(second|minute|hour)\s*$")
 # The separator of a limit id's name and key: never in a name (a job type's or a limit's).
@@ -63,10 +67,13 @@ class JobLimit:
     max: int | None = None  # concurrency
     per_second: float | None = None  # rate
     burst: float | None = None  # rate
+    key: str | None = None  # fair: the job's key, whose turn it takes
 
     def to_json(self) -> dict[str, object]:
         if self.kind == CONCURRENCY:
             return {"id": self.limit_id, "kind": self.kind, "max": self.max}
+        if self.kind == FAIR:
+            return {"id": self.limit_id, "kind": self.kind, "key": self.key}
         return {
             "id": self.limit_id,
             "kind": self.kind,
@@ -77,6 +84,9 @@ class JobLimit:
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> JobLimit:
         kind = str(data["kind"])
+        if kind == FAIR:
+            key = data.get("key")
+            return cls(str(data["id"]), kind, key=None if key is None else str(key))
         if kind == CONCURRENCY:
             return cls(str(data["id"]), kind, max=int(data["max"]))  # type: ignore[call-overload]
         return cls(
@@ -143,14 +153,26 @@ def effective(limit: JobLimit, overrides: Mapping[str, Override]) -> JobLimit:
     return limit
 
 
+def turn_key(limits: Sequence[JobLimit]) -> str | None:
+    """Whose turn a job under ``limits`` takes: its fairness key, else its first limit's id."""
+    for limit in limits:
+        if limit.kind == FAIR:
+            return f"{limit.limit_id}{_SEP}{limit.key}"
+    return limits[0].limit_id if limits else None
+
+
+def _turn_key(candidate: Candidate) -> str | None:
+    if candidate.fair_key is not None:
+        return candidate.fair_key
+    return turn_key(candidate.limits)
+
+
 def in_turns(candidates: Iterable[Candidate]) -> list[Candidate]:
-    """The candidates in turns across keys (a job's fairness key, else its first limit's id),
-    oldest first within a key, keys in the order of their oldest job."""
+    """The candidates in turns across keys (``_turn_key``), oldest first within a key, keys
+    in the order of their oldest job."""
     queues: dict[str | None, deque[Candidate]] = defaultdict(deque)
     for candidate in sorted(candidates, key=lambda c: c.order):
-        key = candidate.fair_key
-        if key is None and candidate.limits:
-            key = candidate.limits[0].limit_id
+        key = _turn_key(candidate)
         queues[key].append(candidate)
     ordered: list[Candidate] = []
     while queues:
@@ -168,6 +190,7 @@ def admit(
     now: float,
     overrides: Mapping[str, Override] | None = None,
     room: int | None = None,
+    fair_ahead: int | None = None,
 ) -> Admission:
     """Which candidates to admit now, taken in turns across keys (``in_turns``), each only
     when every one of its limits has room: a concurrency limit below its max (``held``: the
@@ -182,7 +205,11 @@ def admit(
         limits = [effective(limit, overrides) for limit in candidate.limits]
         blocking = None
         for limit in limits:
-            if limit.kind == CONCURRENCY:
+            if limit.kind == FAIR:
+                if fair_ahead is not None and slots.get(limit.limit_id, 0) >= fair_ahead:
+                    blocking = limit
+                    break
+            elif limit.kind == CONCURRENCY:
                 assert limit.max is not None
                 if slots.get(limit.limit_id, 0) >= limit.max:
                     blocking = limit
@@ -203,7 +230,7 @@ def admit(
             answer.held[candidate.job_id] = blocking
             continue
         for limit in limits:
-            if limit.kind == CONCURRENCY:
+            if limit.kind in (CONCURRENCY, FAIR):
                 slots[limit.limit_id] = slots.get(limit.limit_id, 0) + 1
             else:
                 tokens[limit.limit_id] -= 1.0
@@ -215,6 +242,7 @@ def admit(
 
 __all__ = [
     "CONCURRENCY",
+    "FAIR",
     "KEY_MAX",
     "RATE",
     "Admission",
@@ -230,4 +258,5 @@ __all__ = [
     "limit_id",
     "parse_rate",
     "split_id",
+    "turn_key",
 ]

@@ -99,6 +99,7 @@ class App:
         schedule_timezone: str = "UTC",
         timeout: float | None = None,
         limits: Sequence[ConcurrencyLimit | RateLimit] = (),
+        fair_by: Callable[[Any], str | None] | None = None,
     ) -> Callable[[JobFunction[P] | SyncJobFunction[P]], JobDefinition[P]]:
         """Define job type ``name``; the decorated function runs it.
 
@@ -110,7 +111,8 @@ class App:
         limit); past it the attempt is stopped and counts as failed (``library.md``).
 
         ``limits``: limits per key (``ConcurrencyLimit``, ``RateLimit``): a job is handed to
-        the broker only once each has room (docs/how-to/limits.md).
+        the broker only once each has room (docs/how-to/limits.md). ``fair_by(params)``: a
+        key whose jobs take turns with other keys' to reach the broker, even with no limit.
 
         ``schedule``: a cron expression; the job also runs periodically with
         ``schedule_params``, as the schedule named ``name`` (``App.schedule`` for more).
@@ -142,6 +144,7 @@ class App:
                 result_filename=result_filename,
                 timeout=timeout,
                 limits=checked_limits,
+                fair_by=fair_by,
             )
             if schedule is not None:
                 self.schedule(

@@ -151,6 +151,7 @@ class JobDefinition(Generic[P]):
         result_filename: Callable[[str, Mapping[str, Any]], str] | None = None,
         timeout: float | None = None,
         limits: tuple[Limit, ...] = (),
+        fair_by: Callable[[Any], str | None] | None = None,
     ) -> None:
         self.app = app
         self.type = name
@@ -165,6 +166,7 @@ class JobDefinition(Generic[P]):
         self.result_filename = result_filename
         self.timeout = timeout  # seconds an attempt may run (the worker's ``worker.stopping``)
         self.limits = limits  # limits per key (``library.limits``), applied at admission
+        self.fair_by = fair_by
 
     def __repr__(self) -> str:
         return f"<jobrelay job {self.type}>"
@@ -227,7 +229,7 @@ class JobDefinition(Generic[P]):
             previous_job_id=previous,
             run_at=when.due,
             delay=when.delay,
-            limits=job_limits(self.type, self.limits, parsed),
+            limits=job_limits(self.type, self.limits, parsed, self.fair_by),
         )
 
     async def enqueue(

@@ -18,6 +18,7 @@ from typing import Any
 
 from jobrelay.domain.limits import (
     CONCURRENCY,
+    FAIR,
     KEY_MAX,
     RATE,
     JobLimit,
@@ -94,6 +95,14 @@ def _check_name(where: str, name: str | None) -> None:
         raise ConfigError(where, f"name must be text of 1 to 64 characters, got {name!r}")
 
 
+def _key(key: object) -> str | None:
+    if key is not None and (not isinstance(key, str) or not key or len(key) > KEY_MAX):
+        raise ConfigError(
+            "limits", f"a limit's key must be text of 1 to {KEY_MAX} characters, got {key!r}"
+        )
+    return key
+
+
 def check_limits(job_type: str, limits: Sequence[Any]) -> tuple[Limit, ...]:
     """``limits=`` as ``@app.job`` takes it: limits only, at most one of each name."""
     seen: set[tuple[str, str]] = set()
@@ -110,15 +119,19 @@ def check_limits(job_type: str, limits: Sequence[Any]) -> tuple[Limit, ...]:
     return tuple(limits)
 
 
-def job_limits(job_type: str, limits: Sequence[Limit], params: Any) -> tuple[JobLimit, ...]:
+def job_limits(
+    job_type: str,
+    limits: Sequence[Limit],
+    params: Any,
+    fair_by: Callable[[Any], str | None] | None = None,
+) -> tuple[JobLimit, ...]:
     """The limits a job with ``params`` is under, its keys asked of the key functions."""
     found: list[JobLimit] = []
+    if fair_by is not None:
+        fair_key = _key(fair_by(params))
+        found.append(JobLimit(job_type, FAIR, key=fair_key))
     for limit in limits:
-        key = None if limit.key is None else limit.key(params)
-        if key is not None and (not isinstance(key, str) or not key or len(key) > KEY_MAX):
-            raise ConfigError(
-                "limits", f"a limit's key must be text of 1 to {KEY_MAX} characters, got {key!r}"
-            )
+        key = None if limit.key is None else _key(limit.key(params))
         ident = limit_id(limit.name or job_type, key)
         if isinstance(limit, ConcurrencyLimit):
             found.append(JobLimit(ident, CONCURRENCY, max=limit.max))

@@ -81,13 +81,14 @@ class Relay:
 
     async def _claim(self, limit: int) -> list[OutboxRow]:
         if self._admits():
-            await self.rt.store.admit_waiting(limit)
+            await self.rt.store.admit_waiting(limit, self.rt.settings.fair_ahead)
         return await self.rt.store.claim_outbox(self.relay_id, limit, self.claim_for)
 
     def _admits(self) -> bool:
         """Whether to admit jobs under limits before this claim (``storage.admission``):
         every round when the app declares limits; else every few seconds, for jobs another
-        version of the app enqueued with limits (none waits: one short read-only round)."""
+        version of the app enqueued with limits (a short write transaction, nothing written
+        when none waits)."""
         if self._limited:
             return True
         now = time.monotonic()

@@ -22,6 +22,7 @@ from sqlalchemy import func, insert, or_, select, update
 
 from jobrelay.domain.limits import (
     CONCURRENCY,
+    FAIR,
     RATE,
     Bucket,
     Candidate,
@@ -45,31 +46,47 @@ class Admitted:
 def _held_reason(limit: JobLimit, slots: int) -> str:
     name, key = split_id(limit.limit_id)
     who = name if key is None else f"{name} {key}"
+    if limit.kind == FAIR:
+        return f"{name} has {slots} jobs handed to the broker and not yet ended (fair by key)"
     if limit.kind == CONCURRENCY:
         return f"{who} has {slots} of {limit.max} running"
     return f"{who} is at its rate ({limit.per_second:g}/s)"
 
 
 class AdmissionStore(StoreBase):
-    async def admit_waiting(self, budget: int) -> Admitted:
-        """Admit up to ``budget`` of the jobs whose message waits for their limits."""
+    async def admit_waiting(self, budget: int, fair_ahead: int | None = None) -> Admitted:
+        """Admit up to ``budget`` of the jobs whose message waits for their limits;
+        ``fair_ahead``: how many jobs of a fair type may be admitted and not yet ended."""
         async with self.writing() as conn:
             await self.driver.serialize_admission(conn)
             now = await conn.scalar(select(self.now_sql()))
             assert isinstance(now, datetime)
+            # The oldest waiting jobs of every turn key (``jobs.turn_key``), not the oldest of
+            # all: a key's backlog of thousands leaves room in the round for another's job.
+            ranked = (
+                select(
+                    outbox.c.id,
+                    jobs.c.id.label("job_id"),
+                    jobs.c.limits,
+                    jobs.c.throttled_at,
+                    func.row_number()
+                    .over(partition_by=jobs.c.turn_key, order_by=outbox.c.id)
+                    .label("turn"),
+                )
+                .join(jobs, jobs.c.id == outbox.c.job_id)
+                .where(
+                    outbox.c.published_at.is_(None),
+                    or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
+                    outbox_due(self.now_sql()),
+                    awaiting_admission(),
+                )
+                .subquery()
+            )
             rows = (
                 await conn.execute(
-                    select(
-                        outbox.c.id, jobs.c.id.label("job_id"), jobs.c.limits, jobs.c.throttled_at
-                    )
-                    .join(jobs, jobs.c.id == outbox.c.job_id)
-                    .where(
-                        outbox.c.published_at.is_(None),
-                        or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
-                        outbox_due(self.now_sql()),
-                        awaiting_admission(),
-                    )
-                    .order_by(outbox.c.id)
+                    select(ranked)
+                    .where(ranked.c.turn <= budget)
+                    .order_by(ranked.c.turn, ranked.c.id)
                     .limit(budget * 4)
                 )
             ).all()
@@ -108,7 +125,13 @@ class AdmissionStore(StoreBase):
                 )
             }
             answer = admit(
-                list(candidates.values()), held, buckets, now.timestamp(), overrides, room=budget
+                list(candidates.values()),
+                held,
+                buckets,
+                now.timestamp(),
+                overrides,
+                room=budget,
+                fair_ahead=fair_ahead,
             )
             await self._write(conn, answer.admitted, candidates, now)
             newly_held = [j for j in answer.held if first_held.get(j) is None]
@@ -158,7 +181,7 @@ class AdmissionStore(StoreBase):
             {"limit_id": limit.limit_id, "job_id": job_id}
             for job_id in admitted
             for limit in candidates[job_id].limits
-            if limit.kind == CONCURRENCY
+            if limit.kind in (CONCURRENCY, FAIR)
         ]
         if slots:
             await conn.execute(insert(job_slots), slots)

@@ -255,7 +255,7 @@ class Outcomes(Protocol):
 class Admission(Protocol):
     """Limits per key, applied before the broker (``storage.admission``)."""
 
-    async def admit_waiting(self, budget: int) -> Admitted:
+    async def admit_waiting(self, budget: int, fair_ahead: int | None = None) -> Admitted:
         """Admit up to ``budget`` jobs whose next message waits for their limits: each only
         when every limit has room (a concurrency limit's slots held below its max, a rate
         limit's bucket holding a token), in turns across keys, serialised across relays; the

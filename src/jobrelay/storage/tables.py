@@ -113,6 +113,9 @@ jobs = Table(
     # definition gave them at enqueue (None: none); since when it holds its admission (its
     # slots, a token spent), handed to the broker; and since when it has been held back.
     Column("limits", JSON),
+    # Whose turn the job takes at admission (its fairness key, else its first limit's id):
+    # each round reads the oldest waiting jobs of every key, not the oldest of all.
+    Column("turn_key", String(300)),
     Column("admitted_at", UTCDateTime()),
     Column("throttled_at", UTCDateTime()),
 )

@@ -164,7 +164,7 @@ class Transition:
     """One state change: where it may come from, what it writes, the event it records, and
     whether it ends the run (``releases``: the job gives back the slots its admission took,
     ``domain.limits``, in the same transaction; every driver and store method writing it
-    deletes its ``job_slots`` rows, ``release_sql``)."""
+    deletes its ``job_slots`` rows: ``StoreBase.release_slots``, the drivers' completion)."""
 
     target: JobState | None
     event: str | None

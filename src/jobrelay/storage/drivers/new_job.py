@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import (
     JSON,
+    BindParameter,
     ColumnElement,
     Connection,
     Executable,
@@ -40,6 +41,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from jobrelay.domain.limits import turn_key
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError, IdempotencyConflict
@@ -79,7 +81,7 @@ _PG_NEW_JOB_TEXT = """WITH nj_job AS (
 SELECT (SELECT id FROM nj_job) AS inserted,
        (SELECT count(*) FROM (SELECT pg_notify(:nj_channel, '') FROM nj_job) AS n) AS notified,
        (SELECT request_hash FROM jobs WHERE id = :nj_id) AS existing_hash"""
-_PG_BINDS = (
+_PG_BINDS: tuple[BindParameter[Any], ...] = (
     bindparam("nj_id", type_=String()),
     bindparam("nj_type", type_=String()),
     bindparam("nj_account", type_=String()),
@@ -117,7 +119,7 @@ _PG_ISO_RUN_AT = r"""json_build_object('type', CAST(:nj_type AS text), 'runAt',
         || CASE WHEN mod(CAST(date_part('microseconds', run_at) AS bigint), 1000000) = 0
                 THEN '' ELSE to_char(run_at AT TIME ZONE 'UTC', '.US') END
         || '+00\:00')"""
-_LIMITS = (", limits", ", CAST(:nj_limits AS json)")
+_LIMITS = (", limits, turn_key", ", CAST(:nj_limits AS json), CAST(:nj_turn AS varchar)")
 
 
 @functools.cache
@@ -125,7 +127,11 @@ def _pg_new_job(due: str, limited: bool) -> Executable:
     """The statement of a job due ``now``, ``at`` a time or after a ``delay``, with its
     limits (``limited``) or without (then the statement it was before limits existed)."""
     cols, vals = _LIMITS if limited else ("", "")
-    binds = [*_PG_BINDS, *([bindparam("nj_limits", type_=JSON())] if limited else [])]
+    limit_binds: list[BindParameter[Any]] = [
+        bindparam("nj_limits", type_=JSON()),
+        bindparam("nj_turn", type_=String()),
+    ]
+    binds: list[BindParameter[Any]] = [*_PG_BINDS, *(limit_binds if limited else [])]
     if due == "now":
         sql = _PG_NEW_JOB_TEXT.format(
             job_cols=cols,
@@ -173,7 +179,7 @@ def queued_job_row(job: NewJob, now: datetime) -> dict[str, Any]:
         # Only when set: a job due at once is written as before delays existed.
         **({"run_at": job.run_at} if job.run_at is not None else {}),
         # The same for limits: a job under none is written as before limits existed.
-        **({"limits": limits_json(job)} if job.limits else {}),
+        **({"limits": limits_json(job), "turn_key": turn_key(job.limits)} if job.limits else {}),
     }
 
 
@@ -236,7 +242,11 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
                     "nj_now": now,
                     **({"nj_run_at": job.run_at} if job.run_at is not None else {}),
                     **({"nj_delay": job.delay} if job.delay is not None else {}),
-                    **({"nj_limits": limits_json(job)} if job.limits else {}),
+                    **(
+                        {"nj_limits": limits_json(job), "nj_turn": turn_key(job.limits)}
+                        if job.limits
+                        else {}
+                    ),
                     "nj_destination": destination,
                     "nj_body": body,
                     "nj_headers": dict(job.headers or {}),

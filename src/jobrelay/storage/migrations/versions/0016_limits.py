@@ -30,6 +30,7 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
         batch.add_column(sa.Column("limits", sa.JSON()))
+        batch.add_column(sa.Column("turn_key", sa.String(300)))
         batch.add_column(sa.Column("admitted_at", UTCDateTime()))
         batch.add_column(sa.Column("throttled_at", UTCDateTime()))
     op.create_table(
@@ -82,4 +83,5 @@ def downgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
         batch.drop_column("throttled_at")
         batch.drop_column("admitted_at")
+        batch.drop_column("turn_key")
         batch.drop_column("limits")
