@@ -422,3 +422,33 @@ async def test_a_backlog_longer_than_a_round_does_not_hide_another_keys_job(
     globex = await submit(s, export, "globex", 0)
     assert (await s.admit_waiting(2)).admitted == 2
     assert sorted(await sent(s)) == sorted([acme[0], globex])
+
+
+async def test_a_limit_lowered_at_runtime_admits_nothing_new_until_below_it(
+    store: tuple[Store, Clock],
+) -> None:
+    """Issue 36 property 4: an override lowering the limit holds from the next round (the
+    jobs already admitted keep their slots, none is cut off); raised back, the backlog
+    drains."""
+    s, _ = store
+    ids = [await submit(s, export, "acme", i) for i in range(6)]
+    assert (await s.admit_waiting(100)).admitted == 2
+    async with s.writing() as conn:
+        await conn.execute(
+            insert(limit_overrides).values(
+                limit_id="lab.export\x1facme", max=1, changed_at=T0, changed_by="ops", reason="x"
+            )
+        )
+    first = await s.claim_job(ids[0], "w1", T0, LEASE)
+    assert first is not None and (await s.complete(first, None, {}, T0)).won
+    assert (await s.admit_waiting(100)).admitted == 0  # 1 held of the lowered 1
+    second = await s.claim_job(ids[1], "w1", T0, LEASE)
+    assert second is not None and (await s.complete(second, None, {}, T0)).won
+    assert (await s.admit_waiting(100)).admitted == 1  # below it: one more
+    async with s.writing() as conn:
+        await conn.execute(
+            limit_overrides.update()
+            .where(limit_overrides.c.limit_id == "lab.export\x1facme")
+            .values(max=10)
+        )
+    assert (await s.admit_waiting(100)).admitted == 3
