@@ -452,3 +452,17 @@ async def test_a_limit_lowered_at_runtime_admits_nothing_new_until_below_it(
             .values(max=10)
         )
     assert (await s.admit_waiting(100)).admitted == 3
+
+
+async def test_a_job_held_for_its_limits_is_not_reported_as_a_stuck_outbox_row(
+    store: tuple[Store, Clock],
+) -> None:
+    """The reconciler reports unpublished rows past the grace as stuck ("is a relay
+    running?"); a row held for its job's limits is waiting its turn. Before: reported."""
+    s, _ = store
+    ids = [await submit(s, export, "acme", i) for i in range(3)]
+    await s.admit_waiting(100)
+    await sent(s)
+    stale = await RepairQueries(s).stale_outbox(T0 + timedelta(hours=1), 10)
+    assert [row.job_id for row in stale] == []
+    assert ids
