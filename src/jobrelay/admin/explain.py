@@ -85,6 +85,33 @@ def unknown_to_workers(events: Sequence[EventRecord]) -> EventRecord | None:
     return found
 
 
+def held_line(job: JobRecord, now: datetime, events: Sequence[EventRecord]) -> str:
+    """A job under limits whose message waits in the outbox for its admission: why (its
+    last ``throttled`` event, unless it was admitted since: that was an earlier attempt's),
+    and what lets it go (a slot or a token; an operator's ``limits set``)."""
+    remedy = "the relay admits it when its limit has room (`jobrelay limits list`)"
+    if job.state is JobState.RETRY_WAIT and job.next_attempt_at and job.next_attempt_at > now:
+        return (
+            f"waiting to retry ({ago(job.next_attempt_at, now)}) after: {job.last_error}; "
+            f"then {remedy}"
+        )
+    held: EventRecord | None = None
+    admitted = False
+    for event in events:
+        if event.kind == "throttled":
+            held = event
+        elif event.kind == "admitted":
+            held, admitted = None, True
+    if held is not None:
+        return f"held: {held.detail.get('reason')} (since {ago(held.at, now)}); {remedy}"
+    if admitted:  # a retry: admitted again once its limits have room
+        return f"its retry waits for admission under its limits: {remedy}"
+    return (
+        f"waiting for admission under its limits (accepted {ago(job.created_at, now)}): "
+        f"{remedy}; no relay has looked at it yet: is a relay running?"
+    )
+
+
 def _next_step(
     job: JobRecord, now: datetime, events: Sequence[EventRecord], *, paused: bool
 ) -> str:
@@ -136,6 +163,8 @@ def _next_step(
             f"{unknown.detail.get('reason')}, {ago(unknown.at, now)}: {remedy}, or let the "
             "rolling deploy finish; once every deferral is used it is quarantined"
         )
+    if waiting and job.awaiting_admission:
+        return held_line(job, now, events)
     if not job.published and job.unpublished_since is not None:
         hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
         if job.state is JobState.QUEUED and job.attempt == 0:

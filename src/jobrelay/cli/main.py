@@ -12,6 +12,7 @@ import typer
 from jobrelay.cli import (
     database,
     inspection,
+    limits,
     operator,
     provision,
     resend,  # noqa: F401 (registers job resend on inspection.job_app)
@@ -255,5 +256,12 @@ app.add_typer(provision.broker_app, name="broker")
 app.add_typer(tokens.token_app, name="token")
 app.add_typer(inspection.job_app, name="job")
 app.add_typer(inspection.jobs_app, name="jobs")
-for commands in (provision.app, operator.app, retention.app, schedules.app, work_queues.app):
+for commands in (
+    provision.app,
+    operator.app,
+    retention.app,
+    schedules.app,
+    work_queues.app,
+    limits.app,
+):
     app.add_typer(commands)
