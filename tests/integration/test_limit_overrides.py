@@ -260,12 +260,16 @@ async def test_limits_over_http_set_list_clear_audited_and_bad_input_refused(
         ("PUT", "/v1/limits/lab.export", {"key": "a\x1fb", "concurrency": 2, "reason": "x"}, 422),
         ("PUT", "/v1/limits/lab.export", {"concurrency": 2, "reason": "x", "other": 1}, 422),
         ("PUT", "/v1/limits/" + "x" * 65, {"concurrency": 2, "reason": "x"}, 422),
+        ("PUT", "/v1/limits/a%1Fb", {"concurrency": 2, "reason": "x"}, 422),
+        ("DELETE", "/v1/limits/lab.export?key=a%00b", {"reason": "x"}, 422),
         ("DELETE", "/v1/limits/lab.export?key=acme", {}, 422),
         ("DELETE", "/v1/limits/lab.export?key=acme", {"reason": "x"}, 404),
     ]:
         response = await client.request(method, path, json=body, headers=admin)
         assert response.status_code == status, (path, body, response.text)
         assert response.headers["content-type"] == "application/problem+json"
+        if status == 422:
+            assert response.json()["errors"], response.text
     assert await written(s) == (0, 0)
 
     body = {"key": "acme", "concurrency": 4, "reason": "sale"}

@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import Field, field_validator, model_validator
 
 from jobrelay.api.admin import AdminActor, _Reasoned, body_of
@@ -174,11 +175,15 @@ async def limit_rows(runtime: Runtime) -> LimitsOut:
     )
 
 
-def _target(name: str, key: str | None) -> str:
-    try:
-        return target(name, key)
-    except LimitError as exc:
-        raise ProblemError(422, str(exc)) from None
+def _target(name: str, key: str | None, key_at: tuple[str, str]) -> str:
+    """The limit id named, or a 422 naming the parameter, as any validation problem."""
+    for given, loc in ((None, ("path", "name")), (key, key_at)):
+        try:
+            ident = target(name, given)
+        except LimitError as exc:
+            error = {"type": "value_error", "loc": loc, "msg": str(exc)}
+            raise RequestValidationError([error]) from None
+    return ident
 
 
 @router.get(
@@ -202,7 +207,7 @@ async def set_limit(
     request: Request, name: NamePath, runtime: RuntimeDep, actor: AdminActor
 ) -> OverrideOut:
     body = parse_body(LimitChange, await read_body(request))
-    ident = _target(name, body.key)
+    ident = _target(name, body.key, ("body", "key"))
     per_second: float | None = None
     if body.rate is not None:
         count, period = parse_rate(body.rate)
@@ -231,7 +236,7 @@ async def clear_limit(
     request: Request, name: NamePath, runtime: RuntimeDep, actor: AdminActor, key: KeyQuery = None
 ) -> OverrideOut:
     body = parse_body(LimitReason, await read_body(request))
-    ident = _target(name, key)
+    ident = _target(name, key, ("query", "key"))
     removed = await clear_override(
         runtime.store, ident, actor=actor, reason=body.reason, now=runtime.clock()
     )
