@@ -18,7 +18,8 @@ import pytest
 from sqlalchemy import func, select
 from typer.testing import CliRunner
 
-from jobrelay.admin.explain import next_step
+from jobrelay.admin.account_view import account_explain_document
+from jobrelay.admin.explain import explain_document, next_step
 from jobrelay.cli.main import app as cli_app
 from jobrelay.domain.limits import LimitError, limit_id
 from jobrelay.observe.metrics import Metrics
@@ -132,6 +133,10 @@ async def test_job_show_says_a_held_job_waits_for_its_limit(store: tuple[Store, 
     line = next_step(job, clock.now + timedelta(minutes=2), None, await s.events(acme[2]))
     assert line.startswith("held: lab.export acme has 2 of 2 running (since 2 min ago)"), line
     assert "waiting for a worker" not in line and "is a relay running" not in line
+    document = explain_document(job, await s.events(acme[2]), clock.now)
+    assert document["limits"] == [{"id": ACME, "kind": "concurrency", "max": 2}]
+    assert document["admittedAt"] is None and document["throttledAt"] == T0.isoformat()
+    assert "limits" not in account_explain_document(job, [], clock.now)
     fresh = await submit(s, export, "acme", 9)
     job = await s.get_job(fresh)
     assert job is not None
@@ -153,12 +158,13 @@ def test_limits_commands_set_list_clear_and_refuse_bad_input(
         result = runner.invoke(cli_app, ["limits", *args], env=env)
         return result.exit_code, result.stdout, result.stderr
 
-    async def seed() -> None:
+    async def seed() -> list[str]:
         engine = create_engine(database_url)
         try:
             s = Store(engine)
-            [await submit(s, export, "acme", i) for i in range(3)]
+            ids = [await submit(s, export, "acme", i) for i in range(3)]
             await s.admit_waiting(100)
+            return ids
         finally:
             await engine.dispose()
 
@@ -172,7 +178,12 @@ def test_limits_commands_set_list_clear_and_refuse_bad_input(
 
         return asyncio.run(go())
 
-    asyncio.run(seed())
+    held = asyncio.run(seed())[2]
+    shown = runner.invoke(cli_app, ["job", "show", held], env=env)
+    assert shown.exit_code == 0, shown.stdout
+    assert "lab.export acme (concurrency 2)" in shown.stdout
+    [next_line] = [x for x in shown.stdout.splitlines() if x.startswith("next: ")]
+    assert next_line.startswith("next: held: lab.export acme has 2 of 2 running (since ")
     for args, message in [
         (("set", "lab.export", "--key", "acme", "--concurrency", "4"), "--reason is required"),
         (("set", "lab.export", "--concurrency", "4", "--reason", " "), "--reason is required"),

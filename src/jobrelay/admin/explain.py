@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from jobrelay.domain.delays import runs_at_text
+from jobrelay.domain.limits import JobLimit, split_id
 from jobrelay.domain.states import JobState
 from jobrelay.runtime.wiring import open_runtime, utc_now
 from jobrelay.settings import Settings
@@ -305,6 +306,11 @@ def explain_document(
             if job.progress_total is not None
             else None
         ),
+        # Limits per key (operators' only): the job's, as enqueued; admitted since when (null:
+        # awaiting admission, or finished); first held back when.
+        "limits": [limit.to_json() for limit in job.limits],
+        "admittedAt": iso(job.admitted_at),
+        "throttledAt": iso(job.throttled_at),
         "traceId": trace_id,
         "createdAt": iso(job.created_at),
         "updatedAt": iso(job.updated_at),
@@ -357,6 +363,8 @@ def render_job(
     )
     if job.last_publish_error and not job.published:
         facts.add_row("publish error", job.last_publish_error)
+    if job.limits:
+        facts.add_row("limits", ", ".join(_limit_text(limit) for limit in job.limits))
     facts.add_row("attempts", f"{job.attempt}/{job.max_attempts}")
     facts.add_row("last error", job.last_error or "-")
     if job.quarantine_reason:
@@ -435,6 +443,14 @@ async def show_job(
         render_job(job, events, now, trace_id, pause)
         render_traceback(job, traceback)
     return True
+
+
+def _limit_text(limit: JobLimit) -> str:
+    name, key = split_id(limit.limit_id)
+    who = escape(name if key is None else f"{name} {key}")
+    if limit.max is not None:
+        return f"{who} (concurrency {limit.max})"
+    return f"{who} (rate {limit.per_second:g}/s)"
 
 
 def _shown(value: Any) -> str:
