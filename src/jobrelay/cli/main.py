@@ -1,7 +1,8 @@
 """The ``jobrelay`` command.
 
 Every command accepts every setting as ``--option`` (``--database-url``…) next to its
-``JOBRELAY_*`` variable; the option wins. A bad setting is one line on stderr naming the
+``JOBRELAY_*`` variable, unless the command has an option of that name of its own (``limits
+set --concurrency``); the option wins. A bad setting is one line on stderr naming the
 variable, exit code 2, and nothing created. Long-running commands drain on SIGTERM/SIGINT.
 """
 
