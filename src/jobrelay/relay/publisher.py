@@ -81,7 +81,8 @@ class Relay:
 
     async def _claim(self, limit: int) -> list[OutboxRow]:
         if self._admits():
-            await self.rt.store.admit_waiting(limit, self.rt.settings.fair_ahead)
+            answer = await self.rt.store.admit_waiting(limit, self.rt.settings.fair_ahead)
+            self.rt.metrics.admission(answer.throttled, answer.waits)
         return await self.rt.store.claim_outbox(self.relay_id, limit, self.claim_for)
 
     def _admits(self) -> bool:

@@ -41,6 +41,10 @@ from jobrelay.storage.transitions import awaiting_admission
 class Admitted:
     admitted: int
     held: int
+    # For the relay's metrics: the jobs held back for the first time, and each admitted
+    # job's type and how long it had been held (0: admitted at its first round).
+    throttled: int = 0
+    waits: tuple[tuple[str, float], ...] = ()
 
 
 def _held_reason(limit: JobLimit, slots: int) -> str:
@@ -67,6 +71,7 @@ class AdmissionStore(StoreBase):
                 select(
                     outbox.c.id,
                     jobs.c.id.label("job_id"),
+                    jobs.c.type,
                     jobs.c.limits,
                     jobs.c.throttled_at,
                     func.row_number()
@@ -94,12 +99,14 @@ class AdmissionStore(StoreBase):
                 return Admitted(0, 0)
             candidates: dict[str, Candidate] = {}
             first_held: dict[str, Any] = {}
+            types: dict[str, str] = {}
             for order, row in enumerate(rows):
                 if row.job_id in candidates:
                     continue
                 limits = tuple(JobLimit.from_json(limit) for limit in row.limits or ())
                 candidates[row.job_id] = Candidate(row.job_id, limits, order)
                 first_held[row.job_id] = row.throttled_at
+                types[row.job_id] = row.type
             ids = {limit.limit_id for c in candidates.values() for limit in c.limits}
             names = {split_id(i)[0] for i in ids}
             held = {
@@ -161,7 +168,11 @@ class AdmissionStore(StoreBase):
                 )
         if answer.admitted:
             self.wake_relays()
-        return Admitted(len(answer.admitted), len(answer.held))
+        waits = tuple(
+            (types[j], max(0.0, (now - first_held[j]).total_seconds()) if first_held[j] else 0.0)
+            for j in answer.admitted
+        )
+        return Admitted(len(answer.admitted), len(answer.held), len(newly_held), waits)
 
     async def _write(
         self,

@@ -6,9 +6,9 @@ module names the contract: one small ``Protocol`` per concept, holding exactly t
 that code outside the store classes calls (the worker, the relay, the maintenance loops, the
 operator tools, the API, the CLI, and the portable query classes and functions built on a
 store: ``AdminQueries``, ``RepairQueries``, ``ScheduleQueries``, ``Retention``,
-``queue_pauses``, ``heartbeats``, ``queue_progress``, ``dashboard``, ``audit``). ``StorePort``
-is their union, plus ``capabilities``: the questions callers ask instead of which database
-this is.
+``queue_pauses``, ``limit_overrides``, ``heartbeats``, ``queue_progress``, ``dashboard``,
+``audit``). ``StorePort`` is their union, plus ``capabilities``: the questions callers ask
+instead of which database this is.
 
 Each docstring states what a backend must *guarantee* (the fence, the lock order, the clock,
 the transaction a write shares), not how a driver does it: a driver is correct when it keeps
