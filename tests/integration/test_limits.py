@@ -466,3 +466,25 @@ async def test_a_job_held_for_its_limits_is_not_reported_as_a_stuck_outbox_row(
     stale = await RepairQueries(s).stale_outbox(T0 + timedelta(hours=1), 10)
     assert [row.job_id for row in stale] == []
     assert ids
+
+
+async def test_a_retry_held_again_gets_a_throttled_event_of_its_own(
+    store: tuple[Store, Clock],
+) -> None:
+    """A ``throttled`` event per wait: a job held, admitted, retried and held again says so
+    twice. (Before: ``throttled_at`` outlived the admission, and the second wait wrote none.)"""
+    s, clock = store
+    ids = [await submit(s, export, "acme", i) for i in range(4)]
+    await s.admit_waiting(100)  # 0 and 1 admitted; 2 and 3 held
+    await sent(s)
+    first = await s.claim_job(ids[0], "w1", T0, LEASE)
+    assert first is not None and (await s.complete(first, None, {}, T0)).won
+    await s.admit_waiting(100)  # 2 admitted
+    assert await sent(s) == [ids[2]]
+    claim = await s.claim_job(ids[2], "w1", T0, LEASE)
+    assert claim is not None
+    assert (await s.schedule_retry(claim, "lab.export", "boom", 1, T0)).won
+    clock.now = T0 + timedelta(seconds=2)
+    await s.admit_waiting(100)  # 3 (waiting longer) takes the slot; 2's retry is held
+    assert await sent(s) == [ids[3]]
+    assert [e.kind for e in await s.events(ids[2])].count("throttled") == 2

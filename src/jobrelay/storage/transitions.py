@@ -176,7 +176,10 @@ class Transition:
         """The SET list: its writes, and an end of the job's admission where it releases."""
         values = self.writes(i)
         if self.releases:
+            # The admission ends, and with it the wait it closed: a later wait (a retry held
+            # again) gets a ``throttled`` event of its own.
             values["admitted_at"] = null()
+            values["throttled_at"] = null()
         return values
 
 
