@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from jobrelay.library.app import App
     from jobrelay.library.context import JobContext, Result
     from jobrelay.library.job_definition import JobDefinition
+    from jobrelay.library.limits import ConcurrencyLimit, RateLimit
     from jobrelay.library.periodic import Schedule
     from jobrelay.library.sync_context import SyncJobContext
     from jobrelay.results.base import ResultWriter
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 # app machinery a command may never touch.
 _EXPORTS = {
     "App": "jobrelay.library.app",
+    "ConcurrencyLimit": "jobrelay.library.limits",
+    "RateLimit": "jobrelay.library.limits",
     "JobDefinition": "jobrelay.library.job_definition",
     "JobContext": "jobrelay.library.context",
     "Result": "jobrelay.library.context",
@@ -71,6 +74,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "App",
+    "ConcurrencyLimit",
     "ConfigError",
     "IdempotencyConflict",
     "InvalidParams",
@@ -81,6 +85,7 @@ __all__ = [
     "JobState",
     "JobrelayError",
     "Permanent",
+    "RateLimit",
     "Result",
     "ResultWriter",
     "Retry",

@@ -75,6 +75,10 @@ class Settings(BaseSettings):
     # Rows a relay may have published and not yet confirmed and marked: it claims the next
     # batch while earlier batches' confirms are pending, up to this many rows in flight.
     relay_window: int = Field(default=1000, ge=1, le=100_000)
+    # Fair types (``@app.job(fair_by=…)``): how many of a type's jobs the relay admits ahead
+    # of their end. Above every worker's slots for the type, so none waits idle; below a
+    # backlog, so the turns across keys decide what the broker gets next.
+    fair_ahead: int = Field(default=512, ge=1, le=100_000)
     relay_poll_seconds: float = Field(default=1.0, gt=0)
     # How often a worker reads which queues an operator paused (``jobrelay queues pause``).
     queue_pause_poll_seconds: float = Field(default=2.0, gt=0, le=60)

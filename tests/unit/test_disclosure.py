@@ -34,6 +34,12 @@ ACTOR = "token#5 (support-alice)"
 FULL: dict[str, dict[str, Any]] = {
     "accepted": {"type": "report.export", "parentJobId": "p-1"},
     "published": {"destination": "retry.5s", "outboxId": 9, "relay": f"relay:{WORKER}"},
+    "throttled": {
+        "limit": "report.export",
+        "key": "acme",
+        "reason": "report.export acme has 2 of 2 running",
+    },
+    "admitted": {"limits": ["report.export"], "keys": ["acme"], "rate": False},
     "claimed": {"worker": WORKER, "attempt": 2, "redelivered": True, "deliveryCount": 3},
     "result_saved": {
         "resultKey": "exports/acme/j.csv",
@@ -131,6 +137,8 @@ FULL: dict[str, dict[str, Any]] = {
 ACCOUNT_SEES = {
     "accepted": {"type", "parentJobId"},
     "published": set(),
+    "throttled": {"limit", "key", "reason"},
+    "admitted": {"limits", "keys", "rate"},
     "claimed": {"attempt", "redelivered"},
     "result_saved": {"resultKey", "attempt", "meta"},
     "follow_up_accepted": {"jobId", "type"},

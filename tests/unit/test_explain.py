@@ -3,6 +3,7 @@ into attempts. No database: records are built by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -200,3 +201,45 @@ def test_a_paused_queue_is_named_before_anything_else_about_a_waiting_job() -> N
         "reason": "deploy 42",
     }
     assert explain_document(job(), [], NOW)["queuePause"] is None
+
+
+def test_a_job_awaiting_admission_is_held_for_its_limit_not_waiting_for_a_worker() -> None:
+    """Old code: such a job (its message waits in the outbox for its limits) read "outbox row
+    not yet published ...: is a relay running?", or "waiting for a worker"."""
+    from jobrelay.domain.limits import CONCURRENCY, JobLimit
+
+    limits = (JobLimit("report.export\x1facme", CONCURRENCY, max=2),)
+    waiting = job(limits=limits, published=False, unpublished_since=ago(150))
+    reason = {
+        "limit": "report.export",
+        "key": "acme",
+        "reason": "report.export acme has 2 of 2 running",
+    }
+    held = EventRecord(at=ago(120), kind="throttled", detail=reason)
+    assert next_step(waiting, NOW, None, [held]) == (
+        "held: report.export acme has 2 of 2 running (since 2 min ago); the relay admits it "
+        "when its limit has room (`jobrelay limits list`)"
+    )
+    assert next_step(waiting, NOW).startswith("waiting for admission under its limits")
+    admitted = EventRecord(at=ago(60), kind="admitted", detail={})
+    retry = job(
+        state=S.RETRY_WAIT,
+        attempt=1,
+        last_error="boom",
+        next_attempt_at=NOW + timedelta(seconds=9),
+        limits=limits,
+        published=False,
+        unpublished_since=ago(5),
+    )
+    assert next_step(retry, NOW, None, [held, admitted]).startswith(
+        "waiting to retry (in 9 s) after: boom; then the relay admits it"
+    )
+    due = dataclasses.replace(retry, next_attempt_at=ago(1))
+    assert next_step(due, NOW, None, [held, admitted]).startswith(
+        "its retry waits for admission under its limits"
+    )
+    # Admitted: no longer held; its line is the one of any published job.
+    running = dataclasses.replace(
+        waiting, admitted_at=ago(1), published=True, unpublished_since=None
+    )
+    assert next_step(running, NOW, None, [held, admitted]).startswith("published and waiting")

@@ -12,6 +12,7 @@ import jobrelay.http
 
 JOBRELAY = [
     "App",
+    "ConcurrencyLimit",
     "ConfigError",
     "IdempotencyConflict",
     "InvalidParams",
@@ -22,6 +23,7 @@ JOBRELAY = [
     "JobState",
     "JobrelayError",
     "Permanent",
+    "RateLimit",
     "Result",
     "ResultWriter",
     "Retry",

@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from jobrelay.domain.delays import runs_at_text
+from jobrelay.domain.limits import JobLimit, split_id
 from jobrelay.domain.states import JobState
 from jobrelay.runtime.wiring import open_runtime, utc_now
 from jobrelay.settings import Settings
@@ -85,6 +86,33 @@ def unknown_to_workers(events: Sequence[EventRecord]) -> EventRecord | None:
     return found
 
 
+def held_line(job: JobRecord, now: datetime, events: Sequence[EventRecord]) -> str:
+    """A job under limits whose message waits in the outbox for its admission: why (its
+    last ``throttled`` event, unless it was admitted since: that was an earlier attempt's),
+    and what lets it go (a slot or a token; an operator's ``limits set``)."""
+    remedy = "the relay admits it when its limit has room (`jobrelay limits list`)"
+    if job.state is JobState.RETRY_WAIT and job.next_attempt_at and job.next_attempt_at > now:
+        return (
+            f"waiting to retry ({ago(job.next_attempt_at, now)}) after: {job.last_error}; "
+            f"then {remedy}"
+        )
+    held: EventRecord | None = None
+    admitted = False
+    for event in events:
+        if event.kind == "throttled":
+            held = event
+        elif event.kind == "admitted":
+            held, admitted = None, True
+    if held is not None:
+        return f"held: {held.detail.get('reason')} (since {ago(held.at, now)}); {remedy}"
+    if admitted:  # a retry: admitted again once its limits have room
+        return f"its retry waits for admission under its limits: {remedy}"
+    return (
+        f"waiting for admission under its limits (accepted {ago(job.created_at, now)}): "
+        f"{remedy}; no relay has looked at it yet: is a relay running?"
+    )
+
+
 def _next_step(
     job: JobRecord, now: datetime, events: Sequence[EventRecord], *, paused: bool
 ) -> str:
@@ -136,6 +164,8 @@ def _next_step(
             f"{unknown.detail.get('reason')}, {ago(unknown.at, now)}: {remedy}, or let the "
             "rolling deploy finish; once every deferral is used it is quarantined"
         )
+    if waiting and job.awaiting_admission:
+        return held_line(job, now, events)
     if not job.published and job.unpublished_since is not None:
         hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
         if job.state is JobState.QUEUED and job.attempt == 0:
@@ -276,6 +306,11 @@ def explain_document(
             if job.progress_total is not None
             else None
         ),
+        # Limits per key (operators' only): the job's, as enqueued; admitted since when (null:
+        # awaiting admission, or finished); first held back when.
+        "limits": [limit.to_json() for limit in job.limits],
+        "admittedAt": iso(job.admitted_at),
+        "throttledAt": iso(job.throttled_at),
         "traceId": trace_id,
         "createdAt": iso(job.created_at),
         "updatedAt": iso(job.updated_at),
@@ -328,6 +363,8 @@ def render_job(
     )
     if job.last_publish_error and not job.published:
         facts.add_row("publish error", job.last_publish_error)
+    if job.limits:
+        facts.add_row("limits", ", ".join(_limit_text(limit) for limit in job.limits))
     facts.add_row("attempts", f"{job.attempt}/{job.max_attempts}")
     facts.add_row("last error", job.last_error or "-")
     if job.quarantine_reason:
@@ -406,6 +443,14 @@ async def show_job(
         render_job(job, events, now, trace_id, pause)
         render_traceback(job, traceback)
     return True
+
+
+def _limit_text(limit: JobLimit) -> str:
+    name, key = split_id(limit.limit_id)
+    who = escape(name if key is None else f"{name} {key}")
+    if limit.max is not None:
+        return f"{who} (concurrency {limit.max})"
+    return f"{who} (rate {limit.per_second:g}/s)"
 
 
 def _shown(value: Any) -> str:

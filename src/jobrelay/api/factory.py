@@ -23,6 +23,7 @@ from jobrelay.api import (
     health,
     job_search,
     jobs,
+    limits,
     observability,
     overview,
     queues,
@@ -103,6 +104,7 @@ def create_app(settings: Settings, *, runtime: Runtime | None = None) -> FastAPI
     app.include_router(bulk.router)
     app.include_router(overview.router)
     app.include_router(queues.router)
+    app.include_router(limits.router)
     app.include_router(schedules.router)
     app.include_router(health.router)
     app.include_router(observability.router)

@@ -39,10 +39,15 @@ def known_job_id(raw: str) -> str:
 
 
 def with_settings(func: F) -> F:
-    """Add one ``--option`` per setting to a command and hand it the loaded ``Settings``."""
+    """Add one ``--option`` per setting to a command and hand it the loaded ``Settings``.
+
+    A setting whose name the command takes as its own option (``limits set --concurrency``:
+    a limit's, not the worker's ``JOBRELAY_CONCURRENCY``) is read from the environment only.
+    """
     signature = inspect.signature(func)
     params = [p for p in signature.parameters.values() if p.name != "settings"]
-    for name in _SETTINGS_FIELDS:
+    fields = [name for name in _SETTINGS_FIELDS if name not in signature.parameters]
+    for name in fields:
         option = typer.Option(
             "--" + name.replace("_", "-"),
             help=f"Overrides {ENV_PREFIX}{name.upper()}.",
@@ -60,7 +65,7 @@ def with_settings(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        overrides = {name: kwargs.pop(name) for name in _SETTINGS_FIELDS}
+        overrides = {name: kwargs.pop(name) for name in fields}
         try:
             settings = load_settings(**overrides)
         except ConfigError as exc:

@@ -1,7 +1,8 @@
 """The ``jobrelay`` command.
 
 Every command accepts every setting as ``--option`` (``--database-url``…) next to its
-``JOBRELAY_*`` variable; the option wins. A bad setting is one line on stderr naming the
+``JOBRELAY_*`` variable, unless the command has an option of that name of its own (``limits
+set --concurrency``); the option wins. A bad setting is one line on stderr naming the
 variable, exit code 2, and nothing created. Long-running commands drain on SIGTERM/SIGINT.
 """
 
@@ -12,6 +13,7 @@ import typer
 from jobrelay.cli import (
     database,
     inspection,
+    limits,
     operator,
     provision,
     resend,  # noqa: F401 (registers job resend on inspection.job_app)
@@ -255,5 +257,12 @@ app.add_typer(provision.broker_app, name="broker")
 app.add_typer(tokens.token_app, name="token")
 app.add_typer(inspection.job_app, name="job")
 app.add_typer(inspection.jobs_app, name="jobs")
-for commands in (provision.app, operator.app, retention.app, schedules.app, work_queues.app):
+for commands in (
+    provision.app,
+    operator.app,
+    retention.app,
+    schedules.app,
+    work_queues.app,
+    limits.app,
+):
     app.add_typer(commands)

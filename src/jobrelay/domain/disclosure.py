@@ -75,6 +75,10 @@ _VALUE = "value"
 ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
     "accepted": {"type": _VALUE, "parentJobId": _VALUE, "runAt": _VALUE},
     "published": {},  # destination, outbox id and relay are the operators' business
+    # Limits per key (``domain.limits``): held back first (which limit, which key, why), and
+    # let through; the keys are the account's own values (its params).
+    "throttled": {"limit": _VALUE, "key": _VALUE, "reason": _TEXT},
+    "admitted": {"limits": _VALUE, "keys": _VALUE, "rate": _VALUE},
     "claimed": {"attempt": _VALUE, "redelivered": _VALUE},
     # result_saved also carries the operation's own metadata (Result.meta): see below.
     "result_saved": {"resultKey": _VALUE, "attempt": _VALUE, "meta": _VALUE},

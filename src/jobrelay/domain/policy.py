@@ -40,6 +40,8 @@ class JobView:
     lease_expires_at: datetime | None = None
     next_attempt_at: datetime | None = None
     result_key: str | None = None
+    # Under limits and waiting for its admission (``domain.limits``): not its turn yet.
+    awaiting_admission: bool = False
 
 
 # --- observations: what the worker saw ---------------------------------------------------
@@ -50,6 +52,11 @@ class ReadyToRun:
     """The job may be claimed now."""
 
     state: JobState
+
+
+@dataclass(frozen=True)
+class AwaitingAdmission:
+    """A copy of a job that waits for its limits' room (its own message is not sent yet)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,7 @@ Observation = (
     | DeliveryForFinished
     | LeaseHeld
     | EarlyRetryDelivery
+    | AwaitingAdmission
 )
 
 
@@ -160,6 +168,8 @@ def observe_delivery(job: JobView, now: datetime) -> Observation:
     due = job.next_attempt_at
     if job.state is JobState.RETRY_WAIT and due is not None and due - RETRY_SLACK > now:
         return EarlyRetryDelivery(due)
+    if job.awaiting_admission:
+        return AwaitingAdmission()
     if job.attempt >= job.max_attempts:
         return AttemptsExhausted(job.attempt, job.state)
     return ReadyToRun(job.state)
@@ -236,6 +246,10 @@ def decide(observation: Observation) -> Decision:
             return Decision(None, Action.ACK, "duplicate_acked", reason=result_key or state.value)
         case LeaseHeld(owner):
             return Decision(None, Action.DEFER, "deferred", reason=f"lease held by {owner}")
+        case AwaitingAdmission():
+            # A copy from before its admission ended (a retry, a re-send): its own message
+            # waits in the outbox and is published when its limits have room.
+            return Decision(None, Action.ACK, "duplicate_acked", reason="waiting for its limits")
         case EarlyRetryDelivery(next_attempt_at):
             return Decision(
                 None,

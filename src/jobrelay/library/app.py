@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ from jobrelay.domain.queues import DEFAULT_QUEUE, QUEUE_NAME
 from jobrelay.errors import ConfigError
 from jobrelay.library.job_definition import JobDefinition as JobDefinition
 from jobrelay.library.job_definition import JobFunction, P, check_params_model, unknown_type
+from jobrelay.library.limits import ConcurrencyLimit, RateLimit, check_limits
 from jobrelay.library.operations import Operation, Registry
 from jobrelay.library.sync_context import SyncJobFunction
 from jobrelay.settings import Settings
@@ -97,6 +98,8 @@ class App:
         schedule_params: Mapping[str, Any] | None = None,
         schedule_timezone: str = "UTC",
         timeout: float | None = None,
+        limits: Sequence[ConcurrencyLimit | RateLimit] = (),
+        fair_by: Callable[[Any], str | None] | None = None,
     ) -> Callable[[JobFunction[P] | SyncJobFunction[P]], JobDefinition[P]]:
         """Define job type ``name``; the decorated function runs it.
 
@@ -106,6 +109,10 @@ class App:
 
         ``timeout``: seconds an attempt may run (else ``JOBRELAY_JOB_TIMEOUT``, else no
         limit); past it the attempt is stopped and counts as failed (``library.md``).
+
+        ``limits``: limits per key (``ConcurrencyLimit``, ``RateLimit``): a job is handed to
+        the broker only once each has room (docs/how-to/limits.md). ``fair_by(params)``: a
+        key whose jobs take turns with other keys' to reach the broker, even with no limit.
 
         ``schedule``: a cron expression; the job also runs periodically with
         ``schedule_params``, as the schedule named ``name`` (``App.schedule`` for more).
@@ -122,6 +129,7 @@ class App:
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ConfigError("@app.job", f"timeout must be positive seconds, got {timeout!r}")
         check_params_model(name, params)
+        checked_limits = check_limits(name, limits)
 
         def define(fn: JobFunction[P] | SyncJobFunction[P]) -> JobDefinition[P]:
             definition = JobDefinition(
@@ -135,6 +143,8 @@ class App:
                 http=http,
                 result_filename=result_filename,
                 timeout=timeout,
+                limits=checked_limits,
+                fair_by=fair_by,
             )
             if schedule is not None:
                 self.schedule(

@@ -22,6 +22,7 @@ from jobrelay.domain.delays import Delay, RunTime
 from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
 from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidParams, PermanentError
 from jobrelay.library.context import JobContext, JobType, Result
+from jobrelay.library.limits import Limit, job_limits
 from jobrelay.library.operations import OperationContext, OperationResult
 from jobrelay.library.sync_context import SyncJobFunction, run_in_thread, runs_in_thread
 from jobrelay.settings import Settings
@@ -149,6 +150,8 @@ class JobDefinition(Generic[P]):
         http: bool,
         result_filename: Callable[[str, Mapping[str, Any]], str] | None = None,
         timeout: float | None = None,
+        limits: tuple[Limit, ...] = (),
+        fair_by: Callable[[Any], str | None] | None = None,
     ) -> None:
         self.app = app
         self.type = name
@@ -162,6 +165,8 @@ class JobDefinition(Generic[P]):
         self.http = http
         self.result_filename = result_filename
         self.timeout = timeout  # seconds an attempt may run (the worker's ``worker.stopping``)
+        self.limits = limits  # limits per key (``library.limits``), applied at admission
+        self.fair_by = fair_by
 
     def __repr__(self) -> str:
         return f"<jobrelay job {self.type}>"
@@ -201,7 +206,8 @@ class JobDefinition(Generic[P]):
         installation's, required then: ``Store.id_keys``), and also the id under the previous
         secret while that one counts; else a fresh UUIDv7. ``when``: its run time
         (``domain.delays.resolve``), part of the request hash as it was asked for."""
-        stored = self.parse(params).model_dump(mode="json")
+        parsed = self.parse(params)
+        stored = parsed.model_dump(mode="json")
         previous = None
         if job_id is None and key is not None:
             if keys is None:
@@ -223,6 +229,7 @@ class JobDefinition(Generic[P]):
             previous_job_id=previous,
             run_at=when.due,
             delay=when.delay,
+            limits=job_limits(self.type, self.limits, parsed, self.fair_by),
         )
 
     async def enqueue(

@@ -75,6 +75,18 @@ class Metrics:
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
+        self.throttled = Counter(
+            "jobrelay_jobs_throttled",
+            "Jobs a relay held back for their limits (counted once per job, when first held).",
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "jobrelay_admission_wait_seconds",
+            "From a job's first hold by its limits to its admission (0: admitted at once).",
+            ["type"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
         self.deliveries = Counter(
             "jobrelay_deliveries", "Deliveries a worker received.", registry=r
         )
@@ -217,6 +229,13 @@ class Metrics:
             child = self.job_duration.labels(type=job_type, outcome=outcome)
             self._duration_children[(job_type, outcome)] = child
         child.observe(seconds)
+
+    def admission(self, throttled: int, waits: tuple[tuple[str, float], ...]) -> None:
+        """A relay's admission round (``storage.admission.Admitted``)."""
+        if throttled:
+            self.throttled.inc(throttled)
+        for job_type, seconds in waits:
+            self.admission_wait.labels(type=job_type).observe(seconds)
 
     def quarantined(self, source: str, reason: str) -> None:
         self.transition(source, "quarantined")

@@ -41,6 +41,9 @@ from jobrelay.transport.base import OutgoingMessage
 log = logging.getLogger("jobrelay.relay")
 
 _MAX_BACKOFF_SECONDS = 30.0
+# How often a relay whose app declares no limits still admits (jobs enqueued with limits by
+# another version of the app).
+_ADMIT_PROBE_SECONDS = 5.0
 
 
 def new_relay_id() -> str:
@@ -54,6 +57,9 @@ class Relay:
         self.claim_for = timedelta(seconds=rt.settings.relay_claim_seconds)
         self.published = 0
         self.failed = 0
+        app = rt.app
+        self._limited = app is not None and any(d.limits for d in app.jobs.values())
+        self._admitted_at = float("-inf")
 
     def message_for(self, row: OutboxRow) -> OutgoingMessage:
         headers = {str(k): str(v) for k, v in row.headers.items()}
@@ -74,7 +80,23 @@ class Relay:
         return len(rows)
 
     async def _claim(self, limit: int) -> list[OutboxRow]:
+        if self._admits():
+            answer = await self.rt.store.admit_waiting(limit, self.rt.settings.fair_ahead)
+            self.rt.metrics.admission(answer.throttled, answer.waits)
         return await self.rt.store.claim_outbox(self.relay_id, limit, self.claim_for)
+
+    def _admits(self) -> bool:
+        """Whether to admit jobs under limits before this claim (``storage.admission``):
+        every round when the app declares limits; else every few seconds, for jobs another
+        version of the app enqueued with limits (a short write transaction, nothing written
+        when none waits)."""
+        if self._limited:
+            return True
+        now = time.monotonic()
+        if now - self._admitted_at < _ADMIT_PROBE_SECONDS:
+            return False
+        self._admitted_at = now
+        return True
 
     async def _settle(self, rows: list[OutboxRow]) -> None:
         """Publish a claimed batch, await its confirms, mark the confirmed rows in one

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, insert, select, text, update
+from sqlalchemy import ColumnElement, delete, func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.domain.messages import JobMessage
@@ -43,7 +43,7 @@ from jobrelay.storage.records import (
     utc_now,
     work_destination,
 )
-from jobrelay.storage.tables import job_events, jobs, outbox
+from jobrelay.storage.tables import job_events, job_slots, jobs, outbox
 from jobrelay.storage.transitions import Inputs, Transition, state_in, values_of
 
 
@@ -159,6 +159,12 @@ class StoreBase:
 
     state_in = staticmethod(state_in)
 
+    async def release_slots(self, conn: AsyncConnection, declared: Transition, job_id: str) -> None:
+        """The slots ``job_id``'s admission took, given back in the transaction of a
+        transition that ends its run (``declared.releases``)."""
+        if declared.releases:
+            await conn.execute(delete(job_slots).where(job_slots.c.job_id == job_id))
+
     async def transition(
         self,
         conn: AsyncConnection,
@@ -181,7 +187,10 @@ class StoreBase:
             .where(jobs.c.id == job_id, state_in(allowed), *declared.guards(i), *where)
             .values(**declared.sets(i))
         )
-        return bool(result.rowcount == 1)
+        if result.rowcount != 1:
+            return False
+        await self.release_slots(conn, declared, job_id)
+        return True
 
     def job_query(self) -> Any:
         waiting = (

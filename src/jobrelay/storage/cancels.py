@@ -135,6 +135,7 @@ class CancelsStore(StoreBase):
             ).first()
             if row is None:
                 return False
+            await self.release_slots(conn, CANCEL, job_id)
             await self.add_event(
                 conn,
                 job_id,

@@ -174,12 +174,20 @@ class OutcomesStore(ClaimsStore):
                 update(jobs)
                 .where(jobs.c.id == claim.job_id, *RETRY.guards(i))
                 .values(**RETRY.sets(i))
-                .returning(jobs.c.next_attempt_at, jobs.c.queue)
+                .returning(jobs.c.next_attempt_at, jobs.c.queue, jobs.c.limits)
             )
             row = result.first()
             if row is None:
                 return await self.current(conn, claim.job_id)
-            await self.next_message(conn, claim.job_id, job_type, row.queue, now, delay=delay)
+            await self.release_slots(conn, RETRY, claim.job_id)
+            if row.limits:
+                # Under limits: held in the outbox until due, then admitted (a message in a
+                # delay queue would hold its slots through the whole delay).
+                await self.next_message(
+                    conn, claim.job_id, job_type, row.queue, now, available_at=row.next_attempt_at
+                )
+            else:
+                await self.next_message(conn, claim.job_id, job_type, row.queue, now, delay=delay)
             await self.add_event(
                 conn,
                 claim.job_id,
@@ -236,6 +244,7 @@ class OutcomesStore(ClaimsStore):
         async with self.writing() as conn:
             won = (await conn.execute(update(jobs).where(*where).values(**values))).rowcount == 1
             if won:
+                await self.release_slots(conn, QUARANTINE, job_id)
                 await self.add_event(
                     conn,
                     job_id,

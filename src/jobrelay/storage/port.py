@@ -6,9 +6,9 @@ module names the contract: one small ``Protocol`` per concept, holding exactly t
 that code outside the store classes calls (the worker, the relay, the maintenance loops, the
 operator tools, the API, the CLI, and the portable query classes and functions built on a
 store: ``AdminQueries``, ``RepairQueries``, ``ScheduleQueries``, ``Retention``,
-``queue_pauses``, ``heartbeats``, ``queue_progress``, ``dashboard``, ``audit``). ``StorePort``
-is their union, plus ``capabilities``: the questions callers ask instead of which database
-this is.
+``queue_pauses``, ``limit_overrides``, ``heartbeats``, ``queue_progress``, ``dashboard``,
+``audit``). ``StorePort`` is their union, plus ``capabilities``: the questions callers ask
+instead of which database this is.
 
 Each docstring states what a backend must *guarantee* (the fence, the lock order, the clock,
 the transaction a write shares), not how a driver does it: a driver is correct when it keeps
@@ -37,6 +37,7 @@ from jobrelay.domain.ids import IdKeys
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.policy import JobView
 from jobrelay.domain.states import JobState
+from jobrelay.storage.admission import Admitted
 from jobrelay.storage.cancels import CancelAsked
 from jobrelay.storage.capabilities import Capabilities
 from jobrelay.storage.effects import EffectsLedger
@@ -251,6 +252,16 @@ class Outcomes(Protocol):
         """No state change: the message to look again later and its event, committed together."""
 
 
+class Admission(Protocol):
+    """Limits per key, applied before the broker (``storage.admission``)."""
+
+    async def admit_waiting(self, budget: int, fair_ahead: int | None = None) -> Admitted:
+        """Admit up to ``budget`` jobs whose next message waits for their limits: each only
+        when every limit has room (a concurrency limit's slots held below its max, a rate
+        limit's bucket holding a token), in turns across keys, serialised across relays; the
+        slots are given back by the transaction that ends the run."""
+
+
 class Outbox(Protocol):
     """The messages written beside states, handed to relays: nothing here talks to a broker."""
 
@@ -418,6 +429,7 @@ class StorePort(
     Claims,
     Outcomes,
     Outbox,
+    Admission,
     Events,
     Cancels,
     Tokens,

@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import Row
 
+from jobrelay.domain.limits import JobLimit
 from jobrelay.domain.policy import JobView
 from jobrelay.domain.queues import DEFAULT_QUEUE, destination
 from jobrelay.domain.states import JobState
@@ -52,6 +53,9 @@ class NewJob:
     delay: float | None = None
     # The job whose success created it (a follow-up): named in its ``accepted`` event.
     parent_job_id: str | None = None
+    # The limits per key it is under (``domain.limits``): admitted to the broker only once
+    # each has room.
+    limits: tuple[JobLimit, ...] = ()
 
 
 Clock = Callable[[], datetime]
@@ -179,6 +183,17 @@ class JobRecord:
     cancel_requested_at: datetime | None = None
     cancel_requested_by: str | None = None
     cancel_reason: str | None = None
+    # Limits per key (``domain.limits``): the job's, and since when it holds its admission
+    # (None: waiting for it, or none needed) and since when it has been held back.
+    limits: tuple[JobLimit, ...] = ()
+    admitted_at: datetime | None = None
+    throttled_at: datetime | None = None
+
+    @property
+    def awaiting_admission(self) -> bool:
+        """Under limits, not finished, and not (or no longer) admitted: its next message
+        waits in the outbox for its limits to have room."""
+        return bool(self.limits) and self.admitted_at is None and not self.state.is_terminal
 
     def view(self) -> JobView:
         return JobView(
@@ -189,6 +204,7 @@ class JobRecord:
             lease_expires_at=self.lease_expires_at,
             next_attempt_at=self.next_attempt_at,
             result_key=self.result_key,
+            awaiting_admission=self.awaiting_admission,
         )
 
 
@@ -292,6 +308,9 @@ def job_record(row: Row[Any] | Mapping[str, Any]) -> JobRecord:
         cancel_requested_at=aware_time(m.get("cancel_requested_at")),
         cancel_requested_by=m.get("cancel_requested_by"),
         cancel_reason=m.get("cancel_reason"),
+        limits=tuple(JobLimit.from_json(limit) for limit in m.get("limits") or ()),
+        admitted_at=aware_time(m.get("admitted_at")),
+        throttled_at=aware_time(m.get("throttled_at")),
     )
 
 

@@ -23,7 +23,7 @@ from jobrelay.storage.delayed import due_since
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import JobRecord, aware_time, job_record
 from jobrelay.storage.tables import job_events, jobs, outbox
-from jobrelay.storage.transitions import LEASE_EXPIRED
+from jobrelay.storage.transitions import LEASE_EXPIRED, outbox_admissible
 
 RECONCILED_LEASE = "reconciled_lease_expired"  # LEASE_EXPIRED.event
 RECONCILED_RETRY = "reconciled_retry_overdue"
@@ -148,7 +148,9 @@ class RepairQueries:
         query = (
             select(outbox, due_since().label("due_since"), jobs.c.state.label("job_state"))
             .join(jobs, jobs.c.id == outbox.c.job_id)
-            .where(outbox.c.published_at.is_(None), due_since() < before)
+            # A row held for its job's limits is waiting its turn, not stuck (its
+            # ``throttled`` event says why).
+            .where(outbox.c.published_at.is_(None), due_since() < before, outbox_admissible())
             .order_by(outbox.c.id)
             .limit(limit)
         )

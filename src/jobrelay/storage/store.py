@@ -12,6 +12,7 @@ that type, and mypy checks there that this class still provides all of it.
 
 from __future__ import annotations
 
+from jobrelay.storage.admission import AdmissionStore, Admitted
 from jobrelay.storage.cancels import CancelsStore
 from jobrelay.storage.events import EventsStore
 from jobrelay.storage.jobs import JobsStore
@@ -39,13 +40,16 @@ from jobrelay.storage.records import (
 from jobrelay.storage.tokens import TokensStore
 
 
-class Store(JobsStore, OutcomesStore, CancelsStore, OutboxStore, EventsStore, TokensStore):
+class Store(
+    JobsStore, OutcomesStore, AdmissionStore, CancelsStore, OutboxStore, EventsStore, TokensStore
+):
     """All of the store; see the modules it is made of."""
 
 
 __all__ = [
     "NOTIFY_CHANNEL",
     "WORK_DESTINATION",
+    "Admitted",
     "Claim",
     "ClaimRequest",
     "Claimed",

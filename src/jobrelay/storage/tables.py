@@ -18,6 +18,7 @@ from sqlalchemy import (
     Column,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -108,6 +109,15 @@ jobs = Table(
     Column("cancel_requested_at", UTCDateTime()),
     Column("cancel_requested_by", String(255)),
     Column("cancel_reason", Text),
+    # Limits per key (migration 0016, ``domain.limits``): the limits the job is under, as its
+    # definition gave them at enqueue (None: none); since when it holds its admission (its
+    # slots, a token spent), handed to the broker; and since when it has been held back.
+    Column("limits", JSON),
+    # Whose turn the job takes at admission (its fairness key, else its first limit's id):
+    # each round reads the oldest waiting jobs of every key, not the oldest of all.
+    Column("turn_key", String(300)),
+    Column("admitted_at", UTCDateTime()),
+    Column("throttled_at", UTCDateTime()),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)
@@ -295,6 +305,52 @@ queue_pauses = Table(
     Column("changed_by", String(255), nullable=False),
     Column("reason", Text, nullable=False),
 )
+
+# Limits per key (migration 0016): one row per slot an admitted job holds, one per
+# concurrency limit it is under; written at its admission, deleted in the transaction that
+# ends its run (``transitions``: a transition that ``releases``). Counted per limit id.
+job_slots = Table(
+    "job_slots",
+    metadata,
+    Column("limit_id", String(300), primary_key=True),
+    Column("job_id", String(36), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+)
+Index("ix_job_slots_job", job_slots.c.job_id)
+
+# A rate limit's token bucket per limit id: its tokens at ``at`` (the store's clock).
+limit_buckets = Table(
+    "limit_buckets",
+    metadata,
+    Column("limit_id", String(300), primary_key=True),
+    Column("tokens", Float, nullable=False),
+    Column("at", UTCDateTime(), nullable=False),
+)
+
+# An operator's runtime value for a limit (a whole limit name, or one key's id), replacing
+# the declared one until cleared (``jobrelay limits set``); audited in ``limit_events``.
+limit_overrides = Table(
+    "limit_overrides",
+    metadata,
+    Column("limit_id", String(300), primary_key=True),
+    Column("max", Integer),
+    Column("per_second", Float),
+    Column("burst", Float),
+    Column("changed_at", UTCDateTime(), nullable=False),
+    Column("changed_by", String(255), nullable=False),
+    Column("reason", Text, nullable=False),
+)
+limit_events = Table(
+    "limit_events",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("limit_id", String(300), nullable=False),
+    Column("at", UTCDateTime(), nullable=False),
+    Column("kind", String(16), nullable=False),  # set | cleared
+    Column("detail", JSON, nullable=False),
+    Column("actor", String(255), nullable=False),
+    Column("reason", Text, nullable=False),
+)
+Index("ix_limit_events_limit", limit_events.c.limit_id, limit_events.c.id)
 
 # The audit trail of queue pauses: who paused or resumed which queue, when and why.
 queue_events = Table(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, literal_column, not_, null, or_
+from sqlalchemy import ColumnElement, and_, exists, func, literal_column, not_, null, or_
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 
@@ -64,6 +64,26 @@ def fenced(claim: Claim) -> list[Any]:
     return [*holds(claim), jobs.c.cancel_requested_at.is_(None)]
 
 
+_WAITING_STATES = (JobState.QUEUED.value, JobState.RETRY_WAIT.value)
+
+
+def awaiting_admission() -> ColumnElement[bool]:
+    """The job (``jobs``) is under limits and waits for its admission."""
+    return and_(
+        jobs.c.limits.is_not(None),
+        jobs.c.admitted_at.is_(None),
+        jobs.c.state.in_(_WAITING_STATES),
+    )
+
+
+def outbox_admissible() -> ColumnElement[bool]:
+    """The relay's guard on an outbox row: its job needs no admission, or has it."""
+    # The row of the statement's own ``outbox`` (the relay's claim), named as text so that
+    # the guard compiled alone still correlates to it.
+    row_job: ColumnElement[str] = literal_column("outbox.job_id")
+    return not_(exists().where(jobs.c.id == row_job, awaiting_admission()))
+
+
 def lease_expired(now: ColumnElement[datetime]) -> ColumnElement[bool]:
     """The job's lease has ended by the clock ``now`` (or it has none): whoever held it is
     presumed lost. A claim takes such a job over; the reconciler ends an abandoned cancel."""
@@ -82,6 +102,9 @@ def claimable(now: ColumnElement[datetime], due_by: ColumnElement[datetime]) -> 
         jobs.c.attempt < jobs.c.max_attempts,
         # A job an operator asked to cancel is never claimed again (the reconciler ends it).
         jobs.c.cancel_requested_at.is_(None),
+        # A job under limits runs only once admitted (``domain.limits``): a copy of it met
+        # while it waits for its admission is not its turn.
+        or_(jobs.c.limits.is_(None), jobs.c.admitted_at.is_not(None)),
         or_(
             jobs.c.state == JobState.QUEUED.value,
             and_(
@@ -138,12 +161,26 @@ class Inputs:
 
 @dataclass(frozen=True)
 class Transition:
-    """One state change: where it may come from, what it writes, the event it records."""
+    """One state change: where it may come from, what it writes, the event it records, and
+    whether it ends the run (``releases``: the job gives back the slots its admission took,
+    ``domain.limits``, in the same transaction; every driver and store method writing it
+    deletes its ``job_slots`` rows: ``StoreBase.release_slots``, the drivers' completion)."""
 
     target: JobState | None
     event: str | None
     guards: Callable[[Inputs], list[Any]]
-    sets: Callable[[Inputs], dict[str, Any]]
+    writes: Callable[[Inputs], dict[str, Any]]
+    releases: bool = False
+
+    def sets(self, i: Inputs) -> dict[str, Any]:
+        """The SET list: its writes, and an end of the job's admission where it releases."""
+        values = self.writes(i)
+        if self.releases:
+            # The admission ends, and with it the wait it closed: a later wait (a retry held
+            # again) gets a ``throttled`` event of its own.
+            values["admitted_at"] = null()
+            values["throttled_at"] = null()
+        return values
 
 
 def _claim_guards(i: Inputs) -> list[Any]:
@@ -164,7 +201,7 @@ CLAIM = Transition(
     target=JobState.RUNNING,
     event="claimed",
     guards=_claim_guards,
-    sets=lambda i: {
+    writes=lambda i: {
         "state": _state(JobState.RUNNING),
         "updated_at": i.now,
         "attempt": jobs.c.attempt + 1,
@@ -180,8 +217,9 @@ CLAIM = Transition(
 COMPLETE = Transition(
     target=JobState.SUCCEEDED,
     event="result_saved",
+    releases=True,
     guards=lambda i: [state_in(COMPLETABLE), *fenced(i.token())],
-    sets=lambda i: {
+    writes=lambda i: {
         "state": _state(JobState.SUCCEEDED),
         "updated_at": i.now,
         "result_key": i.req("result_key"),
@@ -197,14 +235,14 @@ RENEW = Transition(
     target=None,
     event=None,
     guards=lambda i: holds(i.token()),
-    sets=lambda i: {"lease_expires_at": i.lease_ends, "updated_at": i.now},
+    writes=lambda i: {"lease_expires_at": i.lease_ends, "updated_at": i.now},
 )
 
 PROGRESS = Transition(
     target=None,
     event=None,
     guards=lambda i: holds(i.token()),
-    sets=lambda i: {
+    writes=lambda i: {
         "progress_done": i.req("done"),
         "progress_total": i.req("total"),
         "updated_at": i.now,
@@ -215,8 +253,9 @@ PROGRESS = Transition(
 RETRY = Transition(
     target=JobState.RETRY_WAIT,
     event="retry_scheduled",
+    releases=True,
     guards=lambda i: fenced(i.token()),
-    sets=lambda i: {
+    writes=lambda i: {
         "state": _state(JobState.RETRY_WAIT),
         "updated_at": i.now,
         "last_error": i.req("error"),
@@ -232,8 +271,9 @@ RETRY = Transition(
 QUARANTINE = Transition(
     target=JobState.QUARANTINED,
     event="quarantined",
+    releases=True,
     guards=lambda i: [state_in(sources_for(JobState.QUARANTINED))],
-    sets=lambda i: {
+    writes=lambda i: {
         "state": _state(JobState.QUARANTINED),
         "updated_at": i.now,
         "quarantine_reason": i.req("reason"),
@@ -252,8 +292,9 @@ QUARANTINE = Transition(
 CANCEL = Transition(
     target=JobState.CANCELLED,
     event="cancelled",
+    releases=True,
     guards=lambda i: [],
-    sets=lambda i: {
+    writes=lambda i: {
         "state": _state(JobState.CANCELLED),
         "updated_at": i.now,
         "lease_owner": null(),
@@ -268,7 +309,7 @@ REPLAY = Transition(
     target=JobState.QUEUED,
     event="replayed",
     guards=lambda i: [],
-    sets=lambda i: {
+    writes=lambda i: {
         "state": _state(JobState.QUEUED),
         "updated_at": i.now,
         "max_attempts": jobs.c.attempt + i.req("granted"),
@@ -286,8 +327,9 @@ REPLAY = Transition(
 LEASE_EXPIRED = Transition(
     target=JobState.RETRY_WAIT,
     event="reconciled_lease_expired",  # repairs.RECONCILED_LEASE
+    releases=True,
     guards=lambda i: [],
-    sets=lambda i: {
+    writes=lambda i: {
         "state": _state(JobState.RETRY_WAIT),
         "updated_at": i.now,
         "lease_owner": null(),
@@ -361,12 +403,14 @@ __all__ = [
     "RETRY",
     "Inputs",
     "Transition",
+    "awaiting_admission",
     "claimable",
     "claimed_detail",
     "fenced",
     "guard_sql",
     "holds",
     "lease_expired",
+    "outbox_admissible",
     "result_saved_detail",
     "set_sql",
     "state_in",

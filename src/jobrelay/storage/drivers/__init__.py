@@ -59,6 +59,10 @@ class Driver(Protocol):
     def minute_of(self, column: Any) -> ColumnElement[Any]:
         """``column`` (a time) truncated to its minute, as this database can group by it."""
 
+    async def serialize_admission(self, conn: AsyncConnection) -> None:
+        """Make ``conn``'s transaction the only one admitting jobs until it ends, so two
+        relays never both give the same last slot (``storage.admission``)."""
+
     async def notify_outbox(self, conn: AsyncConnection) -> None:
         """Wake listening relays at ``conn``'s commit (a hint, never the only path)."""
 

@@ -17,12 +17,14 @@ one read comes first: the job under the id the previous secret gives, if there i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import (
     JSON,
+    BindParameter,
     ColumnElement,
     Connection,
     Executable,
@@ -39,6 +41,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from jobrelay.domain.limits import turn_key
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError, IdempotencyConflict
@@ -78,7 +81,7 @@ _PG_NEW_JOB_TEXT = """WITH nj_job AS (
 SELECT (SELECT id FROM nj_job) AS inserted,
        (SELECT count(*) FROM (SELECT pg_notify(:nj_channel, '') FROM nj_job) AS n) AS notified,
        (SELECT request_hash FROM jobs WHERE id = :nj_id) AS existing_hash"""
-_PG_BINDS = (
+_PG_BINDS: tuple[BindParameter[Any], ...] = (
     bindparam("nj_id", type_=String()),
     bindparam("nj_type", type_=String()),
     bindparam("nj_account", type_=String()),
@@ -95,23 +98,13 @@ _PG_BINDS = (
     bindparam("nj_detail", type_=JSON()),
     bindparam("nj_channel", type_=String()),
 )
-_PG_NEW_JOB = text(
-    _PG_NEW_JOB_TEXT.format(
-        job_cols="",
-        job_vals="",
-        job_returning="",
-        outbox_cols="",
-        outbox_vals="",
-        detail="CAST(:nj_detail AS json)",
-    )
-).bindparams(*_PG_BINDS)
 
 
-def _pg_delayed(due: str, detail: str) -> str:
+def _pg_delayed(due: str, detail: str, cols: str = "", vals: str = "") -> str:
     """The statement of a job held until ``due`` (SQL); its outbox row takes the job's."""
     return _PG_NEW_JOB_TEXT.format(
-        job_cols=", run_at",
-        job_vals=f", {due}",
+        job_cols=f", run_at{cols}",
+        job_vals=f", {due}{vals}",
         job_returning=", run_at",
         outbox_cols=", available_at",
         outbox_vals=", run_at",
@@ -126,17 +119,45 @@ _PG_ISO_RUN_AT = r"""json_build_object('type', CAST(:nj_type AS text), 'runAt',
         || CASE WHEN mod(CAST(date_part('microseconds', run_at) AS bigint), 1000000) = 0
                 THEN '' ELSE to_char(run_at AT TIME ZONE 'UTC', '.US') END
         || '+00\:00')"""
-_PG_NEW_JOB_AT = text(
-    _pg_delayed("CAST(:nj_run_at AS timestamptz)", "CAST(:nj_detail AS json)")
-).bindparams(*_PG_BINDS, bindparam("nj_run_at", type_=jobs.c.run_at.type))
-# ``statement_timestamp()``: the database's clock when the enqueue ran, as the relay's
-# ``now()`` is when its claim runs.
-_PG_NEW_JOB_DELAYED = text(
-    _pg_delayed(
+_LIMITS = (", limits, turn_key", ", CAST(:nj_limits AS json), CAST(:nj_turn AS varchar)")
+
+
+@functools.cache
+def _pg_new_job(due: str, limited: bool) -> Executable:
+    """The statement of a job due ``now``, ``at`` a time or after a ``delay``, with its
+    limits (``limited``) or without (then the statement it was before limits existed)."""
+    cols, vals = _LIMITS if limited else ("", "")
+    limit_binds: list[BindParameter[Any]] = [
+        bindparam("nj_limits", type_=JSON()),
+        bindparam("nj_turn", type_=String()),
+    ]
+    binds: list[BindParameter[Any]] = [*_PG_BINDS, *(limit_binds if limited else [])]
+    if due == "now":
+        sql = _PG_NEW_JOB_TEXT.format(
+            job_cols=cols,
+            job_vals=vals,
+            job_returning="",
+            outbox_cols="",
+            outbox_vals="",
+            detail="CAST(:nj_detail AS json)",
+        )
+        return text(sql).bindparams(*binds)
+    if due == "at":
+        sql = _pg_delayed("CAST(:nj_run_at AS timestamptz)", "CAST(:nj_detail AS json)", cols, vals)
+        return text(sql).bindparams(*binds, bindparam("nj_run_at", type_=jobs.c.run_at.type))
+    # ``statement_timestamp()``: the database's clock when the enqueue ran, as the relay's
+    # ``now()`` is when its claim runs.
+    sql = _pg_delayed(
         "statement_timestamp() + make_interval(secs => CAST(:nj_delay AS double precision))",
         _PG_ISO_RUN_AT,
+        cols,
+        vals,
     )
-).bindparams(*(b for b in _PG_BINDS if b.key != "nj_detail"), bindparam("nj_delay", type_=Float()))
+    return text(sql).bindparams(
+        *(b for b in binds if b.key != "nj_detail"), bindparam("nj_delay", type_=Float())
+    )
+
+
 _EXISTING_HASH = select(jobs.c.request_hash).where(jobs.c.id == bindparam("nj_id", type_=String()))
 
 
@@ -157,7 +178,14 @@ def queued_job_row(job: NewJob, now: datetime) -> dict[str, Any]:
         "updated_at": now,
         # Only when set: a job due at once is written as before delays existed.
         **({"run_at": job.run_at} if job.run_at is not None else {}),
+        # The same for limits: a job under none is written as before limits existed.
+        **({"limits": limits_json(job), "turn_key": turn_key(job.limits)} if job.limits else {}),
     }
+
+
+def limits_json(job: NewJob) -> list[dict[str, object]]:
+    """The job's limits as its ``limits`` column holds them."""
+    return [limit.to_json() for limit in job.limits]
 
 
 def accepted_detail(job: NewJob, run_at: datetime | None) -> dict[str, Any]:
@@ -214,6 +242,11 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
                     "nj_now": now,
                     **({"nj_run_at": job.run_at} if job.run_at is not None else {}),
                     **({"nj_delay": job.delay} if job.delay is not None else {}),
+                    **(
+                        {"nj_limits": limits_json(job), "nj_turn": turn_key(job.limits)}
+                        if job.limits
+                        else {}
+                    ),
                     "nj_destination": destination,
                     "nj_body": body,
                     "nj_headers": dict(job.headers or {}),
@@ -278,9 +311,8 @@ def steps_on(
 
 
 def _pg_statement(job: NewJob) -> Executable:
-    if job.delay is not None:
-        return _PG_NEW_JOB_DELAYED
-    return _PG_NEW_JOB if job.run_at is None else _PG_NEW_JOB_AT
+    due = "delay" if job.delay is not None else ("now" if job.run_at is None else "at")
+    return _pg_new_job(due, bool(job.limits))
 
 
 def _same_request(job_id: str, job: NewJob, existing_hash: str) -> tuple[str, bool]:

@@ -29,7 +29,15 @@ from sqlalchemy import (
 from jobrelay.storage.delayed import outbox_due
 from jobrelay.storage.drivers.pg_pool import pg_statement
 from jobrelay.storage.tables import UTCDateTime, jobs, outbox
-from jobrelay.storage.transitions import CLAIM, COMPLETE, RENEW, Inputs, guard_sql, set_sql
+from jobrelay.storage.transitions import (
+    CLAIM,
+    COMPLETE,
+    RENEW,
+    Inputs,
+    guard_sql,
+    outbox_admissible,
+    set_sql,
+)
 
 
 def _req(name: str) -> object:
@@ -135,6 +143,9 @@ done AS (
       AND {_by_id(guard_sql(COMPLETE.guards(_BATCH)))}
     RETURNING jobs.id, req.detail
 ),
+released AS (
+    DELETE FROM job_slots USING done WHERE job_slots.job_id = done.id
+),
 event AS (
     INSERT INTO job_events (job_id, at, kind, detail)
     SELECT id, :b_now, '{COMPLETE.event}', CAST(detail AS json) FROM done
@@ -228,7 +239,7 @@ picked AS (
     SELECT outbox.id FROM outbox, clock
     WHERE outbox.published_at IS NULL
       AND (outbox.claimed_until IS NULL OR outbox.claimed_until < clock.now)
-      AND ({guard_sql([outbox_due(literal_column("clock.now"))])})
+      AND ({guard_sql([outbox_due(literal_column("clock.now")), outbox_admissible()])})
     ORDER BY outbox.id
     LIMIT :o_limit
     FOR UPDATE OF outbox SKIP LOCKED

@@ -43,6 +43,10 @@ from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.tables import UTCDateTime
 from jobrelay.storage.transitions import claimed_detail, result_saved_detail
 
+# The advisory lock key admissions are serialised by (``serialize_admission``); the
+# leader's session lock uses another (``maintenance.leadership``).
+ADMISSION_LOCK = 0x6A72_6C6D  # "jrlm"
+
 
 class PostgresDriver:
     capabilities = POSTGRESQL
@@ -81,6 +85,10 @@ class PostgresDriver:
 
     def minute_of(self, column: Any) -> ColumnElement[Any]:
         return func.date_trunc("minute", column)
+
+    async def serialize_admission(self, conn: AsyncConnection) -> None:
+        # A transaction-scoped advisory lock: released at its commit or rollback.
+        await conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ADMISSION_LOCK})
 
     async def notify_outbox(self, conn: AsyncConnection) -> None:
         # Delivered at commit, to listening relays only: a hint, never the only path.

@@ -50,7 +50,7 @@ from jobrelay.storage.records import (
 )
 from jobrelay.storage.storable import outcome_json, safe_text
 from jobrelay.storage.tables import UTCDateTime, job_events, outbox
-from jobrelay.storage.transitions import claimed_detail, result_saved_detail
+from jobrelay.storage.transitions import claimed_detail, outbox_admissible, result_saved_detail
 
 T = TypeVar("T")
 
@@ -119,6 +119,8 @@ def _complete_tx(
     execute: sql.Execute, requests: Sequence[CompleteRequest], reqs: str, now: datetime
 ) -> set[str]:
     ids = {row["id"] for row in execute(sql.COMPLETE_RUN, {"reqs": reqs, "updated_at": now})}
+    if ids:
+        execute(sql.RELEASE_RUN, {"ids": fastjson.dumps(sorted(ids))})
     events = [
         [r.claim.job_id, result_saved_detail(r.claim, r.result_key, r.result_meta)]
         for r in requests
@@ -161,6 +163,9 @@ class SqliteDriver:
     def minute_of(self, column: Any) -> ColumnElement[Any]:
         # UTCDateTime stores naive UTC text on SQLite.
         return func.strftime("%Y-%m-%d %H:%M:00", column)
+
+    async def serialize_admission(self, conn: AsyncConnection) -> None:
+        return None  # a write transaction on SQLite is already the only one
 
     async def notify_outbox(self, conn: AsyncConnection) -> None:
         return None  # nothing listens beyond the process (``capabilities.listens``)
@@ -257,6 +262,7 @@ class SqliteDriver:
                         outbox.c.published_at.is_(None),
                         or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
                         outbox_due(now),
+                        outbox_admissible(),
                     )
                     .order_by(outbox.c.id)
                     .limit(limit)

@@ -115,6 +115,9 @@ RETURNING jobs.id, jobs.attempt, jobs.cancel_requested_at
     )
 )
 
+# The slots the batch's finished jobs give back (``transitions.Transition.releases``).
+RELEASE = text("DELETE FROM job_slots WHERE job_id IN (SELECT value FROM json_each(:ids))")
+
 # The events of a batch: (job id, detail as JSON) pairs; the detail's text is stored as is,
 # as the JSON column stores what it serialises. Unknown jobs' are skipped.
 EVENTS = text(
@@ -147,3 +150,4 @@ CLAIM_RUN = Statement(CLAIM_MANY)
 COMPLETE_RUN = Statement(COMPLETE_MANY)
 RENEW_RUN = Statement(RENEW_MANY)
 EVENTS_RUN = Statement(EVENTS)
+RELEASE_RUN = Statement(RELEASE)

@@ -1,0 +1,212 @@
+"""Admission: the relay hands a job under limits to the broker only once its limits have room.
+
+Before each claim of outbox rows the relay admits what it can (``admit_waiting``), in one
+write transaction serialised across relays (the driver's ``serialize_admission``): the jobs
+whose next message waits, under limits and not admitted, oldest first; the slots each limit
+id holds now (``job_slots``), its bucket's tokens and the operators' overrides; the rules'
+answer (``domain.limits.admit``: in turns across keys); then each admitted job's
+``admitted_at``, its slots and its ``admitted`` event, the buckets' new tokens, and a
+``throttled`` event for a job held back the first time. Its rows are then claimed and sent as
+any other (``outbox_admissible``); the slots are given back by the transaction that ends the
+run (``transitions.Transition.releases``). So the broker never holds a job that cannot run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, insert, or_, select, update
+
+from jobrelay.domain.limits import (
+    CONCURRENCY,
+    FAIR,
+    RATE,
+    Bucket,
+    Candidate,
+    JobLimit,
+    Override,
+    admit,
+    split_id,
+)
+from jobrelay.storage.base import StoreBase
+from jobrelay.storage.delayed import outbox_due
+from jobrelay.storage.tables import job_slots, jobs, limit_buckets, limit_overrides, outbox
+from jobrelay.storage.transitions import awaiting_admission
+
+
+@dataclass(frozen=True)
+class Admitted:
+    admitted: int
+    held: int
+    # For the relay's metrics: the jobs held back for the first time, and each admitted
+    # job's type and how long it had been held (0: admitted at its first round).
+    throttled: int = 0
+    waits: tuple[tuple[str, float], ...] = ()
+
+
+def _held_reason(limit: JobLimit, slots: int) -> str:
+    name, key = split_id(limit.limit_id)
+    who = name if key is None else f"{name} {key}"
+    if limit.kind == FAIR:
+        return f"{name} has {slots} jobs handed to the broker and not yet ended (fair by key)"
+    if limit.kind == CONCURRENCY:
+        return f"{who} has {slots} of {limit.max} running"
+    return f"{who} is at its rate ({limit.per_second:g}/s)"
+
+
+class AdmissionStore(StoreBase):
+    async def admit_waiting(self, budget: int, fair_ahead: int | None = None) -> Admitted:
+        """Admit up to ``budget`` of the jobs whose message waits for their limits;
+        ``fair_ahead``: how many jobs of a fair type may be admitted and not yet ended."""
+        async with self.writing() as conn:
+            await self.driver.serialize_admission(conn)
+            now = await conn.scalar(select(self.now_sql()))
+            assert isinstance(now, datetime)
+            # The oldest waiting jobs of every turn key (``jobs.turn_key``), not the oldest of
+            # all: a key's backlog of thousands leaves room in the round for another's job.
+            ranked = (
+                select(
+                    outbox.c.id,
+                    jobs.c.id.label("job_id"),
+                    jobs.c.type,
+                    jobs.c.limits,
+                    jobs.c.throttled_at,
+                    func.row_number()
+                    .over(partition_by=jobs.c.turn_key, order_by=outbox.c.id)
+                    .label("turn"),
+                )
+                .join(jobs, jobs.c.id == outbox.c.job_id)
+                .where(
+                    outbox.c.published_at.is_(None),
+                    or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
+                    outbox_due(self.now_sql()),
+                    awaiting_admission(),
+                )
+                .subquery()
+            )
+            rows = (
+                await conn.execute(
+                    select(ranked)
+                    .where(ranked.c.turn <= budget)
+                    .order_by(ranked.c.turn, ranked.c.id)
+                    .limit(budget * 4)
+                )
+            ).all()
+            if not rows:
+                return Admitted(0, 0)
+            candidates: dict[str, Candidate] = {}
+            first_held: dict[str, Any] = {}
+            types: dict[str, str] = {}
+            for order, row in enumerate(rows):
+                if row.job_id in candidates:
+                    continue
+                limits = tuple(JobLimit.from_json(limit) for limit in row.limits or ())
+                candidates[row.job_id] = Candidate(row.job_id, limits, order)
+                first_held[row.job_id] = row.throttled_at
+                types[row.job_id] = row.type
+            ids = {limit.limit_id for c in candidates.values() for limit in c.limits}
+            names = {split_id(i)[0] for i in ids}
+            held = {
+                r.limit_id: int(r.n)
+                for r in await conn.execute(
+                    select(job_slots.c.limit_id, func.count().label("n"))
+                    .where(job_slots.c.limit_id.in_(sorted(ids)))
+                    .group_by(job_slots.c.limit_id)
+                )
+            }
+            buckets = {
+                r.limit_id: Bucket(float(r.tokens), r.at.timestamp())
+                for r in await conn.execute(
+                    select(limit_buckets).where(limit_buckets.c.limit_id.in_(sorted(ids)))
+                )
+            }
+            overrides = {
+                r.limit_id: Override(r.max, r.per_second, r.burst)
+                for r in await conn.execute(
+                    select(limit_overrides).where(
+                        limit_overrides.c.limit_id.in_(sorted(ids | names))
+                    )
+                )
+            }
+            answer = admit(
+                list(candidates.values()),
+                held,
+                buckets,
+                now.timestamp(),
+                overrides,
+                room=budget,
+                fair_ahead=fair_ahead,
+            )
+            await self._write(conn, answer.admitted, candidates, now)
+            newly_held = [j for j in answer.held if first_held.get(j) is None]
+            if newly_held:
+                await conn.execute(
+                    update(jobs).where(jobs.c.id.in_(newly_held)).values(throttled_at=now)
+                )
+                for job_id in newly_held:
+                    limit = answer.held[job_id]
+                    await self.add_event(
+                        conn,
+                        job_id,
+                        "throttled",
+                        now,
+                        limit=split_id(limit.limit_id)[0],
+                        key=split_id(limit.limit_id)[1],
+                        reason=_held_reason(limit, answer.slots.get(limit.limit_id, 0)),
+                    )
+            for limit_id, tokens in answer.buckets.items():
+                await conn.execute(
+                    self.upsert(limit_buckets)
+                    .values(limit_id=limit_id, tokens=tokens, at=now)
+                    .on_conflict_do_update(
+                        index_elements=[limit_buckets.c.limit_id],
+                        set_={"tokens": tokens, "at": now},
+                    )
+                )
+        if answer.admitted:
+            self.wake_relays()
+        waits = tuple(
+            (types[j], max(0.0, (now - first_held[j]).total_seconds()) if first_held[j] else 0.0)
+            for j in answer.admitted
+        )
+        return Admitted(len(answer.admitted), len(answer.held), len(newly_held), waits)
+
+    async def _write(
+        self,
+        conn: Any,
+        admitted: Sequence[str],
+        candidates: dict[str, Candidate],
+        now: datetime,
+    ) -> None:
+        if not admitted:
+            return
+        await conn.execute(
+            update(jobs)
+            .where(jobs.c.id.in_(list(admitted)), jobs.c.admitted_at.is_(None))
+            .values(admitted_at=now)
+        )
+        slots = [
+            {"limit_id": limit.limit_id, "job_id": job_id}
+            for job_id in admitted
+            for limit in candidates[job_id].limits
+            if limit.kind in (CONCURRENCY, FAIR)
+        ]
+        if slots:
+            await conn.execute(insert(job_slots), slots)
+        for job_id in admitted:
+            limits = candidates[job_id].limits
+            await self.add_event(
+                conn,
+                job_id,
+                "admitted",
+                now,
+                limits=[split_id(limit.limit_id)[0] for limit in limits],
+                keys=[split_id(limit.limit_id)[1] for limit in limits],
+                rate=any(limit.kind == RATE for limit in limits),
+            )
+
+
+__all__ = ["AdmissionStore", "Admitted"]
