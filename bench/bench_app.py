@@ -9,6 +9,8 @@ the accept phase can use it too. The processes load it with ``JOBRELAY_APP=bench
 
 from __future__ import annotations
 
+import asyncio
+
 from pydantic import BaseModel
 
 import jobrelay
@@ -26,4 +28,27 @@ async def noop(ctx: jobrelay.JobContext[Noop], params: Noop) -> None:
     return None
 
 
-__all__ = ["NOOP", "app", "noop"]
+# ``bench/limits_bench.py``: the no-op under a limit per key that never binds (100 keys x 64,
+# far above the workers' slots) and one that binds (10 keys x 2).
+OPEN_KEYS, OPEN_MAX, BOUND_KEYS, BOUND_MAX = 100, 64, 10, 2
+
+
+@app.job(
+    "bench.open",
+    params=Noop,
+    limits=[jobrelay.ConcurrencyLimit(OPEN_MAX, key=lambda p: f"k{p.n % OPEN_KEYS}")],
+)
+async def open_noop(ctx: jobrelay.JobContext[Noop], params: Noop) -> None:
+    return None
+
+
+@app.job(
+    "bench.bound",
+    params=Noop,
+    limits=[jobrelay.ConcurrencyLimit(BOUND_MAX, key=lambda p: f"k{p.n % BOUND_KEYS}")],
+)
+async def bound_noop(ctx: jobrelay.JobContext[Noop], params: Noop) -> None:
+    await asyncio.sleep(0.005)  # long enough to be seen running
+
+
+__all__ = ["BOUND_KEYS", "BOUND_MAX", "NOOP", "app", "bound_noop", "noop", "open_noop"]
