@@ -141,10 +141,13 @@ done AS (
     FROM req JOIN locked ON locked.id = req.id
     WHERE jobs.id = ANY(CAST(:b_ids AS text[])) AND jobs.id = req.id
       AND {_by_id(guard_sql(COMPLETE.guards(_BATCH)))}
-    RETURNING jobs.id, req.detail
+    RETURNING jobs.id, req.detail, jobs.turn_key
 ),
 released AS (
-    DELETE FROM job_slots USING done WHERE job_slots.job_id = done.id
+    -- Only a job under limits holds slots (its turn key is set at enqueue): the others'
+    -- completions look nothing up.
+    DELETE FROM job_slots USING done
+    WHERE done.turn_key IS NOT NULL AND job_slots.job_id = done.id
 ),
 event AS (
     INSERT INTO job_events (job_id, at, kind, detail)

@@ -118,9 +118,13 @@ def _claim_tx(
 def _complete_tx(
     execute: sql.Execute, requests: Sequence[CompleteRequest], reqs: str, now: datetime
 ) -> set[str]:
-    ids = {row["id"] for row in execute(sql.COMPLETE_RUN, {"reqs": reqs, "updated_at": now})}
-    if ids:
-        execute(sql.RELEASE_RUN, {"ids": fastjson.dumps(sorted(ids))})
+    rows = execute(sql.COMPLETE_RUN, {"reqs": reqs, "updated_at": now})
+    ids = {row["id"] for row in rows}
+    # Only a job under limits holds slots (its turn key is set at enqueue): a batch with
+    # none of them sends no release.
+    limited = sorted(row["id"] for row in rows if row["turn_key"] is not None)
+    if limited:
+        execute(sql.RELEASE_RUN, {"ids": fastjson.dumps(limited)})
     events = [
         [r.claim.job_id, result_saved_detail(r.claim, r.result_key, r.result_meta)]
         for r in requests

@@ -87,11 +87,11 @@ UPDATE jobs SET
     {_COMPLETE_SETS}
 FROM {_req("id", "attempt", "worker", "result_key", "meta")}
 WHERE jobs.id = req.id AND {_COMPLETE_GUARDS}
-RETURNING jobs.id
+RETURNING jobs.id, jobs.turn_key
 """
     )
     .bindparams(bindparam("updated_at", type_=UTCDateTime()))
-    .columns(Column("id", String()))
+    .columns(Column("id", String()), Column("turn_key", String()))
 )
 
 _RENEW_SETS, _RENEW_GUARDS = _compiled(RENEW)
