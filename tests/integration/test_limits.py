@@ -24,7 +24,8 @@ from sqlalchemy import func, insert, select
 import jobrelay
 from jobrelay.domain.policy import Action, decide, observe_delivery
 from jobrelay.storage.engine import create_engine
-from jobrelay.storage.records import Claim, NewJob
+from jobrelay.storage.notify import OutboxListener
+from jobrelay.storage.records import Claim, CompleteRequest, NewJob
 from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import Store
 from jobrelay.storage.tables import job_slots, jobs, limit_overrides, outbox
@@ -488,3 +489,40 @@ async def test_a_retry_held_again_gets_a_throttled_event_of_its_own(
     await s.admit_waiting(100)  # 3 (waiting longer) takes the slot; 2's retry is held
     assert await sent(s) == [ids[3]]
     assert [e.kind for e in await s.events(ids[2])].count("throttled") == 2
+
+
+async def test_a_completion_that_frees_a_slot_wakes_the_relays_and_others_do_not(
+    store: tuple[Store, Clock], database_url: str
+) -> None:
+    """A freed slot is used at once, not at the relays' next poll: the completion that gives
+    slots back wakes the relays of this process and, on PostgreSQL, every listening relay
+    (its ``NOTIFY`` rides in the completion's own statement). A completion of a job without
+    limits wakes nobody. Old code: no wake-up at all (the key's next job waited for the
+    poll, one freed slot per ``JOBRELAY_RELAY_POLL_SECONDS``)."""
+    s, _ = store
+    acme = await submit(s, export, "acme", 0)
+    plain = await submit(s, free, "acme", 0)
+    await s.admit_waiting(100)
+    assert set(await sent(s)) == {acme, plain}
+    here = asyncio.Event()
+    s.outbox_listeners.append(here)
+    elsewhere = asyncio.Event()
+    other = create_engine(database_url)
+    try:
+        async with OutboxListener(other, elsewhere) as listener:
+            if listener.enabled:  # it says so once it listens: what it may have missed
+                await asyncio.wait_for(elsewhere.wait(), 10)
+                elsewhere.clear()
+            for job_id in (plain, acme):
+                claim = await s.claim_job(job_id, "w1", T0, LEASE)
+                assert claim is not None
+                done = await s.complete_many([CompleteRequest(claim, None, {})], T0)
+                assert done == {job_id}
+                if job_id == plain:
+                    assert not here.is_set()
+                else:
+                    assert here.is_set()
+                    if listener.enabled:
+                        await asyncio.wait_for(elsewhere.wait(), 10)
+    finally:
+        await other.dispose()

@@ -144,6 +144,7 @@ class AdminQueries:
                 previousState=state.value,
                 **({"heldMessagesDropped": held} if held else {}),
             )
+        store.wake_relays()  # a slot it held is free: the key's next job need not wait
         return ActionOutcome(job_id, True, JobState.CANCELLED, state)
 
     async def find_jobs(

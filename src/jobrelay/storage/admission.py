@@ -13,7 +13,7 @@ run (``transitions.Transition.releases``). So the broker never holds a job that 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -36,6 +36,12 @@ from jobrelay.storage.delayed import outbox_due
 from jobrelay.storage.tables import job_slots, jobs, limit_buckets, limit_overrides, outbox
 from jobrelay.storage.transitions import awaiting_admission
 
+# The waiting jobs of each turn key a round considers: a key with room for more is admitted
+# more at the next round, which follows at once (an admission wakes the relay). More would
+# make every round read and weigh each key's backlog (measured: 17 ms of a 28 ms round
+# over 1,024 rows of 10 keys, against 3 ms with 32 a key).
+PER_KEY = 32
+
 
 @dataclass(frozen=True)
 class Admitted:
@@ -57,6 +63,19 @@ def _held_reason(limit: JobLimit, slots: int) -> str:
     return f"{who} is at its rate ({limit.per_second:g}/s)"
 
 
+def _throttled(limit: JobLimit, slots: Mapping[str, int]) -> dict[str, Any]:
+    name, key = split_id(limit.limit_id)
+    return {"limit": name, "key": key, "reason": _held_reason(limit, slots.get(limit.limit_id, 0))}
+
+
+def _admitted(limits: Sequence[JobLimit]) -> dict[str, Any]:
+    return {
+        "limits": [split_id(limit.limit_id)[0] for limit in limits],
+        "keys": [split_id(limit.limit_id)[1] for limit in limits],
+        "rate": any(limit.kind == RATE for limit in limits),
+    }
+
+
 class AdmissionStore(StoreBase):
     async def admit_waiting(self, budget: int, fair_ahead: int | None = None) -> Admitted:
         """Admit up to ``budget`` of the jobs whose message waits for their limits;
@@ -74,6 +93,7 @@ class AdmissionStore(StoreBase):
                     jobs.c.type,
                     jobs.c.limits,
                     jobs.c.throttled_at,
+                    awaiting_admission().label("waits"),
                     func.row_number()
                     .over(partition_by=jobs.c.turn_key, order_by=outbox.c.id)
                     .label("turn"),
@@ -81,20 +101,30 @@ class AdmissionStore(StoreBase):
                 .join(jobs, jobs.c.id == outbox.c.job_id)
                 .where(
                     outbox.c.published_at.is_(None),
+                    outbox.c.awaiting_admission.is_(True),
                     or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
                     outbox_due(self.now_sql()),
-                    awaiting_admission(),
                 )
                 .subquery()
             )
             rows = (
                 await conn.execute(
                     select(ranked)
-                    .where(ranked.c.turn <= budget)
+                    .where(ranked.c.turn <= min(budget, PER_KEY))
                     .order_by(ranked.c.turn, ranked.c.id)
                     .limit(budget * 4)
                 )
             ).all()
+            if not rows:
+                return Admitted(0, 0)
+            # A row whose job no longer waits (cancelled while it waited) goes on as any row
+            # of a finished job: the worker acks it unrun.
+            ended = [row.id for row in rows if not row.waits]
+            if ended:
+                await conn.execute(
+                    update(outbox).where(outbox.c.id.in_(ended)).values(awaiting_admission=False)
+                )
+            rows = [row for row in rows if row.waits]
             if not rows:
                 return Admitted(0, 0)
             candidates: dict[str, Candidate] = {}
@@ -146,17 +176,15 @@ class AdmissionStore(StoreBase):
                 await conn.execute(
                     update(jobs).where(jobs.c.id.in_(newly_held)).values(throttled_at=now)
                 )
-                for job_id in newly_held:
-                    limit = answer.held[job_id]
-                    await self.add_event(
-                        conn,
-                        job_id,
-                        "throttled",
-                        now,
-                        limit=split_id(limit.limit_id)[0],
-                        key=split_id(limit.limit_id)[1],
-                        reason=_held_reason(limit, answer.slots.get(limit.limit_id, 0)),
-                    )
+                await self.add_events(
+                    conn,
+                    "throttled",
+                    now,
+                    {
+                        job_id: _throttled(answer.held[job_id], answer.slots)
+                        for job_id in newly_held
+                    },
+                )
             for limit_id, tokens in answer.buckets.items():
                 await conn.execute(
                     self.upsert(limit_buckets)
@@ -188,6 +216,15 @@ class AdmissionStore(StoreBase):
             .where(jobs.c.id.in_(list(admitted)), jobs.c.admitted_at.is_(None))
             .values(admitted_at=now)
         )
+        await conn.execute(
+            update(outbox)
+            .where(
+                outbox.c.job_id.in_(list(admitted)),
+                outbox.c.published_at.is_(None),
+                outbox.c.awaiting_admission.is_(True),
+            )
+            .values(awaiting_admission=False)
+        )
         slots = [
             {"limit_id": limit.limit_id, "job_id": job_id}
             for job_id in admitted
@@ -196,17 +233,12 @@ class AdmissionStore(StoreBase):
         ]
         if slots:
             await conn.execute(insert(job_slots), slots)
-        for job_id in admitted:
-            limits = candidates[job_id].limits
-            await self.add_event(
-                conn,
-                job_id,
-                "admitted",
-                now,
-                limits=[split_id(limit.limit_id)[0] for limit in limits],
-                keys=[split_id(limit.limit_id)[1] for limit in limits],
-                rate=any(limit.kind == RATE for limit in limits),
-            )
+        await self.add_events(
+            conn,
+            "admitted",
+            now,
+            {job_id: _admitted(candidates[job_id].limits) for job_id in admitted},
+        )
 
 
 __all__ = ["AdmissionStore", "Admitted"]

@@ -44,7 +44,7 @@ from jobrelay.storage.records import (
     work_destination,
 )
 from jobrelay.storage.tables import job_events, job_slots, jobs, outbox
-from jobrelay.storage.transitions import Inputs, Transition, state_in, values_of
+from jobrelay.storage.transitions import Inputs, Transition, awaiting_admission, state_in, values_of
 
 
 class StoreBase:
@@ -115,6 +115,20 @@ class StoreBase:
             insert(job_events).values(job_id=job_id, at=now, kind=kind, detail=jsonable(detail))
         )
 
+    async def add_events(
+        self, conn: AsyncConnection, kind: str, now: datetime, details: Mapping[str, Any]
+    ) -> None:
+        """One ``kind`` event for each job of ``details`` (job id -> detail), in one
+        statement whatever their number (an admission round holds back a backlog at once)."""
+        if details:
+            await conn.execute(
+                insert(job_events),
+                [
+                    {"job_id": job_id, "at": now, "kind": kind, "detail": jsonable(detail)}
+                    for job_id, detail in details.items()
+                ],
+            )
+
     async def next_message(
         self,
         conn: AsyncConnection,
@@ -132,7 +146,9 @@ class StoreBase:
         or with ``delay`` the delay route back to it (a retry, a deferral). ``message`` is the
         job's type (its message is written from it) or a raw body passed on unchanged (a
         delivery only newer workers can read). Without ``headers`` it carries the trace of the
-        job's first message. ``available_at``: held until then (``storage.delayed``)."""
+        job's first message. ``available_at``: held until then (``storage.delayed``). A job
+        under limits that holds no admission (a retry, a replay, a takeover: the transition
+        before this gave its slots back) has its row wait for the next one."""
         destination = work_destination(queue) if delay is None else retry_destination(delay, queue)
         body = message if isinstance(message, bytes) else JobMessage(job_id, message).encode()
         if headers is None:
@@ -153,17 +169,27 @@ class StoreBase:
                 headers={**(headers or {}), **(extra_headers or {})},
                 created_at=now,
                 **({"available_at": available_at} if available_at is not None else {}),
+                awaiting_admission=select(awaiting_admission())
+                .where(jobs.c.id == job_id)
+                .scalar_subquery(),
             )
         )
         await self.driver.notify_outbox(conn)
 
     state_in = staticmethod(state_in)
 
-    async def release_slots(self, conn: AsyncConnection, declared: Transition, job_id: str) -> None:
+    async def release_slots(self, conn: AsyncConnection, declared: Transition, job_id: str) -> bool:
         """The slots ``job_id``'s admission took, given back in the transaction of a
-        transition that ends its run (``declared.releases``)."""
-        if declared.releases:
-            await conn.execute(delete(job_slots).where(job_slots.c.job_id == job_id))
+        transition that ends its run (``declared.releases``); True when it held any. The
+        relays elsewhere are told at the commit (``notify_outbox``); the caller wakes this
+        process's after it (``wake_relays``): the key's next job is admitted now."""
+        if not declared.releases:
+            return False
+        result = await conn.execute(delete(job_slots).where(job_slots.c.job_id == job_id))
+        if not result.rowcount:
+            return False
+        await self.driver.notify_outbox(conn)
+        return True
 
     async def transition(
         self,

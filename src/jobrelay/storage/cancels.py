@@ -135,7 +135,7 @@ class CancelsStore(StoreBase):
             ).first()
             if row is None:
                 return False
-            await self.release_slots(conn, CANCEL, job_id)
+            released = await self.release_slots(conn, CANCEL, job_id)
             await self.add_event(
                 conn,
                 job_id,
@@ -146,6 +146,8 @@ class CancelsStore(StoreBase):
                 previousState=_RUNNING,
                 **{"attempt": row.attempt, **detail},
             )
+        if released:
+            self.wake_relays()
         return True
 
 

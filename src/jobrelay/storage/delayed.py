@@ -58,13 +58,14 @@ async def seconds_to_next_due(conn: AsyncConnection, now: ColumnElement[datetime
 
 
 async def drop_held(conn: AsyncConnection, job_id: str) -> int:
-    """Delete the job's held rows (a delayed job cancelled before its time), in the caller's
-    transaction: nothing is ever published for it. Returns how many there were."""
+    """Delete the job's held rows (a delayed job cancelled before its time, a job cancelled
+    while it waited for its limits), in the caller's transaction: nothing is ever published
+    for it. Returns how many there were."""
     result = await conn.execute(
         delete(outbox).where(
             outbox.c.job_id == job_id,
             outbox.c.published_at.is_(None),
-            outbox.c.available_at.is_not(None),
+            or_(outbox.c.available_at.is_not(None), outbox.c.awaiting_admission.is_(True)),
         )
     )
     return int(result.rowcount or 0)

@@ -31,6 +31,7 @@ from jobrelay.storage.records import (
     CompleteRequest,
     Fenced,
     NewJob,
+    Won,
 )
 from jobrelay.storage.storable import safe_text
 from jobrelay.storage.tables import jobs
@@ -68,7 +69,10 @@ class OutcomesStore(ClaimsStore):
         job's failed publication never costs its neighbours their outcome.
         """
         if not any(r.in_transaction for r in requests):
-            return Completed(await self.driver.complete_many(requests, now))
+            won = await self.driver.complete_many(requests, now)
+            if won.released:
+                self.wake_relays()
+            return Completed(won)
         failed: dict[str, Exception] = {}
         while True:
             todo = [r for r in requests if r.claim.job_id not in failed]
@@ -78,13 +82,13 @@ class OutcomesStore(ClaimsStore):
                 won = await self._complete_in_transaction(todo, now, failed)
             except _StepFailed:
                 continue
-            if any(r.follow_ups and r.claim.job_id in won for r in todo):
+            if won.released or any(r.follow_ups and r.claim.job_id in won for r in todo):
                 self.wake_relays()
             return Completed(won, failed)
 
     async def _complete_in_transaction(
         self, requests: Sequence[CompleteRequest], now: datetime, failed: dict[str, Exception]
-    ) -> set[str]:
+    ) -> Won:
         async with self.writing() as conn:
             won = await self.driver.complete_many(requests, now, conn)
             for request in requests:

@@ -74,6 +74,19 @@ class Claim:
     worker_id: str
 
 
+class Won(frozenset[str]):
+    """The job ids whose completion won, and ``released``: whether one of them gave back
+    slots of its limits, so that the relays admit the key's next job now, not at their next
+    poll (``OutcomesStore.complete_many`` wakes them)."""
+
+    released: bool
+
+    def __new__(cls, won: Iterable[str] = (), released: bool = False) -> Won:
+        ids = super().__new__(cls, won)
+        ids.released = released
+        return ids
+
+
 class Renewed(frozenset[Claim]):
     """The claims a lease renewal found holding their job (so renewed), and among them
     ``cancel_requested``: those an operator has asked to cancel (``storage.cancels``).

@@ -151,17 +151,33 @@ outbox = Table(
     # Not to be published before this (a delayed job's first message, migration 0013).
     # None: publish at once. The relay's one guard on it is ``outbox_due``.
     Column("available_at", UTCDateTime()),
+    # The job is under limits and not yet admitted (migration 0017): no relay claims the row
+    # until the admission that gives the job its slots clears it (``storage.admission``).
+    # Written with the row, from the job's own columns; a job under no limits never sets it.
+    Column("awaiting_admission", Boolean, nullable=False, server_default=text("false")),
 )
 Index("ix_outbox_job", outbox.c.job_id)
 # Partial indexes: the relay only ever scans rows that still wait, those due when written by
-# id, and those held for a due time by that time (it also tells the relay when to wake).
-_due_when_written = and_(outbox.c.published_at.is_(None), outbox.c.available_at.is_(None))
+# id (and admitted, or under no limits), those held for a due time by that time (it also
+# tells the relay when to wake), and those awaiting their admission, for the admission.
+_due_when_written = and_(
+    outbox.c.published_at.is_(None),
+    outbox.c.available_at.is_(None),
+    outbox.c.awaiting_admission.is_(False),
+)
 _held = and_(outbox.c.published_at.is_(None), outbox.c.available_at.is_not(None))
+_awaiting = and_(outbox.c.published_at.is_(None), outbox.c.awaiting_admission.is_(True))
 Index(
     "ix_outbox_unpublished",
     outbox.c.id,
     postgresql_where=_due_when_written,
     sqlite_where=_due_when_written,
+)
+Index(
+    "ix_outbox_awaiting",
+    outbox.c.id,
+    postgresql_where=_awaiting,
+    sqlite_where=_awaiting,
 )
 Index(
     "ix_outbox_delayed",

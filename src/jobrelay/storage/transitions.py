@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, exists, func, literal_column, not_, null, or_
+from sqlalchemy import ColumnElement, and_, func, literal_column, not_, null, or_
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 
 from jobrelay.domain.disclosure import WORKER_LOST
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.records import Claim, jsonable
-from jobrelay.storage.tables import jobs
+from jobrelay.storage.tables import jobs, outbox
 
 COMPLETABLE = sources_for(JobState.SUCCEEDED)
 
@@ -77,11 +77,10 @@ def awaiting_admission() -> ColumnElement[bool]:
 
 
 def outbox_admissible() -> ColumnElement[bool]:
-    """The relay's guard on an outbox row: its job needs no admission, or has it."""
-    # The row of the statement's own ``outbox`` (the relay's claim), named as text so that
-    # the guard compiled alone still correlates to it.
-    row_job: ColumnElement[str] = literal_column("outbox.job_id")
-    return not_(exists().where(jobs.c.id == row_job, awaiting_admission()))
+    """The relay's guard on an outbox row: its job needs no admission, or has it (the flag
+    the row is written with and the admission clears, ``tables.outbox``): no lookup of the
+    job, and the relay's partial index holds only such rows."""
+    return outbox.c.awaiting_admission.is_(False)
 
 
 def lease_expired(now: ColumnElement[datetime]) -> ColumnElement[bool]:

@@ -30,6 +30,7 @@ from jobrelay.storage.records import (
     OutboxRow,
     PendingEvent,
     Renewed,
+    Won,
 )
 
 
@@ -76,9 +77,10 @@ class Driver(Protocol):
         requests: Sequence[CompleteRequest],
         now: datetime,
         conn: AsyncConnection | None = None,
-    ) -> set[str]:
-        """COMPLETE for each request; the ids that won. With ``conn``: inside that (write)
-        transaction, which the caller commits; else in a transaction of its own."""
+    ) -> Won:
+        """COMPLETE for each request; the ids that won, and whether they gave back slots
+        (on PostgreSQL that NOTIFYs the relays at the commit). With ``conn``: inside that
+        (write) transaction, which the caller commits; else in a transaction of its own."""
 
     async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
         """RENEW for each claim."""

@@ -100,14 +100,17 @@ _PG_BINDS: tuple[BindParameter[Any], ...] = (
 )
 
 
-def _pg_delayed(due: str, detail: str, cols: str = "", vals: str = "") -> str:
+def _pg_delayed(
+    due: str, detail: str, cols: str = "", vals: str = "", limited: bool = False
+) -> str:
     """The statement of a job held until ``due`` (SQL); its outbox row takes the job's."""
+    ocols, ovals = _AWAITING if limited else ("", "")
     return _PG_NEW_JOB_TEXT.format(
         job_cols=f", run_at{cols}",
         job_vals=f", {due}{vals}",
         job_returning=", run_at",
-        outbox_cols=", available_at",
-        outbox_vals=", run_at",
+        outbox_cols=f", available_at{ocols}",
+        outbox_vals=f", run_at{ovals}",
         detail=detail,
     )
 
@@ -120,6 +123,8 @@ _PG_ISO_RUN_AT = r"""json_build_object('type', CAST(:nj_type AS text), 'runAt',
                 THEN '' ELSE to_char(run_at AT TIME ZONE 'UTC', '.US') END
         || '+00\:00')"""
 _LIMITS = (", limits, turn_key", ", CAST(:nj_limits AS json), CAST(:nj_turn AS varchar)")
+# A job under limits: its outbox row waits for the job's admission (``tables.outbox``).
+_AWAITING = (", awaiting_admission", ", true")
 
 
 @functools.cache
@@ -127,6 +132,7 @@ def _pg_new_job(due: str, limited: bool) -> Executable:
     """The statement of a job due ``now``, ``at`` a time or after a ``delay``, with its
     limits (``limited``) or without (then the statement it was before limits existed)."""
     cols, vals = _LIMITS if limited else ("", "")
+    ocols, ovals = _AWAITING if limited else ("", "")
     limit_binds: list[BindParameter[Any]] = [
         bindparam("nj_limits", type_=JSON()),
         bindparam("nj_turn", type_=String()),
@@ -137,13 +143,15 @@ def _pg_new_job(due: str, limited: bool) -> Executable:
             job_cols=cols,
             job_vals=vals,
             job_returning="",
-            outbox_cols="",
-            outbox_vals="",
+            outbox_cols=ocols,
+            outbox_vals=ovals,
             detail="CAST(:nj_detail AS json)",
         )
         return text(sql).bindparams(*binds)
     if due == "at":
-        sql = _pg_delayed("CAST(:nj_run_at AS timestamptz)", "CAST(:nj_detail AS json)", cols, vals)
+        sql = _pg_delayed(
+            "CAST(:nj_run_at AS timestamptz)", "CAST(:nj_detail AS json)", cols, vals, limited
+        )
         return text(sql).bindparams(*binds, bindparam("nj_run_at", type_=jobs.c.run_at.type))
     # ``statement_timestamp()``: the database's clock when the enqueue ran, as the relay's
     # ``now()`` is when its claim runs.
@@ -152,6 +160,7 @@ def _pg_new_job(due: str, limited: bool) -> Executable:
         _PG_ISO_RUN_AT,
         cols,
         vals,
+        limited,
     )
     return text(sql).bindparams(
         *(b for b in binds if b.key != "nj_detail"), bindparam("nj_delay", type_=Float())
@@ -291,6 +300,9 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
             headers=dict(job.headers or {}),
             created_at=now,
             **({"available_at": run_at} if run_at is not None else {}),
+            # Under limits: it waits for its admission (a job under none is written as
+            # before limits existed).
+            **({"awaiting_admission": True} if job.limits else {}),
         ),
         None,
     )

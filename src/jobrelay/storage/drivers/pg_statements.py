@@ -16,6 +16,7 @@ from __future__ import annotations
 from sqlalchemy import (
     ARRAY,
     BigInteger,
+    Boolean,
     Column,
     Integer,
     Interval,
@@ -28,6 +29,7 @@ from sqlalchemy import (
 
 from jobrelay.storage.delayed import outbox_due
 from jobrelay.storage.drivers.pg_pool import pg_statement
+from jobrelay.storage.records import NOTIFY_CHANNEL
 from jobrelay.storage.tables import UTCDateTime, jobs, outbox
 from jobrelay.storage.transitions import (
     CLAIM,
@@ -148,12 +150,18 @@ released AS (
     -- completions look nothing up.
     DELETE FROM job_slots USING done
     WHERE done.turn_key IS NOT NULL AND job_slots.job_id = done.id
+    RETURNING job_slots.job_id
+),
+woken AS (
+    -- A freed slot wakes every listening relay at this commit: the key's next job is
+    -- admitted now, not at their next poll. One NOTIFY whatever the number of slots.
+    SELECT pg_notify('{NOTIFY_CHANNEL}', '') FROM (SELECT 1 FROM released LIMIT 1) AS one
 ),
 event AS (
     INSERT INTO job_events (job_id, at, kind, detail)
     SELECT id, :b_now, '{COMPLETE.event}', CAST(detail AS json) FROM done
 )
-SELECT id FROM done
+SELECT id, turn_key IS NOT NULL AS limited FROM done, (SELECT count(*) FROM woken) AS w
 """
     )
     .bindparams(
@@ -165,7 +173,7 @@ SELECT id FROM done
         bindparam("b_details", type_=ARRAY(Text())),
         bindparam("b_now", type_=UTCDateTime()),
     )
-    .columns(Column("id", String()))
+    .columns(Column("id", String()), Column("limited", Boolean()))
 )
 
 _RENEW_HOLDS = _by_id(guard_sql(RENEW.guards(_BATCH)))

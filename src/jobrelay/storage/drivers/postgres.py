@@ -35,6 +35,7 @@ from jobrelay.storage.records import (
     OutboxRow,
     PendingEvent,
     Renewed,
+    Won,
     claimed_in_order,
     jsonable,
     outbox_row,
@@ -139,7 +140,7 @@ class PostgresDriver:
         requests: Sequence[CompleteRequest],
         now: datetime,
         conn: AsyncConnection | None = None,
-    ) -> set[str]:
+    ) -> Won:
         params = {
             "b_ids": [r.claim.job_id for r in requests],
             "b_attempts": [r.claim.attempt for r in requests],
@@ -152,7 +153,8 @@ class PostgresDriver:
             ],
             "b_now": now,
         }
-        return {row["id"] for row in await self.rows(sql.COMPLETE_MANY, params, conn)}
+        rows = await self.rows(sql.COMPLETE_MANY, params, conn)
+        return Won((row["id"] for row in rows), any(row["limited"] for row in rows))
 
     async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
         params = {

@@ -43,6 +43,7 @@ from jobrelay.storage.records import (
     OutboxRow,
     PendingEvent,
     Renewed,
+    Won,
     claimed_in_order,
     jsonable,
     outbox_row,
@@ -117,7 +118,7 @@ def _claim_tx(
 
 def _complete_tx(
     execute: sql.Execute, requests: Sequence[CompleteRequest], reqs: str, now: datetime
-) -> set[str]:
+) -> Won:
     rows = execute(sql.COMPLETE_RUN, {"reqs": reqs, "updated_at": now})
     ids = {row["id"] for row in rows}
     # Only a job under limits holds slots (its turn key is set at enqueue): a batch with
@@ -131,7 +132,7 @@ def _complete_tx(
         if r.claim.job_id in ids
     ]
     _events(execute, "result_saved", now, events)
-    return ids
+    return Won(ids, bool(limited))
 
 
 class SqliteDriver:
@@ -211,7 +212,7 @@ class SqliteDriver:
         requests: Sequence[CompleteRequest],
         now: datetime,
         conn: AsyncConnection | None = None,
-    ) -> set[str]:
+    ) -> Won:
         """ONE update fenced per row, ``RETURNING`` the jobs whose completion won, and their
         ``result_saved`` events in one insert. Every row is checked (``outcome_json``,
         ``_bindable``) before the transaction begins."""
