@@ -7,13 +7,16 @@ panel says no limit is in use. Then 17 jobs: five of an account whose name is an
 operator overrides one key's limit from the CLI with a reason that is markup too. The panel
 shows the limit's totals, its ten keys with the most waiting, the other three counted, the
 override and its reason, and the hostile key and reason as text: no element is made of
-them and no script of theirs runs. At 390 px nothing runs past the edge; an account token
-sees no limits.
+them and no script of theirs runs. From the panel an admin overrides the hostile key's
+limit (a reason required; a bad value refused by the server and shown), the relay admits one
+more of its jobs, and clears it; the audit names the token. At 390 px nothing runs past the
+edge; an account token sees no limits.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,6 +28,7 @@ import pytest
 
 from .procs import FAST_ENV, clean_env, free_port, poll, processes, run_cli, wait_http
 from .test_console import ARTIFACTS, TIMEOUT_MS, browser, overflowing  # noqa: F401
+from .test_library_app import sql_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 HOSTILE = "<img src=x onerror=alert(1)>"
@@ -114,7 +118,7 @@ def test_console_limits_panel_shows_a_limits_keys_and_escapes_them(
             errors: list[str] = []
             dialogs: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+            page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.accept()))
             page.goto(f"{base}/console")
             page.fill("#token", admin)
             page.click("#use-token")
@@ -167,6 +171,46 @@ def test_console_limits_panel_shows_a_limits_keys_and_escapes_them(
             ARTIFACTS.mkdir(exist_ok=True)
             page.locator("#limits").screenshot(path=str(ARTIFACTS / "console-limits.png"))
 
+            # An override from the panel: the row fills the form; a reason is required; the
+            # server's refusal is shown; set, the relay admits one more of the key; cleared.
+            status = page.locator("#override-status")
+            hot.locator("button.override-pick").click()
+            expect(page.locator("#override-name")).to_have_value("lab.hold")
+            expect(page.locator("#override-key")).to_have_value(HOSTILE)
+            expect(page.locator("#override-concurrency")).to_have_value("2")
+            page.fill("#override-concurrency", "3")
+            page.click("#override-set")
+            expect(status).to_contain_text("give a reason")
+            page.fill("#override-reason", "orders backlog")
+            page.fill("#override-rate", "1/second")
+            page.click("#override-set")
+            expect(status).to_contain_text("override refused: ")
+            expect(status).to_contain_text("exactly one of concurrency and rate")
+            page.fill("#override-rate", "")
+            page.click("#override-set")
+            expect(status).to_contain_text("overridden: 3 from the relay's next round")
+            poll(lambda: hostile_row(base, admin) == (3, 2), 30, "a third slot for the key")
+            page.click("#refresh-limits")
+            hot = group.locator(f'tr[data-key="{HOSTILE}"]')
+            expect(hot.locator("td.running")).to_have_text("3")
+            expect(hot.locator("td.reason")).to_have_text(
+                re.compile(r"^3 \(override by token#\d+ \(ops\): orders backlog\)$")
+            )
+            hot.locator("button.override-pick").click()
+            page.click("#override-clear")
+            expect(status).to_contain_text("give a reason")
+            page.fill("#override-reason", "backlog gone")
+            page.click("#override-clear")
+            expect(status).to_contain_text("cleared")
+            expect(hot.locator("td.reason")).to_have_text("2")
+            assert page.locator("#limits img, #limits b").count() == 0
+            assert dialogs == [
+                f"override limit lab.hold key {HOSTILE}?",  # the one the server refused
+                f"override limit lab.hold key {HOSTILE}?",
+                f"clear the override of limit lab.hold key {HOSTILE}?",
+            ]
+            dialogs.clear()
+
             page.set_viewport_size({"width": 390, "height": 844})
             page.goto(f"{base}/console#limits")
             expect(page.locator("#limit-list tr.limit-key").first).to_have_attribute(
@@ -182,3 +226,24 @@ def test_console_limits_panel_shows_a_limits_keys_and_escapes_them(
             assert dialogs == [] and errors == []
         finally:
             release.write_text("done")
+    audit = sql_rows(
+        f"sqlite:///{tmp_path}/jr.db",
+        "SELECT kind, actor, reason FROM limit_events WHERE limit_id = :i ORDER BY id",
+        i=f"lab.hold\x1f{HOSTILE}",
+    )
+    assert [(kind, reason) for kind, _, reason in audit] == [
+        ("set", "orders backlog"),
+        ("cleared", "backlog gone"),
+    ]
+    assert all(re.fullmatch(r"token#\d+ \(ops\)", actor) for _, actor, _ in audit), audit
+
+
+def hostile_row(base: str, admin: str) -> tuple[int, int] | None:
+    response = httpx.get(
+        f"{base}/v1/limits",
+        params={"top": 1},
+        headers={"Authorization": f"Bearer {admin}"},
+        timeout=5,
+    )
+    [row] = response.json()["limits"]
+    return (row["running"], row["waiting"]) if row["key"] == HOSTILE else None

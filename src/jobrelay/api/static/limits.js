@@ -2,6 +2,8 @@
 // or its name=): the value in force and where it comes from, its totals (running, waiting for
 // admission, the oldest wait), then its keys with the most waiting, the rest counted. The
 // server groups and bounds the rows; keys are the jobs' own data and are written as text.
+// An override is set or cleared through PUT/DELETE /v1/limits/{name}, with a reason (required,
+// as by the CLI), audited under the token.
 "use strict";
 
 (function () {
@@ -43,6 +45,26 @@
     return cell;
   }
 
+  // A row's button fills the override form with its limit and key (and the value in force).
+  function pick(limit, key, current) {
+    const cell = el("td");
+    const button = el("button", "Override…", "override-pick");
+    button.type = "button";
+    button.setAttribute("aria-label", "Override limit " + limit + (key === null ? "" : " key " + key));
+    button.addEventListener("click", () => {
+      $("override-name").value = limit;
+      $("override-key").value = key === null ? "" : key;
+      const max = current && current.max !== null && current.max !== undefined;
+      $("override-concurrency").value = max ? String(current.max) : "";
+      $("override-rate").value = "";
+      $("override-burst").value = "";
+      $("override-status").textContent = "";
+      $(max || !current ? "override-concurrency" : "override-rate").focus();
+    });
+    cell.append(button);
+    return cell;
+  }
+
   function render(data) {
     const table = $("limit-list");
     for (const body of Array.from(table.tBodies)) body.remove();
@@ -66,6 +88,7 @@
         el("td", g.running, "num running"),
         el("td", g.waiting, "num waiting"),
         age(g.waitingSeconds, g.waitingSince),
+        g.kind === "fair" ? el("td") : pick(g.limit, null, g.override ? { max: g.override.max } : g.declared[0]),
       );
       body.append(head);
       for (const r of rows.get(g.limit + "\u001f" + g.kind) || []) {
@@ -74,13 +97,15 @@
         const key = el("th", r.key === null ? "(no key)" : r.key, "key");
         key.scope = "row";
         row.append(key, el("td", ""), el("td", rowValue(r), "reason"), el("td", r.running, "num running"), el("td", r.waiting, "num waiting"), age(r.waitingSeconds, r.waitingSince));
+        if (r.key !== null && r.kind !== "fair") row.append(pick(r.limit, r.key, r.current));
+        else row.append(el("td"));
         body.append(row);
       }
       if (g.otherKeys > 0) {
         const rest = el("tr", null, "limit-rest");
         const cell = el("td", "and " + g.otherKeys + " more key" + (g.otherKeys === 1 ? "" : "s") + " (fewer waiting)", "muted");
         cell.colSpan = 3;
-        rest.append(cell, el("td", g.otherRunning, "num running"), el("td", g.otherWaiting, "num waiting"), el("td", ""));
+        rest.append(cell, el("td", g.otherRunning, "num running"), el("td", g.otherWaiting, "num waiting"), el("td", ""), el("td", ""));
         body.append(rest);
       }
       table.append(body);
@@ -90,6 +115,7 @@
   async function load() {
     const table = $("limit-list");
     const note = $("limits-note");
+    $("limit-override").hidden = !session.admin;
     if (!session.admin) {
       table.hidden = true;
       note.textContent = "Limits need an admin token.";
@@ -109,9 +135,55 @@
     }
   }
 
+  // Set (PUT) or clear (DELETE) the override the form names; the reason is required first,
+  // as the CLI's --reason; the server checks the rest (one of concurrency and rate, …).
+  async function change(clear) {
+    const status = $("override-status");
+    const name = $("override-name").value.trim();
+    const key = $("override-key").value;
+    const reason = $("override-reason").value.trim();
+    const target = "limit " + name + (key ? " key " + key : " (the whole limit)");
+    if (!name) {
+      status.textContent = "name the limit (or press Override… on its row)";
+      $("override-name").focus();
+      return;
+    }
+    if (!reason) {
+      status.textContent = "give a reason to " + (clear ? "clear" : "set") + " an override (it is kept in the audit)";
+      $("override-reason").focus();
+      return;
+    }
+    const path = "/v1/limits/" + encodeURIComponent(name);
+    try {
+      if (clear) {
+        if (!window.confirm("clear the override of " + target + "?")) return;
+        await api("DELETE", path + (key ? "?key=" + encodeURIComponent(key) : ""), { reason: reason });
+        status.textContent = "override of " + target + " cleared: the declared value holds from the relay's next round";
+      } else {
+        const body = { reason: reason };
+        if (key) body.key = key;
+        const concurrency = $("override-concurrency").value.trim();
+        const rate = $("override-rate").value.trim();
+        const burst = $("override-burst").value.trim();
+        if (concurrency) body.concurrency = Number(concurrency);
+        if (rate) body.rate = rate;
+        if (burst) body.burst = Number(burst);
+        if (!window.confirm("override " + target + "?")) return;
+        const done = await api("PUT", path, body);
+        status.textContent = target + " overridden: " + value({ max: done.max, perSecond: done.max === null ? done.perSecond : null, burst: done.burst }) + " from the relay's next round";
+      }
+      $("override-reason").value = "";
+    } catch (error) {
+      status.textContent = (clear ? "clear" : "override") + " refused: " + error.message;
+    }
+    await load();
+  }
+
   window.JR.onToken(load);
 
   document.addEventListener("DOMContentLoaded", () => {
     $("refresh-limits").addEventListener("click", () => load());
+    $("override-set").addEventListener("click", () => change(false));
+    $("override-clear").addEventListener("click", () => change(true));
   });
 })();
