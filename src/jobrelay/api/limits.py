@@ -157,7 +157,7 @@ class LimitOut(WireModel):
 
 class LimitGroupOut(WireModel):
     limit: str
-    kind: str = Field(description="concurrency or rate")
+    kind: str = Field(description="concurrency, rate or fair")
     keys: int = Field(description="Its keys listed or not (0: a limit without a key).")
     declared: list[LimitValue] = Field(
         description="The values its unfinished jobs carry (two after a deploy changed it)."
