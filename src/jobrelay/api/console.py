@@ -3,11 +3,11 @@
 The page talks to the same ``/v1`` API as everyone else with the token the person pastes in
 (kept in the tab's ``sessionStorage`` only): the live overview (``/v1/overview``, admin),
 the jobs list with its filters and bulk actions (``/v1/jobs``, ``/v1/bulk/*``), the queues
-(``/v1/queues``), one job (``/v1/jobs/{id}/explain``), the quarantined jobs and the
-schedules. The server adds nothing the API does not already allow. Files are read once
-from the package, the chart library (uPlot) included, vendored under ``static/vendor``
-(no CDN); a strict Content-Security-Policy allows only this origin's script and style,
-and the script writes every value with ``textContent``, never as HTML.
+(``/v1/queues``), the limits per key (``/v1/limits``), one job (``/v1/jobs/{id}/explain``),
+the quarantined jobs and the schedules. The server adds nothing the API does not already
+allow. Files are read once from the package, the chart library (uPlot) included, vendored
+under ``static/vendor`` (no CDN); a strict Content-Security-Policy allows only this origin's
+script and style, and the script writes every value with ``textContent``, never as HTML.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ _FILES = {
     "lane.js": _JS,
     "overview.js": _JS,
     "jobs.js": _JS,
+    "limits.js": _JS,
     "console.css": _CSS,
     "vendor/uPlot.iife.min.js": _JS,
     "vendor/uPlot.min.css": _CSS,

@@ -3,9 +3,12 @@
 ``GET /v1/limits`` lists every limit id an unfinished job is under (and every override): its
 declared value, the override that applies, the jobs admitted and unfinished (``running``:
 for a concurrency limit, the slots held) and those awaiting admission (``waiting``, the
-oldest since when). ``PUT /v1/limits/{name}`` sets an override (of the whole limit, or of one
-``key``): a concurrency or a rate, with a required reason, audited in ``limit_events`` with
-the admin token's name; the relay applies it from its next admission round, no deploy.
+oldest since when); and per limit its totals over all its keys (``groups``), so that the
+console's limits panel, with ``?top=10``, reads each limit's hottest keys and a count of the
+rest rather than adding up an unbounded list. ``PUT /v1/limits/{name}`` sets an override (of
+the whole limit, or of one ``key``): a concurrency or a rate, with a required reason,
+audited in ``limit_events`` with the admin token's name; the relay applies it from its next
+admission round, no deploy.
 ``DELETE /v1/limits/{name}?key=`` removes it (a reason in the body, like a queue's resume).
 """
 
@@ -24,13 +27,22 @@ from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, ValidationProblem, problem_openapi
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES
 from jobrelay.api.schemas import WireModel
-from jobrelay.domain.limits import KEY_MAX, JobLimit, LimitError, parse_rate, split_id
+from jobrelay.domain.limits import (
+    CONCURRENCY,
+    KEY_MAX,
+    JobLimit,
+    LimitError,
+    parse_rate,
+    split_id,
+)
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.limit_overrides import (
     NAME_MAX,
     LimitOverride,
+    LimitRow,
     clear_override,
     limits_overview,
+    overrides,
     set_override,
     target,
 )
@@ -56,6 +68,15 @@ NamePath = Annotated[
     str,
     Path(
         min_length=1, max_length=NAME_MAX, description="A limit's name (its job type's, or name=)."
+    ),
+]
+TopQuery = Annotated[
+    int | None,
+    Query(
+        ge=1,
+        le=100,
+        description="List only each limit's N keys with the most waiting (then running); "
+        "`groups` counts the rest. None: every key.",
     ),
 ]
 KeyQuery = Annotated[
@@ -129,10 +150,33 @@ class LimitOut(WireModel):
     running: int = Field(description="Admitted, unfinished (concurrency: the slots held).")
     waiting: int = Field(description="Awaiting admission.")
     waiting_since: datetime | None = Field(description="The oldest waiting job's wait.")
+    waiting_seconds: float | None = Field(
+        default=None, description="How long it has waited, by the server's clock."
+    )
+
+
+class LimitGroupOut(WireModel):
+    limit: str
+    kind: str = Field(description="concurrency, rate or fair")
+    keys: int = Field(description="Its keys listed or not (0: a limit without a key).")
+    declared: list[LimitValue] = Field(
+        description="The values its unfinished jobs carry (two after a deploy changed it)."
+    )
+    override: OverrideOut | None = Field(description="The whole limit's, of this kind.")
+    running: int = Field(description="Over all its keys.")
+    waiting: int = Field(description="Over all its keys.")
+    waiting_since: datetime | None = Field(description="The oldest wait of any of its keys.")
+    waiting_seconds: float | None = Field(description="Its age, by the server's clock.")
+    other_keys: int = Field(description="Keys not in `limits` (beyond `top`).")
+    other_running: int = Field(description="Running under the keys not listed.")
+    other_waiting: int = Field(description="Waiting under the keys not listed.")
 
 
 class LimitsOut(WireModel):
     limits: list[LimitOut]
+    groups: list[LimitGroupOut] = Field(
+        default_factory=list, description="Per limit (name and kind), sorted by name."
+    )
 
 
 def _value(limit: JobLimit | None) -> LimitValue | None:
@@ -155,24 +199,84 @@ def override_out(o: LimitOverride) -> OverrideOut:
     )
 
 
-async def limit_rows(runtime: Runtime) -> LimitsOut:
-    rows = await limits_overview(runtime.store)
-    return LimitsOut(
-        limits=[
-            LimitOut(
-                limit=r.name,
-                key=r.key,
-                kind=r.kind,
-                declared=_value(r.declared),
-                override=override_out(r.override) if r.override else None,
-                current=_value(r.current),
-                running=r.running,
-                waiting=r.waiting,
-                waiting_since=r.oldest_wait,
-            )
-            for r in rows
-        ]
+def _age(since: datetime | None, now: datetime) -> float | None:
+    return None if since is None else max(0.0, (now - since).total_seconds())
+
+
+def _row(r: LimitRow, now: datetime) -> LimitOut:
+    return LimitOut(
+        limit=r.name,
+        key=r.key,
+        kind=r.kind,
+        declared=_value(r.declared),
+        override=override_out(r.override) if r.override else None,
+        current=_value(r.current),
+        running=r.running,
+        waiting=r.waiting,
+        waiting_since=r.oldest_wait,
+        waiting_seconds=_age(r.oldest_wait, now),
     )
+
+
+def _hottest(r: LimitRow) -> tuple[int, int, float, str]:
+    """The keys a panel lists first: the most waiting, then running, then the oldest wait."""
+    since = r.oldest_wait.timestamp() if r.oldest_wait else float("inf")
+    return (-r.waiting, -r.running, since, r.key or "")
+
+
+def _group(
+    rows: list[LimitRow], found: dict[str, LimitOverride], top: int | None, now: datetime
+) -> tuple[LimitGroupOut, list[LimitRow]]:
+    """One limit's totals, and the rows listed for it: all, or its ``top`` hottest keys (the
+    row of its jobs without a key, if any, always: it is the limit's own, not a key's)."""
+    name, kind = rows[0].name, rows[0].kind
+    keyed = sorted((r for r in rows if r.key is not None), key=_hottest)
+    shown = keyed if top is None else keyed[:top]
+    rest = keyed[len(shown) :]
+    since = [r.oldest_wait for r in rows if r.oldest_wait is not None]
+    declared: list[LimitValue] = []
+    for r in rows:
+        value = _value(r.declared)
+        if value is not None and value not in declared:
+            declared.append(value)
+    whole = found.get(name)
+    if whole is not None and (whole.max if kind == CONCURRENCY else whole.per_second) is None:
+        whole = None  # it overrides the limit's other kind only
+    group = LimitGroupOut(
+        limit=name,
+        kind=kind,
+        keys=len(keyed),
+        declared=declared,
+        override=override_out(whole) if whole else None,
+        running=sum(r.running for r in rows),
+        waiting=sum(r.waiting for r in rows),
+        waiting_since=min(since) if since else None,
+        waiting_seconds=_age(min(since), now) if since else None,
+        other_keys=len(rest),
+        other_running=sum(r.running for r in rest),
+        other_waiting=sum(r.waiting for r in rest),
+    )
+    return group, [r for r in rows if r.key is None] + shown
+
+
+async def limit_rows(runtime: Runtime, top: int | None = None) -> LimitsOut:
+    """Every limit id's row (``top``: only each limit's ``top`` hottest keys), and per limit
+    its totals over all its keys: the rows are grouped here, in the server, so that a page
+    showing a limit with thousands of keys reads a bounded answer."""
+    rows = await limits_overview(runtime.store)
+    found = await overrides(runtime.store)
+    now = runtime.clock()
+    by_limit: dict[tuple[str, str], list[LimitRow]] = {}
+    for r in rows:
+        by_limit.setdefault((r.name, r.kind), []).append(r)
+    groups, listed = [], []
+    for at in sorted(by_limit):
+        group, shown = _group(by_limit[at], found, top, now)
+        groups.append(group)
+        listed.extend(shown)
+    if top is None:
+        listed = rows  # every row, as before: sorted by name and key
+    return LimitsOut(limits=[_row(r, now) for r in listed], groups=groups)
 
 
 def _target(name: str, key: str | None, key_at: tuple[str, str]) -> str:
@@ -192,8 +296,8 @@ def _target(name: str, key: str | None, key_at: tuple[str, str]) -> str:
     summary="Limits per key: declared, overridden, running, waiting for admission (admin)",
     responses=_READ,
 )
-async def list_limits(runtime: RuntimeDep, actor: AdminActor) -> LimitsOut:
-    return await limit_rows(runtime)
+async def list_limits(runtime: RuntimeDep, actor: AdminActor, top: TopQuery = None) -> LimitsOut:
+    return await limit_rows(runtime, top)
 
 
 @router.put(
