@@ -243,6 +243,7 @@ async def test_valid_traceparent_reaches_the_outbox_and_an_invalid_one_is_droppe
     await accept(client, acme, traceparent=good)
     await accept(client, acme, **{"traceparent": "00-zz-bad", "Idempotency-Key": "k2"})
 
+    await runtime.store.admit_waiting(10)  # the relay admits before it claims
     rows = await runtime.store.claim_outbox("relay-test", 10, LEASE)
 
     assert [r.headers for r in rows] == [{"traceparent": good}, {}]
@@ -309,6 +310,7 @@ async def test_job_shows_publication_progress_and_retry(
 ) -> None:
     job_id = await accept(client, acme)
     store = runtime.store
+    await store.admit_waiting(10)  # the relay admits before it claims
     await store.mark_published("r", await store.claim_outbox("r", 10, LEASE))
     claim = await store.claim_job(job_id, "w", T0, LEASE)
     assert claim is not None
@@ -336,6 +338,7 @@ async def test_events_are_listed_in_order(
     job_id = await accept(client, acme)
     store = runtime.store
     clock.advance(1)  # the relay takes the row a second later: that is the publish's time
+    await store.admit_waiting(10)  # the relay admits before it claims
     await store.mark_published("r", await store.claim_outbox("r", 10, LEASE))
     clock.advance(1)
     await finish_job(runtime, job_id, b"a,b\n")

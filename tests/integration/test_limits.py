@@ -526,3 +526,26 @@ async def test_a_completion_that_frees_a_slot_wakes_the_relays_and_others_do_not
                         await asyncio.wait_for(elsewhere.wait(), 10)
     finally:
         await other.dispose()
+
+
+async def test_the_shipped_export_is_fair_by_account(store: tuple[Store, Clock]) -> None:
+    """One account's burst of exports does not queue ahead of another account's first: the
+    shipped ``report.export`` is fair by account, so the relay hands the broker the accounts'
+    exports in turns (``fair_ahead`` ahead of the workers). Old code: no fairness; the
+    relay's first batch was the burst's oldest rows."""
+    from jobrelay.exports.report_export import ExportParams
+    from jobrelay.exports.shipped import report_export
+
+    s, _ = store
+
+    async def export_of(account: str, month: int) -> str:
+        params = ExportParams.model_validate({"accountId": account, "period": f"2024-{month:02d}"})
+        job_id, _ = await s.submit(report_export.new_job(params, account=account), T0)
+        return job_id
+
+    burst = [await export_of("acme", 1 + i % 12) for i in range(24)]
+    first = await export_of("globex", 1)
+    await s.admit_waiting(4, fair_ahead=4)
+    rows = await s.claim_outbox("relay-1", 4, timedelta(seconds=30))
+    assert first in [row.job_id for row in rows]
+    assert len(rows) == 4 and set(burst) & {row.job_id for row in rows}

@@ -243,3 +243,15 @@ def test_a_job_awaiting_admission_is_held_for_its_limit_not_waiting_for_a_worker
         waiting, admitted_at=ago(1), published=True, unpublished_since=None
     )
     assert next_step(running, NOW, None, [held, admitted]).startswith("published and waiting")
+
+
+def test_job_show_names_a_fairness_key_as_such(capsys: pytest.CaptureFixture[str]) -> None:
+    """``job show`` of a job fair by key (``fair_by=``; the shipped ``report.export``) names
+    the key it takes turns under. Old code: it read the fairness as a rate limit and raised
+    ``TypeError: unsupported format string passed to NoneType.__format__``."""
+    from jobrelay.admin.explain import render_job
+    from jobrelay.domain.limits import FAIR, JobLimit
+
+    fair = job(limits=(JobLimit("report.export", FAIR, key="acme"),))
+    render_job(fair, [], NOW)
+    assert "report.export (fair by key: acme)" in capsys.readouterr().out

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bench_commands(**variables: str) -> list[str]:
+def _bench_commands(only: str = "bench/pipeline_bench.py", **variables: str) -> list[str]:
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
     env = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
@@ -32,7 +32,7 @@ def _bench_commands(**variables: str) -> list[str]:
         timeout=60,
         check=True,
     )
-    return [line for line in result.stdout.splitlines() if "bench/pipeline_bench.py" in line]
+    return [line for line in result.stdout.splitlines() if only in line]
 
 
 def test_make_bench_gives_every_pipeline_run_its_jobs_per_phase() -> None:
@@ -45,3 +45,10 @@ def test_make_bench_gives_every_pipeline_run_its_jobs_per_phase() -> None:
 def test_bench_jobs_sets_the_jobs_per_phase() -> None:
     commands = _bench_commands(BENCH_JOBS="2000")
     assert commands and all("--jobs 2000" in command for command in commands), commands
+
+
+def test_make_bench_measures_limits_per_key_with_its_jobs_per_phase() -> None:
+    """Issue 36: the limits rows (no limit, one that never binds, one that binds) are part
+    of ``make bench``, in the same sitting as the peers."""
+    commands = _bench_commands(BENCH_JOBS="3000", only="bench/limits_bench.py")
+    assert len(commands) == 1 and "--jobs 3000" in commands[0], commands

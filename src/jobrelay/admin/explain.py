@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from jobrelay.domain.delays import runs_at_text
-from jobrelay.domain.limits import JobLimit, split_id
+from jobrelay.domain.limits import FAIR, JobLimit, split_id
 from jobrelay.domain.states import JobState
 from jobrelay.runtime.wiring import open_runtime, utc_now
 from jobrelay.settings import Settings
@@ -448,6 +448,8 @@ async def show_job(
 def _limit_text(limit: JobLimit) -> str:
     name, key = split_id(limit.limit_id)
     who = escape(name if key is None else f"{name} {key}")
+    if limit.kind == FAIR:
+        return f"{escape(name)} (fair by key: {escape(limit.key or '')})"
     if limit.max is not None:
         return f"{who} (concurrency {limit.max})"
     return f"{who} (rate {limit.per_second:g}/s)"

@@ -39,7 +39,14 @@ def _router() -> APIRouter:
 
 
 app = App()
-report_export = app.job(TYPE, params=ExportParams, result_filename=download_name)(run_export)
+# Fair by account: one account's burst of exports is admitted in turns with another's first
+# export, not ahead of it (``docs/how-to/limits.md``).
+report_export = app.job(
+    TYPE,
+    params=ExportParams,
+    result_filename=download_name,
+    fair_by=lambda p: p.account_id,
+)(run_export)
 app.include(NotifyEmail, type=NOTIFY_EMAIL)
 app.http_router(_router)
 app.tables(ledger.metadata)

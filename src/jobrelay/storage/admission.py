@@ -68,6 +68,13 @@ def _throttled(limit: JobLimit, slots: Mapping[str, int]) -> dict[str, Any]:
     return {"limit": name, "key": key, "reason": _held_reason(limit, slots.get(limit.limit_id, 0))}
 
 
+def _limiting(limits: Sequence[JobLimit]) -> bool:
+    """Whether the job's ``admitted`` event says something when it was never held: it
+    took a slot or a token. A job only fair by key (``fair_by=``, the shipped export) that
+    went through at its first round has the timeline it would have without it."""
+    return any(limit.kind != FAIR for limit in limits)
+
+
 def _admitted(limits: Sequence[JobLimit]) -> dict[str, Any]:
     return {
         "limits": [split_id(limit.limit_id)[0] for limit in limits],
@@ -170,7 +177,7 @@ class AdmissionStore(StoreBase):
                 room=budget,
                 fair_ahead=fair_ahead,
             )
-            await self._write(conn, answer.admitted, candidates, now)
+            await self._write(conn, answer.admitted, candidates, first_held, now)
             newly_held = [j for j in answer.held if first_held.get(j) is None]
             if newly_held:
                 await conn.execute(
@@ -207,6 +214,7 @@ class AdmissionStore(StoreBase):
         conn: Any,
         admitted: Sequence[str],
         candidates: dict[str, Candidate],
+        first_held: Mapping[str, datetime | None],
         now: datetime,
     ) -> None:
         if not admitted:
@@ -237,7 +245,11 @@ class AdmissionStore(StoreBase):
             conn,
             "admitted",
             now,
-            {job_id: _admitted(candidates[job_id].limits) for job_id in admitted},
+            {
+                job_id: _admitted(candidates[job_id].limits)
+                for job_id in admitted
+                if first_held[job_id] is not None or _limiting(candidates[job_id].limits)
+            },
         )
 
 
