@@ -38,12 +38,20 @@ _NOT_FOUND = "no job with this id is visible to this token"
 
 router = APIRouter()
 
-_ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **RATE_LIMIT_RESPONSES,
-    401: problem_openapi("No token, or not a valid one."),
-    403: problem_openapi("Not an admin token."),
-    503: problem_openapi("The database is unavailable; nothing was changed."),
-}
+
+def admin_responses(
+    unavailable: str = "The database is unavailable; nothing was changed.",
+) -> dict[int | str, dict[str, Any]]:
+    """What any admin route may answer before its own work (every admin router's base)."""
+    return {
+        **RATE_LIMIT_RESPONSES,
+        401: problem_openapi("No token, or not a valid one."),
+        403: problem_openapi("Not an admin token."),
+        503: problem_openapi(unavailable),
+    }
+
+
+_ADMIN_RESPONSES = admin_responses()
 _ACTION_RESPONSES: dict[int | str, dict[str, Any]] = {
     **_ADMIN_RESPONSES,
     404: problem_openapi("No such job."),

@@ -21,11 +21,10 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, field_validator, model_validator
 
-from jobrelay.api.admin import AdminActor, _Reasoned, body_of
+from jobrelay.api.admin import AdminActor, _Reasoned, admin_responses, body_of
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, ValidationProblem, problem_openapi
-from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES
 from jobrelay.api.schemas import WireModel
 from jobrelay.domain.limits import (
     CONCURRENCY,
@@ -49,12 +48,7 @@ from jobrelay.storage.limit_overrides import (
 
 router = APIRouter()
 
-_READ: dict[int | str, dict[str, Any]] = {
-    **RATE_LIMIT_RESPONSES,
-    401: problem_openapi("No token, or not a valid one."),
-    403: problem_openapi("Not an admin token."),
-    503: problem_openapi("The database is unavailable."),
-}
+_READ = admin_responses("The database is unavailable.")
 _ACT: dict[int | str, dict[str, Any]] = {
     **_READ,
     404: problem_openapi("No such route (a name cannot contain '/'), or nothing to remove."),

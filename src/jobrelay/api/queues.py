@@ -17,11 +17,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request
 from pydantic import Field
 
-from jobrelay.api.admin import AdminActor, _Reasoned, body_of
+from jobrelay.api.admin import AdminActor, _Reasoned, admin_responses, body_of
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, ValidationProblem, problem_openapi
-from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES
 from jobrelay.api.schemas import WireModel
 from jobrelay.errors import TransportError
 from jobrelay.runtime.wiring import Runtime
@@ -31,12 +30,7 @@ from jobrelay.transport.base import QueueStats, ReportsQueues
 
 router = APIRouter()
 
-_READ: dict[int | str, dict[str, Any]] = {
-    **RATE_LIMIT_RESPONSES,
-    401: problem_openapi("No token, or not a valid one."),
-    403: problem_openapi("Not an admin token."),
-    503: problem_openapi("The database is unavailable."),
-}
+_READ = admin_responses("The database is unavailable.")
 _ACT: dict[int | str, dict[str, Any]] = {
     **_READ,
     404: problem_openapi("No such queue in this app's topology."),

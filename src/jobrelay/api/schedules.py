@@ -14,21 +14,15 @@ from fastapi import APIRouter, Path, Request
 from pydantic import Field
 
 from jobrelay.admin.schedules import ScheduleOperator, pause_refusal
-from jobrelay.api.admin import INVALID_TRANSITION, AdminActor, CancelRequest
+from jobrelay.api.admin import INVALID_TRANSITION, AdminActor, CancelRequest, admin_responses
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, problem_openapi
-from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES
 from jobrelay.api.schemas import WireModel
 
 router = APIRouter()
 
-_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **RATE_LIMIT_RESPONSES,
-    401: problem_openapi("No token, or not a valid one."),
-    403: problem_openapi("Not an admin token."),
-    503: problem_openapi("The database is unavailable; nothing was changed."),
-}
+_RESPONSES = admin_responses()
 _ONE: dict[int | str, dict[str, Any]] = {**_RESPONSES, 404: problem_openapi("No such schedule.")}
 _ACTION: dict[int | str, dict[str, Any]] = {
     **_ONE,
