@@ -9,7 +9,8 @@ waves of jobs, one fault each:
 1. a worker is SIGKILLed with attempts running (and restarted): their leases expire and the
    attempts are taken over, by a redelivery's claim or by the reconciler;
 2. the other worker (a window of 1) is frozen (SIGSTOP) inside a body; the reconciler takes
-   its expired lease over and the restarted worker claims the next attempt, which the test
+   its expired lease over (or the claim of a copy of the message does) and the restarted
+   worker claims the next attempt, which the test
    holds in its body (a file names the attempt) so that it keeps its slot while a backlog of
    the same account is enqueued and the frozen worker is resumed (SIGCONT): the late outcome
    of the frozen attempt must be fenced off and give nothing back. Held until the sampler
@@ -350,8 +351,8 @@ def test_running_jobs_per_key_stay_within_the_limit_under_kills_freezes_and_an_o
             first.kill9()
             second = start("worker", "worker", env=big, cwd=root)
 
-            # 2. SIGSTOP the other worker in a body, past its lease: the reconciler takes
-            # the attempt over and the restarted worker runs the next one, held in its body
+            # 2. SIGSTOP the other worker in a body, past its lease: the attempt is taken
+            # over and the restarted worker runs the next one, held in its body
             # (holding its slot, a backlog of the account waiting) until the frozen worker,
             # resumed, has met the fence with its late outcome and the sampler has read the
             # store since: a slot that outcome gave back would be missing under a job running.
@@ -371,15 +372,13 @@ def test_running_jobs_per_key_stay_within_the_limit_under_kills_freezes_and_an_o
             try:
                 job, n = poll(frozen_in_a_body, 60, "the small worker frozen inside a body")
                 hold(job, n + 1)
-                poll(
-                    lambda: db.events(job, "reconciled_lease_expired"),
-                    30,
-                    "the reconciler to take the frozen attempt's expired lease over",
-                )
+                # Taken over once the lease has expired: by the reconciler (then admitted
+                # again), or by the claim of a copy of its message the reconciler had sent
+                # while it waited (then under the same admission).
                 poll(
                     lambda: any(e.detail["attempt"] == n + 1 for e in db.events(job, "claimed")),
                     30,
-                    "the next attempt to be claimed by the restarted worker",
+                    "the frozen attempt taken over and the next one claimed",
                 )
                 enqueue([account[job]] * BACKLOG)
             finally:
@@ -463,9 +462,12 @@ def test_running_jobs_per_key_stay_within_the_limit_under_kills_freezes_and_an_o
     # committed their success just before the kill).
     killed = [a for a in t.attempts.values() if pid_of(a.worker) == first.pid]
     assert any(a.ended_by in TAKEOVERS for a in killed), killed
-    # The frozen attempt: taken over by the reconciler; its late outcome fenced off while
-    # its successor held the slot, recorded as lease_lost by the resumed worker.
-    assert t.attempts[(job, n)].ended_by == "reconciled_lease_expired"
+    # The reconciler's takeover, the release this is most about, happened (and was checked
+    # above to release once).
+    assert any(a.ended_by == "reconciled_lease_expired" for a in t.attempts.values())
+    # The frozen attempt: taken over; its late outcome fenced off while its successor held
+    # the slot, recorded as lease_lost by the resumed worker.
+    assert t.attempts[(job, n)].ended_by in TAKEOVERS, t.attempts[(job, n)]
     assert winner[job] > n
     lost = [e for e in t.lease_lost if e["job"] == job and e["attempt"] == n]
     assert len(lost) == 1 and pid_of(lost[0]["worker"]) == zombie.pid, t.lease_lost
