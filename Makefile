@@ -76,6 +76,7 @@ demo: $(RUNTIME_STAMP)
 ##   outcome/ack: test_worker_killed_after_commit_before_ack_does_not_redo
 ##   retry: test_worker_crash_in_export_consumes_attempt_and_completes_once
 ##   quarantine: test_crash_looping_job_ends_quarantined_while_healthy_jobs_flow
+##   limits (slots): test_limit_faults.py
 test: $(TEST_STAMP) lint typecheck
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not soak" --durations=30 $(PYTEST_ARGS)
 
