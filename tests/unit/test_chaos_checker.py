@@ -349,3 +349,20 @@ def test_a_run_with_no_end_counts_as_running_and_a_slot_left_at_rest_fails() -> 
     w.slots_held = 1
     assert w.judge(limit=1) == {"slots_at_rest": 1}
     assert w.verdict.examples["slots_at_rest"] == ["1 slots held in job_slots at rest"]
+
+
+def test_the_soaks_app_is_the_shipped_one_with_its_export_limited_per_account() -> None:
+    """What ``JOBRELAY_APP`` names for the soak's processes (``--limits``, the default)."""
+    from jobrelay.chaos.limited_app import ACCOUNT_LIMIT, SPEC
+    from jobrelay.domain.limits import CONCURRENCY, JobLimit
+    from jobrelay.exports import shipped
+    from jobrelay.library.loader import load_app
+
+    app = load_app(SPEC)
+    assert set(app.jobs) == set(shipped.app.jobs) and app.included_types == {NOTIFY}
+    assert set(app.commands) == set(shipped.app.commands) >= {"seed"}
+    job = app.jobs[EXPORT].new_job({"accountId": "acme", "period": "2020-01"}, account="acme")
+    assert job.limits == (JobLimit(f"{EXPORT}\x1facme", CONCURRENCY, max=ACCOUNT_LIMIT),)
+    assert ACCOUNT_LIMIT == 2
+    shipped_job = shipped.report_export.new_job({"accountId": "acme", "period": "2020-01"})
+    assert shipped_job.limits == ()
