@@ -30,13 +30,13 @@ from jobrelay.storage.transitions import (
 )
 
 
-# A run starts with its claim and ends with the event of the transition that gives its slots
-# back (``Transition.releases``): success, retry, quarantine, cancel, the reconciler's takeover.
 def _event(transition: Transition) -> str:
     assert transition.event is not None
     return transition.event
 
 
+# A run starts with its claim and ends with the event of the transition that gives its slots
+# back (``Transition.releases``): success, retry, quarantine, cancel, the reconciler's takeover.
 RUN_STARTS = _event(CLAIM)
 _ENDING = (COMPLETE, RETRY, QUARANTINE, CANCEL, LEASE_EXPIRED)
 RUN_ENDS = frozenset(_event(t) for t in _ENDING if t.releases)
