@@ -75,7 +75,7 @@ def test_short_soak_loses_nothing_and_does_nothing_twice(
     assert re.fullmatch(
         r"chaos: accepted=200 lost=0 stuck=0 dup_results=0 dup_emails=0 window_dup_emails=\d+ "
         r"quarantined=3/3 unknown=\d+ \(committed=\d+ not_committed=\d+ earlier=\d+\) "
-        r"faults=9 seed=\d+ elapsed=\d+s OK",
+        r"most_running=[12]/2 faults=9 seed=\d+ elapsed=\d+s OK",
         last,
     ), last
 
@@ -112,6 +112,11 @@ def test_short_soak_loses_nothing_and_does_nothing_twice(
         + counts["unknown_resolved_absent"]
         + counts["unknown_resolved_existed"]
     )
+    # Limits per key, on by default (issue 36): the exports ran under ConcurrencyLimit(2) per
+    # account, never more at once (limit_overfilled=0), and gave every slot back
+    # (slots_at_rest=0); the limit was reached, so it bound.
+    assert report["limits"] is True and counts["running_limit"] == 2
+    assert counts["most_running"] == 2, report["examples"].get("running_per_account")
 
 
 @pytest.mark.timeout(1000)

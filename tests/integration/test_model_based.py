@@ -14,7 +14,15 @@ After every step it checks the invariants the product promises:
   several) never leave a terminal state; a step with an operator action makes exactly that
   action's ``by="operator"`` edge (so only a replay or a cancel takes a job out of
   ``quarantined``); ``succeeded`` and ``cancelled`` never change again, by anyone;
-- a cancelled job does no more work: no claim, result, retry, quarantine or replay after it.
+- a cancelled job does no more work: no claim, result, retry, quarantine or replay after it;
+- limits per key (issue 36): a job submitted with a key is under a concurrency limit for that
+  key (its max drawn per example, 1 to 3) and maybe one shared rate limit; the relay's
+  admission (``Store.admit_waiting``) is a rule of its own, and the relay sends only admitted
+  jobs. Per key, the slots in ``job_slots`` are exactly the jobs admitted and unfinished (no
+  slot leaked, none given back twice or early), never more of them, nor of ``running`` jobs,
+  than the limit; no terminal job is still admitted; at rest (every job finished) no slot is
+  held; no stretch of the store's time holds more rate-limited admissions than the burst plus
+  the rate over it.
 
 The rules check their own step too: an operator action is done exactly when the table has
 its edge, and otherwise refused without a write (a replay gives a fresh attempt budget and a
@@ -37,7 +45,8 @@ each delivery is settled exactly once.
 
 ``test_fixed_run`` plays a few fixed runs of the same machine (replay, cancel from each state
 (a running one: requested, then ended once its dead worker's lease expired),
-lease take-over, reconciler repair, two copies in one process, skewed worker clocks), so that
+lease take-over, reconciler repair, two copies in one process, skewed worker clocks, a key
+under a limit of 1 through crashes, takeovers and the reconciler, a rate limit), so that
 every run of the suite reaches those cases even when the random search misses one.
 """
 
@@ -70,6 +79,7 @@ from sqlalchemy import select
 
 from jobrelay.admin.actions import Operator
 from jobrelay.domain.ids import request_hash
+from jobrelay.domain.limits import CONCURRENCY, RATE, JobLimit, limit_id, split_id
 from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.domain.queues import retry_seconds
 from jobrelay.domain.states import JobState, can_transition
@@ -84,7 +94,7 @@ from jobrelay.settings import Settings
 from jobrelay.storage.engine import create_engine, upgrade
 from jobrelay.storage.repairs import RECONCILED_LEASE, RECONCILED_QUEUED, RECONCILED_RETRY
 from jobrelay.storage.store import WORK_DESTINATION, EventRecord, JobRecord, NewJob, Store
-from jobrelay.storage.tables import job_events, outbox
+from jobrelay.storage.tables import job_events, job_slots, outbox
 from jobrelay.worker.consumer import Worker
 from tests.id_keys import request_id
 
@@ -118,6 +128,13 @@ WORK_EVENTS = frozenset(
     }
 )
 GRACE_SECONDS = 60
+# Limits per key (issue 36): a limited job is a ``report.export`` under a concurrency limit
+# per key (its max drawn per example, 1 to 3), and maybe under one rate limit shared by all:
+# 1 start per 5 s of the store's clock, a burst of 2.
+LIMITED = "report.export"
+LIMIT_KEYS = ("k1", "k2")
+RATE_ID = "model.rate"
+RATE_PER_SECOND, RATE_BURST = 0.2, 2.0
 
 
 class Crash(BaseException):
@@ -251,8 +268,12 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> None:
 class PipelineModel(RuleBasedStateMachine):
     template: Path
 
-    @initialize()
-    def boot(self) -> None:
+    @initialize(limit=st.integers(min_value=1, max_value=3), rate=st.booleans())
+    def boot(self, limit: int = 2, rate: bool = False) -> None:
+        """A fresh database; the limited jobs of this example are under a concurrency limit
+        of ``limit`` per key and, with ``rate``, share one rate limit."""
+        self.limit = limit
+        self.rate = rate
         self.dir = Path(tempfile.mkdtemp(prefix="jobrelay-model-"))
         shutil.copy(self.template, self.dir / "db.sqlite")
         self.loop = asyncio.new_event_loop()
@@ -347,22 +368,38 @@ class PipelineModel(RuleBasedStateMachine):
         account=st.sampled_from(ACCOUNTS),
         period=st.sampled_from(PERIODS),
         duplicate=st.booleans(),
+        key=st.sampled_from((None, *LIMIT_KEYS)),
     )
-    def submit(self, account: str, period: str, duplicate: bool) -> None:
+    def submit(self, account: str, period: str, duplicate: bool, key: str | None = None) -> None:
+        """A job, under limits when ``key`` is given: the example's concurrency limit for
+        that key (and its rate limit, if it drew one), as ``@app.job(limits=…)`` writes them.
+        A limited request has an idempotency key of its own, so it is a job of its own."""
         params = {"accountId": account, "period": period}
+        idempotency = None if key is None else f"limited-{key}-{period}"
+        limits: tuple[JobLimit, ...] = ()
+        if key is not None:
+            limits = (JobLimit(limit_id(LIMITED, key), CONCURRENCY, max=self.limit),)
+            if self.rate:
+                limits += (JobLimit(RATE_ID, RATE, per_second=RATE_PER_SECOND, burst=RATE_BURST),)
         job = NewJob(
-            self.run(request_id(self.store, account, params)),
+            self.run(request_id(self.store, account, params, key=idempotency)),
             "report.export",
             account,
             params,
             request_hash(account, "report.export", params),
             max_attempts=3,
+            idempotency_key=idempotency,
+            limits=limits,
         )
         for _ in range(2 if duplicate else 1):
             job_id, _ = self.run(self.store.submit(job, self.clock()))
         self.accepted.add(job_id)
 
-    @precondition(lambda self: any(j.unpublished_since for j in self.jobs.values()))
+    @precondition(
+        lambda self: any(
+            j.unpublished_since and not j.awaiting_admission for j in self.jobs.values()
+        )
+    )
     @rule()
     def relay(self) -> None:
         now = self.clock()
@@ -371,6 +408,50 @@ class PipelineModel(RuleBasedStateMachine):
             delay = retry_seconds(row.destination) or 0
             self.in_flight.append(Message(row.body, now + timedelta(seconds=delay)))
         self.run(self.store.mark_published("relay", rows))
+
+    @precondition(lambda self: any(j.awaiting_admission for j in self.jobs.values()))
+    @rule(budget=st.sampled_from([1, 2, 50]))
+    def admit(self, budget: int) -> None:
+        """A relay's admission round (``Store.admit_waiting``), run before it claims outbox
+        rows: at most ``budget`` jobs admitted, each taking a slot of its key. With no rate
+        limit and room for every waiting job in the round, a key is left with a due job
+        waiting only when its slots are all taken (a leaked slot would show here)."""
+        answer = self.run(self.store.admit_waiting(budget))
+        assert answer.admitted <= budget, answer
+        if answer.admitted:
+            self.case("admit: jobs admitted")
+        if answer.held:
+            self.case("admit: jobs held at their limits")
+        if self.rate or budget < 50:
+            return
+        held = Counter(limit for limit, _ in self.run(self._slots()))
+        for limit, waiting in self.run(self._due_and_waiting()).items():
+            assert held[limit] == self.limit, f"{limit}: {waiting} due, {held[limit]} held"
+            self.case("admit: a key at its limit keeps its due jobs waiting")
+
+    async def _slots(self) -> list[tuple[str, str]]:
+        """Every slot held: (limit id, job id)."""
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(select(job_slots.c.limit_id, job_slots.c.job_id))
+            return [(limit, job_id) for limit, job_id in rows]
+
+    async def _due_and_waiting(self) -> Counter[str]:
+        """Per concurrency limit id, the jobs awaiting admission whose message is due."""
+        now = self.clock()
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                select(outbox.c.job_id, outbox.c.available_at).where(
+                    outbox.c.published_at.is_(None)
+                )
+            )
+            due = {job_id for job_id, at in rows if at is None or at <= now}
+        found: Counter[str] = Counter()
+        for job in await self.store.list_jobs(limit=1000):
+            if job.awaiting_admission and job.id in due:
+                for limit in job.limits:
+                    if limit.kind == CONCURRENCY:
+                        found[limit.limit_id] += 1
+        return found
 
     def _in_states(self, *states: JobState) -> list[JobRecord]:
         return sorted((j for j in self.jobs.values() if j.state in states), key=lambda j: j.id)
@@ -471,6 +552,16 @@ class PipelineModel(RuleBasedStateMachine):
             assert [e.kind for e in new] == recorded, new
             assert delivery.outcome == (None if crashed_before_settling else "ack")
             self.case("deliver: early retry copy acked", skew)
+        elif before.awaiting_admission:
+            # A copy from before its admission ended (a retry, a replay): not its turn; its
+            # own message waits in the outbox for its limits.
+            recorded = ["duplicate_acked", "ack_sent"]
+            if crashed_before_settling:
+                recorded = recorded[:1]
+            assert [e.kind for e in new] == recorded, new
+            assert new[0].detail.get("reason") == "waiting for its limits", new
+            assert delivery.outcome == (None if crashed_before_settling else "ack")
+            self.case("deliver: copy met while awaiting admission acked", skew)
         elif before.attempt < before.max_attempts:
             # Queued, or a retry that is due: this delivery runs it.
             self._claimed_by(worker_id, before, claims, new)
@@ -753,12 +844,19 @@ class PipelineModel(RuleBasedStateMachine):
         """A job is running on a dead worker's lease and the broker dead-lettered its message:
         only the reconciler can save it. With no more faults and time moving on (reconciler,
         relay and workers running), every accepted job, that one included, finishes."""
-        for _ in range(10):
+        # Rounds enough for every limited job to get its turn: a key's jobs run ``limit`` at
+        # a time, and under the rate limit 2 are admitted per round (its burst).
+        for _ in range(40):
             self.clock.now += timedelta(seconds=121)  # past every lease, retry tier and grace
             self.reconcile()
-            self.relay()
-            for message in self._deliverable():
-                self._deliver(message, None, duplicate=False)
+            while True:  # each run that ends gives its slot to the next job of its key
+                self.admit(budget=50)
+                self.relay()
+                ready = self._deliverable()
+                if not ready:
+                    break
+                for message in ready:
+                    self._deliver(message, None, duplicate=False)
             states = {job_id: self.job(job_id).state for job_id in self.accepted}
             unfinished = {job_id: s for job_id, s in states.items() if not s.is_terminal}
             if not unfinished and not self.in_flight and not self.run(self.store.outbox_backlog()):
@@ -777,6 +875,7 @@ class PipelineModel(RuleBasedStateMachine):
         self._moves_are_legal_and_final_states_stay(jobs)
         self._at_most_one_result_and_cancelled_is_final(kinds)
         self._no_accepted_job_is_lost(jobs)
+        self._limits_hold(jobs)
 
     async def _work_rows_waiting(self) -> Counter[str]:
         """Per job, how many work messages wait in the outbox for the relay."""
@@ -844,6 +943,66 @@ class PipelineModel(RuleBasedStateMachine):
                 f"{job_id} is {job.state} with no message left to deliver it"
             )
             assert job_id in self.dead_lettered, f"{job_id} is running with no message"
+
+    def _limits_hold(self, jobs: dict[str, JobRecord]) -> None:
+        """Per key: a slot for exactly each job admitted and not finished (none leaked, none
+        given back twice or early), never more slots nor running jobs than the limit; at
+        rest (every job finished) no slot at all. Under the rate limit: no stretch of the
+        store's time holds more admissions than the burst plus the rate over it."""
+        slots = self.run(self._slots())
+        held: dict[str, set[str]] = {}
+        for limit, job_id in slots:
+            held.setdefault(limit, set()).add(job_id)
+        assert len(slots) == sum(len(ids) for ids in held.values()), slots
+        admitted: dict[str, set[str]] = {}
+        running: Counter[str] = Counter()
+        for job in jobs.values():
+            if not job.limits:
+                continue
+            if job.state.is_terminal:
+                assert job.admitted_at is None, f"{job.id} is {job.state} and still admitted"
+            if job.state is JobState.RUNNING:
+                assert job.admitted_at is not None, f"{job.id} runs unadmitted"
+            for limit in job.limits:
+                if limit.kind != CONCURRENCY:
+                    continue
+                assert limit.max == self.limit, limit
+                if job.admitted_at is not None:
+                    admitted.setdefault(limit.limit_id, set()).add(job.id)
+                running[limit.limit_id] += job.state is JobState.RUNNING
+        for limit in held.keys() | admitted.keys():
+            holders, owed = held.get(limit, set()), admitted.get(limit, set())
+            shown = " ".join(filter(None, split_id(limit)))
+            assert holders == owed, (
+                f"{shown}: slots held by {sorted(holders)}, admitted and unfinished:"
+                f" {sorted(owed)} (leaked: {sorted(holders - owed)},"
+                f" missing: {sorted(owed - holders)})"
+            )
+            assert len(holders) <= self.limit, f"{shown}: {len(holders)} slots > {self.limit}"
+            if len(holders) == self.limit:
+                self.case("limits: a key holds every slot of its limit")
+        for limit, n in running.items():
+            assert n <= self.limit, f"{split_id(limit)}: {n} running > {self.limit}"
+        if all(jobs[job_id].state.is_terminal for job_id in self.accepted):
+            assert not slots, f"at rest, slots still held: {slots}"
+        if self.rate:
+            self._rate_holds()
+
+    def _rate_holds(self) -> None:
+        async def read() -> list[datetime]:
+            async with self.engine.connect() as conn:
+                rows = await conn.execute(
+                    select(job_events.c.at, job_events.c.detail).where(
+                        job_events.c.kind == "admitted"
+                    )
+                )
+                return sorted(at for at, detail in rows if (detail or {}).get("rate"))
+
+        starts = self.run(read())
+        for i, first in enumerate(starts):
+            for j in range(i + 1, len(starts)):
+                span = (starts[j] - first).total_seconds()
+                assert j - i + 1 <= RATE_BURST + RATE_PER_SECOND * span + 1e-9, starts[i : j + 1]
 
 
 def _reachable(source: JobState, target: JobState) -> bool:
@@ -1074,6 +1233,77 @@ def skewed_worker_clocks_do_not_judge_leases_or_due_times(s: Steps) -> None:
     )
 
 
+def limited(**boot: Any) -> Callable[[Callable[[Steps], None]], Callable[[Steps], None]]:
+    """A fixed run whose machine boots with these limits (``PipelineModel.boot``)."""
+
+    def mark(run: Callable[[Steps], None]) -> Callable[[Steps], None]:
+        run.boot = boot  # type: ignore[attr-defined]
+        return run
+
+    return mark
+
+
+@limited(limit=1)
+def a_key_runs_one_at_a_time_through_crashes_takeovers_and_the_reconciler(s: Steps) -> None:
+    for account, period in (("acme", "2020-01"), ("acme", "2020-02"), ("globex", "2020-01")):
+        s.submit(account=account, period=period, duplicate=False, key="k1")
+    s.submit(account="acme", period="2020-01", duplicate=False, key="k2")
+    s.admit(budget=50)  # k1: its first job, the other two held; k2: its one
+    s.relay()  # in flight: k1's first, k2's
+    s.deliver(pick=0, fault="export.run:crash", duplicate=False)  # k1's runner dies
+    s.admit(budget=50)  # its slot is still held: nothing more for k1
+    s.advance(seconds=31)
+    # The redelivery takes the expired lease over with the slot, and quarantines the job.
+    s.deliver(pick=0, fault="export.run:invalid", duplicate=False)
+    s.admit(budget=50)  # the slot is back: k1's second job
+    s.relay()  # in flight: k2's, k1's second
+    s.deliver(pick=1, fault="export.run:crash", duplicate=False)  # k1's second runner dies
+    s.dead_letter(pick=0)  # and the broker gives its message up: the reconciler's case
+    s.advance(seconds=120)
+    s.reconcile()  # re-queued, its slot given back
+    s.admit(budget=1)  # k1's third job (waiting longest) takes it; the re-queued one waits
+    s.relay()
+    # k2's job runs a copy first (a retry due in 5 s, its slot given back); the original
+    # arrives once the retry is due, while it waits for admission: acked without work.
+    s.deliver(pick=0, fault="export.run:transient", duplicate=True)
+    s.advance(seconds=5)
+    s.deliver(pick=0, fault=None, duplicate=False)
+    s.operator_action(action="replay", allowed=True, pick=0)  # k1's first, queued again
+    s.drain()
+    s.expect(
+        {
+            "admit: jobs held at their limits",
+            "admit: a key at its limit keeps its due jobs waiting",
+            "limits: a key holds every slot of its limit",
+            "deliver: expired lease taken over by a redelivery",
+            "reconcile: expired lease re-queued",
+            "deliver: copy met while awaiting admission acked",
+            "operator: replay from quarantined",
+        },
+        succeeded=4,
+    )
+
+
+@limited(limit=3, rate=True)
+def the_rate_limit_admits_its_burst_then_one_per_five_seconds(s: Steps) -> None:
+    for key in ("k1", "k2"):
+        for period in ("2020-01", "2020-02"):
+            s.submit(account="acme", period=period, duplicate=False, key=key)
+    s.admit(budget=50)  # the burst: 2 of 4
+    s.admit(budget=50)  # no token left
+    s.advance(seconds=5)
+    s.admit(budget=50)  # one more
+    s.operator_action(action="cancel", allowed=True, pick=0)  # a held or an admitted job
+    s.relay()
+    s.deliver(pick=0, fault=None, duplicate=False)
+    s.advance(seconds=31)
+    s.admit(budget=50)
+    s.relay()
+    s.deliver(pick=0, fault="export.run:crash", duplicate=False)
+    s.drain()
+    s.expect({"admit: jobs held at their limits", "operator: cancel from queued"}, cancelled=1)
+
+
 @pytest.mark.parametrize(
     "run",
     [
@@ -1086,12 +1316,14 @@ def skewed_worker_clocks_do_not_judge_leases_or_due_times(s: Steps) -> None:
         two_copies_in_one_worker_the_later_claim_wins,
         two_copies_take_over_the_last_attempt,
         skewed_worker_clocks_do_not_judge_leases_or_due_times,
+        a_key_runs_one_at_a_time_through_crashes_takeovers_and_the_reconciler,
+        the_rate_limit_admits_its_burst_then_one_per_five_seconds,
     ],
     ids=lambda run: run.__name__,
 )
 def test_fixed_run(run: Callable[[Steps], None]) -> None:
     machine = PipelineModel()
-    machine.boot()
+    machine.boot(**getattr(run, "boot", {}))
     try:
         machine.promises_hold()
         run(Steps(machine))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -23,7 +23,7 @@ from jobrelay.chaos.verdict import (
 )
 from jobrelay.domain.ids import follow_up_job_id
 from jobrelay.domain.states import JobState as S
-from jobrelay.storage.audit import Facts
+from jobrelay.storage.audit import Facts, RunEvent
 from jobrelay.storage.store import JobRecord
 
 from .records import job_record
@@ -69,6 +69,8 @@ class World_:
         self.effects: dict[str, tuple[str, str]] = {}
         self.keys: list[str] = []
         self.mails: list[Mail] = []
+        self.runs: list[RunEvent] = []  # claims and run ends, in the order written
+        self.slots_held = 0
         self.id_secret = SECRET
         for s in p.submissions:
             record = Record(s)
@@ -79,7 +81,9 @@ class World_:
             if s.poison:
                 self.jobs[job_id] = fact(job_id, EXPORT, S.QUARANTINED)
                 continue
-            self.jobs[job_id] = fact(job_id, EXPORT, S.SUCCEEDED, notifyEmail=s.email)
+            self.jobs[job_id] = fact(
+                job_id, EXPORT, S.SUCCEEDED, accountId=s.account, notifyEmail=s.email
+            )
             self.events[job_id] = Counter(result_saved=1)
             self.keys.append(f"jobrelay/exports/{s.account}/{job_id}.csv")
             notify = follow_up_job_id(job_id, NOTIFY)
@@ -93,8 +97,17 @@ class World_:
         depths: dict[str, int] | None = None,
         missed: tuple[str, ...] = (),
         dead_lettering: dict[str, int] | None = None,
+        limit: int | None = None,
     ) -> dict[str, int]:
-        facts = Facts(self.jobs, self.events, self.effects, unpublished, self.id_secret)
+        facts = Facts(
+            self.jobs,
+            self.events,
+            self.effects,
+            unpublished,
+            self.id_secret,
+            tuple(self.runs),
+            self.slots_held,
+        )
         seen = World(
             object_keys=tuple(self.keys),
             open_uploads=0,
@@ -104,7 +117,7 @@ class World_:
             faults_missed=missed,
             dead_lettering=dead_lettering or {},
         )
-        verdict = judge(self.records, facts, seen)
+        verdict = judge(self.records, facts, seen, limit)
         self.verdict = verdict
         return {k: v for k, v in verdict.violations.items() if v}
 
@@ -269,3 +282,87 @@ def test_copies_held_by_the_brokers_dead_letter_worker_are_reported_not_leftover
     ]
     still = w.judge(depths={"jobrelay.retry.2s": 1}, dead_lettering={"jobrelay.retry.2s": 9})
     assert still == {"broker_leftover": 1}
+
+
+# --- limits per key (issue 36): the most exports of one account running at once ----------
+
+
+def on_account(w: World_, account: str, n: int) -> list[str]:
+    """``n`` healthy exports, now all of ``account``."""
+    ids = [r.job_id for r in w.records if r.job_id and not r.submission.poison][:n]
+    for job_id in ids:
+        job = w.jobs[job_id]
+        w.jobs[job_id] = dataclasses.replace(job, params={**job.params, "accountId": account})
+    assert len(ids) == n
+    return ids
+
+
+def ran(w: World_, job_id: str, *events: tuple[float, str]) -> None:
+    """The job's claims and run ends, at these seconds after ``CREATED``."""
+    for seconds, kind in events:
+        w.runs.append(RunEvent(job_id, CREATED + timedelta(seconds=seconds), kind))
+
+
+def test_more_exports_of_one_account_running_at_once_than_its_limit_fail_the_run() -> None:
+    """Three exports of acme overlap between 2 s and 3 s: over a limit of 2, not of 3. The
+    old checker had no such line: an overfilled key passed as OK."""
+    w = World_(plan(jobs=6))
+    a, b, c = on_account(w, "acme", 3)
+    ran(w, a, (0, "claimed"), (3, "result_saved"))
+    ran(w, b, (1, "claimed"), (4, "retry_scheduled"))
+    ran(w, c, (2, "claimed"), (5, "result_saved"))
+    assert w.judge(limit=2) == {"limit_overfilled": 1}
+    assert w.verdict.counts["most_running"] == 3
+    (example,) = w.verdict.examples["limit_overfilled"]
+    assert example.startswith("acme: 3 running at 2026-01-01 12:00:12+00:00")
+    assert all(job_id in example for job_id in (a, b, c))
+    line = summary_line(5, w.verdict, 1.0, 9)
+    assert " most_running=3/2 " in line and line.endswith("FAILED limit_overfilled=1")
+    assert w.judge(limit=3) == {}
+    assert " most_running=3/3 " in summary_line(5, w.verdict, 1.0, 9)
+    assert w.judge() == {}  # no limit (--no-limits): counted and shown, not judged
+    assert " most_running=3/off " in summary_line(5, w.verdict, 1.0, 9)
+
+
+def test_a_takeover_is_the_same_run_and_a_slot_handed_on_at_one_instant_is_no_overlap() -> None:
+    """A redelivery claiming an expired lease continues the run (and its slot): not a second
+    job running. A job whose end and the next job's claim share a timestamp did not overlap
+    it (the next could only be admitted once that end was written). A run the reconciler
+    ended (``reconciled_lease_expired``) ends there; a lease_lost does not end a run."""
+    w = World_(plan(jobs=6))
+    a, b, c = on_account(w, "acme", 3)
+    ran(w, a, (0, "claimed"), (1, "claimed"), (2, "lease_lost"), (3, "result_saved"))
+    ran(w, b, (3, "claimed"), (4, "reconciled_lease_expired"))
+    ran(w, c, (4, "claimed"), (5, "quarantined"), (6, "claimed"), (7, "cancelled"))
+    assert w.judge(limit=1) == {}
+    assert w.verdict.counts["most_running"] == 1
+    assert w.verdict.examples["running_per_account"][0].startswith("acme: at most 1 at once")
+
+
+def test_a_run_with_no_end_counts_as_running_and_a_slot_left_at_rest_fails() -> None:
+    w = World_(plan(jobs=6))
+    a, b = on_account(w, "globex", 2)
+    ran(w, a, (0, "claimed"))  # its end never written
+    ran(w, b, (10, "claimed"), (11, "result_saved"))
+    assert w.judge(limit=1) == {"limit_overfilled": 1}
+    w.runs = [e for e in w.runs if e.job_id != a]
+    w.slots_held = 1
+    assert w.judge(limit=1) == {"slots_at_rest": 1}
+    assert w.verdict.examples["slots_at_rest"] == ["1 slots held in job_slots at rest"]
+
+
+def test_the_soaks_app_is_the_shipped_one_with_its_export_limited_per_account() -> None:
+    """What ``JOBRELAY_APP`` names for the soak's processes (``--limits``, the default)."""
+    from jobrelay.chaos.limited_app import ACCOUNT_LIMIT, SPEC
+    from jobrelay.domain.limits import CONCURRENCY, JobLimit
+    from jobrelay.exports import shipped
+    from jobrelay.library.loader import load_app
+
+    app = load_app(SPEC)
+    assert set(app.jobs) == set(shipped.app.jobs) and app.included_types == {NOTIFY}
+    assert set(app.commands) == set(shipped.app.commands) >= {"seed"}
+    job = app.jobs[EXPORT].new_job({"accountId": "acme", "period": "2020-01"}, account="acme")
+    assert job.limits == (JobLimit(f"{EXPORT}\x1facme", CONCURRENCY, max=ACCOUNT_LIMIT),)
+    assert ACCOUNT_LIMIT == 2
+    shipped_job = shipped.report_export.new_job({"accountId": "acme", "period": "2020-01"})
+    assert shipped_job.limits == ()

@@ -29,6 +29,9 @@ class ChaosOptions:
     keep: bool = False
     services: Services = field(default_factory=Services)
     cluster_nodes: int = 0  # >0: run on a RabbitMQ cluster of this many nodes, started here
+    # The processes run ``chaos.limited_app`` (exports under a concurrency limit per account),
+    # or, with ``--no-limits``, the shipped app.
+    limits: bool = True
 
     @property
     def layout(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:

@@ -100,7 +100,9 @@ def report(
         "elapsed_seconds": round(elapsed, 1),
         "settled_after_seconds": None if quiet is None else round(quiet, 1),
         "replay": f"jobrelay chaos --seed {opts.seed} --jobs {opts.jobs} --profile {opts.profile}"
-        + (f" --cluster {opts.cluster_nodes}" if opts.cluster_nodes else ""),
+        + (f" --cluster {opts.cluster_nodes}" if opts.cluster_nodes else "")
+        + ("" if opts.limits else " --no-limits"),
+        "limits": opts.limits,
         **as_json(verdict),
         "faults": [asdict(f) for f in faults],
         "exits": [asdict(e) for e in cluster.exits],

@@ -38,6 +38,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobrelay.chaos.broker_faults import NodeFaults
 from jobrelay.chaos.clients import Clients, Record
 from jobrelay.chaos.cluster import Cluster, Role
+from jobrelay.chaos.limited_app import ACCOUNT_LIMIT
+from jobrelay.chaos.limited_app import SPEC as LIMITED_APP
 from jobrelay.chaos.options import ChaosOptions
 from jobrelay.chaos.plan import (
     POISON_ACCOUNT,
@@ -113,7 +115,9 @@ async def run_chaos(opts: ChaosOptions) -> int:
     )
     console.print(
         f"chaos: seed={opts.seed} jobs={opts.jobs} poison={opts.poison} profile={opts.profile}"
-        f" cluster={opts.cluster_nodes or 'no'} run={sandbox.run_id}; logs in {sandbox.log_dir}"
+        f" cluster={opts.cluster_nodes or 'no'}"
+        f" limits={f'{ACCOUNT_LIMIT} per account' if opts.limits else 'off'}"
+        f" run={sandbox.run_id}; logs in {sandbox.log_dir}"
     )
     for line in plan.describe():
         console.print(f"  plan: {line}")
@@ -138,7 +142,7 @@ async def run_chaos(opts: ChaosOptions) -> int:
         mail.start()
         await _create_bucket(s3.endpoint, sandbox.bucket)
         api_ports = {name: free_port() for name in apis}
-        env = _role_env(sandbox, s3, mail, next(iter(api_ports.values())))
+        env = _role_env(sandbox, s3, mail, next(iter(api_ports.values())), opts.limits)
         tokens = await _prepare(env, sandbox)
         cluster = Cluster(_roles(api_ports, relays, workers), env, sandbox.log_dir)
         await cluster.start()
@@ -162,7 +166,7 @@ async def run_chaos(opts: ChaosOptions) -> int:
             facts = await audit.collect(Store(engine))
         finally:
             await engine.dispose()
-        verdict = judge(records, facts, world)
+        verdict = judge(records, facts, world, ACCOUNT_LIMIT if opts.limits else None)
         elapsed = time.monotonic() - started
         line = summary_line(opts.seed, verdict, elapsed, len(faults))
         report = make_report(opts, plan, sandbox, records, faults, cluster, verdict, quiet, elapsed)
@@ -196,10 +200,14 @@ async def run_chaos(opts: ChaosOptions) -> int:
             opts.services.cluster = None
 
 
-def _role_env(sandbox: Sandbox, s3: S3Server, mail: MailServer, api_port: int) -> dict[str, str]:
+def _role_env(
+    sandbox: Sandbox, s3: S3Server, mail: MailServer, api_port: int, limits: bool
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBRELAY_")}
     env.update(AWS_ENV)
     env.update(TUNING)
+    if limits:
+        env["JOBRELAY_APP"] = LIMITED_APP
     env.update(
         {
             "JOBRELAY_DATABASE_URL": sandbox.database_url,

@@ -12,7 +12,10 @@ definitions follow the Jepsen-style checker this soak is modelled on:
   says ``possible_duplicate`` (the documented SMTP window), which is counted apart;
 - quarantined must be exactly the poison jobs;
 - every ``unknown`` request is resolved from the database: it committed the job (the row was
-  created while it was in flight), an earlier request had, or it did not commit anything.
+  created while it was in flight), an earlier request had, or it did not commit anything;
+- under a limit per account (``limit``, the soak's default): never more exports of one
+  account running at once than the limit, counted from their timelines (``running``), and
+  no slot held once every job has finished (``job_slots`` empty at rest).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobrelay.chaos.clients import Record
+from jobrelay.chaos.running import overfilled, running_peaks
 from jobrelay.domain.ids import follow_up_job_id, job_id_for
 from jobrelay.domain.states import JobState
 from jobrelay.storage.audit import Facts
@@ -71,7 +75,8 @@ def expected_job_id(record: Record, id_secret: bytes) -> str:
     return job_id_for(id_secret, s.account, EXPORT, {}, s.key)
 
 
-def judge(records: list[Record], facts: Facts, world: World) -> Verdict:
+def judge(records: list[Record], facts: Facts, world: World, limit: int | None = None) -> Verdict:
+    """``limit``: the exports' concurrency limit per account (None: they ran without one)."""
     examples: dict[str, list[str]] = {}
 
     def note(kind: str, what: str) -> None:
@@ -206,6 +211,22 @@ def judge(records: list[Record], facts: Facts, world: World) -> Verdict:
         if n:
             note("dead_lettering", f"{queue}: {n} copies held by the broker's dead-letter worker")
 
+    # Limits per key: the most exports of one account running at once, from the timelines.
+    accounts = {j.id: str(j.params.get("accountId")) for j in exports}
+    peaks = running_peaks(facts.runs, accounts.get)
+    most_running = max((p.most for p in peaks.values()), default=0)
+    over = overfilled(peaks, limit) if limit is not None else Counter()
+    for account, peak in sorted(peaks.items()):
+        note(
+            "running_per_account",
+            f"{account}: at most {peak.most} at once (limit {limit or 'none'}), first at {peak.at}",
+        )
+    for account in sorted(over):
+        peak = peaks[account]
+        note("limit_overfilled", f"{account}: {peak.most} running at {peak.at}: {peak.jobs}")
+    if facts.slots_held:
+        note("slots_at_rest", f"{facts.slots_held} slots held in job_slots at rest")
+
     counts = {
         "submissions": len(records),
         "requests_ok": requests["ok"],
@@ -230,6 +251,8 @@ def judge(records: list[Record], facts: Facts, world: World) -> Verdict:
         "recovered_dead_letters": recovered_dead_letters,
         "dead_lettering": sum(world.dead_lettering.values()),
         "outbox_unpublished": facts.unpublished,
+        "running_limit": limit or 0,  # 0: no limit
+        "most_running": most_running,
     }
     violations = {
         "lost": lost,
@@ -245,6 +268,8 @@ def judge(records: list[Record], facts: Facts, world: World) -> Verdict:
         "id_mismatch": id_mismatch,
         "broker_leftover": sum(leftover.values()),
         "faults_missed": len(world.faults_missed),
+        "limit_overfilled": sum(over.values()),
+        "slots_at_rest": facts.slots_held,
     }
     return Verdict(counts, violations, examples)
 
@@ -273,7 +298,9 @@ def summary_line(seed: int, verdict: Verdict, elapsed: float, faults: int) -> st
         f"quarantined={c['quarantined']}/{c['poison']} "
         f"unknown={c['requests_unknown']} (committed={c['unknown_resolved_created']} "
         f"not_committed={c['unknown_resolved_absent']} "
-        f"earlier={c['unknown_resolved_existed']}) faults={faults} seed={seed} "
+        f"earlier={c['unknown_resolved_existed']}) "
+        f"most_running={c['most_running']}/{c['running_limit'] or 'off'} "
+        f"faults={faults} seed={seed} "
         f"elapsed={elapsed:.0f}s {'OK' if verdict.ok else 'FAILED'}"
         + (f" {extra}" if extra else "")
     )

@@ -206,6 +206,13 @@ def chaos_cmd(
             "(2 apis, 3 relays, 4 workers; node stops instead of the broker restart).",
         ),
     ] = 0,
+    limits: Annotated[
+        bool,
+        typer.Option(
+            help="Run the exports under a concurrency limit per account (jobrelay.chaos."
+            "limited_app) and check it held; --no-limits: the shipped app, unlimited."
+        ),
+    ] = True,
 ) -> None:
     """Soak PostgreSQL + RabbitMQ under kill -9 and restarts; check nothing lost or doubled.
 
@@ -245,6 +252,7 @@ def chaos_cmd(
         keep=keep,
         services=services,
         cluster_nodes=cluster,
+        limits=limits,
     )
     raise typer.Exit(run(run_chaos(options)))
 
