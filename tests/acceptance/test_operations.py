@@ -145,6 +145,9 @@ def test_cancel_a_queued_job_and_reconcile_with_no_relay(env: dict[str, str]) ->
         "actor": "bob",
         "reason": "customer withdrew",
         "previousState": "queued",
+        # The export is fair by account: its message waited for its admission, unsent, and
+        # is dropped with the cancel (never published).
+        "heldMessagesDropped": 1,
     }
     empty = run_cli("job", "cancel", job_id, "--reason", " ", env=env)
     assert empty.returncode == 2

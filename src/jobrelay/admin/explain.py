@@ -164,7 +164,7 @@ def _next_step(
             f"{unknown.detail.get('reason')}, {ago(unknown.at, now)}: {remedy}, or let the "
             "rolling deploy finish; once every deferral is used it is quarantined"
         )
-    if waiting and job.awaiting_admission:
+    if waiting and job.awaiting_admission and (job.throttled_at or _limiting(job)):
         return held_line(job, now, events)
     if not job.published and job.unpublished_since is not None:
         hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
@@ -443,6 +443,12 @@ async def show_job(
         render_job(job, events, now, trace_id, pause)
         render_traceback(job, traceback)
     return True
+
+
+def _limiting(job: JobRecord) -> bool:
+    """Whether the job is under a limit (not only fair by key): a fair-only job that no
+    admission held back reads as any unpublished job."""
+    return any(limit.kind != FAIR for limit in job.limits)
 
 
 def _limit_text(limit: JobLimit) -> str:

@@ -288,7 +288,12 @@ def _target(name: str, key: str | None, key_at: tuple[str, str]) -> str:
     "/v1/limits",
     response_model=LimitsOut,
     summary="Limits per key: declared, overridden, running, waiting for admission (admin)",
-    responses=_READ,
+    responses={
+        **_READ,
+        422: problem_openapi(
+            "Invalid query: `top` is a whole number from 1 to 100.", ValidationProblem
+        ),
+    },
 )
 async def list_limits(runtime: RuntimeDep, actor: AdminActor, top: TopQuery = None) -> LimitsOut:
     return await limit_rows(runtime, top)

@@ -41,9 +41,6 @@ from jobrelay.transport.base import OutgoingMessage
 log = logging.getLogger("jobrelay.relay")
 
 _MAX_BACKOFF_SECONDS = 30.0
-# How often a relay whose app declares no limits still admits (jobs enqueued with limits by
-# another version of the app).
-_ADMIT_PROBE_SECONDS = 5.0
 
 
 def new_relay_id() -> str:
@@ -57,9 +54,6 @@ class Relay:
         self.claim_for = timedelta(seconds=rt.settings.relay_claim_seconds)
         self.published = 0
         self.failed = 0
-        app = rt.app
-        self._limited = app is not None and any(d.limits for d in app.jobs.values())
-        self._admitted_at = float("-inf")
 
     def message_for(self, row: OutboxRow) -> OutgoingMessage:
         headers = {str(k): str(v) for k, v in row.headers.items()}
@@ -80,23 +74,15 @@ class Relay:
         return len(rows)
 
     async def _claim(self, limit: int) -> list[OutboxRow]:
-        if self._admits():
-            answer = await self.rt.store.admit_waiting(limit, self.rt.settings.fair_ahead)
+        """Admit what waits for its limits (``storage.admission``), then claim. Whatever app
+        this relay runs: a job enqueued with limits by another version of the app is
+        admitted too. The admission's write transaction runs only when a row waits for it
+        (one read of an index that is empty when none does)."""
+        store = self.rt.store
+        if await store.awaits_admission():
+            answer = await store.admit_waiting(limit, self.rt.settings.fair_ahead)
             self.rt.metrics.admission(answer.throttled, answer.waits)
-        return await self.rt.store.claim_outbox(self.relay_id, limit, self.claim_for)
-
-    def _admits(self) -> bool:
-        """Whether to admit jobs under limits before this claim (``storage.admission``):
-        every round when the app declares limits; else every few seconds, for jobs another
-        version of the app enqueued with limits (a short write transaction, nothing written
-        when none waits)."""
-        if self._limited:
-            return True
-        now = time.monotonic()
-        if now - self._admitted_at < _ADMIT_PROBE_SECONDS:
-            return False
-        self._admitted_at = now
-        return True
+        return await store.claim_outbox(self.relay_id, limit, self.claim_for)
 
     async def _settle(self, rows: list[OutboxRow]) -> None:
         """Publish a claimed batch, await its confirms, mark the confirmed rows in one

@@ -84,6 +84,18 @@ def _admitted(limits: Sequence[JobLimit]) -> dict[str, Any]:
 
 
 class AdmissionStore(StoreBase):
+    async def awaits_admission(self) -> bool:
+        """Whether a row waits for its job's admission (read with ``ix_outbox_awaiting``, an
+        index with no entry when none does): a relay skips the admission's write
+        transaction and its lock when nothing waits."""
+        async with self.reading() as conn:
+            found = await conn.scalar(
+                select(outbox.c.id)
+                .where(outbox.c.published_at.is_(None), outbox.c.awaiting_admission.is_(True))
+                .limit(1)
+            )
+        return found is not None
+
     async def admit_waiting(self, budget: int, fair_ahead: int | None = None) -> Admitted:
         """Admit up to ``budget`` of the jobs whose message waits for their limits;
         ``fair_ahead``: how many jobs of a fair type may be admitted and not yet ended."""

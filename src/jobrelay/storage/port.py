@@ -255,6 +255,9 @@ class Outcomes(Protocol):
 class Admission(Protocol):
     """Limits per key, applied before the broker (``storage.admission``)."""
 
+    async def awaits_admission(self) -> bool:
+        """Whether any outbox row waits for its job's admission (a cheap read)."""
+
     async def admit_waiting(self, budget: int, fair_ahead: int | None = None) -> Admitted:
         """Admit up to ``budget`` jobs whose next message waits for their limits: each only
         when every limit has room (a concurrency limit's slots held below its max, a rate

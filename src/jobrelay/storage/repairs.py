@@ -149,8 +149,13 @@ class RepairQueries:
             select(outbox, due_since().label("due_since"), jobs.c.state.label("job_state"))
             .join(jobs, jobs.c.id == outbox.c.job_id)
             # A row held for its job's limits is waiting its turn, not stuck (its
-            # ``throttled`` event says why).
-            .where(outbox.c.published_at.is_(None), due_since() < before, outbox_admissible())
+            # ``throttled`` event says why); one no admission has looked at (no relay
+            # runs) is stuck as any unpublished row.
+            .where(
+                outbox.c.published_at.is_(None),
+                due_since() < before,
+                or_(outbox_admissible(), jobs.c.throttled_at.is_(None)),
+            )
             .order_by(outbox.c.id)
             .limit(limit)
         )
