@@ -354,7 +354,7 @@ def test_a_run_with_no_end_counts_as_running_and_a_slot_left_at_rest_fails() -> 
 def test_the_soaks_app_is_the_shipped_one_with_its_export_limited_per_account() -> None:
     """What ``JOBRELAY_APP`` names for the soak's processes (``--limits``, the default)."""
     from jobrelay.chaos.limited_app import ACCOUNT_LIMIT, SPEC
-    from jobrelay.domain.limits import CONCURRENCY, JobLimit
+    from jobrelay.domain.limits import CONCURRENCY, FAIR, JobLimit
     from jobrelay.exports import shipped
     from jobrelay.library.loader import load_app
 
@@ -362,7 +362,10 @@ def test_the_soaks_app_is_the_shipped_one_with_its_export_limited_per_account() 
     assert set(app.jobs) == set(shipped.app.jobs) and app.included_types == {NOTIFY}
     assert set(app.commands) == set(shipped.app.commands) >= {"seed"}
     job = app.jobs[EXPORT].new_job({"accountId": "acme", "period": "2020-01"}, account="acme")
-    assert job.limits == (JobLimit(f"{EXPORT}\x1facme", CONCURRENCY, max=ACCOUNT_LIMIT),)
+    fair = JobLimit(EXPORT, FAIR, key="acme")
+    assert job.limits == (fair, JobLimit(f"{EXPORT}\x1facme", CONCURRENCY, max=ACCOUNT_LIMIT))
     assert ACCOUNT_LIMIT == 2
-    shipped_job = shipped.report_export.new_job({"accountId": "acme", "period": "2020-01"})
-    assert shipped_job.limits == ()
+    shipped_job = shipped.report_export.new_job(
+        {"accountId": "acme", "period": "2020-01"}, account="acme"
+    )
+    assert shipped_job.limits == (fair,)  # fair by account, with no limit

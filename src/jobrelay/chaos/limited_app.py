@@ -40,6 +40,7 @@ report_export = app.job(
     params=ExportParams,
     result_filename=download_name,
     limits=[ConcurrencyLimit(ACCOUNT_LIMIT, key=_account)],
+    fair_by=_account,  # as the shipped export is
 )(run_export)
 app.include(NotifyEmail, type=NOTIFY_EMAIL)
 app.http_router(_router)
