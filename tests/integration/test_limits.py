@@ -491,39 +491,46 @@ async def test_a_retry_held_again_gets_a_throttled_event_of_its_own(
     assert [e.kind for e in await s.events(ids[2])].count("throttled") == 2
 
 
-async def test_a_completion_that_frees_a_slot_wakes_the_relays_and_others_do_not(
+async def test_a_completion_that_frees_a_slot_wakes_the_relays_while_a_job_is_held(
     store: tuple[Store, Clock], database_url: str
 ) -> None:
-    """A freed slot is used at once, not at the relays' next poll: the completion that gives
-    slots back wakes the relays of this process and, on PostgreSQL, every listening relay
-    (its ``NOTIFY`` rides in the completion's own statement). A completion of a job without
-    limits wakes nobody. Old code: no wake-up at all (the key's next job waited for the
-    poll, one freed slot per ``JOBRELAY_RELAY_POLL_SECONDS``)."""
+    """A freed slot is used at once, not at the relays' next poll: while a job is held back
+    by its limits, the completion that gives slots back wakes the relays of this process
+    and, on PostgreSQL, every listening relay (its ``NOTIFY`` rides in the completion's own
+    statement). A completion of a job without limits, or one while no limit binds, wakes
+    nobody (a wake-up would cost a relay a round for nothing). Old code: no wake-up at all
+    (the key's next job waited for the poll, one freed slot per
+    ``JOBRELAY_RELAY_POLL_SECONDS``)."""
     s, _ = store
-    acme = await submit(s, export, "acme", 0)
+    acme = [await submit(s, export, "acme", i) for i in range(3)]
     plain = await submit(s, free, "acme", 0)
     await s.admit_waiting(100)
-    assert set(await sent(s)) == {acme, plain}
+    assert set(await sent(s)) == {acme[0], acme[1], plain}  # acme[2] is held
     here = asyncio.Event()
     s.outbox_listeners.append(here)
     elsewhere = asyncio.Event()
     other = create_engine(database_url)
+
+    async def complete(job_id: str) -> None:
+        claim = await s.claim_job(job_id, "w1", T0, LEASE)
+        assert claim is not None
+        assert await s.complete_many([CompleteRequest(claim, None, {})], T0) == {job_id}
+
     try:
         async with OutboxListener(other, elsewhere) as listener:
             if listener.enabled:  # it says so once it listens: what it may have missed
                 await asyncio.wait_for(elsewhere.wait(), 10)
                 elsewhere.clear()
-            for job_id in (plain, acme):
-                claim = await s.claim_job(job_id, "w1", T0, LEASE)
-                assert claim is not None
-                done = await s.complete_many([CompleteRequest(claim, None, {})], T0)
-                assert done == {job_id}
-                if job_id == plain:
-                    assert not here.is_set()
-                else:
-                    assert here.is_set()
-                    if listener.enabled:
-                        await asyncio.wait_for(elsewhere.wait(), 10)
+            await complete(plain)
+            assert not here.is_set()
+            await complete(acme[0])
+            assert here.is_set()
+            if listener.enabled:
+                await asyncio.wait_for(elsewhere.wait(), 10)
+            assert (await s.admit_waiting(100)).admitted == 1  # acme[2]: nothing is held now
+            here.clear()  # (the admission woke the relays itself, to send acme[2])
+            await complete(acme[1])
+            assert not here.is_set()
     finally:
         await other.dispose()
 

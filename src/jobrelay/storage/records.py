@@ -76,8 +76,9 @@ class Claim:
 
 class Won(frozenset[str]):
     """The job ids whose completion won, and ``released``: whether one of them gave back
-    slots of its limits, so that the relays admit the key's next job now, not at their next
-    poll (``OutcomesStore.complete_many`` wakes them)."""
+    slots of its limits while a job is held back by its limits, so that the relays admit
+    the next one now, not at their next poll (``OutcomesStore.complete_many`` wakes them;
+    while no limit binds, completions wake nobody)."""
 
     released: bool
 

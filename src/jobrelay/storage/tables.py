@@ -120,6 +120,10 @@ jobs = Table(
     Column("throttled_at", UTCDateTime()),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
+# The jobs held back by their limits now (migration 0017): a completion that gives slots back
+# wakes the relays only when one is (an index with no entry while no limit binds).
+HELD = "throttled_at IS NOT NULL AND admitted_at IS NULL"
+Index("ix_jobs_held", jobs.c.id, postgresql_where=text(HELD), sqlite_where=text(HELD))
 Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)
 # The account's unfinished jobs, for its quota (JOBRELAY_ACCOUNT_MAX_UNFINISHED_JOBS, migration
 # 0015): a count on each accept reads only these entries, never the finished history. The

@@ -152,16 +152,24 @@ released AS (
     WHERE done.turn_key IS NOT NULL AND job_slots.job_id = done.id
     RETURNING job_slots.job_id
 ),
+held AS (
+    -- Whether a job is held back by its limits now (``ix_jobs_held``): only then does a
+    -- freed slot wake the relays. Read only when this batch gave slots back.
+    SELECT 1 FROM jobs
+    WHERE jobs.throttled_at IS NOT NULL AND jobs.admitted_at IS NULL
+      AND EXISTS (SELECT 1 FROM released)
+    LIMIT 1
+),
 woken AS (
-    -- A freed slot wakes every listening relay at this commit: the key's next job is
-    -- admitted now, not at their next poll. One NOTIFY whatever the number of slots.
-    SELECT pg_notify('{NOTIFY_CHANNEL}', '') FROM (SELECT 1 FROM released LIMIT 1) AS one
+    -- A freed slot wakes every listening relay at this commit while a job is held: the
+    -- key's next job is admitted now, not at their next poll. One NOTIFY a statement.
+    SELECT pg_notify('{NOTIFY_CHANNEL}', '') FROM held
 ),
 event AS (
     INSERT INTO job_events (job_id, at, kind, detail)
     SELECT id, :b_now, '{COMPLETE.event}', CAST(detail AS json) FROM done
 )
-SELECT id, turn_key IS NOT NULL AS limited FROM done, (SELECT count(*) FROM woken) AS w
+SELECT id, (SELECT count(*) FROM woken) > 0 AS wakes FROM done
 """
     )
     .bindparams(
@@ -173,7 +181,7 @@ SELECT id, turn_key IS NOT NULL AS limited FROM done, (SELECT count(*) FROM woke
         bindparam("b_details", type_=ARRAY(Text())),
         bindparam("b_now", type_=UTCDateTime()),
     )
-    .columns(Column("id", String()), Column("limited", Boolean()))
+    .columns(Column("id", String()), Column("wakes", Boolean()))
 )
 
 _RENEW_HOLDS = _by_id(guard_sql(RENEW.guards(_BATCH)))

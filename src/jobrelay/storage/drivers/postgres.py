@@ -154,7 +154,7 @@ class PostgresDriver:
             "b_now": now,
         }
         rows = await self.rows(sql.COMPLETE_MANY, params, conn)
-        return Won((row["id"] for row in rows), any(row["limited"] for row in rows))
+        return Won((row["id"] for row in rows), any(row["wakes"] for row in rows))
 
     async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
         params = {

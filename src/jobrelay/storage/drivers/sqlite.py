@@ -124,15 +124,17 @@ def _complete_tx(
     # Only a job under limits holds slots (its turn key is set at enqueue): a batch with
     # none of them sends no release.
     limited = sorted(row["id"] for row in rows if row["turn_key"] is not None)
+    wakes = False
     if limited:
         execute(sql.RELEASE_RUN, {"ids": fastjson.dumps(limited)})
+        wakes = bool(execute(sql.HELD_RUN, {}))
     events = [
         [r.claim.job_id, result_saved_detail(r.claim, r.result_key, r.result_meta)]
         for r in requests
         if r.claim.job_id in ids
     ]
     _events(execute, "result_saved", now, events)
-    return Won(ids, bool(limited))
+    return Won(ids, wakes)
 
 
 class SqliteDriver:

@@ -117,6 +117,11 @@ RETURNING jobs.id, jobs.attempt, jobs.cancel_requested_at
 
 # The slots the batch's finished jobs give back (``transitions.Transition.releases``).
 RELEASE = text("DELETE FROM job_slots WHERE job_id IN (SELECT value FROM json_each(:ids))")
+# Whether a job is held back by its limits now (``ix_jobs_held``): only then does a freed
+# slot wake the relay.
+HELD = text(
+    "SELECT 1 AS held FROM jobs WHERE throttled_at IS NOT NULL AND admitted_at IS NULL LIMIT 1"
+).columns(Column("held", Integer()))
 
 # The events of a batch: (job id, detail as JSON) pairs; the detail's text is stored as is,
 # as the JSON column stores what it serialises. Unknown jobs' are skipped.
@@ -151,3 +156,4 @@ COMPLETE_RUN = Statement(COMPLETE_MANY)
 RENEW_RUN = Statement(RENEW_MANY)
 EVENTS_RUN = Statement(EVENTS)
 RELEASE_RUN = Statement(RELEASE)
+HELD_RUN = Statement(HELD)

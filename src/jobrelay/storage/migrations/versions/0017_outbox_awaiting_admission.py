@@ -6,7 +6,8 @@ limits a scan that grew with the backlog (measured: 240 ms per claim over 1,000 
 the planner's estimate of a fresh table choosing a scan of the unfinished jobs per row). The
 flag is written with the row from the job's own columns and cleared by the admission; the
 relay's partial index leaves the rows awaiting admission out, and a partial index of their
-own serves the admission.
+own serves the admission. ``ix_jobs_held`` holds the jobs held back now: a completion that
+gives slots back wakes the relays only when there is one.
 
 Revision ID: 0017
 Revises: 0016
@@ -59,6 +60,10 @@ def upgrade() -> None:
         postgresql_where=sa.text(due),
         sqlite_where=sa.text(due),
     )
+    held = "throttled_at IS NOT NULL AND admitted_at IS NULL"
+    op.create_index(
+        "ix_jobs_held", "jobs", ["id"], postgresql_where=sa.text(held), sqlite_where=sa.text(held)
+    )
     awaiting = f"published_at IS NULL AND {_awaiting(dialect, True)}"
     op.create_index(
         "ix_outbox_awaiting",
@@ -71,6 +76,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_index("ix_outbox_awaiting", table_name="outbox")
+    op.drop_index("ix_jobs_held", table_name="jobs")
     op.drop_index("ix_outbox_unpublished", table_name="outbox")
     op.create_index(
         "ix_outbox_unpublished",
