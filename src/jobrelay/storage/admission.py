@@ -13,13 +13,15 @@ run (``transitions.Transition.releases``). So the broker never holds a job that 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, insert, or_, select, update
+from sqlalchemy import Text, cast, func, insert, or_, select, update
 
+from jobrelay import fastjson
 from jobrelay.domain.limits import (
     CONCURRENCY,
     FAIR,
@@ -68,6 +70,12 @@ def _throttled(limit: JobLimit, slots: Mapping[str, int]) -> dict[str, Any]:
     return {"limit": name, "key": key, "reason": _held_reason(limit, slots.get(limit.limit_id, 0))}
 
 
+@functools.lru_cache(maxsize=4096)
+def _limits(text: str | None) -> tuple[JobLimit, ...]:
+    """A job's limits from their stored text; the same text (a key's jobs) parsed once."""
+    return tuple(JobLimit.from_json(limit) for limit in fastjson.loads(text or "[]") or ())
+
+
 def _limiting(limits: Sequence[JobLimit]) -> bool:
     """Whether the job's ``admitted`` event says something when it was never held: it
     took a slot or a token. A job only fair by key (``fair_by=``, the shipped export) that
@@ -110,7 +118,8 @@ class AdmissionStore(StoreBase):
                     outbox.c.id,
                     jobs.c.id.label("job_id"),
                     jobs.c.type,
-                    jobs.c.limits,
+                    # As text: the jobs of one key share one text, parsed once (``_limits``).
+                    cast(jobs.c.limits, Text).label("limits"),
                     jobs.c.throttled_at,
                     awaiting_admission().label("waits"),
                     func.row_number()
@@ -152,8 +161,7 @@ class AdmissionStore(StoreBase):
             for order, row in enumerate(rows):
                 if row.job_id in candidates:
                     continue
-                limits = tuple(JobLimit.from_json(limit) for limit in row.limits or ())
-                candidates[row.job_id] = Candidate(row.job_id, limits, order)
+                candidates[row.job_id] = Candidate(row.job_id, _limits(row.limits), order)
                 first_held[row.job_id] = row.throttled_at
                 types[row.job_id] = row.type
             ids = {limit.limit_id for c in candidates.values() for limit in c.limits}
