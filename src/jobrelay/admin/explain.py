@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from jobrelay.domain.delays import runs_at_text
-from jobrelay.domain.limits import FAIR, JobLimit, split_id
+from jobrelay.domain.limits import FAIR, JobLimit, limiting, split_id
 from jobrelay.domain.states import JobState
 from jobrelay.runtime.wiring import open_runtime, utc_now
 from jobrelay.settings import Settings
@@ -164,7 +164,7 @@ def _next_step(
             f"{unknown.detail.get('reason')}, {ago(unknown.at, now)}: {remedy}, or let the "
             "rolling deploy finish; once every deferral is used it is quarantined"
         )
-    if waiting and job.awaiting_admission and (job.throttled_at or _limiting(job)):
+    if waiting and job.awaiting_admission and (job.throttled_at or limiting(job.limits)):
         return held_line(job, now, events)
     if not job.published and job.unpublished_since is not None:
         hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
@@ -443,12 +443,6 @@ async def show_job(
         render_job(job, events, now, trace_id, pause)
         render_traceback(job, traceback)
     return True
-
-
-def _limiting(job: JobRecord) -> bool:
-    """Whether the job is under a limit (not only fair by key): a fair-only job that no
-    admission held back reads as any unpublished job."""
-    return any(limit.kind != FAIR for limit in job.limits)
 
 
 def _limit_text(limit: JobLimit) -> str:

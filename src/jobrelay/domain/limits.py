@@ -153,6 +153,13 @@ def effective(limit: JobLimit, overrides: Mapping[str, Override]) -> JobLimit:
     return limit
 
 
+def limiting(limits: Sequence[JobLimit]) -> bool:
+    """Whether the job is under a limit (a slot or a token), not only fair by key: a job
+    only fair by key (``fair_by=``) that no admission held back has the timeline and the
+    explanation it would have without fairness."""
+    return any(limit.kind != FAIR for limit in limits)
+
+
 def turn_key(limits: Sequence[JobLimit]) -> str | None:
     """Whose turn a job under ``limits`` takes: its fairness key, else its first limit's id."""
     for limit in limits:
@@ -256,6 +263,7 @@ __all__ = [
     "effective",
     "in_turns",
     "limit_id",
+    "limiting",
     "parse_rate",
     "split_id",
     "turn_key",

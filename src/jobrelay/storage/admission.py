@@ -31,6 +31,7 @@ from jobrelay.domain.limits import (
     JobLimit,
     Override,
     admit,
+    limiting,
     split_id,
 )
 from jobrelay.storage.base import StoreBase
@@ -74,13 +75,6 @@ def _throttled(limit: JobLimit, slots: Mapping[str, int]) -> dict[str, Any]:
 def _limits(text: str | None) -> tuple[JobLimit, ...]:
     """A job's limits from their stored text; the same text (a key's jobs) parsed once."""
     return tuple(JobLimit.from_json(limit) for limit in fastjson.loads(text or "[]") or ())
-
-
-def _limiting(limits: Sequence[JobLimit]) -> bool:
-    """Whether the job's ``admitted`` event says something when it was never held: it
-    took a slot or a token. A job only fair by key (``fair_by=``, the shipped export) that
-    went through at its first round has the timeline it would have without it."""
-    return any(limit.kind != FAIR for limit in limits)
 
 
 def _admitted(limits: Sequence[JobLimit]) -> dict[str, Any]:
@@ -268,7 +262,7 @@ class AdmissionStore(StoreBase):
             {
                 job_id: _admitted(candidates[job_id].limits)
                 for job_id in admitted
-                if first_held[job_id] is not None or _limiting(candidates[job_id].limits)
+                if first_held[job_id] is not None or limiting(candidates[job_id].limits)
             },
         )
 

@@ -70,7 +70,7 @@ class OutcomesStore(ClaimsStore):
         """
         if not any(r.in_transaction for r in requests):
             won = await self.driver.complete_many(requests, now)
-            if won.released:
+            if won.wakes:
                 self.wake_relays()
             return Completed(won)
         failed: dict[str, Exception] = {}
@@ -82,7 +82,7 @@ class OutcomesStore(ClaimsStore):
                 won = await self._complete_in_transaction(todo, now, failed)
             except _StepFailed:
                 continue
-            if won.released or any(r.follow_ups and r.claim.job_id in won for r in todo):
+            if won.wakes or any(r.follow_ups and r.claim.job_id in won for r in todo):
                 self.wake_relays()
             return Completed(won, failed)
 

@@ -75,16 +75,16 @@ class Claim:
 
 
 class Won(frozenset[str]):
-    """The job ids whose completion won, and ``released``: whether one of them gave back
+    """The job ids whose completion won, and ``wakes``: whether one of them gave back
     slots of its limits while a job is held back by its limits, so that the relays admit
     the next one now, not at their next poll (``OutcomesStore.complete_many`` wakes them;
     while no limit binds, completions wake nobody)."""
 
-    released: bool
+    wakes: bool
 
-    def __new__(cls, won: Iterable[str] = (), released: bool = False) -> Won:
+    def __new__(cls, won: Iterable[str] = (), wakes: bool = False) -> Won:
         ids = super().__new__(cls, won)
-        ids.released = released
+        ids.wakes = wakes
         return ids
 
 

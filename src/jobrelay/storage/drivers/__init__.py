@@ -79,7 +79,8 @@ class Driver(Protocol):
         conn: AsyncConnection | None = None,
     ) -> Won:
         """COMPLETE for each request; the ids that won, and whether they gave back slots
-        (on PostgreSQL that NOTIFYs the relays at the commit). With ``conn``: inside that
+        while a job is held back (``Won.wakes``; on PostgreSQL the statement NOTIFYs the
+        relays at its commit). With ``conn``: inside that
         (write) transaction, which the caller commits; else in a transaction of its own."""
 
     async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
