@@ -14,7 +14,7 @@ import time
 
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.retention import BATCH, MAX_ROWS, PruneCounts, Retention
-from jobrelay.storage.vacuum import autovacuum_on, may_vacuum, vacuum_hot_tables
+from jobrelay.storage.vacuum import analyze_stale, autovacuum_on, may_vacuum, vacuum_hot_tables
 
 log = logging.getLogger("jobrelay.retention")
 
@@ -42,6 +42,7 @@ class Pruner:
         self._last: float | None = None  # monotonic time of the last prune
         self._capped = False
         self._autovacuum: bool | None = None  # the server's setting, read once
+        self._may_analyze: bool | None = None  # this role owns the tables: read once
 
     def due(self) -> bool:
         if self._last is None or self._capped:
@@ -89,6 +90,26 @@ class Pruner:
             extra={"event": "vacuumed", "tables": tables},
         )
         return True
+
+    async def analyze_if_stale(self) -> list[str]:
+        """``ANALYZE`` the hot tables whose statistics say they are far smaller than they are
+        (``storage/vacuum.py``), whatever the server's autovacuum: its own ``ANALYZE`` comes
+        a minute or more after a burst, and a queue's statements planned for an empty table
+        meanwhile read every row per claim. Checked by the leader every few seconds."""
+        if not self.rt.settings.self_vacuum:
+            return []
+        if self._may_analyze is None:
+            self._may_analyze = await may_vacuum(self.rt.engine)
+        if not self._may_analyze:
+            return []
+        tables = await analyze_stale(self.rt.engine)
+        if tables:
+            log.info(
+                "analyzed %s: their statistics said far fewer rows than they hold",
+                ", ".join(tables),
+                extra={"event": "analyzed", "tables": tables},
+            )
+        return tables
 
     async def run_once(self, *, days: float | None = None, dry_run: bool = False) -> PruneCounts:
         """Prune what is older than ``days`` (default: ``JOBRELAY_RETENTION_DAYS``)."""

@@ -58,6 +58,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -94,6 +95,8 @@ _BATCH = 500
 _MOVED = "left alone, the job moved on meanwhile"
 # The longest wait between two re-sends of a lost queued message, in seconds.
 RESEND_BACKOFF_MAX = 3600.0
+# How often the leader looks for tables with stale statistics (``Pruner.analyze_if_stale``).
+STATISTICS_SECONDS = 2.0
 
 
 def new_reconciler_id() -> str:
@@ -436,22 +439,28 @@ class Reconciler:
         # Broker-side reads on RabbitMQ touch the messages (see quarantine_scan): on demand only.
         scan = self.rt.settings.uses_local_broker
         pruner = self.pruner or Pruner(self.rt)
+        next_pass = time.monotonic()
         async with Leadership(self.rt) as leadership:
             while not stop.is_set():
                 leading = False
                 try:
                     leading = await leadership.check()
-                    if leading:
+                    if leading and time.monotonic() >= next_pass:
+                        next_pass = time.monotonic() + interval
                         await self.run_once(scan_quarantine=scan)
                 except Exception:
                     log.exception("reconcile pass failed", extra={"event": "reconcile_failed"})
                 try:
                     if leading:
                         await pruner.run_if_due()  # retention: see maintenance/prune.py
+                        await pruner.analyze_if_stale()
                 except Exception:
                     log.exception("prune failed", extra={"event": "prune_failed"})
+                # The leader wakes more often than it reconciles, to catch a burst's stale
+                # statistics within seconds; the others only try the leadership each pass.
+                wait = min(interval, STATISTICS_SECONDS) if leading else interval
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(interval):
+                    async with asyncio.timeout(wait):
                         await stop.wait()
 
 
