@@ -23,6 +23,7 @@ from sqlalchemy import func, insert, select
 
 import jobrelay
 from jobrelay.domain.policy import Action, decide, observe_delivery
+from jobrelay.relay.publisher import ADMIT_AHEAD, Relay
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.notify import OutboxListener
 from jobrelay.storage.records import Claim, CompleteRequest, NewJob
@@ -556,3 +557,51 @@ async def test_the_shipped_export_is_fair_by_account(store: tuple[Store, Clock])
     rows = await s.claim_outbox("relay-1", 4, timedelta(seconds=30))
     assert first in [row.job_id for row in rows]
     assert len(rows) == 4 and set(burst) & {row.job_id for row in rows}
+
+
+@app.job(
+    "lab.roomy",
+    params=Export,
+    limits=[jobrelay.ConcurrencyLimit(64, key=lambda p: p.account)],
+)
+async def roomy(ctx: jobrelay.JobContext[Export], p: Export) -> None:
+    return None
+
+
+async def test_one_admission_round_serves_several_claims(make_pipeline: Any) -> None:
+    """A round admits up to ``ADMIT_AHEAD`` claims' worth and the claims that follow take them
+    without a round of their own; a short claim (nothing admitted left) lets the next round
+    run. Old code: a round before every claim, each paying its ranking of every waiting
+    row, its lock and its commit (the non-binding bench cell at 0.64 of no limits)."""
+    async with make_pipeline(relay_batch="5") as p:
+        rt = dataclasses.replace(p.rt, app=app)
+        ids = [
+            (await p.store.submit(roomy.new_job(Export(account=f"k{i % 3}", n=i)), T0))[0]
+            for i in range(2 * ADMIT_AHEAD * 5 + 3)
+        ]
+        rounds = 0
+        admit = rt.store.admit_waiting
+
+        async def counted(budget: int, fair_ahead: int | None = None) -> Any:
+            nonlocal rounds
+            rounds += 1
+            return await admit(budget, fair_ahead)
+
+        relay = Relay(rt)
+        relay.rt.store.admit_waiting = counted  # type: ignore[method-assign]
+        claimed = [await relay.relay_once() for _ in range(2 * ADMIT_AHEAD + 1)]
+        assert claimed == [5] * (2 * ADMIT_AHEAD) + [3]
+        assert rounds == 3  # 20, 20 and 3 admitted; every other claim took what was admitted
+        assert await relay.relay_once() == 0
+        assert rounds == 3  # nothing waits for admission: no round
+        async with p.store.reading() as conn:
+            sent_ids = set(
+                (
+                    await conn.execute(
+                        select(outbox.c.job_id).where(outbox.c.published_at.is_not(None))
+                    )
+                )
+                .scalars()
+                .all()
+            )
+        assert sent_ids == set(ids)
