@@ -41,11 +41,11 @@ from jobrelay.transport.base import OutgoingMessage
 log = logging.getLogger("jobrelay.relay")
 
 _MAX_BACKOFF_SECONDS = 30.0
-# An admission round admits up to this many claims' worth of jobs (4 x ``JOBRELAY_RELAY_BATCH``
-# by default), and the claims that follow take them without a round of their own. A round
-# per claim paid the round's fixed cost (its ranking of every waiting row, its lock, its
-# commit) once per 200 jobs: a drain under a limit that never binds ran at 0.64 of one without
-# limits (median of three sittings of 10,000 jobs), 0.93 with rounds of four claims' worth.
+# An admission round admits and claims up to this many claims' worth of jobs (4 x
+# ``JOBRELAY_RELAY_BATCH`` by default, within the window's room): a round per claim paid the
+# round's fixed cost (its ranking of every waiting row, its lock, its commit) once per 200
+# jobs, and the non-binding bench cell ran at 0.64 of no limits (median of three sittings of
+# 10,000 jobs).
 ADMIT_AHEAD = 4
 
 
@@ -60,9 +60,6 @@ class Relay:
         self.claim_for = timedelta(seconds=rt.settings.relay_claim_seconds)
         self.published = 0
         self.failed = 0
-        # Jobs this relay admitted that its claims have not taken yet (an estimate: another
-        # relay may claim them; a short claim says none is left and resets it).
-        self._admitted_ahead = 0
 
     def message_for(self, row: OutboxRow) -> OutgoingMessage:
         headers = {str(k): str(v) for k, v in row.headers.items()}
@@ -82,21 +79,28 @@ class Relay:
             await self._settle(rows)
         return len(rows)
 
-    async def _claim(self, limit: int) -> list[OutboxRow]:
-        """Admit what waits for its limits (``storage.admission``), then claim. Whatever app
-        this relay runs: a job enqueued with limits by another version of the app is
-        admitted too. The admission's write transaction runs only when a row waits for it
-        (one read of an index that is empty when none does) and the jobs admitted by the
-        last round are not enough for this claim (``ADMIT_AHEAD``)."""
+    async def _claim(self, limit: int, room: int | None = None) -> list[OutboxRow]:
+        """Admit what waits for its limits (``storage.admission``), then claim what else
+        waits. Whatever app this relay runs: a job enqueued with limits by another version
+        of the app is admitted too. The admission's write transaction runs only when a row
+        waits for it (one read of an index that is empty when none does); it claims the rows
+        it admits for this relay, up to ``ADMIT_AHEAD`` claims' worth within ``room`` (the
+        window's), which are published with the claim's rows."""
         store = self.rt.store
-        if self._admitted_ahead < limit and await store.awaits_admission():
-            answer = await store.admit_waiting(ADMIT_AHEAD * limit, self.rt.settings.fair_ahead)
-            self._admitted_ahead += answer.admitted
+        room = (ADMIT_AHEAD + 1) * limit if room is None else room
+        # A claim's worth of the room is left to the claim (jobs under no limits are not
+        # starved by a backlog under limits), unless the room is no more than that.
+        budget = min(ADMIT_AHEAD * limit, room - limit) if room > limit else room
+        admitted: tuple[OutboxRow, ...] = ()
+        if await store.awaits_admission():
+            answer = await store.admit_waiting(
+                budget, self.rt.settings.fair_ahead, claim_for=(self.relay_id, self.claim_for)
+            )
+            admitted = answer.rows
             self.rt.metrics.admission(answer.throttled, answer.waits)
-        rows = await store.claim_outbox(self.relay_id, limit, self.claim_for)
-        # A short claim: nothing admitted is left waiting (taken, or by another relay).
-        self._admitted_ahead = 0 if len(rows) < limit else max(0, self._admitted_ahead - len(rows))
-        return rows
+        left = min(limit, room - len(admitted))
+        rows = await store.claim_outbox(self.relay_id, left, self.claim_for) if left > 0 else []
+        return [*admitted, *rows]
 
     async def _settle(self, rows: list[OutboxRow]) -> None:
         """Publish a claimed batch, await its confirms, mark the confirmed rows in one
@@ -216,7 +220,7 @@ class Relay:
                         continue
                     limit = min(batch, room)
                     try:
-                        rows = await self._claim(limit)
+                        rows = await self._claim(limit, room)
                     except StoreError as exc:
                         # The database is down: back off (up to 8 s) instead of failing every
                         # poll; an in-process wake-up still ends the wait early.

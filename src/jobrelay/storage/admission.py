@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import ColumnElement, Select, Text, cast, func, insert, or_, select, update
@@ -36,6 +36,7 @@ from jobrelay.domain.limits import (
 )
 from jobrelay.storage.base import StoreBase
 from jobrelay.storage.delayed import outbox_due
+from jobrelay.storage.records import OutboxRow, outbox_row
 from jobrelay.storage.tables import job_slots, jobs, limit_buckets, limit_overrides, outbox
 from jobrelay.storage.transitions import awaiting_admission
 
@@ -54,6 +55,9 @@ class Admitted:
     # job's type and how long it had been held (0: admitted at its first round).
     throttled: int = 0
     waits: tuple[tuple[str, float], ...] = ()
+    # The admitted jobs' outbox rows, claimed by the admission for the relay that asked
+    # (``claim_for``): it publishes them without a claim of its own.
+    rows: tuple[OutboxRow, ...] = ()
 
 
 def _held_reason(limit: JobLimit, slots: int) -> str:
@@ -154,9 +158,18 @@ class AdmissionStore(StoreBase):
             )
         return found is not None
 
-    async def admit_waiting(self, budget: int, fair_ahead: int | None = None) -> Admitted:
+    async def admit_waiting(
+        self,
+        budget: int,
+        fair_ahead: int | None = None,
+        claim_for: tuple[str, timedelta] | None = None,
+    ) -> Admitted:
         """Admit up to ``budget`` of the jobs whose message waits for their limits;
-        ``fair_ahead``: how many jobs of a fair type may be admitted and not yet ended."""
+        ``fair_ahead``: how many jobs of a fair type may be admitted and not yet ended;
+        ``claim_for`` (a relay's id, for how long): the admitted jobs' rows are claimed for
+        that relay in the same write (``Admitted.rows``), as ``claim_outbox`` would: one
+        write of each row instead of two (measured: the admission's writes were +39 % of
+        the WAL a job writes)."""
         async with self.writing() as conn:
             await self.driver.serialize_admission(conn)
             now = await conn.scalar(select(self.now_sql()))
@@ -223,7 +236,9 @@ class AdmissionStore(StoreBase):
                 room=budget,
                 fair_ahead=fair_ahead,
             )
-            await self._write(conn, answer.admitted, candidates, first_held, now)
+            claimed = await self._write(
+                conn, answer.admitted, candidates, first_held, now, claim_for
+            )
             newly_held = [j for j in answer.held if first_held.get(j) is None]
             if newly_held:
                 await conn.execute(
@@ -253,7 +268,9 @@ class AdmissionStore(StoreBase):
             (types[j], max(0.0, (now - first_held[j]).total_seconds()) if first_held[j] else 0.0)
             for j in answer.admitted
         )
-        return Admitted(len(answer.admitted), len(answer.held), len(newly_held), waits)
+        return Admitted(
+            len(answer.admitted), len(answer.held), len(newly_held), waits, tuple(claimed)
+        )
 
     async def _write(
         self,
@@ -262,23 +279,46 @@ class AdmissionStore(StoreBase):
         candidates: dict[str, Candidate],
         first_held: Mapping[str, datetime | None],
         now: datetime,
-    ) -> None:
+        claim_for: tuple[str, timedelta] | None,
+    ) -> list[OutboxRow]:
         if not admitted:
-            return
+            return []
         await conn.execute(
             update(jobs)
             .where(jobs.c.id.in_(list(admitted)), jobs.c.admitted_at.is_(None))
             .values(admitted_at=now)
         )
-        await conn.execute(
-            update(outbox)
-            .where(
-                outbox.c.job_id.in_(list(admitted)),
-                outbox.c.published_at.is_(None),
-                outbox.c.awaiting_admission.is_(True),
-            )
-            .values(awaiting_admission=False)
+        released = update(outbox).where(
+            outbox.c.job_id.in_(list(admitted)),
+            outbox.c.published_at.is_(None),
+            outbox.c.awaiting_admission.is_(True),
         )
+        claimed: list[OutboxRow] = []
+        if claim_for is None:
+            await conn.execute(released.values(awaiting_admission=False))
+        else:
+            relay_id, seconds = claim_for
+            # Plain columns only: SQLite evaluates expressions in such a RETURNING over the
+            # statement's other rows (see ``drivers/sqlite_statements.py``).
+            result = await conn.execute(
+                released.values(
+                    awaiting_admission=False,
+                    claimed_by=relay_id,
+                    claimed_until=now + seconds,
+                    publish_attempts=outbox.c.publish_attempts + 1,
+                ).returning(
+                    outbox.c.id,
+                    outbox.c.job_id,
+                    outbox.c.destination,
+                    outbox.c.body,
+                    outbox.c.headers,
+                    outbox.c.publish_attempts,
+                )
+            )
+            claimed = sorted(
+                (outbox_row({**r._mapping, "taken_at": now}, r.publish_attempts) for r in result),
+                key=lambda row: row.id,
+            )
         slots = [
             {"limit_id": limit.limit_id, "job_id": job_id}
             for job_id in admitted
@@ -297,6 +337,7 @@ class AdmissionStore(StoreBase):
                 if first_held[job_id] is not None or limiting(candidates[job_id].limits)
             },
         )
+        return claimed
 
 
 __all__ = ["AdmissionStore", "Admitted", "waiting_jobs", "waiting_ranked"]
