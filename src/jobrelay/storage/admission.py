@@ -37,7 +37,14 @@ from jobrelay.domain.limits import (
 from jobrelay.storage.base import StoreBase
 from jobrelay.storage.delayed import outbox_due
 from jobrelay.storage.records import OutboxRow, outbox_row
-from jobrelay.storage.tables import job_slots, jobs, limit_buckets, limit_overrides, outbox
+from jobrelay.storage.tables import (
+    OUTBOX_CLAIMED,
+    job_slots,
+    jobs,
+    limit_buckets,
+    limit_overrides,
+    outbox,
+)
 from jobrelay.storage.transitions import awaiting_admission
 
 # The waiting jobs of each turn key a round considers: a key with room for more is admitted
@@ -306,14 +313,7 @@ class AdmissionStore(StoreBase):
                     claimed_by=relay_id,
                     claimed_until=now + seconds,
                     publish_attempts=outbox.c.publish_attempts + 1,
-                ).returning(
-                    outbox.c.id,
-                    outbox.c.job_id,
-                    outbox.c.destination,
-                    outbox.c.body,
-                    outbox.c.headers,
-                    outbox.c.publish_attempts,
-                )
+                ).returning(*OUTBOX_CLAIMED)
             )
             claimed = sorted(
                 (outbox_row({**r._mapping, "taken_at": now}, r.publish_attempts) for r in result),

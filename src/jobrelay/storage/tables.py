@@ -161,6 +161,16 @@ outbox = Table(
     Column("awaiting_admission", Boolean, nullable=False, server_default=text("false")),
 )
 Index("ix_outbox_job", outbox.c.job_id)
+# What a relay's claim of a row returns (with the claim's ``taken_at``): the relay's claim
+# and the admission that claims the rows it admits (``storage/admission.py``).
+OUTBOX_CLAIMED = (
+    outbox.c.id,
+    outbox.c.job_id,
+    outbox.c.destination,
+    outbox.c.body,
+    outbox.c.headers,
+    outbox.c.publish_attempts,
+)
 # Partial indexes: the relay only ever scans rows that still wait, those due when written by
 # id (and admitted, or under no limits), those held for a due time by that time (it also
 # tells the relay when to wake), and those awaiting their admission, for the admission.

@@ -30,7 +30,7 @@ from sqlalchemy import (
 from jobrelay.storage.delayed import outbox_due
 from jobrelay.storage.drivers.pg_pool import pg_statement
 from jobrelay.storage.records import NOTIFY_CHANNEL
-from jobrelay.storage.tables import UTCDateTime, jobs, outbox
+from jobrelay.storage.tables import OUTBOX_CLAIMED, UTCDateTime, jobs
 from jobrelay.storage.transitions import (
     CLAIM,
     COMPLETE,
@@ -278,15 +278,7 @@ RETURNING outbox.id, outbox.job_id, outbox.destination, outbox.body, outbox.head
         bindparam("o_claim_for", type_=Interval()),
         bindparam("o_clock", type_=UTCDateTime()),
     )
-    .columns(
-        outbox.c.id,
-        outbox.c.job_id,
-        outbox.c.destination,
-        outbox.c.body,
-        outbox.c.headers,
-        outbox.c.publish_attempts,
-        Column("taken_at", UTCDateTime()),
-    )
+    .columns(*OUTBOX_CLAIMED, Column("taken_at", UTCDateTime()))
 )
 
 # The relay's mark: confirmed rows not yet marked, and a ``published`` event each, stamped
