@@ -37,6 +37,9 @@ class Settings(BaseSettings):
     # Cluster nodes holding each quorum queue (fewer when the cluster is smaller).
     quorum_group_size: int = Field(default=3, ge=1, le=7)
     results_url: str = "file://./var/exports"
+    # The largest value a job may return, as JSON (``jobrelay.Result(value=…)``): it is kept
+    # on the job's row; anything larger is an object to store, named by ``Result.key``.
+    result_max_bytes: int = Field(default=256 * 1024, ge=1, le=64 * 1024 * 1024)
     max_attempts: int = Field(default=3, ge=1, le=100)
     retry_delays: Annotated[tuple[int, ...], NoDecode] = (5, 30)
     # A claimed job's lease; the heartbeat renews it every third of this.

@@ -44,7 +44,8 @@ BODY = {"accountId": "acme", "period": "2020-05"}
 PROBLEM = "application/problem+json"
 JOB_FIELDS = {
     "jobId", "type", "accountId", "params", "state", "published", "attempt", "maxAttempts",
-    "resultKey", "lastError", "nextAttemptAt", "runAt", "progress", "createdAt", "updatedAt",
+    "resultKey", "result", "lastError", "nextAttemptAt", "runAt", "progress", "createdAt",
+    "updatedAt",
 }  # fmt: skip
 
 
@@ -295,6 +296,7 @@ async def test_job_has_exactly_the_contract_fields(
         "attempt": 0,
         "maxAttempts": MAX_ATTEMPTS,
         "resultKey": None,
+        "result": None,
         "lastError": None,
         "nextAttemptAt": None,
         "runAt": None,

@@ -59,6 +59,7 @@ STATEMENTS: Mapping[str, tuple[CompiledStatement, dict[str, Any]]] = {
             "b_workers": ["w"] * 16,
             "b_keys": [None] * 16,
             "b_metas": ["{}"] * 16,
+            "b_values": [None] * 16,
             "b_details": ["{}"] * 16,
             "b_now": NOW,
         },

@@ -21,7 +21,13 @@ from tests.id_keys import request_id
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
 # What a job may return about its result; its keys collide with the event's own.
-HOSTILE = {"worker": "not-the-worker", "resultKey": "not/the/key", "rows": 2, "note": "mine"}
+HOSTILE = {
+    "worker": "not-the-worker",
+    "resultKey": "not/the/key",
+    "attempt": 99,
+    "rows": 2,
+    "note": "mine",
+}
 
 
 @pytest.fixture
@@ -53,7 +59,9 @@ async def saved(store: Store, job_id: str) -> dict[str, Any]:
 
 
 def the_worker_s_meta(attempt: int) -> dict[str, Any]:
-    return {**HOSTILE, "attempt": attempt}  # worker/attempt.py adds the attempt
+    """The operation's meta as the worker sends it: as the operation gave it (the worker
+    once added the attempt to it; the claim's attempt is the event's own field)."""
+    return dict(HOSTILE)
 
 
 async def test_user_meta_stays_under_its_own_key(store: Store) -> None:

@@ -36,6 +36,7 @@ ACCOUNT_EXPLAIN_KEYS = (
     "nextAttemptAt",
     "runAt",
     "resultKey",
+    "result",
     "progress",
     "traceId",
     "createdAt",

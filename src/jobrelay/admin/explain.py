@@ -301,6 +301,7 @@ def explain_document(
         "leaseOwner": job.lease_owner,
         "leaseExpiresAt": iso(job.lease_expires_at),
         "resultKey": job.result_key,
+        "result": job.result,
         "progress": (
             {"done": job.progress_done or 0, "total": job.progress_total}
             if job.progress_total is not None
@@ -375,6 +376,8 @@ def render_job(
         f"{job.lease_owner} until {ago(job.lease_expires_at, now)}" if job.lease_owner else "-",
     )
     facts.add_row("result key", job.result_key or "-")
+    if job.result is not None:
+        facts.add_row("result", escape(json.dumps(job.result, ensure_ascii=False)))
     if job.progress_total is not None:
         facts.add_row("progress", f"{job.progress_done or 0}/{job.progress_total}")
     facts.add_row("params", escape(json.dumps(job.params, ensure_ascii=False, default=str)))

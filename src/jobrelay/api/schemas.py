@@ -64,6 +64,10 @@ class JobOut(WireModel):
     attempt: int
     max_attempts: int
     result_key: str | None
+    result: Any = Field(
+        default=None,
+        description="The JSON value the job returned, committed with `succeeded` (null: none).",
+    )
     last_error: str | None
     next_attempt_at: datetime | None
     run_at: datetime | None = Field(
@@ -93,6 +97,7 @@ class JobOut(WireModel):
             attempt=job.attempt,
             max_attempts=job.max_attempts,
             result_key=job.result_key,
+            result=job.result,
             last_error=job.last_error if admin else account_error(job.last_error, job.public_error),
             next_attempt_at=job.next_attempt_at,
             run_at=job.run_at,

@@ -37,10 +37,13 @@ class JobType(Protocol):
 
 @dataclass(frozen=True)
 class Result:
-    """A job's outcome: the key of the object it stored (if any) and facts to keep with it."""
+    """A job's outcome: the key of the object it stored (if any), facts to keep with it, and
+    a JSON value (``Job.result``). A job that returns a plain JSON value (a dict, a list, a
+    str, a number, a bool) returns ``Result(value=that)``."""
 
     key: str | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
+    value: Any = None
 
 
 class _JobLog(logging.LoggerAdapter[logging.Logger]):

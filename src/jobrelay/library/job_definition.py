@@ -37,9 +37,10 @@ from jobrelay.storage.drivers.dbapi import (
 from jobrelay.storage.drivers.new_job import Steps, new_job_steps, run_async, run_sync
 from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import NewJob, work_destination
+from jobrelay.storage.storable import value_json
 
 P = TypeVar("P", bound=BaseModel)
-JobFunction = Callable[[JobContext[P], P], Awaitable[Result | None]]
+JobFunction = Callable[[JobContext[P], P], Awaitable[Any]]
 
 
 def _field_errors(exc: ValidationError) -> list[dict[str, str]]:
@@ -389,11 +390,16 @@ class JobDefinition(Generic[P]):
             returned = self.fn(context, params)  # type: ignore[arg-type]
             if inspect.isawaitable(returned):
                 returned = await returned
-        result = returned or Result()
+        result = returned if isinstance(returned, Result) else Result(value=returned)
+        try:
+            value = value_json(result.value, self.app.settings.result_max_bytes)
+        except ValueError as exc:
+            raise PermanentError(str(exc)) from None
         return OperationResult(
             result_key=result.key,
             meta=dict(result.meta),
             follow_ups=tuple(context.follow_ups),
+            value_json=value,
         )
 
 

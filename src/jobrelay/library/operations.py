@@ -59,6 +59,8 @@ class OperationResult:
     meta: dict[str, Any] = field(default_factory=dict)
     # Jobs to create in the same transaction that records this success (a notification).
     follow_ups: tuple[NewJob, ...] = ()
+    # The value the job returned, as the JSON text stored (``storable.value_json``).
+    value_json: str | None = None
 
 
 class Operation(Protocol):

@@ -141,6 +141,8 @@ class CompleteRequest:
     result_meta: dict[str, Any]
     publish: Callable[[], Awaitable[None]] | None = None
     follow_ups: tuple[NewJob, ...] = ()
+    # The value the job returned, as the JSON text stored (``storable.value_json``).
+    result_value: str | None = None
 
     @property
     def in_transaction(self) -> bool:
@@ -202,6 +204,8 @@ class JobRecord:
     limits: tuple[JobLimit, ...] = ()
     admitted_at: datetime | None = None
     throttled_at: datetime | None = None
+    # The JSON value the job returned, committed with ``succeeded`` (None: none).
+    result: Any = None
 
     @property
     def awaiting_admission(self) -> bool:
@@ -325,6 +329,7 @@ def job_record(row: Row[Any] | Mapping[str, Any]) -> JobRecord:
         limits=tuple(JobLimit.from_json(limit) for limit in m.get("limits") or ()),
         admitted_at=aware_time(m.get("admitted_at")),
         throttled_at=aware_time(m.get("throttled_at")),
+        result=m.get("result_value"),
     )
 
 

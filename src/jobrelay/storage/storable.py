@@ -42,3 +42,27 @@ def outcome_json(result_key: str | None, meta: dict[str, Any]) -> str:
         return json.dumps(jsonable(meta), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise StoreDataError(f"the result meta is not JSON: {safe_text(str(exc))}") from None
+
+
+def value_json(value: Any, max_bytes: int) -> str | None:
+    """The value a job returned as the JSON text its completion stores (None for None), or
+    ``ValueError`` saying why it cannot be stored: not JSON (a set, a ``Decimal``, NaN, an
+    object), or over ``max_bytes`` (``JOBRELAY_RESULT_MAX_BYTES``). Either is the same on
+    every attempt, so the job fails at once, never retried into repeating its effects.
+    ASCII-escaped: no text a database refuses (a NUL byte, a lone surrogate) reaches it."""
+    if value is None:
+        return None
+    try:
+        text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"the job returned a value that is not JSON ({type(value).__name__}):"
+            f" {safe_text(str(exc))}; return a dict, list, str, number, bool or None"
+        ) from None
+    if len(text) > max_bytes:
+        raise ValueError(
+            f"the job returned a value of {len(text):,} bytes as JSON, over"
+            f" JOBRELAY_RESULT_MAX_BYTES ({max_bytes:,}); store it as an object and return"
+            " its key (jobrelay.Result(key=...))"
+        )
+    return text

@@ -118,6 +118,9 @@ jobs = Table(
     Column("turn_key", String(300)),
     Column("admitted_at", UTCDateTime()),
     Column("throttled_at", UTCDateTime()),
+    # The JSON value the job returned (migration 0018), committed with ``succeeded``: None
+    # when it returned nothing (or None). Apart from ``result_meta``, the operation's facts.
+    Column("result_value", JSON(none_as_null=True)),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 # The jobs held back by their limits now (migration 0017): a completion that gives slots back

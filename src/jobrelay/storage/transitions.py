@@ -223,6 +223,7 @@ COMPLETE = Transition(
         "updated_at": i.now,
         "result_key": i.req("result_key"),
         "result_meta": i.req("meta"),
+        "result_value": i.req("value"),
         "lease_owner": null(),
         "lease_expires_at": null(),
         "last_error": null(),
@@ -348,16 +349,15 @@ def claimed_detail(worker_id: str, detail: Mapping[str, Any]) -> dict[str, Any]:
 def result_saved_detail(
     claim: Claim, result_key: str | None, result_meta: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """jobrelay's own fields, and the operation's metadata under ``meta`` of its own, so a
-    job returning ``{"worker": …}`` cannot overwrite the event's (the worker merges the
-    attempt into ``result_meta``; the claim's is the one recorded)."""
-    meta = {key: value for key, value in result_meta.items() if key != "attempt"}
+    """jobrelay's own fields, and the operation's metadata under ``meta`` of its own, as
+    the operation gave it, so a job returning ``{"worker": …}`` or ``{"attempt": …}`` cannot
+    overwrite the event's (the claim's attempt is the one recorded)."""
     return jsonable(
         {
             "resultKey": result_key,
             "worker": claim.worker_id,
             "attempt": claim.attempt,
-            "meta": meta,
+            "meta": dict(result_meta),
         }
     )
 

@@ -280,7 +280,9 @@ class AttemptRun:
         if isinstance(observation, ResultSaved):
             # Where this attempt stored it (on S3 a key of its own, uploaded by now).
             key = results.recorded_key(observation.result_key)
-            meta = {**result.meta, "attempt": claim.attempt}
+            # The operation's own meta, as it gave it: the attempt is the event's
+            # (``result_saved``), never mixed into the application's dict.
+            meta = dict(result.meta)
             outcome_json(key, meta)  # StoreDataError: refused before sent
             request = CompleteRequest(
                 claim,
@@ -288,6 +290,7 @@ class AttemptRun:
                 meta,
                 publish=results.publish if results.staged else None,
                 follow_ups=tuple[NewJob, ...](result.follow_ups),
+                result_value=result.value_json,
             )
             answer = await self.scope.completions.submit(request)
             if isinstance(answer, Exception):

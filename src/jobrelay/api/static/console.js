@@ -149,6 +149,7 @@
     fact(facts, "next attempt", job.nextAttemptAt ? when(job.nextAttemptAt) : null);
     if ("leaseOwner" in job) fact(facts, "lease", job.leaseOwner ? job.leaseOwner + " until " + ago(job.leaseExpiresAt) : null);
     fact(facts, "result key", job.resultKey);
+    if (job.result !== undefined && job.result !== null) fact(facts, "result", JSON.stringify(job.result));
     if (job.progress) fact(facts, "progress", job.progress.done + "/" + job.progress.total);
     fact(facts, "trace id", job.traceId);
     fact(facts, "accepted", when(job.createdAt));

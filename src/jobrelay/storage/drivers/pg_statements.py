@@ -41,10 +41,12 @@ from jobrelay.storage.transitions import (
     set_sql,
 )
 
+# The request's fields that are JSON text in the array, for columns of type ``json``.
+_JSON_FIELDS = frozenset({"meta", "value"})
+
 
 def _req(name: str) -> object:
-    # The request's meta is JSON text in the array; the column is ``json``.
-    return literal_column("CAST(req.meta AS json)" if name == "meta" else f"req.{name}")
+    return literal_column(f"CAST(req.{name} AS json)" if name in _JSON_FIELDS else f"req.{name}")
 
 
 def _by_id(guard: str) -> str:
@@ -129,8 +131,9 @@ COMPLETE_MANY = pg_statement(
 WITH req AS (
     SELECT * FROM unnest(CAST(:b_ids AS text[]), CAST(:b_attempts AS integer[]),
                          CAST(:b_workers AS text[]), CAST(:b_keys AS text[]),
-                         CAST(:b_metas AS text[]), CAST(:b_details AS text[]))
-        AS r(id, attempt, worker, result_key, meta, detail)
+                         CAST(:b_metas AS text[]), CAST(:b_values AS text[]),
+                         CAST(:b_details AS text[]))
+        AS r(id, attempt, worker, result_key, meta, value, detail)
 ),
 locked AS (
     SELECT j.id FROM jobs j JOIN req ON j.id = req.id
@@ -178,6 +181,7 @@ SELECT id, (SELECT count(*) FROM woken) > 0 AS wakes FROM done
         bindparam("b_workers", type_=ARRAY(String())),
         bindparam("b_keys", type_=ARRAY(Text())),
         bindparam("b_metas", type_=ARRAY(Text())),
+        bindparam("b_values", type_=ARRAY(Text())),
         bindparam("b_details", type_=ARRAY(Text())),
         bindparam("b_now", type_=UTCDateTime()),
     )

@@ -147,6 +147,7 @@ class PostgresDriver:
             "b_workers": [r.claim.worker_id for r in requests],
             "b_keys": [r.result_key for r in requests],
             "b_metas": [outcome_json(r.result_key, r.result_meta) for r in requests],
+            "b_values": [r.result_value for r in requests],
             "b_details": [
                 fastjson.dumps(result_saved_detail(r.claim, r.result_key, r.result_meta))
                 for r in requests

@@ -226,6 +226,7 @@ class SqliteDriver:
                     r.claim.worker_id,
                     _bindable(r.result_key),
                     outcome_json(r.result_key, r.result_meta),
+                    r.result_value,
                 ]
                 for r in requests
             ]

@@ -85,7 +85,7 @@ COMPLETE_MANY = (
         f"""
 UPDATE jobs SET
     {_COMPLETE_SETS}
-FROM {_req("id", "attempt", "worker", "result_key", "meta")}
+FROM {_req("id", "attempt", "worker", "result_key", "meta", "value")}
 WHERE jobs.id = req.id AND {_COMPLETE_GUARDS}
 RETURNING jobs.id, jobs.turn_key
 """
