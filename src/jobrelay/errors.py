@@ -106,6 +106,17 @@ class JobNotFound(JobrelayError):
     """No job with that id, or one the caller may not see."""
 
 
+class JobFailed(JobrelayError):
+    """``App.result``: the job ended without succeeding (``state``: ``quarantined`` or
+    ``cancelled``), with ``reason`` (the quarantine's reason, or the cancel's)."""
+
+    def __init__(self, job_id: str, state: str, reason: str | None) -> None:
+        super().__init__(f"job {job_id} {state}: {reason or 'no reason recorded'}")
+        self.job_id = job_id
+        self.state = state
+        self.reason = reason
+
+
 class OperationError(JobrelayError):
     """Raised by an operation while it runs; the subclass decides retry or quarantine."""
 

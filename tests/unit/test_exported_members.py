@@ -20,6 +20,8 @@ JOBRELAY = [
     "Job",
     "JobContext",
     "JobDefinition",
+    "JobFailed",
+    "JobNotFound",
     "JobState",
     "JobrelayError",
     "Permanent",

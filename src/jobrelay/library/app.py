@@ -25,9 +25,10 @@ type, so the worker runs application jobs and the shipped ones the same way.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import weakref
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, MutableMapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -38,12 +39,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.domain.delays import Delay
 from jobrelay.domain.queues import DEFAULT_QUEUE, QUEUE_NAME
-from jobrelay.errors import ConfigError
+from jobrelay.domain.states import JobState
+from jobrelay.errors import ConfigError, JobFailed
 from jobrelay.library.job_definition import JobDefinition as JobDefinition
 from jobrelay.library.job_definition import JobFunction, P, check_params_model, unknown_type
 from jobrelay.library.limits import ConcurrencyLimit, RateLimit, check_limits
 from jobrelay.library.operations import Operation, Registry
 from jobrelay.library.sync_context import SyncJobFunction
+from jobrelay.library.waiting import Watcher
 from jobrelay.settings import Settings
 from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import JobRecord
@@ -70,6 +73,10 @@ class App:
         self._commands: dict[str, AppCommand] = {}
         self._schedules: dict[str, Schedule] = {}
         self._engine: AsyncEngine | None = None
+        # ``wait``'s watcher per event loop (``library.waiting``).
+        self._watchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Watcher] = (
+            weakref.WeakKeyDictionary()
+        )
         # The installation's id keys per database this app enqueues on (its engine).
         self._id_keys: weakref.WeakKeyDictionary[Engine, IdKeyCache] = weakref.WeakKeyDictionary()
         self._id_keys_by_name: dict[str, IdKeyCache] = {}
@@ -326,8 +333,65 @@ class App:
 
         return await Store(self._engine_for_calls()).get_job(job_id)
 
+    async def wait(self, job_id: str, timeout: float | None = None) -> JobRecord:
+        """The job once it has ended (``succeeded``, ``quarantined`` or ``cancelled``), woken by
+        the commit that ends it (``library.waiting``): ``TimeoutError`` after ``timeout``
+        seconds (None: no limit), ``JobNotFound`` when there is no such job."""
+        loop = asyncio.get_running_loop()
+        watcher = self._watchers.get(loop)
+        if watcher is None:
+            watcher = self._watchers[loop] = Watcher(self._engine_for_calls())
+        return await watcher.wait(job_id, timeout)
+
+    async def result(self, job_id: str, timeout: float | None = None) -> Any:
+        """The value the job returned (``Job.result``) once it has succeeded; ``JobFailed``
+        (its state and reason) when it ended quarantined or cancelled; as ``wait`` else."""
+        return _value_of(await self.wait(job_id, timeout))
+
+    def wait_sync(self, job_id: str, timeout: float | None = None) -> JobRecord:
+        """``wait`` for code with no event loop (a Django view, a script)."""
+        return _run_sync("App.wait_sync", self._wait_alone(job_id, timeout))
+
+    def result_sync(self, job_id: str, timeout: float | None = None) -> Any:
+        """``result`` for code with no event loop."""
+        return _value_of(_run_sync("App.result_sync", self._wait_alone(job_id, timeout)))
+
+    async def _wait_alone(self, job_id: str, timeout: float | None) -> JobRecord:
+        """A wait on a loop of its own, with an engine of its own (the app's is bound to
+        the loop that made it)."""
+        from jobrelay.database_files import require_database
+        from jobrelay.storage.engine import create_engine
+
+        require_database(self.settings.database_url)
+        engine = create_engine(self.settings.database_url)
+        watcher = Watcher(engine)
+        try:
+            return await watcher.wait(job_id, timeout)
+        finally:
+            await watcher.close()
+            await engine.dispose()
+
     async def aclose(self) -> None:
+        watcher = self._watchers.pop(asyncio.get_running_loop(), None)
+        if watcher is not None:
+            await watcher.close()
         if self._engine is not None:
             with contextlib.suppress(Exception):
                 await self._engine.dispose()
             self._engine = None
+
+
+def _value_of(job: JobRecord) -> Any:
+    if job.state is JobState.SUCCEEDED:
+        return job.result
+    reason = job.quarantine_reason or job.cancel_reason or job.last_error
+    raise JobFailed(job.id, job.state.value, reason)
+
+
+def _run_sync(where: str, work: Coroutine[Any, Any, JobRecord]) -> JobRecord:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work)
+    work.close()
+    raise ConfigError(where, "called inside a running event loop: await the async twin instead")

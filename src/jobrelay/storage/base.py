@@ -182,7 +182,11 @@ class StoreBase:
         """The slots ``job_id``'s admission took, given back in the transaction of a
         transition that ends its run (``declared.releases``); True when it held any. The
         relays elsewhere are told at the commit (``notify_outbox``); the caller wakes this
-        process's after it (``wake_relays``): the key's next job is admitted now."""
+        process's after it (``wake_relays``): the key's next job is admitted now. Every
+        transition that ends a job passes here, so it also tells the job's waiters
+        (``notify_done``)."""
+        if declared.target is not None and declared.target.is_terminal:
+            await self.driver.notify_done(conn)  # the job ended: its waiters, at the commit
         if not declared.releases:
             return False
         result = await conn.execute(delete(job_slots).where(job_slots.c.job_id == job_id))

@@ -19,6 +19,9 @@ from jobrelay.domain.states import JobState
 from jobrelay.storage.tables import UTCDateTime
 
 NOTIFY_CHANNEL = "jobrelay_outbox"
+# A job ended (succeeded, quarantined, cancelled): ``App.wait``'s listeners re-read the jobs
+# they wait on. One NOTIFY a statement, not a job (a completion batch sends one).
+DONE_CHANNEL = "jobrelay_done"
 WORK_DESTINATION = destination(DEFAULT_QUEUE)
 
 

@@ -67,6 +67,9 @@ class Driver(Protocol):
     async def notify_outbox(self, conn: AsyncConnection) -> None:
         """Wake listening relays at ``conn``'s commit (a hint, never the only path)."""
 
+    async def notify_done(self, conn: AsyncConnection) -> None:
+        """Wake the waiters of ended jobs at ``conn``'s commit (``library.waiting``)."""
+
     async def claim_many(
         self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
     ) -> list[Claimed]:

@@ -29,7 +29,7 @@ from sqlalchemy import (
 
 from jobrelay.storage.delayed import outbox_due
 from jobrelay.storage.drivers.pg_pool import pg_statement
-from jobrelay.storage.records import NOTIFY_CHANNEL
+from jobrelay.storage.records import DONE_CHANNEL, NOTIFY_CHANNEL
 from jobrelay.storage.tables import OUTBOX_CLAIMED, UTCDateTime, jobs
 from jobrelay.storage.transitions import (
     CLAIM,
@@ -168,11 +168,17 @@ woken AS (
     -- key's next job is admitted now, not at their next poll. One NOTIFY a statement.
     SELECT pg_notify('{NOTIFY_CHANNEL}', '') FROM held
 ),
+told AS (
+    -- The waiters of these jobs (``App.wait``) re-read them at this commit: one NOTIFY a
+    -- statement, whatever the number of jobs it ended.
+    SELECT pg_notify('{DONE_CHANNEL}', '') WHERE EXISTS (SELECT 1 FROM done)
+),
 event AS (
     INSERT INTO job_events (job_id, at, kind, detail)
     SELECT id, :b_now, '{COMPLETE.event}', CAST(detail AS json) FROM done
 )
-SELECT id, (SELECT count(*) FROM woken) > 0 AS wakes FROM done
+SELECT id, (SELECT count(*) FROM woken) > 0 AS wakes, (SELECT count(*) FROM told) AS told
+FROM done
 """
     )
     .bindparams(
@@ -185,7 +191,7 @@ SELECT id, (SELECT count(*) FROM woken) > 0 AS wakes FROM done
         bindparam("b_details", type_=ARRAY(Text())),
         bindparam("b_now", type_=UTCDateTime()),
     )
-    .columns(Column("id", String()), Column("wakes", Boolean()))
+    .columns(Column("id", String()), Column("wakes", Boolean()), Column("told", Integer()))
 )
 
 _RENEW_HOLDS = _by_id(guard_sql(RENEW.guards(_BATCH)))

@@ -26,6 +26,7 @@ from jobrelay.storage.drivers.compiled import CompiledStatement
 from jobrelay.storage.drivers.pg_pool import HotPool
 from jobrelay.storage.engine import read_tx, statement_tx
 from jobrelay.storage.records import (
+    DONE_CHANNEL,
     NOTIFY_CHANNEL,
     Claim,
     Claimed,
@@ -94,6 +95,9 @@ class PostgresDriver:
     async def notify_outbox(self, conn: AsyncConnection) -> None:
         # Delivered at commit, to listening relays only: a hint, never the only path.
         await conn.execute(text("SELECT pg_notify(:c, '')"), {"c": NOTIFY_CHANNEL})
+
+    async def notify_done(self, conn: AsyncConnection) -> None:
+        await conn.execute(text("SELECT pg_notify(:c, '')"), {"c": DONE_CHANNEL})
 
     async def rows(
         self,
