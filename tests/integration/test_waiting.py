@@ -12,13 +12,17 @@ import asyncio
 import dataclasses
 from typing import Any
 
+import httpx
 import pytest
 from pydantic import BaseModel
 
 import jobrelay
+from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
 from jobrelay.library import waiting
 from jobrelay.storage.admin import AdminQueries
+
+from .api_fixtures import bearer, make_token
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,3 +127,31 @@ async def test_the_sync_twins_wait_with_no_event_loop(make_pipeline: Any) -> Non
         assert job.state is JobState.SUCCEEDED
         with pytest.raises(jobrelay.ConfigError, match="running event loop"):
             waiter.wait_sync(job_id)  # here, inside the test's loop
+
+
+async def test_get_job_with_wait_answers_when_the_job_ends_or_the_time_is_up(
+    make_pipeline: Any,
+) -> None:
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        token = await make_token(p.rt, None, admin=True)
+        api = create_app(p.rt.settings, runtime=p.rt)
+        transport = httpx.ASGITransport(app=api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            job_id, _ = await p.store.submit(square.new_job(Ask(n=4)), p.rt.clock())
+            # Nobody runs it yet: the time is up, and the answer is its state then.
+            quick = await client.get(f"/v1/jobs/{job_id}?wait=0.2", headers=bearer(token))
+            assert quick.status_code == 200 and quick.json()["state"] == "queued"
+            waiting_get = asyncio.create_task(
+                client.get(f"/v1/jobs/{job_id}?wait=30", headers=bearer(token))
+            )
+            p.start_relay()
+            await p.start_worker()
+            answer = await asyncio.wait_for(waiting_get, WAIT)
+            assert answer.status_code == 200
+            assert answer.json()["state"] == "succeeded"
+            assert answer.json()["result"] == {"square": 16}
+            for bad in ("61", "-1", "soon"):
+                refused = await client.get(f"/v1/jobs/{job_id}?wait={bad}", headers=bearer(token))
+                assert refused.status_code == 422, (bad, refused.text)
+                assert refused.headers["content-type"].startswith("application/problem+json")

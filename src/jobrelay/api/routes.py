@@ -11,13 +11,16 @@ result is downloadable only for a type whose definition names its file
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import weakref
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Response
+from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.api.auth import Principal, PrincipalDep
 from jobrelay.api.deps import RuntimeDep
@@ -38,6 +41,7 @@ from jobrelay.api.schemas import (
 )
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransientError
+from jobrelay.library.waiting import Watcher
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.retention import Retention
 from jobrelay.storage.store import JobRecord
@@ -51,6 +55,9 @@ _UNSAFE_FILENAME = re.compile(r"[^A-Za-z0-9._-]")
 # (S3 checks expiry when a GET starts, not while it streams), short enough that a leaked URL
 # is soon worthless. The issue's ceiling is 15 minutes.
 RESULT_URL_SECONDS = 300
+# ``GET /v1/jobs/{jobId}?wait=``: the longest a request may wait for its job to end.
+MAX_WAIT_SECONDS = 60.0
+_WATCHERS: weakref.WeakKeyDictionary[AsyncEngine, Watcher] = weakref.WeakKeyDictionary()
 
 router = APIRouter()
 
@@ -77,9 +84,36 @@ class CsvResponse(StreamingResponse):
 @router.get(
     "/v1/jobs/{jobId}", response_model=JobOut, summary="A job's state", responses=_JOB_RESPONSES
 )
-async def get_job(job_id: JobIdPath, principal: PrincipalDep, runtime: RuntimeDep) -> JobOut:
+async def get_job(
+    job_id: JobIdPath,
+    principal: PrincipalDep,
+    runtime: RuntimeDep,
+    wait: Annotated[
+        float | None,
+        Query(
+            ge=0,
+            le=MAX_WAIT_SECONDS,
+            description="Answer once the job has ended (succeeded, quarantined, cancelled) or "
+            f"after this many seconds (at most {MAX_WAIT_SECONDS:g}), with its state then. "
+            "Woken by the commit that ends the job, not by polling.",
+        ),
+    ] = None,
+) -> JobOut:
     job = await _visible_job(runtime, principal, job_id)
+    if wait and not job.state.is_terminal:
+        with contextlib.suppress(TimeoutError):
+            await _watcher(runtime).wait(job.id, wait)
+        job = await _visible_job(runtime, principal, job_id)
     return JobOut.from_record(job, admin=principal.is_admin)
+
+
+def _watcher(runtime: Runtime) -> Watcher:
+    """This process's watcher of the jobs its requests wait on (``library.waiting``), one
+    per engine: it listens only while a request waits."""
+    watcher = _WATCHERS.get(runtime.engine)
+    if watcher is None:
+        watcher = _WATCHERS[runtime.engine] = Watcher(runtime.engine)
+    return watcher
 
 
 @router.get(
