@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 from pydantic import BaseModel
@@ -23,6 +24,7 @@ from jobrelay.library import waiting
 from jobrelay.storage.admin import AdminQueries
 
 from .api_fixtures import bearer, make_token
+from .ops_fixtures import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,3 +157,42 @@ async def test_get_job_with_wait_answers_when_the_job_ends_or_the_time_is_up(
                 refused = await client.get(f"/v1/jobs/{job_id}?wait={bad}", headers=bearer(token))
                 assert refused.status_code == 422, (bad, refused.text)
                 assert refused.headers["content-type"].startswith("application/problem+json")
+
+
+async def test_a_waiter_whose_listening_connection_dies_is_still_woken_by_the_commit(
+    make_pipeline: Any,
+) -> None:
+    """PostgreSQL: the watcher's ``LISTEN`` connection is terminated by the server while a
+    waiter waits; the watcher listens again on a new one, reads once, and the commit that
+    ends the job wakes the waiter (the fallback read is a minute away). Old code: no
+    reconnection, and the waiter waited for the fallback read."""
+    async with make_pipeline() as p:
+        if not p.rt.settings.database_url.startswith("postgresql"):
+            pytest.skip("LISTEN is PostgreSQL's; SQLite's waiters read data_version")
+        p.rt = dataclasses.replace(p.rt, app=app)
+        waiter = jobrelay.App(settings=p.rt.settings)
+        admin = await asyncpg.connect(p.rt.settings.database_url.replace("+asyncpg", ""))
+        try:
+            job_id, _ = await p.store.submit(square.new_job(Ask(n=6)), p.rt.clock())
+            waits = asyncio.create_task(waiter.wait(job_id))
+            listening = "SELECT pid FROM pg_stat_activity WHERE query = 'LISTEN \"jobrelay_done\"'"
+
+            async def listener() -> int | None:
+                return await admin.fetchval(listening)  # type: ignore[no-any-return]
+
+            first = await eventually(listener, what="the watcher to listen")
+            await admin.execute("SELECT pg_terminate_backend($1)", first)
+
+            async def listens_again() -> bool:
+                pid = await listener()
+                return pid is not None and pid != first
+
+            await eventually(listens_again, what="the watcher to listen on a new connection")
+            assert not waits.done()
+            p.start_relay()
+            await p.start_worker()
+            job = await asyncio.wait_for(waits, WAIT)
+            assert job.state is JobState.SUCCEEDED and job.result == {"square": 36}
+        finally:
+            await admin.close()
+            await waiter.aclose()

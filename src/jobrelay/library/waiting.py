@@ -89,8 +89,11 @@ class Watcher:
 
     async def _watch_once(self) -> None:
         try:
-            async with self._wakes():
-                while self._waiting:
+            async with self._wakes() as lost:
+                # Listening now: whatever ended before is read here, the rest notified.
+                self._changed.clear()
+                await self._read()
+                while self._waiting and not lost.is_set():
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(FALLBACK_SECONDS):
                             await self._changed.wait()
@@ -122,22 +125,31 @@ class Watcher:
                     future.set_result(job)
 
     @contextlib.asynccontextmanager
-    async def _wakes(self) -> AsyncIterator[None]:
-        """Whatever tells this watcher that a job may have ended, for as long as it runs."""
+    async def _wakes(self) -> AsyncIterator[asyncio.Event]:
+        """Whatever tells this watcher that a job may have ended, for as long as it runs; the
+        event it yields is set when that stopped (the listening connection was lost), and the
+        watcher then starts again on a new one (``_watch``)."""
+        lost = asyncio.Event()
         if capabilities_of(self.engine).listens:
             import asyncpg
 
             conn = await asyncpg.connect(session_dsn(self.engine))
+
+            def dropped(*_: Any) -> None:
+                lost.set()
+                self._changed.set()
+
             try:
+                conn.add_termination_listener(dropped)
                 await conn.add_listener(DONE_CHANNEL, self._notified)
-                yield
+                yield lost
             finally:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(conn.close())
             return
         poller = asyncio.create_task(self._data_version())
         try:
-            yield
+            yield lost
         finally:
             poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
