@@ -27,4 +27,5 @@ async def send_welcome(
     key = ctx.result_key("welcome.txt")  # the same key on every attempt
     async with ctx.writer(key) as out:
         await out.write(f"Welcome aboard, {params.email}!\n".encode())
-    return jobrelay.Result(key=key, meta={"signupId": params.signup_id})
+    # The file is the welcome; the value is what the caller reads back (``app.result``).
+    return jobrelay.Result(key=key, value={"signupId": params.signup_id, "welcomed": True})

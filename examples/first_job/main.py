@@ -80,7 +80,7 @@ async def show(job_id: str) -> None:
         print(f"no job {job_id}")
     else:
         print(f"{job.type} {job.id}: {job.state.value}, attempt {job.attempt}/{job.max_attempts}")
-        print(f"result {job.result_key} {dict(job.result_meta or {})}")
+        print(f"result {job.result_key} {job.result}")
     await app.aclose()
 
 

@@ -100,6 +100,8 @@ def test_the_tutorial_signup_runs_its_job_and_the_rollback_leaves_nothing(
         )
         assert f"welcome.send {job_id}: succeeded, attempt 1/3" in via_app.stdout, via_app
         key = f"welcome.send/{job_id}/welcome.txt"
+        # The value the job returned, read back with its result key.
+        assert f"result {key} {{'signupId': 1, 'welcomed': True}}" in via_app.stdout, via_app
         assert (results / key).read_text() == "Welcome aboard, ada@example.com!\n"
 
         # The rolled-back transaction took its job with it: no row, no outbox, no event.
