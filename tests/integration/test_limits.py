@@ -24,6 +24,8 @@ from sqlalchemy import func, insert, select
 import jobrelay
 from jobrelay.domain.policy import Action, decide, observe_delivery
 from jobrelay.relay.publisher import ADMIT_AHEAD, Relay
+from jobrelay.storage.admin import AdminQueries
+from jobrelay.storage.admission import AdmissionStore
 from jobrelay.storage.engine import create_engine
 from jobrelay.storage.notify import OutboxListener
 from jobrelay.storage.records import Claim, CompleteRequest, NewJob
@@ -603,3 +605,31 @@ async def test_one_admission_round_admits_and_claims_several_claims_worth(
             )
             attempts = {r.job_id: r.publish_attempts for r in published}
         assert attempts == {job_id: 1 for job_id in ids}  # each sent once, claimed once
+
+
+async def test_a_job_cancelled_during_an_admission_round_takes_no_slot(
+    store: tuple[Store, Clock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL (SQLite's round holds the one write lock: no cancel commits inside it).
+    The round has read the job as waiting; an operator's cancel commits before the round
+    writes. Old code: the round still set ``admitted_at`` and took the job's slot, which no
+    later transition gives back (the cancel had already run its release): the key's limit
+    was one lower for good."""
+    s, _ = store
+    if s.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite's admission round holds the write lock: a cancel waits for it")
+    job_id = await submit(s, export, "acme", 0)
+    write = AdmissionStore._write
+
+    async def cancelled_first(self: AdmissionStore, *args: Any, **kwargs: Any) -> Any:
+        outcome = await AdminQueries(s).cancel(job_id, actor="ops", reason="t", now=T0)
+        assert outcome.done
+        return await write(self, *args, **kwargs)
+
+    monkeypatch.setattr(AdmissionStore, "_write", cancelled_first)
+    answer = await s.admit_waiting(10, claim_for=("relay-1", LEASE))
+    assert answer.admitted == 0 and answer.rows == ()
+    assert await slots(s, "acme") == 0
+    job = await s.get_job(job_id)
+    assert job is not None and job.state is jobrelay.JobState.CANCELLED
+    assert job.admitted_at is None

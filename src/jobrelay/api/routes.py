@@ -11,7 +11,6 @@ result is downloadable only for a type whose definition names its file
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import weakref
@@ -101,8 +100,14 @@ async def get_job(
 ) -> JobOut:
     job = await _visible_job(runtime, principal, job_id)
     if wait and not job.state.is_terminal:
-        with contextlib.suppress(TimeoutError):
+        try:
             await _watcher(runtime).wait(job.id, wait)
+        except TimeoutError:
+            pass
+        except Exception as exc:  # the watcher could not listen or read: answer as without
+            log.warning(
+                "wait for job %s cut short: %s", job.id, exc, extra={"event": "wait_failed"}
+            )
         job = await _visible_job(runtime, principal, job_id)
     return JobOut.from_record(job, admin=principal.is_admin)
 

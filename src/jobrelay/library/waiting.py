@@ -24,10 +24,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from jobrelay.errors import JobNotFound
+from jobrelay.errors import ConfigError, JobNotFound
 from jobrelay.storage.capabilities import capabilities_of, session_dsn
+from jobrelay.storage.engine import READ_ONLY_OPTION, read_only
 from jobrelay.storage.records import DONE_CHANNEL, JobRecord, job_record
 from jobrelay.storage.tables import jobs
 
@@ -69,23 +70,34 @@ class Watcher:
                 self._changed.set()  # the watcher ends now, not at its next fallback read
 
     async def close(self) -> None:
-        """End the watcher (its listener, its connection) before the engine goes."""
+        """End the watcher (its listener, its connection) before the engine goes; a waiter
+        still waiting is told (``ConfigError``), never left waiting for a watcher gone."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._fail(ConfigError("App.wait", "the app was closed while this wait was waiting"))
+
+    def _fail(self, exc: BaseException) -> None:
+        for futures in list(self._waiting.values()):
+            for future in futures:
+                if not future.done():
+                    future.set_exception(exc)
 
     async def _watch(self) -> None:
         try:
             await self._watch_once()
         finally:
             # A waiter that came while this task was ending (closing its listener) would
-            # otherwise wait for a task that is gone.
+            # otherwise wait for a task that is gone. Else the task is let go (a done task
+            # holds its loop).
             if self._task is not None and any(
                 not f.done() for fs in self._waiting.values() for f in fs
             ):
                 self._task = asyncio.create_task(self._watch())
+            elif self._task is asyncio.current_task():
+                self._task = None
 
     async def _watch_once(self) -> None:
         try:
@@ -102,16 +114,15 @@ class Watcher:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the database is unreachable: every waiter is told
-            for futures in list(self._waiting.values()):
-                for future in futures:
-                    if not future.done():
-                        future.set_exception(exc)
+            self._fail(exc)
 
     async def _read(self) -> None:
         ids = list(self._waiting)
         if not ids:
             return
-        async with self.engine.connect() as conn:
+        # A read transaction: on SQLite DEFERRED, so it never takes (or waits for) the lock
+        # the worker and the relay write under.
+        async with read_only(self.engine) as conn:
             rows = (await conn.execute(select(jobs).where(jobs.c.id.in_(ids)))).all()
         found = {row.id: job_record(row) for row in rows}
         for job_id in ids:
@@ -147,27 +158,37 @@ class Watcher:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(conn.close())
             return
-        poller = asyncio.create_task(self._data_version())
-        try:
-            yield lost
-        finally:
-            poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await poller
+        # The first reading is taken before the watcher's first read of the jobs: a commit
+        # after that read changes the version from it.
+        async with self.engine.connect() as conn:
+            await conn.execution_options(**{READ_ONLY_OPTION: True})
+            seen = await self._version(conn)
+            poller = asyncio.create_task(self._data_version(conn, seen))
+            try:
+                yield lost
+            finally:
+                poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await poller
 
     def _notified(self, *_: Any) -> None:
         self._changed.set()
 
-    async def _data_version(self) -> None:
-        async with self.engine.connect() as conn:
-            seen = None
-            while True:
-                version = (await conn.exec_driver_sql("PRAGMA data_version")).scalar()
-                await conn.rollback()  # no read transaction kept open between two reads
-                if seen is not None and version != seen:
-                    self._changed.set()
+    @staticmethod
+    async def _version(conn: AsyncConnection) -> Any:
+        # Read outside any transaction kept open: the counter of the file as this
+        # connection last saw it, which another connection's commit changes.
+        version = (await conn.exec_driver_sql("PRAGMA data_version")).scalar()
+        await conn.rollback()
+        return version
+
+    async def _data_version(self, conn: AsyncConnection, seen: Any) -> None:
+        while True:
+            await asyncio.sleep(DATA_VERSION_SECONDS)
+            version = await self._version(conn)
+            if version != seen:
                 seen = version
-                await asyncio.sleep(DATA_VERSION_SECONDS)
+                self._changed.set()
 
 
 __all__ = ["DATA_VERSION_SECONDS", "FALLBACK_SECONDS", "Watcher"]

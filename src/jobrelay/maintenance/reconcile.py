@@ -442,20 +442,25 @@ class Reconciler:
         next_pass = time.monotonic()
         async with Leadership(self.rt) as leadership:
             while not stop.is_set():
-                leading = False
+                leading = passing = False
                 try:
                     leading = await leadership.check()
-                    if leading and time.monotonic() >= next_pass:
+                    passing = leading and time.monotonic() >= next_pass
+                    if passing:
                         next_pass = time.monotonic() + interval
                         await self.run_once(scan_quarantine=scan)
                 except Exception:
                     log.exception("reconcile pass failed", extra={"event": "reconcile_failed"})
                 try:
-                    if leading:
+                    if passing:
                         await pruner.run_if_due()  # retention: see maintenance/prune.py
-                        await pruner.analyze_if_stale()
                 except Exception:
                     log.exception("prune failed", extra={"event": "prune_failed"})
+                try:
+                    if leading:
+                        await pruner.analyze_if_stale()
+                except Exception:
+                    log.exception("analyze failed", extra={"event": "analyze_failed"})
                 # The leader wakes more often than it reconciles, to catch a burst's stale
                 # statistics within seconds; the others only try the leadership each pass.
                 wait = min(interval, STATISTICS_SECONDS) if leading else interval

@@ -99,7 +99,21 @@ class Relay:
             admitted = answer.rows
             self.rt.metrics.admission(answer.throttled, answer.waits)
         left = min(limit, room - len(admitted))
-        rows = await store.claim_outbox(self.relay_id, left, self.claim_for) if left > 0 else []
+        if left <= 0:
+            return list(admitted)
+        try:
+            rows = await store.claim_outbox(self.relay_id, left, self.claim_for)
+        except Exception as exc:
+            if not admitted:
+                raise
+            # The admitted rows are claimed for this relay already: publish them now rather
+            # than leave them (and their slots) waiting for the claim to expire.
+            log.warning(
+                "relay claim failed after an admission: %s",
+                exc,
+                extra={"event": "relay_round_failed"},
+            )
+            return list(admitted)
         return [*admitted, *rows]
 
     async def _settle(self, rows: list[OutboxRow]) -> None:

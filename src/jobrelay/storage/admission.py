@@ -243,8 +243,11 @@ class AdmissionStore(StoreBase):
                 room=budget,
                 fair_ahead=fair_ahead,
             )
-            claimed = await self._write(
-                conn, answer.admitted, candidates, first_held, now, claim_for
+            rows_of: dict[str, list[int]] = {}
+            for r in ranked:
+                rows_of.setdefault(r.job_id, []).append(r.id)
+            admitted, claimed = await self._write(
+                conn, answer.admitted, candidates, first_held, now, claim_for, rows_of
             )
             newly_held = [j for j in answer.held if first_held.get(j) is None]
             if newly_held:
@@ -269,15 +272,13 @@ class AdmissionStore(StoreBase):
                         set_={"tokens": tokens, "at": now},
                     )
                 )
-        if answer.admitted:
+        if admitted:
             self.wake_relays()
         waits = tuple(
             (types[j], max(0.0, (now - first_held[j]).total_seconds()) if first_held[j] else 0.0)
-            for j in answer.admitted
+            for j in admitted
         )
-        return Admitted(
-            len(answer.admitted), len(answer.held), len(newly_held), waits, tuple(claimed)
-        )
+        return Admitted(len(admitted), len(answer.held), len(newly_held), waits, tuple(claimed))
 
     async def _write(
         self,
@@ -287,23 +288,43 @@ class AdmissionStore(StoreBase):
         first_held: Mapping[str, datetime | None],
         now: datetime,
         claim_for: tuple[str, timedelta] | None,
-    ) -> list[OutboxRow]:
+        rows_of: Mapping[str, Sequence[int]],
+    ) -> tuple[list[str], list[OutboxRow]]:
+        """Admit ``admitted``: the ones whose job still waits for it when written (a cancel
+        may have committed since the round read them: such a job takes no slot and no
+        claim, or its slots would never be given back). The jobs admitted, and with
+        ``claim_for`` their ranked rows (read due and unclaimed) claimed for the relay."""
         if not admitted:
-            return []
-        await conn.execute(
-            update(jobs)
-            .where(jobs.c.id.in_(list(admitted)), jobs.c.admitted_at.is_(None))
-            .values(admitted_at=now)
-        )
-        released = update(outbox).where(
-            outbox.c.job_id.in_(list(admitted)),
-            outbox.c.published_at.is_(None),
-            outbox.c.awaiting_admission.is_(True),
-        )
+            return [], []
+        won = {
+            r.id
+            for r in await conn.execute(
+                update(jobs)
+                .where(jobs.c.id.in_(list(admitted)), awaiting_admission())
+                .values(admitted_at=now)
+                .returning(jobs.c.id)
+            )
+        }
+        admitted = [job_id for job_id in admitted if job_id in won]
+        if not admitted:
+            return [], []
         claimed: list[OutboxRow] = []
         if claim_for is None:
-            await conn.execute(released.values(awaiting_admission=False))
+            await conn.execute(
+                update(outbox)
+                .where(
+                    outbox.c.job_id.in_(admitted),
+                    outbox.c.published_at.is_(None),
+                    outbox.c.awaiting_admission.is_(True),
+                )
+                .values(awaiting_admission=False)
+            )
         else:
+            released = update(outbox).where(
+                outbox.c.id.in_([row for job_id in admitted for row in rows_of[job_id]]),
+                outbox.c.published_at.is_(None),
+                outbox.c.awaiting_admission.is_(True),
+            )
             relay_id, seconds = claim_for
             # Plain columns only: SQLite evaluates expressions in such a RETURNING over the
             # statement's other rows (see ``drivers/sqlite_statements.py``).
@@ -337,7 +358,7 @@ class AdmissionStore(StoreBase):
                 if first_held[job_id] is not None or limiting(candidates[job_id].limits)
             },
         )
-        return claimed
+        return admitted, claimed
 
 
 __all__ = ["AdmissionStore", "Admitted", "waiting_jobs", "waiting_ranked"]

@@ -54,7 +54,7 @@ def value_json(value: Any, max_bytes: int) -> str | None:
         return None
     try:
         text = json.dumps(value, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(
             f"the job returned a value that is not JSON ({type(value).__name__}):"
             f" {safe_text(str(exc))}; return a dict, list, str, number, bool or None"
