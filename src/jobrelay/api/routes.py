@@ -30,6 +30,7 @@ from jobrelay.api.problems import (
     UNAVAILABLE,
     NotFinishedProblem,
     ProblemError,
+    ValidationProblem,
     problem_openapi,
 )
 from jobrelay.api.schemas import (
@@ -81,7 +82,16 @@ class CsvResponse(StreamingResponse):
 
 
 @router.get(
-    "/v1/jobs/{jobId}", response_model=JobOut, summary="A job's state", responses=_JOB_RESPONSES
+    "/v1/jobs/{jobId}",
+    response_model=JobOut,
+    summary="A job's state",
+    responses={
+        **_JOB_RESPONSES,
+        422: problem_openapi(
+            f"`wait` is not a number of seconds from 0 to {MAX_WAIT_SECONDS:g}.",
+            ValidationProblem,
+        ),
+    },
 )
 async def get_job(
     job_id: JobIdPath,
