@@ -309,22 +309,17 @@ class AdmissionStore(StoreBase):
         if not admitted:
             return [], []
         claimed: list[OutboxRow] = []
+        released = update(outbox).where(
+            # Claimed: only the rows the round ranked (read due and unclaimed).
+            outbox.c.job_id.in_(admitted)
+            if claim_for is None
+            else outbox.c.id.in_([row for job_id in admitted for row in rows_of[job_id]]),
+            outbox.c.published_at.is_(None),
+            outbox.c.awaiting_admission.is_(True),
+        )
         if claim_for is None:
-            await conn.execute(
-                update(outbox)
-                .where(
-                    outbox.c.job_id.in_(admitted),
-                    outbox.c.published_at.is_(None),
-                    outbox.c.awaiting_admission.is_(True),
-                )
-                .values(awaiting_admission=False)
-            )
+            await conn.execute(released.values(awaiting_admission=False))
         else:
-            released = update(outbox).where(
-                outbox.c.id.in_([row for job_id in admitted for row in rows_of[job_id]]),
-                outbox.c.published_at.is_(None),
-                outbox.c.awaiting_admission.is_(True),
-            )
             relay_id, seconds = claim_for
             # Plain columns only: SQLite evaluates expressions in such a RETURNING over the
             # statement's other rows (see ``drivers/sqlite_statements.py``).

@@ -50,6 +50,11 @@ from jobrelay.storage.transitions import claimed_detail, result_saved_detail
 ADMISSION_LOCK = 0x6A72_6C6D  # "jrlm"
 
 
+async def _notify(conn: AsyncConnection, channel: str) -> None:
+    # Delivered at commit, to listeners only: a hint, never the only path.
+    await conn.execute(text("SELECT pg_notify(:c, '')"), {"c": channel})
+
+
 class PostgresDriver:
     capabilities = POSTGRESQL
 
@@ -93,11 +98,10 @@ class PostgresDriver:
         await conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ADMISSION_LOCK})
 
     async def notify_outbox(self, conn: AsyncConnection) -> None:
-        # Delivered at commit, to listening relays only: a hint, never the only path.
-        await conn.execute(text("SELECT pg_notify(:c, '')"), {"c": NOTIFY_CHANNEL})
+        await _notify(conn, NOTIFY_CHANNEL)
 
     async def notify_done(self, conn: AsyncConnection) -> None:
-        await conn.execute(text("SELECT pg_notify(:c, '')"), {"c": DONE_CHANNEL})
+        await _notify(conn, DONE_CHANNEL)
 
     async def rows(
         self,
