@@ -436,12 +436,15 @@ class PipelineModel(RuleBasedStateMachine):
             return [(limit, job_id) for limit, job_id in rows]
 
     async def _due_and_waiting(self) -> Counter[str]:
-        """Per concurrency limit id, the jobs awaiting admission whose message is due."""
+        """Per concurrency limit id, the jobs awaiting admission whose message waiting for it
+        is due. Not an older copy written while the job held its admission (a deferral of
+        the attempt a retry then ended): no admission sends it, and a worker that meets it
+        acks it unrun while its job waits (``test_limits``)."""
         now = self.clock()
         async with self.engine.connect() as conn:
             rows = await conn.execute(
                 select(outbox.c.job_id, outbox.c.available_at).where(
-                    outbox.c.published_at.is_(None)
+                    outbox.c.published_at.is_(None), outbox.c.awaiting_admission.is_(True)
                 )
             )
             due = {job_id for job_id, at in rows if at is None or at <= now}
