@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import logging
 import re
-import weakref
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.api.auth import Principal, PrincipalDep
 from jobrelay.api.deps import RuntimeDep
@@ -57,7 +55,6 @@ _UNSAFE_FILENAME = re.compile(r"[^A-Za-z0-9._-]")
 RESULT_URL_SECONDS = 300
 # ``GET /v1/jobs/{jobId}?wait=``: the longest a request may wait for its job to end.
 MAX_WAIT_SECONDS = 60.0
-_WATCHERS: weakref.WeakKeyDictionary[AsyncEngine, Watcher] = weakref.WeakKeyDictionary()
 
 router = APIRouter()
 
@@ -97,6 +94,7 @@ async def get_job(
     job_id: JobIdPath,
     principal: PrincipalDep,
     runtime: RuntimeDep,
+    request: Request,
     wait: Annotated[
         float | None,
         Query(
@@ -111,7 +109,7 @@ async def get_job(
     job = await _visible_job(runtime, principal, job_id)
     if wait and not job.state.is_terminal:
         try:
-            await _watcher(runtime).wait(job.id, wait)
+            await _watcher(request, runtime).wait(job.id, wait)
         except TimeoutError:
             pass
         except Exception as exc:  # the watcher could not listen or read: answer as without
@@ -122,12 +120,12 @@ async def get_job(
     return JobOut.from_record(job, admin=principal.is_admin)
 
 
-def _watcher(runtime: Runtime) -> Watcher:
-    """This process's watcher of the jobs its requests wait on (``library.waiting``), one
-    per engine: it listens only while a request waits."""
-    watcher = _WATCHERS.get(runtime.engine)
+def _watcher(request: Request, runtime: Runtime) -> Watcher:
+    """The API's one watcher of the jobs its requests wait on (``library.waiting``), kept
+    with the API it serves: it listens only while a request waits."""
+    watcher: Watcher | None = getattr(request.app.state, "job_watcher", None)
     if watcher is None:
-        watcher = _WATCHERS[runtime.engine] = Watcher(runtime.engine)
+        watcher = request.app.state.job_watcher = Watcher(runtime.engine)
     return watcher
 
 
