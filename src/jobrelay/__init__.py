@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from jobrelay.errors import (
         ConfigError,
         IdempotencyConflict,
+        InvalidDependencies,
         InvalidParams,
         InvalidRunTime,
         JobFailed,
@@ -46,6 +47,7 @@ _EXPORTS = {
     "JobState": "jobrelay.domain.states",
     "ConfigError": "jobrelay.errors",
     "IdempotencyConflict": "jobrelay.errors",
+    "InvalidDependencies": "jobrelay.errors",
     "InvalidParams": "jobrelay.errors",
     "InvalidRunTime": "jobrelay.errors",
     "JobFailed": "jobrelay.errors",
@@ -81,6 +83,7 @@ __all__ = [
     "ConcurrencyLimit",
     "ConfigError",
     "IdempotencyConflict",
+    "InvalidDependencies",
     "InvalidParams",
     "InvalidRunTime",
     "Job",

@@ -78,6 +78,18 @@ class IdempotencyConflict(JobrelayError):
     """The Idempotency-Key was used before with a different request body."""
 
 
+class InvalidDependencies(JobrelayError):
+    """``after=`` names jobs that do not exist or that the caller's account may not read,
+    or more than ``JOBRELAY_MAX_DEPENDENCIES``, or an ``after_failure`` that is neither
+    ``cancel`` nor ``run``; nothing was written. ``missing``: the ids refused, in the order
+    given (the same for a job that does not exist and one of another account's, so that the
+    answer says nothing of other accounts' jobs)."""
+
+    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 class InvalidParams(JobrelayError):
     """A job's parameters do not validate; nothing was written.
 

@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     # The largest value a job may return, as JSON (``jobrelay.Result(value=…)``): it is kept
     # on the job's row; anything larger is an object to store, named by ``Result.key``.
     result_max_bytes: int = Field(default=256 * 1024, ge=1, le=64 * 1024 * 1024)
+    # The most jobs one job may run after (``after=``): each is a row of its own, written in
+    # the enqueue's transaction and read by ``ctx.dependencies()``.
+    max_dependencies: int = Field(default=10_000, ge=1, le=100_000)
     max_attempts: int = Field(default=3, ge=1, le=100)
     retry_delays: Annotated[tuple[int, ...], NoDecode] = (5, 30)
     # A claimed job's lease; the heartbeat renews it every third of this.

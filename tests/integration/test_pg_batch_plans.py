@@ -62,6 +62,7 @@ STATEMENTS: Mapping[str, tuple[CompiledStatement, dict[str, Any]]] = {
             "b_values": [None] * 16,
             "b_details": ["{}"] * 16,
             "b_now": NOW,
+            "b_settles": False,
         },
     ),
     "renew": (

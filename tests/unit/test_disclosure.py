@@ -32,7 +32,13 @@ WORKER = f"{HOST}:812:0a1b2c"
 ACTOR = "token#5 (support-alice)"
 
 FULL: dict[str, dict[str, Any]] = {
-    "accepted": {"type": "report.export", "parentJobId": "p-1"},
+    "accepted": {
+        "type": "report.export",
+        "parentJobId": "p-1",
+        "after": 3,
+        "afterFailure": "run",
+    },
+    "dependencies_met": {"dependencies": 3, "failed": 1},
     "published": {"destination": "retry.5s", "outboxId": 9, "relay": f"relay:{WORKER}"},
     "throttled": {
         "limit": "report.export",
@@ -85,6 +91,8 @@ FULL: dict[str, dict[str, Any]] = {
         "attempt": 1,
         "worker": WORKER,
         "leaseExpired": True,
+        "dependency": "0190-dep",
+        "dependencyState": "quarantined",
     },
     "resent": {"actor": "cli:root@ops", "reason": "operator note", "queue": "default"},
     "dead_lettered": {"reason": "delivery limit of 5 reached", "deliveries": 6, "limit": 5},
@@ -135,7 +143,8 @@ FULL: dict[str, dict[str, Any]] = {
 }
 
 ACCOUNT_SEES = {
-    "accepted": {"type", "parentJobId"},
+    "accepted": {"type", "parentJobId", "after", "afterFailure"},
+    "dependencies_met": {"dependencies", "failed"},
     "published": set(),
     "throttled": {"limit", "key", "reason"},
     "admitted": {"limits", "keys", "rate"},
@@ -155,7 +164,7 @@ ACCOUNT_SEES = {
     "released": {"reason"},
     "replayed": {"previousReason", "attempt", "maxAttempts"},
     "cancel_requested": {"attempt"},
-    "cancelled": {"previousState", "attempt", "leaseExpired"},
+    "cancelled": {"previousState", "attempt", "leaseExpired", "dependency", "dependencyState"},
     "resent": set(),
     "dead_lettered": {"reason", "deliveries", "limit"},
     "reconciled_lease_expired": {"leaseExpiredAt", "attempt"},

@@ -52,8 +52,11 @@ LEGAL_PIPELINE = {
     (S.RETRY_WAIT, S.QUARANTINED),
     # An operator's cancel of a running job is carried out by its worker (or the reconciler).
     (S.RUNNING, S.CANCELLED),
+    # Its dependencies have all ended (``after=``); one that failed cancels it there too.
+    (S.WAITING, S.QUEUED),
 }
 LEGAL_OPERATOR = {
+    (S.WAITING, S.CANCELLED),
     (S.QUEUED, S.CANCELLED),
     (S.RETRY_WAIT, S.CANCELLED),
     (S.QUARANTINED, S.CANCELLED),

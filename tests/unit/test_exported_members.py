@@ -15,6 +15,7 @@ JOBRELAY = [
     "ConcurrencyLimit",
     "ConfigError",
     "IdempotencyConflict",
+    "InvalidDependencies",
     "InvalidParams",
     "InvalidRunTime",
     "Job",

@@ -35,6 +35,7 @@ INVALID_MESSAGE = "invalid_message"
 WORKER_LOST = "worker_lost"
 EFFECT_REFUSED = "effect_refused"
 DUPLICATE = "duplicate"
+DEPENDENCY_FAILED = "dependency_failed"
 UNKNOWN = "failed"
 MESSAGES: Mapping[str, str] = {
     TEMPORARY: "a temporary failure; it is retried while attempts remain",
@@ -45,6 +46,7 @@ MESSAGES: Mapping[str, str] = {
     EFFECT_REFUSED: "the receiving side refused it",
     DUPLICATE: "a second copy of the job's message, settled without running it",
     REFUSED: "the job cannot succeed",
+    DEPENDENCY_FAILED: "a job it was to run after did not succeed",
     UNKNOWN: "the job failed; the operators have the details",
 }
 MAX_PUBLIC = 500  # characters of a public error (the job's message is cut there)
@@ -73,7 +75,14 @@ _VALUE = "value"
 
 # kind -> {detail key: _VALUE (shown as is) | _TEXT (shown redacted)}
 ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
-    "accepted": {"type": _VALUE, "parentJobId": _VALUE, "runAt": _VALUE},
+    "accepted": {
+        "type": _VALUE,
+        "parentJobId": _VALUE,
+        "runAt": _VALUE,
+        "after": _VALUE,  # how many jobs it runs after (``after=``)
+        "afterFailure": _VALUE,
+    },
+    "dependencies_met": {"dependencies": _VALUE, "failed": _VALUE},
     "published": {},  # destination, outbox id and relay are the operators' business
     # Limits per key (``domain.limits``): held back first (which limit, which key, why), and
     # let through; the keys are the account's own values (its params).
@@ -108,7 +117,14 @@ ACCOUNT_EVENT_FIELDS: Mapping[str, Mapping[str, str]] = {
     "replayed": {"previousReason": _TEXT, "attempt": _VALUE, "maxAttempts": _VALUE},
     # Not who, not why, nor which worker: the operator's note and the operators' machines.
     "cancel_requested": {"attempt": _VALUE},
-    "cancelled": {"previousState": _VALUE, "attempt": _VALUE, "leaseExpired": _VALUE},
+    "cancelled": {
+        "previousState": _VALUE,
+        "attempt": _VALUE,
+        "leaseExpired": _VALUE,
+        # Cancelled because a job it was to run after did not succeed (the account's own).
+        "dependency": _VALUE,
+        "dependencyState": _VALUE,
+    },
     "resent": {},  # not who, not why: that is the operator's note
     "reconciled_lease_expired": {"leaseExpiredAt": _VALUE, "attempt": _VALUE},
     "reconciled_retry_overdue": {"nextAttemptAt": _VALUE, "attempt": _VALUE},

@@ -66,6 +66,7 @@ def request_hash(
     job_type: str,
     params: dict[str, Any],
     when: dict[str, Any] | None = None,
+    after: dict[str, Any] | None = None,
 ) -> str:
     """Digest of the request body, kept with the job to detect a reused idempotency key.
 
@@ -74,11 +75,14 @@ def request_hash(
 
     ``when`` is the run time as the request asked for it (``domain.delays.requested``): part
     of the request, so the same key with another run time is a conflict. Absent, the digest
-    is the one jobs had before delays existed.
+    is the one jobs had before delays existed. ``after``: the jobs it runs after, the same
+    way (``domain.dependencies``).
     """
     body: dict[str, Any] = {"account": account_id, "type": job_type, "params": params}
     if when:
         body["when"] = when
+    if after:
+        body["after"] = after
     material = canonical_json(body)
     return hashlib.sha256(material.encode()).hexdigest()
 

@@ -60,6 +60,12 @@ class AwaitingAdmission:
 
 
 @dataclass(frozen=True)
+class AwaitingDependencies:
+    """A copy of a job written with ``after=`` whose dependencies have not all ended (a
+    re-sent message of it): it is queued, with a message of its own, when they have."""
+
+
+@dataclass(frozen=True)
 class ResultSaved:
     result_key: str | None
 
@@ -138,6 +144,7 @@ Observation = (
     | LeaseHeld
     | EarlyRetryDelivery
     | AwaitingAdmission
+    | AwaitingDependencies
 )
 
 
@@ -162,6 +169,8 @@ def observe_delivery(job: JobView, now: datetime) -> Observation:
     """Classify a well-formed delivery for an existing job, before any work happens."""
     if job.state.is_terminal:
         return DeliveryForFinished(job.state, job.result_key)
+    if job.state is JobState.WAITING:
+        return AwaitingDependencies()
     lease = job.lease_expires_at
     if job.state is JobState.RUNNING and lease is not None and lease > now:
         return LeaseHeld(job.lease_owner or "unknown")
@@ -212,7 +221,7 @@ def decide(observation: Observation) -> Decision:
                 JobState.QUARANTINED, Action.REJECT, "quarantined", reason=error, public=public
             )
         case InvalidPayload(reason, job_state, unknown):
-            if job_state is None or job_state.is_terminal or job_state is JobState.RUNNING:
+            if job_state is None or job_state.is_terminal or job_state in _HELD_ELSEWHERE:
                 # A bad message never changes a finished job, nor one a worker is running from
                 # a good copy; the bad copy itself still goes to the quarantine queue.
                 return Decision(None, Action.REJECT, "invalid_message", reason=reason)
@@ -250,6 +259,10 @@ def decide(observation: Observation) -> Decision:
             # A copy from before its admission ended (a retry, a re-send): its own message
             # waits in the outbox and is published when its limits have room.
             return Decision(None, Action.ACK, "duplicate_acked", reason="waiting for its limits")
+        case AwaitingDependencies():
+            return Decision(
+                None, Action.ACK, "duplicate_acked", reason="waiting for its dependencies"
+            )
         case EarlyRetryDelivery(next_attempt_at):
             return Decision(
                 None,
@@ -257,6 +270,11 @@ def decide(observation: Observation) -> Decision:
                 "duplicate_acked",
                 reason=f"retry due {next_attempt_at.isoformat()}",
             )
+
+
+# A bad copy never changes these: a worker runs the job from a good copy, or its
+# dependencies have not all ended (it has no message of its own yet).
+_HELD_ELSEWHERE = frozenset({JobState.RUNNING, JobState.WAITING})
 
 
 def _require(source: JobState, target: JobState) -> None:

@@ -11,6 +11,9 @@ from enum import StrEnum
 
 
 class JobState(StrEnum):
+    # Written with ``after=``: no message, no worker; made ``queued`` in the transaction that
+    # commits the last of its dependencies' outcomes (``storage.dependencies``).
+    WAITING = "waiting"
     QUEUED = "queued"
     RUNNING = "running"
     RETRY_WAIT = "retry_wait"
@@ -29,6 +32,9 @@ TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.QUARANTINED, JobState.
 # (from, to) -> who may make that move. "pipeline" moves happen on a delivery; "operator"
 # moves only through an audited operator action.
 TRANSITIONS: dict[tuple[JobState, JobState], str] = {
+    # The last of its dependencies ended (``storage.dependencies``); one that failed cancels
+    # it there too, unless it was written with ``after_failure="run"``.
+    (JobState.WAITING, JobState.QUEUED): "pipeline",
     (JobState.QUEUED, JobState.RUNNING): "pipeline",
     (JobState.RETRY_WAIT, JobState.RUNNING): "pipeline",
     # A lease that expired while running (the worker died) is taken over by a new claim.
@@ -43,6 +49,7 @@ TRANSITIONS: dict[tuple[JobState, JobState], str] = {
     # ended by its worker (fenced on the claim) or, its lease expired, by the reconciler.
     (JobState.RUNNING, JobState.CANCELLED): "pipeline",
     (JobState.QUEUED, JobState.CANCELLED): "operator",
+    (JobState.WAITING, JobState.CANCELLED): "operator",
     (JobState.RETRY_WAIT, JobState.CANCELLED): "operator",
     (JobState.QUARANTINED, JobState.CANCELLED): "operator",
     (JobState.QUARANTINED, JobState.QUEUED): "operator",

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import Callable, Coroutine, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, MutableMapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -317,15 +317,26 @@ class App:
         job_id: str | None = None,
         delay: Delay | None = None,
         run_at: datetime | None = None,
+        after: Iterable[str] = (),
+        after_failure: str = "cancel",
     ) -> str:
         """Enqueue in a transaction of its own (for callers with no transaction to join);
-        ``delay`` / ``run_at`` as for ``JobDefinition.enqueue``."""
+        ``delay``, ``run_at``, ``after`` and ``after_failure`` as for
+        ``JobDefinition.enqueue``."""
         definition = self._jobs.get(name)
         if definition is None:
             raise ConfigError("App.enqueue", unknown_type(name, self._jobs))
         async with self._engine_for_calls().begin() as conn:
             return await definition.enqueue(
-                conn, params, key=key, account=account, job_id=job_id, delay=delay, run_at=run_at
+                conn,
+                params,
+                key=key,
+                account=account,
+                job_id=job_id,
+                delay=delay,
+                run_at=run_at,
+                after=after,
+                after_failure=after_failure,
             )
 
     async def get_job(self, job_id: str) -> JobRecord | None:

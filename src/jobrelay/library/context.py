@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.results.base import ResultSession, ResultStore
 from jobrelay.storage.engine import read_only, snapshot
-from jobrelay.storage.records import NewJob
+from jobrelay.storage.records import JobRecord, NewJob
 
 P = TypeVar("P", bound=BaseModel)
 
@@ -71,6 +71,7 @@ class JobContext(Generic[P]):
         report_progress: Callable[[int, int], Awaitable[None]],
         make_follow_up: Callable[[JobType | str, BaseModel | Mapping[str, Any]], NewJob],
         fault_point: Callable[[str], Awaitable[None]] | None = None,
+        load_dependencies: Callable[[], Awaitable[list[JobRecord]]] | None = None,
     ) -> None:
         self.job_id = job_id
         self.job_type = job_type
@@ -86,6 +87,7 @@ class JobContext(Generic[P]):
         self._report_progress = report_progress
         self._make_follow_up = make_follow_up
         self._fault_point = fault_point
+        self._load_dependencies = load_dependencies
         self.follow_ups: list[NewJob] = []
 
     async def progress(self, done: int, total: int) -> None:
@@ -106,17 +108,35 @@ class JobContext(Generic[P]):
         job's ``resultKey`` (return ``key``: the worker records where it went)."""
         return self._results.writer(key, staged=True)
 
-    def follow_up(self, job: JobType | str, params: BaseModel | Mapping[str, Any]) -> str:
+    def follow_up(
+        self,
+        job: JobType | str,
+        params: BaseModel | Mapping[str, Any],
+        *,
+        after: Iterable[str] = (),
+        after_failure: str = "cancel",
+    ) -> str:
         """A job created in the SAME transaction as this job's success, once: its id is
         derived from this job's, so a second success of this job cannot make a second one.
 
         ``job`` is a definition, or the type name of a job included with
         ``App.include(..., type=...)`` (such as ``notify.email``), whose parameters are
         then checked when it runs. Without its own ``max_attempts`` it inherits this job's.
+        ``after`` / ``after_failure``: as for ``enqueue``, it runs once those jobs have ended.
         """
         new = self._make_follow_up(job, params)
+        if after:
+            new = replace(new, after=tuple(after), after_failure=after_failure)
         self.follow_ups.append(new)
         return new.job_id
+
+    async def dependencies(self) -> list[JobRecord]:
+        """The jobs this one runs after (``after=``), in the order given, as
+        ``jobrelay.Job``: each one's state, result and last error. Empty for a job written
+        without ``after=``."""
+        if self._load_dependencies is None:
+            return []
+        return await self._load_dependencies()
 
     def read_only(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
         """A read-only transaction on ``engine`` for the application's own tables: on SQLite

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobrelay.domain import delays
 from jobrelay.domain.delays import Delay, RunTime
+from jobrelay.domain.dependencies import dependencies_of
 from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
 from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidParams, PermanentError
 from jobrelay.library.context import JobContext, JobType, Result
@@ -34,9 +35,10 @@ from jobrelay.storage.drivers.dbapi import (
     require_atomic,
     run_dbapi,
 )
-from jobrelay.storage.drivers.new_job import Steps, new_job_steps, run_async, run_sync
+from jobrelay.storage.drivers.new_job import new_job_steps, new_jobs_steps
 from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import NewJob, work_destination
+from jobrelay.storage.steps import Steps, run_async, run_sync
 from jobrelay.storage.storable import value_json
 
 P = TypeVar("P", bound=BaseModel)
@@ -202,13 +204,17 @@ class JobDefinition(Generic[P]):
         max_attempts: int | None = None,
         keys: IdKeys | None = None,
         when: RunTime = delays.NOW,
+        after: Iterable[str] = (),
+        after_failure: str = "cancel",
     ) -> NewJob:
         """The job to write. Its id: ``job_id``; else, with ``key``, keyed with ``keys`` (the
         installation's, required then: ``Store.id_keys``), and also the id under the previous
         secret while that one counts; else a fresh UUIDv7. ``when``: its run time
-        (``domain.delays.resolve``), part of the request hash as it was asked for."""
+        (``domain.delays.resolve``), part of the request hash as it was asked for, as are
+        ``after`` and ``after_failure`` (``dependencies_of``)."""
         parsed = self.parse(params)
         stored = parsed.model_dump(mode="json")
+        deps = dependencies_of(after, after_failure, self.app.settings.max_dependencies)
         previous = None
         if job_id is None and key is not None:
             if keys is None:
@@ -221,7 +227,7 @@ class JobDefinition(Generic[P]):
             type=self.type,
             account_id=account,
             params=stored,
-            request_hash=request_hash(account, self.type, stored, when.requested),
+            request_hash=request_hash(account, self.type, stored, when.requested, deps.requested),
             max_attempts=max_attempts or self.max_attempts,
             idempotency_key=key,
             headers=headers,
@@ -231,6 +237,8 @@ class JobDefinition(Generic[P]):
             run_at=when.due,
             delay=when.delay,
             limits=job_limits(self.type, self.limits, parsed, self.fair_by),
+            after=deps.ids,
+            after_failure=deps.after_failure,
         )
 
     async def enqueue(
@@ -243,6 +251,8 @@ class JobDefinition(Generic[P]):
         job_id: str | None = None,
         delay: Delay | None = None,
         run_at: datetime | None = None,
+        after: Iterable[str] = (),
+        after_failure: str = "cancel",
     ) -> str:
         """Write the job on ``conn`` (the caller's open transaction); returns its id.
 
@@ -255,6 +265,12 @@ class JobDefinition(Generic[P]):
         job until then: it is not published, so no worker holds it while it waits. A bad one
         raises ``InvalidRunTime`` before anything is written; the run time is part of the
         request (the same key with another run time is an ``IdempotencyConflict``).
+
+        ``after`` (job ids): the job is ``waiting`` until every one of them has ended, and
+        is queued by the transaction that commits the last one's outcome, exactly once. One
+        that ends ``quarantined`` or ``cancelled`` cancels it, naming that job, unless
+        ``after_failure="run"``. Ids that do not exist (or, with ``account``, are another
+        account's) raise ``InvalidDependencies`` before anything is written.
         """
         if not isinstance(conn, AsyncConnection):
             raise ConfigError("enqueue", _wrong_connection(conn, "AsyncConnection", "begin()"))
@@ -269,6 +285,8 @@ class JobDefinition(Generic[P]):
                     account,
                     job_id,
                     _resolved(delay, run_at),
+                    after,
+                    after_failure,
                 ),
             )
 
@@ -282,6 +300,8 @@ class JobDefinition(Generic[P]):
         job_id: str | None = None,
         delay: Delay | None = None,
         run_at: datetime | None = None,
+        after: Iterable[str] = (),
+        after_failure: str = "cancel",
     ) -> str:
         """``enqueue`` for a synchronous application: on a SQLAlchemy ``Connection``, or on
         the DB-API connection a framework holds (psycopg 3, sqlite3: Django's
@@ -290,7 +310,15 @@ class JobDefinition(Generic[P]):
         if isinstance(conn, Connection):
             with _schema_missing_hint("enqueue_sync"):
                 steps = self._enqueue_steps(
-                    conn.engine, dialect_of(conn), params, key, account, job_id, when
+                    conn.engine,
+                    dialect_of(conn),
+                    params,
+                    key,
+                    account,
+                    job_id,
+                    when,
+                    after,
+                    after_failure,
                 )
                 return run_sync(conn, steps)
         dialect = dbapi_dialect(conn)
@@ -301,8 +329,132 @@ class JobDefinition(Generic[P]):
         require_atomic(conn, dialect)
         with _schema_missing_hint("enqueue_sync"):
             database = connection_identity(conn, dialect) if key is not None else dialect
-            steps = self._enqueue_steps(database, dialect, params, key, account, job_id, when)
+            steps = self._enqueue_steps(
+                database, dialect, params, key, account, job_id, when, after, after_failure
+            )
             return run_dbapi(conn, dialect, steps)
+
+    async def enqueue_many(
+        self,
+        conn: AsyncConnection,
+        params: Sequence[P | Mapping[str, Any]],
+        *,
+        keys: Sequence[str | None] | None = None,
+        account: str | None = None,
+        delay: Delay | None = None,
+        run_at: datetime | None = None,
+        after: Iterable[str] = (),
+        after_failure: str = "cancel",
+    ) -> list[str]:
+        """Many jobs of this type on ``conn`` (the caller's open transaction), in statements
+        of many rows (a few round trips for thousands of jobs); their ids, in order.
+
+        Each is what ``enqueue`` would write: ``keys`` (one per job, or None) make each
+        idempotent as ``key`` does, and ``delay``, ``run_at``, ``after``, ``after_failure``
+        apply to every job. Every job's parameters are checked before anything is written:
+        one bad one raises ``InvalidParams`` naming its index, and nothing is written. A
+        job with ``after=`` is written on its own (its dependencies are read and locked).
+        """
+        if not isinstance(conn, AsyncConnection):
+            raise ConfigError("enqueue_many", _wrong_connection(conn, "AsyncConnection", "begin()"))
+        with _schema_missing_hint("enqueue_many"):
+            return await run_async(
+                conn,
+                self._enqueue_many_steps(
+                    conn.sync_engine,
+                    dialect_of(conn),
+                    params,
+                    keys,
+                    account,
+                    _resolved(delay, run_at),
+                    after,
+                    after_failure,
+                ),
+            )
+
+    def enqueue_many_sync(
+        self,
+        conn: Connection | DBAPIConnection,
+        params: Sequence[P | Mapping[str, Any]],
+        *,
+        keys: Sequence[str | None] | None = None,
+        account: str | None = None,
+        delay: Delay | None = None,
+        run_at: datetime | None = None,
+        after: Iterable[str] = (),
+        after_failure: str = "cancel",
+    ) -> list[str]:
+        """``enqueue_many`` for a synchronous application, on the connections
+        ``enqueue_sync`` takes."""
+        when = _resolved(delay, run_at)
+        if isinstance(conn, Connection):
+            with _schema_missing_hint("enqueue_many_sync"):
+                steps = self._enqueue_many_steps(
+                    conn.engine, dialect_of(conn), params, keys, account, when, after, after_failure
+                )
+                return run_sync(conn, steps)
+        dialect = dbapi_dialect(conn)
+        if dialect is None:
+            raise ConfigError(
+                "enqueue_many_sync", _wrong_connection(conn, "Connection", "begin()", _RAW_KINDS)
+            )
+        require_atomic(conn, dialect)
+        with _schema_missing_hint("enqueue_many_sync"):
+            keyed = keys is not None and any(k is not None for k in keys)
+            database = connection_identity(conn, dialect) if keyed else dialect
+            steps = self._enqueue_many_steps(
+                database, dialect, params, keys, account, when, after, after_failure
+            )
+            return run_dbapi(conn, dialect, steps)
+
+    def _enqueue_many_steps(
+        self,
+        database: Engine | str,
+        dialect: str,
+        params: Sequence[P | Mapping[str, Any]],
+        keys: Sequence[str | None] | None,
+        account: str | None,
+        when: RunTime,
+        after: Iterable[str],
+        after_failure: str,
+    ) -> Steps[list[str]]:
+        if isinstance(params, Mapping | BaseModel) or not isinstance(params, Sequence):
+            raise ConfigError("enqueue_many", "params must be a list of parameters, one per job")
+        if keys is not None and len(keys) != len(params):
+            raise ConfigError(
+                "enqueue_many", f"keys has {len(keys)} items for {len(params)} jobs: one per job"
+            )
+        now = _now()
+        id_keys = None
+        if keys is not None and any(k is not None for k in keys):
+            id_keys = yield from self.app.id_key_cache(database).steps(now)
+        after = tuple(after)
+        batch = []
+        for index, one in enumerate(params):
+            try:
+                batch.append(
+                    self.new_job(
+                        one,
+                        key=None if keys is None else keys[index],
+                        account=account,
+                        keys=id_keys,
+                        when=when,
+                        after=after,
+                        after_failure=after_failure,
+                    )
+                )
+            except InvalidParams as exc:
+                where = [
+                    {**e, "field": f"[{index}]" + (f".{e['field']}" if e["field"] else "")}
+                    for e in exc.errors
+                ]
+                raise InvalidParams(self.type, where) from None
+        try:
+            return (yield from new_jobs_steps(dialect, batch, now))
+        except IdempotencyConflict:
+            raise IdempotencyConflict(
+                f"a key of this batch was already used for {self.type} with other params"
+            ) from None
 
     def _enqueue_steps(
         self,
@@ -313,12 +465,23 @@ class JobDefinition(Generic[P]):
         account: str | None,
         job_id: str | None,
         when: RunTime,
+        after: Iterable[str] = (),
+        after_failure: str = "cancel",
     ) -> Steps[str]:
         now = _now()
         keys = None
         if key is not None and job_id is None:
             keys = yield from self.app.id_key_cache(database).steps(now)
-        job = self.new_job(params, key=key, account=account, job_id=job_id, keys=keys, when=when)
+        job = self.new_job(
+            params,
+            key=key,
+            account=account,
+            job_id=job_id,
+            keys=keys,
+            when=when,
+            after=after,
+            after_failure=after_failure,
+        )
         try:
             written, _ = yield from new_job_steps(dialect, job, now)
         except IdempotencyConflict:
@@ -382,6 +545,7 @@ class JobDefinition(Generic[P]):
             report_progress=ctx.report_progress,
             make_follow_up=follow_up,
             fault_point=fault_point,
+            load_dependencies=lambda: ctx.store.dependencies_of(job.id),
         )
         if self.in_thread:
             sync_fn = cast("SyncJobFunction[P]", self.fn)

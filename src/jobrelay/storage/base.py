@@ -32,6 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.storage.delayed import due_since
+from jobrelay.storage.dependencies import finish_steps
 from jobrelay.storage.drivers import open_driver
 from jobrelay.storage.effects import EffectsLedger
 from jobrelay.storage.engine import read_tx, write_tx
@@ -43,6 +44,7 @@ from jobrelay.storage.records import (
     utc_now,
     work_destination,
 )
+from jobrelay.storage.steps import run_async
 from jobrelay.storage.tables import job_events, job_slots, jobs, outbox
 from jobrelay.storage.transitions import Inputs, Transition, awaiting_admission, state_in, values_of
 
@@ -184,14 +186,22 @@ class StoreBase:
         relays elsewhere are told at the commit (``notify_outbox``); the caller wakes this
         process's after it (``wake_relays``): the key's next job is admitted now. Every
         transition that ends a job passes here, so it also tells the job's waiters
-        (``notify_done``)."""
+        (``notify_done``) and settles the jobs that run after it (``storage.dependencies``;
+        True too when one of those is queued: its message waits for the relays)."""
+        settled = False
         if declared.target is not None and declared.target.is_terminal:
             await self.driver.notify_done(conn)  # the job ended: its waiters, at the commit
+            ended = {job_id: declared.target.value}
+            settled = bool(
+                await run_async(
+                    conn, finish_steps(self.capabilities.listens, ended, self.local_now())
+                )
+            )
         if not declared.releases:
-            return False
+            return settled
         result = await conn.execute(delete(job_slots).where(job_slots.c.job_id == job_id))
         if not result.rowcount:
-            return False
+            return settled
         await self.driver.notify_outbox(conn)
         return True
 

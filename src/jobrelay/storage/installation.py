@@ -29,8 +29,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.domain.ids import IdKeys, IdSecret, Legacy
 from jobrelay.errors import ConfigError
-from jobrelay.storage.drivers.new_job import Steps, run_async
 from jobrelay.storage.engine import read_tx, write_tx
+from jobrelay.storage.steps import Steps, run_async
 from jobrelay.storage.tables import installation
 
 # How long a process uses the row it read before it reads it again.

@@ -16,7 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobrelay.domain.ids import IdKeys
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
-from jobrelay.storage.drivers.new_job import run_async, steps_on
+from jobrelay.storage.dependencies import chunks, dependency_ids
+from jobrelay.storage.drivers.new_job import steps_on
 from jobrelay.storage.engine import statement_tx
 from jobrelay.storage.records import (
     Clock,
@@ -24,6 +25,7 @@ from jobrelay.storage.records import (
     NewJob,
     job_record,
 )
+from jobrelay.storage.steps import run_async
 from jobrelay.storage.tables import (
     UNFINISHED,
     jobs,
@@ -103,9 +105,11 @@ class JobsStore(StoreBase):
 
         Returns ``(job_id, created)``. A repeat of the same request returns the existing id
         and writes nothing; the same idempotency key with another body raises. On PostgreSQL
-        the writes are one statement, sent in autocommit mode: one round trip.
+        the writes are one statement, sent in autocommit mode: one round trip. A job with
+        ``after=`` takes several (``storage.dependencies``): a write transaction.
         """
-        async with statement_tx(self.engine, "database") as conn:
+        opened = self.writing() if job.after else statement_tx(self.engine, "database")
+        async with opened as conn:
             job_id, created = await run_async(conn, steps_on(conn, job, now))
         if created:
             self.wake_relays()
@@ -115,6 +119,17 @@ class JobsStore(StoreBase):
         async with self.reading() as conn:
             row = (await conn.execute(self.job_query().where(jobs.c.id == job_id))).first()
         return job_record(row) if row is not None else None
+
+    async def dependencies_of(self, job_id: str) -> list[JobRecord]:
+        """The jobs ``job_id`` runs after (``after=``), in the order given; a job pruned
+        since (retention keeps every one a job still waits for) is left out."""
+        async with self.reading() as conn:
+            ids = list((await conn.scalars(dependency_ids(job_id))).all())
+            found: dict[str, JobRecord] = {}
+            for chunk in chunks(ids):
+                rows = (await conn.execute(self.job_query().where(jobs.c.id.in_(chunk)))).all()
+                found.update((r.id, job_record(r)) for r in rows)
+        return [found[i] for i in ids if i in found]
 
     async def list_jobs(
         self, state: JobState | None = None, account_id: str | None = None, limit: int = 100

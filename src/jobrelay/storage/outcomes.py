@@ -24,8 +24,10 @@ from jobrelay.domain.disclosure import public_detail
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.policy import JobView
 from jobrelay.domain.queues import DEFAULT_QUEUE
+from jobrelay.domain.states import JobState
 from jobrelay.storage.claims import ClaimsStore
-from jobrelay.storage.drivers.new_job import run_async, steps_on
+from jobrelay.storage.dependencies import finish_steps
+from jobrelay.storage.drivers.new_job import steps_on
 from jobrelay.storage.records import (
     Claim,
     CompleteRequest,
@@ -33,6 +35,7 @@ from jobrelay.storage.records import (
     NewJob,
     Won,
 )
+from jobrelay.storage.steps import run_async
 from jobrelay.storage.storable import safe_text
 from jobrelay.storage.tables import jobs
 from jobrelay.storage.transitions import QUARANTINE, RETRY, Inputs, fenced, values_of
@@ -68,29 +71,41 @@ class OutcomesStore(ClaimsStore):
         back; it is sent again without that completion, whose error is in ``failed``: one
         job's failed publication never costs its neighbours their outcome.
         """
+        hot = Won()
         if not any(r.in_transaction for r in requests):
-            won = await self.driver.complete_many(requests, now)
-            if won.wakes:
+            hot = await self.driver.complete_many(requests, now)
+            if hot.wakes:
                 self.wake_relays()
-            return Completed(won)
+            if not hot.deferred:
+                return Completed(hot)
+            # Jobs others wait for: completed again, in a transaction that settles those.
+            requests = [r for r in requests if r.claim.job_id in hot.deferred]
         failed: dict[str, Exception] = {}
         while True:
             todo = [r for r in requests if r.claim.job_id not in failed]
             if not todo:
-                return Completed((), failed)
+                return Completed(hot, failed)
             try:
                 won = await self._complete_in_transaction(todo, now, failed)
             except _StepFailed:
                 continue
-            if won.wakes or any(r.follow_ups and r.claim.job_id in won for r in todo):
+            if (
+                won.wakes
+                or won.dependants
+                or any(r.follow_ups and r.claim.job_id in won for r in todo)
+            ):
                 self.wake_relays()
-            return Completed(won, failed)
+            return Completed(hot | won, failed)
 
     async def _complete_in_transaction(
         self, requests: Sequence[CompleteRequest], now: datetime, failed: dict[str, Exception]
     ) -> Won:
         async with self.writing() as conn:
             won = await self.driver.complete_many(requests, now, conn)
+            if won.dependants:
+                # The next statement: it sees the edges of every enqueue this one waited for.
+                ended = dict.fromkeys(sorted(won.dependants), JobState.SUCCEEDED.value)
+                await run_async(conn, finish_steps(self.capabilities.listens, ended, now))
             for request in requests:
                 if request.claim.job_id not in won:
                     continue
@@ -245,10 +260,11 @@ class OutcomesStore(ClaimsStore):
             values["last_traceback"] = None if traceback is None else safe_text(traceback)
         if seen is not None:
             where += self.as_seen(seen)
+        wakes = False
         async with self.writing() as conn:
             won = (await conn.execute(update(jobs).where(*where).values(**values))).rowcount == 1
             if won:
-                await self.release_slots(conn, QUARANTINE, job_id)
+                wakes = await self.release_slots(conn, QUARANTINE, job_id)
                 await self.add_event(
                     conn,
                     job_id,
@@ -258,6 +274,8 @@ class OutcomesStore(ClaimsStore):
                     **detail,
                     **public_detail(public),
                 )
+        if wakes:
+            self.wake_relays()  # a slot freed, or a job that ran after it queued
         return bool(won)
 
     async def defer(

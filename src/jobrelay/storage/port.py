@@ -114,6 +114,9 @@ class Jobs(Protocol):
     async def get_job(self, job_id: str) -> JobRecord | None:
         """A committed row as it is now; None for an unknown id."""
 
+    async def dependencies_of(self, job_id: str) -> list[JobRecord]:
+        """The jobs ``job_id`` runs after (``after=``), in the order given."""
+
     async def job_exists(self, job_id: str) -> bool:
         """Whether a committed row has this id."""
 

@@ -59,6 +59,10 @@ class NewJob:
     # The limits per key it is under (``domain.limits``): admitted to the broker only once
     # each has room.
     limits: tuple[JobLimit, ...] = ()
+    # The jobs it runs after (``after=``, ``storage.dependencies``): written ``waiting`` until
+    # they have all ended; ``after_failure`` says what one that did not succeed does to it.
+    after: tuple[str, ...] = ()
+    after_failure: str = "cancel"
 
 
 Clock = Callable[[], datetime]
@@ -81,13 +85,28 @@ class Won(frozenset[str]):
     """The job ids whose completion won, and ``wakes``: whether one of them gave back
     slots of its limits while a job is held back by its limits, so that the relays admit
     the next one now, not at their next poll (``OutcomesStore.complete_many`` wakes them;
-    while no limit binds, completions wake nobody)."""
+    while no limit binds, completions wake nobody).
+
+    ``dependants``: those that won and have jobs waiting for them (``storage.dependencies``),
+    which the transaction must settle before its commit. ``deferred``: completions the hot
+    statement (no transaction of the caller's) left alone because their job has dependants:
+    they are to be sent again in a transaction that settles them."""
 
     wakes: bool
+    dependants: frozenset[str]
+    deferred: frozenset[str]
 
-    def __new__(cls, won: Iterable[str] = (), wakes: bool = False) -> Won:
+    def __new__(
+        cls,
+        won: Iterable[str] = (),
+        wakes: bool = False,
+        dependants: Iterable[str] = (),
+        deferred: Iterable[str] = (),
+    ) -> Won:
         ids = super().__new__(cls, won)
         ids.wakes = wakes
+        ids.dependants = frozenset(dependants)
+        ids.deferred = frozenset(deferred)
         return ids
 
 
@@ -209,6 +228,10 @@ class JobRecord:
     throttled_at: datetime | None = None
     # The JSON value the job returned, committed with ``succeeded`` (None: none).
     result: Any = None
+    # Written with ``after=`` (``storage.dependencies``): how many of the jobs it runs after
+    # have not ended (None: it runs after none), and what one that failed does to it.
+    waiting_for: int | None = None
+    after_failure: str | None = None
 
     @property
     def awaiting_admission(self) -> bool:
@@ -333,6 +356,8 @@ def job_record(row: Row[Any] | Mapping[str, Any]) -> JobRecord:
         admitted_at=aware_time(m.get("admitted_at")),
         throttled_at=aware_time(m.get("throttled_at")),
         result=m.get("result_value"),
+        waiting_for=m.get("waiting_for"),
+        after_failure=m.get("after_failure"),
     )
 
 

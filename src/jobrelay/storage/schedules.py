@@ -23,9 +23,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobrelay.domain.schedules import Cron, Plan, Skipped, skipped_between
 from jobrelay.errors import IdempotencyConflict
-from jobrelay.storage.drivers.new_job import run_async, steps_on
+from jobrelay.storage.drivers.new_job import steps_on
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.records import NewJob, aware_time, jsonable
+from jobrelay.storage.steps import run_async
 from jobrelay.storage.tables import jobs, schedule_events, schedules
 
 log = logging.getLogger("jobrelay.scheduler")

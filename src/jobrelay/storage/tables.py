@@ -121,6 +121,13 @@ jobs = Table(
     # The JSON value the job returned (migration 0018), committed with ``succeeded``: None
     # when it returned nothing (or None). Apart from ``result_meta``, the operation's facts.
     Column("result_value", JSON(none_as_null=True)),
+    # Jobs that run after others (``after=``, migration 0019, ``storage.dependencies``): how
+    # many of a ``waiting`` job's dependencies have not ended yet, what a failed one does to
+    # it (``cancel`` or ``run``), and, on a dependency, whether any job waits for it (its
+    # completion then runs in a transaction that settles those jobs).
+    Column("waiting_for", Integer),
+    Column("after_failure", String(8)),
+    Column("has_dependants", Boolean),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 # The jobs held back by their limits now (migration 0017): a completion that gives slots back
@@ -138,6 +145,20 @@ Index(
     postgresql_where=text(UNFINISHED),
     sqlite_where=text(UNFINISHED),
 )
+
+# A ``waiting`` job's dependencies, in the order ``after=`` named them (``position``): each
+# counted once, when it first ends (``finished_state``), so a replayed dependency re-opens
+# nothing. ``depends_on`` has no foreign key: the job it names may be pruned once every job
+# that needed it has ended (``storage.retention``).
+job_dependencies = Table(
+    "job_dependencies",
+    metadata,
+    Column("job_id", String(36), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    Column("position", Integer, primary_key=True),
+    Column("depends_on", String(36), nullable=False),
+    Column("finished_state", String(16)),
+)
+Index("ix_job_dependencies_depends_on", job_dependencies.c.depends_on)
 
 outbox = Table(
     "outbox",

@@ -31,7 +31,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.types import TypeDecorator
 
 from jobrelay.errors import ConfigError
-from jobrelay.storage.drivers.new_job import Steps
+from jobrelay.storage.steps import Steps
 
 T = TypeVar("T")
 # psycopg.Connection or sqlite3.Connection (psycopg is optional: checked at run time).
@@ -101,13 +101,16 @@ class _Row:
 
 
 class _Result:
-    """What the steps read of a result: ``first``, ``one``, ``scalar_one``."""
+    """What the steps read of a result: ``first``, ``all``, ``one``, ``scalar_one``."""
 
     def __init__(self, rows: list[_Row]) -> None:
         self._rows = rows
 
     def first(self) -> _Row | None:
         return self._rows[0] if self._rows else None
+
+    def all(self) -> list[_Row]:
+        return list(self._rows)
 
     def one(self) -> _Row:
         if len(self._rows) != 1:
@@ -129,7 +132,14 @@ def _result_types(statement: Executable) -> dict[str, Any]:
 def _execute(
     conn: Any, dialect: Dialect, statement: Executable, params: Mapping[str, Any] | None
 ) -> _Result:
-    compiled = cast("SQLCompiler", cast("ClauseElement", statement).compile(dialect=dialect))
+    # ``render_postcompile``: an ``IN`` over a list becomes one bound value per item here,
+    # as SQLAlchemy's own execution would expand it.
+    compiled = cast(
+        "SQLCompiler",
+        cast("ClauseElement", statement).compile(
+            dialect=dialect, compile_kwargs={"render_postcompile": True}
+        ),
+    )
     values = compiled.construct_params(dict(params) if params else None) or {}
     for name, bind in compiled.binds.items():
         if name in values:

@@ -18,9 +18,9 @@ one read comes first: the job under the id the previous secret gives, if there i
 from __future__ import annotations
 
 import functools
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -35,23 +35,23 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    null,
     select,
     text,
+    update,
 )
-from sqlalchemy.dialects import sqlite
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from jobrelay.domain.dependencies import AFTER_FAILURE
 from jobrelay.domain.limits import turn_key
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
-from jobrelay.errors import ConfigError, IdempotencyConflict
+from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidDependencies
+from jobrelay.storage.dependencies import CHUNK, chunks, settle_steps
 from jobrelay.storage.records import NOTIFY_CHANNEL, NewJob, work_destination
-from jobrelay.storage.tables import job_events, jobs, outbox
-
-T = TypeVar("T")
-# One statement and its parameters (None: the values are in the statement).
-Step = tuple[Executable, Mapping[str, Any] | None]
-Steps = Generator[Step, Any, T]
+from jobrelay.storage.steps import Steps
+from jobrelay.storage.tables import job_dependencies, job_events, jobs, outbox
 
 # PostgreSQL: job, outbox row, ``accepted`` event and NOTIFY in one statement. The sibling
 # INSERTs see ``nj_job`` (empty when the id exists: nothing else is written then); the outer
@@ -232,6 +232,8 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
         earlier = (yield (_EXISTING_HASH, {"nj_id": job.previous_job_id})).first()
         if earlier is not None:
             return _same_request(job.previous_job_id, job, earlier.request_hash)
+    if job.after:
+        return (yield from _waiting_job_steps(dialect, job, now))
     body = JobMessage(job_id=job.job_id, type=job.type).encode().decode()
     destination = job.destination or work_destination(job.queue)
     if dialect == "postgresql":
@@ -315,6 +317,255 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     return job.job_id, True
 
 
+def new_jobs_steps(dialect: str, batch: Sequence[NewJob], now: datetime) -> Steps[list[str]]:
+    """Many new jobs in statements of many rows (``enqueue_many``): their ``jobs`` rows,
+    then the outbox rows and ``accepted`` events of those written, ``CHUNK_ROWS`` at a time;
+    the ids in order. The rules of ``new_job_steps`` hold for each: an id that exists with
+    the same request hash is that request again (nothing written), another hash raises
+    ``IdempotencyConflict``. A job with ``after=``, or one whose key also has an id under a
+    previous secret (a rotation's window), is written by ``new_job_steps`` on its own."""
+    if dialect not in ("postgresql", "sqlite"):
+        raise ConfigError("connection", f"jobrelay supports PostgreSQL and SQLite, not {dialect}")
+    ids: list[str] = []
+    plain: list[NewJob] = []
+    for job in batch:
+        if job.after or job.previous_job_id is not None:
+            ids.append((yield from new_job_steps(dialect, job, now))[0])
+        else:
+            ids.append(job.job_id)
+            plain.append(job)
+    upsert = postgresql.insert(jobs) if dialect == "postgresql" else sqlite.insert(jobs)
+    notify = False
+    for start in range(0, len(plain), CHUNK_ROWS):
+        chunk = plain[start : start + CHUNK_ROWS]
+        rows = yield (
+            upsert.values([_uniform(_job_values(dialect, job, now), _JOB_KEYS) for job in chunk])
+            .on_conflict_do_nothing(index_elements=[jobs.c.id])
+            .returning(jobs.c.id, jobs.c.run_at),
+            None,
+        )
+        written = {row.id: row.run_at for row in rows.all()}
+        others = sorted({job.job_id for job in chunk} - written.keys())
+        existing: dict[str, str] = {}
+        if others:
+            rows = yield (
+                select(jobs.c.id, jobs.c.request_hash).where(jobs.c.id.in_(others)),
+                None,
+            )
+            existing = {row.id: row.request_hash for row in rows.all()}
+        fresh: dict[str, NewJob] = {}
+        for job in chunk:
+            if job.job_id in fresh:  # named twice in the batch: the first one's request
+                _same_request(job.job_id, job, fresh[job.job_id].request_hash)
+            elif job.job_id in written:
+                fresh[job.job_id] = job
+            else:
+                _same_request(job.job_id, job, existing[job.job_id])
+        if not fresh:
+            continue
+        yield (
+            insert(outbox).values(
+                [
+                    _uniform(
+                        {
+                            "job_id": job.job_id,
+                            "destination": job.destination or work_destination(job.queue),
+                            "body": JobMessage(job_id=job.job_id, type=job.type).encode().decode(),
+                            "headers": dict(job.headers or {}),
+                            "created_at": now,
+                            "available_at": written[job.job_id],
+                            "awaiting_admission": bool(job.limits),
+                        },
+                        ("available_at",),
+                    )
+                    for job in fresh.values()
+                ]
+            ),
+            None,
+        )
+        yield (
+            insert(job_events).values(
+                [
+                    {
+                        "job_id": job.job_id,
+                        "at": now,
+                        "kind": "accepted",
+                        "detail": accepted_detail(job, written[job.job_id]),
+                    }
+                    for job in fresh.values()
+                ]
+            ),
+            None,
+        )
+        notify = True
+    if notify and dialect == "postgresql":
+        # Delivered at commit, to listening relays only: a hint, never the only path.
+        yield (select(func.pg_notify(NOTIFY_CHANNEL, "")), None)
+    return ids
+
+
+# Rows per multi-row statement: far below every driver's limit on bound values (asyncpg's
+# 32,767), and long enough that a batch costs a few round trips, not one per job.
+CHUNK_ROWS = 500
+
+
+def _job_values(dialect: str, job: NewJob, now: datetime) -> dict[str, Any]:
+    due: dict[str, Any] = {}
+    if job.delay is not None:
+        due = {"run_at": sqlite_due(job.delay) if dialect == "sqlite" else _pg_due(job.delay)}
+    return {**queued_job_row(job, now), **due}
+
+
+_JOB_KEYS = ("run_at", "limits", "turn_key")
+
+
+def _uniform(values: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """Every row of a multi-row INSERT names the same columns: an optional one a row does
+    not set (``keys``) is SQL NULL there, never JSON ``null`` in a JSON column."""
+    for key in keys:
+        if values.get(key) is None:
+            values[key] = null()
+    return values
+
+
+def _waiting_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, bool]]:
+    """A job with ``after=`` (``storage.dependencies``): ``waiting``, its edges, its
+    ``accepted`` event; ``queued`` at once (or ``cancelled``) when its dependencies have all
+    ended already.
+
+    Every dependency is read first, and one that does not exist, or that the job's account
+    may not read, refuses the job before anything is written. Then the unfinished ones are
+    locked in id order and marked ``has_dependants`` (on SQLite that write takes the one
+    write lock first, so the states read after it are the latest): an end that commits
+    after this transaction sees its edges, one that committed before is read as ended.
+    """
+    if job.after_failure not in AFTER_FAILURE:
+        raise InvalidDependencies(
+            f"after_failure must be one of {', '.join(AFTER_FAILURE)}, not {job.after_failure!r}"
+        )
+    after = list(dict.fromkeys(job.after))  # each once, in the order first named
+    ordered = sorted(after)
+    owners: dict[str, str | None] = {}
+    for chunk in chunks(ordered):
+        rows = yield (select(jobs.c.id, jobs.c.account_id).where(jobs.c.id.in_(chunk)), None)
+        owners.update((r.id, r.account_id) for r in rows.all())
+    _refuse_unreadable(job, after, owners, owners=True)
+    states: dict[str, str] = {}
+    if dialect == "sqlite":
+        # The write lock first: every read after it sees the latest commit.
+        for chunk in chunks(ordered):
+            yield (_mark_dependants(chunk), None)
+    for chunk in chunks(ordered):
+        rows = yield (
+            select(jobs.c.id, jobs.c.state)
+            .where(jobs.c.id.in_(chunk))
+            .order_by(jobs.c.id)
+            .with_for_update(key_share=True),
+            None,
+        )
+        states.update((r.id, r.state) for r in rows.all())
+    _refuse_unreadable(job, after, states, owners=False)  # pruned since it was read
+    unfinished = [i for i in ordered if not JobState(states[i]).is_terminal]
+    if dialect != "sqlite":
+        for chunk in chunks(unfinished):
+            yield (_mark_dependants(chunk), None)
+    due: dict[str, Any] = {}
+    if job.delay is not None:
+        due = {"run_at": sqlite_due(job.delay) if dialect == "sqlite" else _pg_due(job.delay)}
+    row = {
+        **queued_job_row(job, now),
+        **due,
+        "state": JobState.WAITING.value,
+        "waiting_for": len(unfinished),
+        "after_failure": job.after_failure,
+    }
+    upsert = postgresql.insert(jobs) if dialect == "postgresql" else sqlite.insert(jobs)
+    inserted = (
+        yield (
+            upsert.values(**row)
+            .on_conflict_do_nothing(index_elements=[jobs.c.id])
+            .returning(jobs.c.id, jobs.c.run_at),
+            None,
+        )
+    ).first()
+    if inserted is None:
+        existing = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).scalar_one()
+        return _same_request(job.job_id, job, existing)
+    for start in range(0, len(after), CHUNK):
+        yield (
+            insert(job_dependencies).values(
+                [
+                    {
+                        "job_id": job.job_id,
+                        "position": position,
+                        "depends_on": dependency,
+                        # Ended already: counted as ended, once, now.
+                        "finished_state": None if dependency in unfinished else states[dependency],
+                    }
+                    for position, dependency in enumerate(after[start : start + CHUNK], start)
+                ]
+            ),
+            None,
+        )
+    detail = accepted_detail(job, inserted.run_at)
+    detail["after"] = len(after)
+    if job.after_failure != "cancel":
+        detail["afterFailure"] = job.after_failure
+    yield (
+        insert(job_events).values(job_id=job.job_id, at=now, kind="accepted", detail=detail),
+        None,
+    )
+    if len(unfinished) < len(after):
+        # Ended dependencies: the job may be due now, or cancelled by one that failed.
+        yield from settle_steps(dialect == "postgresql", [job.job_id], now)
+    return job.job_id, True
+
+
+_unfinished_sql = [s.value for s in JobState if not s.is_terminal]
+
+
+def _mark_dependants(ids: Sequence[str]) -> Executable:
+    """Tell the unfinished dependencies ``ids`` that a job waits for them: their end then
+    settles it, in its own transaction (``storage.dependencies``)."""
+    return (
+        update(jobs)
+        .where(
+            jobs.c.id.in_(ids),
+            jobs.c.state.in_(_unfinished_sql),
+            jobs.c.has_dependants.is_not(True),
+        )
+        .values(has_dependants=True)
+    )
+
+
+def _pg_due(seconds: float) -> ColumnElement[Any]:
+    """The database's clock when the enqueue ran, plus ``seconds`` (as a delayed job's)."""
+    return func.statement_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, seconds)
+
+
+def _refuse_unreadable(
+    job: NewJob, after: Sequence[str], found: Mapping[str, Any], *, owners: bool
+) -> None:
+    """``InvalidDependencies`` naming the ids of ``after`` not ``found``, or (``owners``:
+    ``found`` maps ids to accounts) of another account than the job's. A job on no account's
+    behalf (the application's own code, an admin) may name any job. Both read the same, so
+    that the answer says nothing of another account's jobs."""
+    missing = tuple(
+        i
+        for i in after
+        if i not in found or (owners and job.account_id is not None and found[i] != job.account_id)
+    )
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise InvalidDependencies(
+            f"after= names {len(missing)} job(s) that do not exist or that this account may"
+            f" not read: {shown}",
+            missing,
+        )
+
+
 def steps_on(
     bind: AsyncConnection | Connection, job: NewJob, now: datetime
 ) -> Steps[tuple[str, bool]]:
@@ -334,23 +585,3 @@ def _same_request(job_id: str, job: NewJob, existing_hash: str) -> tuple[str, bo
             "this Idempotency-Key was already used with a different request body"
         )
     return job_id, False
-
-
-async def run_async(conn: AsyncConnection, steps: Steps[T]) -> T:
-    """Run ``steps`` on an asynchronous connection, inside whatever transaction it has."""
-    try:
-        statement, params = next(steps)
-        while True:
-            statement, params = steps.send(await conn.execute(statement, params))
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
-
-
-def run_sync(conn: Connection, steps: Steps[T]) -> T:
-    """Run ``steps`` on a synchronous connection, inside whatever transaction it has."""
-    try:
-        statement, params = next(steps)
-        while True:
-            statement, params = steps.send(conn.execute(statement, params))
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]

@@ -136,7 +136,9 @@ WITH req AS (
         AS r(id, attempt, worker, result_key, meta, value, detail)
 ),
 locked AS (
-    SELECT j.id FROM jobs j JOIN req ON j.id = req.id
+    -- The row as locked is its latest version: ``has_dependants`` set by an enqueue that
+    -- committed while this waited is seen here (``storage.dependencies``).
+    SELECT j.id, j.has_dependants IS TRUE AS has_dependants FROM jobs j JOIN req ON j.id = req.id
     WHERE j.id = ANY(CAST(:b_ids AS text[]))
     ORDER BY j.id FOR NO KEY UPDATE OF j
 ),
@@ -146,7 +148,10 @@ done AS (
     FROM req JOIN locked ON locked.id = req.id
     WHERE jobs.id = ANY(CAST(:b_ids AS text[])) AND jobs.id = req.id
       AND {_by_id(guard_sql(COMPLETE.guards(_BATCH)))}
-    RETURNING jobs.id, req.detail, jobs.turn_key
+      -- A job others wait for ends only where the transaction then settles them (its next
+      -- statement, a snapshot that sees every edge): in autocommit it is left alone.
+      AND (CAST(:b_settles AS boolean) OR NOT locked.has_dependants)
+    RETURNING jobs.id, req.detail, jobs.turn_key, locked.has_dependants
 ),
 released AS (
     -- Only a job under limits holds slots (its turn key is set at enqueue): the others'
@@ -177,8 +182,12 @@ event AS (
     INSERT INTO job_events (job_id, at, kind, detail)
     SELECT id, :b_now, '{COMPLETE.event}', CAST(detail AS json) FROM done
 )
-SELECT id, (SELECT count(*) FROM woken) > 0 AS wakes, (SELECT count(*) FROM told) AS told
+SELECT id, (SELECT count(*) FROM woken) > 0 AS wakes, (SELECT count(*) FROM told) AS told,
+       has_dependants, false AS deferred
 FROM done
+UNION ALL
+SELECT id, false, 0, true, true FROM locked
+WHERE has_dependants AND NOT CAST(:b_settles AS boolean)
 """
     )
     .bindparams(
@@ -190,8 +199,15 @@ FROM done
         bindparam("b_values", type_=ARRAY(Text())),
         bindparam("b_details", type_=ARRAY(Text())),
         bindparam("b_now", type_=UTCDateTime()),
+        bindparam("b_settles", type_=Boolean()),
     )
-    .columns(Column("id", String()), Column("wakes", Boolean()), Column("told", Integer()))
+    .columns(
+        Column("id", String()),
+        Column("wakes", Boolean()),
+        Column("told", Integer()),
+        Column("has_dependants", Boolean()),
+        Column("deferred", Boolean()),
+    )
 )
 
 _RENEW_HOLDS = _by_id(guard_sql(RENEW.guards(_BATCH)))

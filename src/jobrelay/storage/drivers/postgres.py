@@ -161,9 +161,17 @@ class PostgresDriver:
                 for r in requests
             ],
             "b_now": now,
+            # In the caller's transaction, which settles the jobs waiting for these.
+            "b_settles": conn is not None,
         }
         rows = await self.rows(sql.COMPLETE_MANY, params, conn)
-        return Won((row["id"] for row in rows), any(row["wakes"] for row in rows))
+        done = [row for row in rows if not row["deferred"]]
+        return Won(
+            (row["id"] for row in done),
+            any(row["wakes"] for row in done),
+            dependants=(row["id"] for row in done if row["has_dependants"]),
+            deferred=(row["id"] for row in rows if row["deferred"]),
+        )
 
     async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
         params = {

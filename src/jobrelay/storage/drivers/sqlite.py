@@ -117,10 +117,20 @@ def _claim_tx(
 
 
 def _complete_tx(
-    execute: sql.Execute, requests: Sequence[CompleteRequest], reqs: str, now: datetime
+    execute: sql.Execute,
+    requests: Sequence[CompleteRequest],
+    reqs: str,
+    now: datetime,
+    settles: bool,
 ) -> Won:
-    rows = execute(sql.COMPLETE_RUN, {"reqs": reqs, "updated_at": now})
+    rows = execute(sql.COMPLETE_RUN, {"reqs": reqs, "updated_at": now, "settles": settles})
     ids = {row["id"] for row in rows}
+    deferred: list[str] = []
+    lost = sorted({r.claim.job_id for r in requests} - ids)
+    if lost and not settles:
+        # Rare (a stale claim, or a job others wait for): which were left to a transaction
+        # that settles the jobs waiting for them.
+        deferred = [row["id"] for row in execute(sql.DEFERRED_RUN, {"ids": fastjson.dumps(lost)})]
     # Only a job under limits holds slots (its turn key is set at enqueue): a batch with
     # none of them sends no release.
     limited = sorted(row["id"] for row in rows if row["turn_key"] is not None)
@@ -134,7 +144,7 @@ def _complete_tx(
         if r.claim.job_id in ids
     ]
     _events(execute, "result_saved", now, events)
-    return Won(ids, wakes)
+    return Won(ids, wakes, (row["id"] for row in rows if row["has_dependants"]), deferred)
 
 
 class SqliteDriver:
@@ -234,7 +244,8 @@ class SqliteDriver:
                 for r in requests
             ]
         )
-        return await self._tx(lambda run: _complete_tx(run, requests, reqs, now), conn)
+        settles = conn is not None  # the caller's transaction settles the jobs waiting
+        return await self._tx(lambda run: _complete_tx(run, requests, reqs, now, settles), conn)
 
     async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
         reqs = fastjson.dumps([[c.job_id, c.attempt, c.worker_id] for c in claims])

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sqlalchemy import Column, Integer, String, Text, bindparam, literal_column, text
+from sqlalchemy import Boolean, Column, Integer, String, Text, bindparam, literal_column, text
 
 from jobrelay.storage.drivers.sqlite_conn import DIALECT, RowReader, sqlite_statement
 from jobrelay.storage.tables import UTCDateTime, jobs
@@ -87,12 +87,24 @@ UPDATE jobs SET
     {_COMPLETE_SETS}
 FROM {_req("id", "attempt", "worker", "result_key", "meta", "value")}
 WHERE jobs.id = req.id AND {_COMPLETE_GUARDS}
-RETURNING jobs.id, jobs.turn_key
+  -- A job others wait for ends only where the transaction then settles them
+  -- (``storage.dependencies``): without that, it is left to one that does.
+  AND (:settles OR jobs.has_dependants IS NOT 1)
+RETURNING jobs.id, jobs.turn_key, jobs.has_dependants
 """
     )
-    .bindparams(bindparam("updated_at", type_=UTCDateTime()))
-    .columns(Column("id", String()), Column("turn_key", String()))
+    .bindparams(bindparam("updated_at", type_=UTCDateTime()), bindparam("settles", type_=Boolean()))
+    .columns(
+        Column("id", String()), Column("turn_key", String()), Column("has_dependants", Boolean())
+    )
 )
+
+# Of a batch's completions that did not win, those left alone because others wait for
+# their job (``COMPLETE_MANY``'s guard).
+DEFERRED = text(
+    "SELECT jobs.id FROM jobs WHERE jobs.id IN (SELECT value FROM json_each(:ids))"
+    " AND jobs.has_dependants IS 1"
+).columns(Column("id", String()))
 
 _RENEW_SETS, _RENEW_GUARDS = _compiled(RENEW)
 RENEW_MANY = (
@@ -157,3 +169,4 @@ RENEW_RUN = Statement(RENEW_MANY)
 EVENTS_RUN = Statement(EVENTS)
 RELEASE_RUN = Statement(RELEASE)
 HELD_RUN = Statement(HELD)
+DEFERRED_RUN = Statement(DEFERRED)

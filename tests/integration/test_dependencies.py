@@ -1,0 +1,198 @@
+"""Jobs that run after others (issue 37, item 2): ``after=``, the ``waiting`` state, fan-in.
+
+On both databases, through the relay, the broker (RabbitMQ, or the local transport) and real
+workers: a total written ``after=`` its parts runs once, after the last part's success, and
+reads their results; a part that fails cancels it (naming the part) or, with
+``after_failure="run"``, lets it run; ids that do not exist or are another account's are
+refused with nothing written; dependencies already ended count as ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from sqlalchemy import func, select
+
+import jobrelay
+from jobrelay.domain.states import JobState
+from jobrelay.storage.tables import job_dependencies, job_events, jobs, outbox
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Part(BaseModel):
+    i: int
+    fail: bool = False
+
+
+class Total(BaseModel):
+    pass
+
+
+app = jobrelay.App()
+total_runs: list[str] = []
+
+
+@app.job("lab.part", params=Part, max_attempts=1)
+async def part(ctx: jobrelay.JobContext[Part], p: Part) -> Any:
+    if p.fail:
+        raise jobrelay.Permanent("this part cannot succeed")
+    return {"square": p.i * p.i}
+
+
+@app.job("lab.total", params=Total)
+async def total(ctx: jobrelay.JobContext[Total], p: Total) -> Any:
+    total_runs.append(ctx.job_id)
+    deps = await ctx.dependencies()
+    return {
+        "total": sum(d.result["square"] for d in deps if d.state is JobState.SUCCEEDED),
+        "states": [d.state.value for d in deps],
+    }
+
+
+async def _event_ids(p: Any, job_id: str, kind: str) -> list[int]:
+    async with p.rt.store.reading() as conn:
+        rows = await conn.scalars(
+            select(job_events.c.id)
+            .where(job_events.c.job_id == job_id, job_events.c.kind == kind)
+            .order_by(job_events.c.id)
+        )
+        return list(rows.all())
+
+
+async def test_a_total_after_its_parts_runs_once_after_the_last_and_reads_their_results(
+    make_pipeline: Any,
+) -> None:
+    total_runs.clear()
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        ids = [(await p.store.submit(part.new_job(Part(i=i)), now))[0] for i in range(30)]
+        total_id, created = await p.store.submit(total.new_job(Total(), after=ids), now)
+        assert created
+        waiting = await p.store.get_job(total_id)
+        assert waiting is not None and waiting.state is JobState.WAITING
+        assert waiting.waiting_for == 30
+        async with p.rt.store.reading() as conn:
+            held = await conn.scalar(
+                select(func.count()).select_from(outbox).where(outbox.c.job_id == total_id)
+            )
+        assert held == 0  # no message while it waits
+        p.start_relay()
+        await p.start_worker()
+        await p.start_worker()
+        done = await p.wait_for(total_id, lambda j: j.state.is_terminal, timeout=60)
+        assert done.state is JobState.SUCCEEDED, done.last_error
+        assert done.result == {
+            "total": sum(i * i for i in range(30)),
+            "states": ["succeeded"] * 30,
+        }
+        assert total_runs == [total_id]
+        assert (
+            await _event_ids(p, total_id, "result_saved")
+            and len(await _event_ids(p, total_id, "dependencies_met")) == 1
+        )
+        # Never before the last part's success.
+        [claimed] = await _event_ids(p, total_id, "claimed")
+        last_part = max([(await _event_ids(p, i, "result_saved"))[0] for i in ids])
+        assert claimed > last_part
+        assert [d.id for d in await p.store.dependencies_of(total_id)] == ids
+
+
+@pytest.mark.parametrize("after_failure", ["cancel", "run"])
+async def test_a_part_that_fails_cancels_the_total_or_lets_it_run(
+    make_pipeline: Any, after_failure: str
+) -> None:
+    total_runs.clear()
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        good = (await p.store.submit(part.new_job(Part(i=2)), now))[0]
+        bad = (await p.store.submit(part.new_job(Part(i=3, fail=True)), now))[0]
+        new = total.new_job(Total(), after=[good, bad], after_failure=after_failure)
+        total_id, _ = await p.store.submit(new, now)
+        p.start_relay()
+        await p.start_worker()
+        done = await p.wait_for(total_id, lambda j: j.state.is_terminal)
+        if after_failure == "cancel":
+            assert done.state is JobState.CANCELLED
+            assert bad in (done.cancel_reason or ""), done.cancel_reason
+            assert "quarantined" in (done.cancel_reason or "")
+            assert total_runs == []
+            waiter = jobrelay.App(settings=p.rt.settings)
+            try:
+                with pytest.raises(jobrelay.JobFailed) as failed:
+                    await waiter.result(total_id, timeout=5)
+            finally:
+                await waiter.aclose()
+            assert failed.value.state == "cancelled" and bad in (failed.value.reason or "")
+        else:
+            assert done.state is JobState.SUCCEEDED, done.last_error
+            assert done.result == {"total": 4, "states": ["succeeded", "quarantined"]}
+            assert total_runs == [total_id]
+
+
+async def test_dependencies_already_ended_count_as_ended(make_pipeline: Any) -> None:
+    total_runs.clear()
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        first = (await p.store.submit(part.new_job(Part(i=5)), now))[0]
+        p.start_relay()
+        await p.start_worker()
+        await p.wait_for(first, lambda j: j.state is JobState.SUCCEEDED)
+        total_id, _ = await p.store.submit(total.new_job(Total(), after=[first]), p.rt.clock())
+        queued = await p.store.get_job(total_id)
+        assert queued is not None and queued.state is not JobState.WAITING
+        done = await p.wait_for(total_id, lambda j: j.state.is_terminal)
+        assert done.state is JobState.SUCCEEDED and done.result["total"] == 25
+
+
+async def test_unknown_or_foreign_dependencies_are_refused_with_nothing_written(
+    make_pipeline: Any,
+) -> None:
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        theirs = (await p.store.submit(part.new_job(Part(i=1), account="acct-b"), now))[0]
+        mine = (await p.store.submit(part.new_job(Part(i=1), account="acct-a"), now))[0]
+        async with p.rt.store.reading() as conn:
+            before = await conn.scalar(select(func.count()).select_from(jobs))
+        for after in (["no-such-job"], [mine, theirs]):
+            with pytest.raises(jobrelay.InvalidDependencies) as refused:
+                await p.store.submit(total.new_job(Total(), account="acct-a", after=after), now)
+            assert refused.value.missing == (after[-1],)
+        with pytest.raises(jobrelay.InvalidDependencies, match="after_failure"):
+            total.new_job(Total(), after=[mine], after_failure="maybe")
+        async with p.rt.store.reading() as conn:
+            assert await conn.scalar(select(func.count()).select_from(jobs)) == before
+            assert await conn.scalar(select(func.count()).select_from(job_dependencies)) == 0
+        # The same account's, and (on no account's behalf) anyone's, are accepted.
+        ok, _ = await p.store.submit(total.new_job(Total(), account="acct-a", after=[mine]), now)
+        anyone, _ = await p.store.submit(total.new_job(Total(), after=[mine, theirs]), now)
+        assert {(await p.store.get_job(i)).state for i in (ok, anyone)} == {JobState.WAITING}  # type: ignore[union-attr]
+
+
+async def test_the_same_request_again_writes_nothing_and_other_dependencies_conflict(
+    make_pipeline: Any,
+) -> None:
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        a = (await p.store.submit(part.new_job(Part(i=1)), now))[0]
+        b = (await p.store.submit(part.new_job(Part(i=2)), now))[0]
+        first = total.new_job(Total(), job_id="fan-in-1", after=[a, b])
+        assert (await p.store.submit(first, now)) == ("fan-in-1", True)
+        assert (await p.store.submit(first, now)) == ("fan-in-1", False)
+        async with p.rt.store.reading() as conn:
+            edges = await conn.scalar(
+                select(func.count())
+                .select_from(job_dependencies)
+                .where(job_dependencies.c.job_id == "fan-in-1")
+            )
+        assert edges == 2
+        with pytest.raises(jobrelay.IdempotencyConflict):
+            await p.store.submit(total.new_job(Total(), job_id="fan-in-1", after=[a]), now)
