@@ -20,7 +20,7 @@ token, 401 without one), accept jobs with ``AcceptDep`` (the job, its outbox row
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, TypeVar
 
@@ -156,13 +156,16 @@ async def accept_job(
     by_request: bool = False,
     when: RunTime = delays.NOW,
     key_field: str = "Idempotency-Key",
+    after: Sequence[str] = (),
+    after_failure: str = "cancel",
 ) -> Admission:
     """The one way a request becomes a job, for ``Acceptor`` (the application routes) and
     ``POST /v1/jobs`` alike, so the two cannot drift apart: the id, the quota, the commit,
     the ``new -> queued`` count, the fault point and the log line. ``when``: the run time
     the request asked for (``domain.delays.resolve``); ``key_field``: the request's name
     for its key, which a conflict's 422 names. Bad ``params`` raise ``InvalidParams`` (the
-    route names its fields), before anything is written."""
+    route names its fields), and ``after`` ids the account may not read
+    ``InvalidDependencies``, before anything is written."""
     now = rt.clock()
     if by_request and job_id is not None:
         raise ConfigError("accept", "by_request derives the id: give no job_id")
@@ -185,6 +188,8 @@ async def accept_job(
         max_attempts=definition.max_attempts_under(rt.settings),
         keys=keys,
         when=when,
+        after=after,
+        after_failure=after_failure,
     )
     if previous is not None:
         job = replace(job, previous_job_id=previous)

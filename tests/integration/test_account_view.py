@@ -73,6 +73,7 @@ ACCOUNT_JOB_FIELDS = {
     "nextAttemptAt",
     "runAt",
     "progress",
+    "waitingFor",
     "createdAt",
     "updatedAt",
 }
@@ -92,6 +93,7 @@ ACCOUNT_EXPLAIN_FIELDS = {
     "runAt",
     "resultKey",
     "result",
+    "after",
     "progress",
     "traceId",
     "createdAt",

@@ -44,7 +44,8 @@ BODY = {"accountId": "acme", "period": "2020-05"}
 PROBLEM = "application/problem+json"
 JOB_FIELDS = {
     "jobId", "type", "accountId", "params", "state", "published", "attempt", "maxAttempts",
-    "resultKey", "result", "lastError", "nextAttemptAt", "runAt", "progress", "createdAt",
+    "resultKey", "result", "lastError", "nextAttemptAt", "runAt", "progress", "waitingFor",
+    "createdAt",
     "updatedAt",
 }  # fmt: skip
 
@@ -301,6 +302,7 @@ async def test_job_has_exactly_the_contract_fields(
         "nextAttemptAt": None,
         "runAt": None,
         "progress": None,
+        "waitingFor": None,
     }
     for name in ("createdAt", "updatedAt"):
         assert body[name].endswith(("Z", "+00:00"))

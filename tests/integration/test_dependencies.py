@@ -12,13 +12,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import httpx
 import pytest
 from pydantic import BaseModel
 from sqlalchemy import func, select
 
 import jobrelay
+from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
 from jobrelay.storage.tables import job_dependencies, job_events, jobs, outbox
+
+from .api_fixtures import bearer, make_token
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,7 +47,7 @@ async def part(ctx: jobrelay.JobContext[Part], p: Part) -> Any:
     return {"square": p.i * p.i}
 
 
-@app.job("lab.total", params=Total)
+@app.job("lab.total", params=Total, http=True)
 async def total(ctx: jobrelay.JobContext[Total], p: Total) -> Any:
     total_runs.append(ctx.job_id)
     deps = await ctx.dependencies()
@@ -51,6 +55,15 @@ async def total(ctx: jobrelay.JobContext[Total], p: Total) -> Any:
         "total": sum(d.result["square"] for d in deps if d.state is JobState.SUCCEEDED),
         "states": [d.state.value for d in deps],
     }
+
+
+class Start(BaseModel):
+    after: list[str]
+
+
+@app.job("lab.start", params=Start)
+async def start(ctx: jobrelay.JobContext[Start], p: Start) -> Any:
+    return ctx.follow_up(total, Total(), after=p.after)
 
 
 async def _event_ids(p: Any, job_id: str, kind: str) -> list[int]:
@@ -196,3 +209,69 @@ async def test_the_same_request_again_writes_nothing_and_other_dependencies_conf
         assert edges == 2
         with pytest.raises(jobrelay.IdempotencyConflict):
             await p.store.submit(total.new_job(Total(), job_id="fan-in-1", after=[a]), now)
+
+
+async def test_a_follow_up_may_run_after_other_jobs(make_pipeline: Any) -> None:
+    total_runs.clear()
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        later = (await p.store.submit(part.new_job(Part(i=4)), now))[0]
+        starter = (await p.store.submit(start.new_job(Start(after=[later])), now))[0]
+        p.start_relay()
+        await p.start_worker()
+        began = await p.wait_for(starter, lambda j: j.state.is_terminal)
+        follow_up = began.result
+        assert isinstance(follow_up, str)
+        done = await p.wait_for(follow_up, lambda j: j.state.is_terminal)
+        assert done.state is JobState.SUCCEEDED and done.result["total"] == 16
+        assert [d.id for d in await p.store.dependencies_of(follow_up)] == [later]
+
+
+async def test_post_jobs_takes_after_and_explain_shows_the_wait(make_pipeline: Any) -> None:
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        a = (await p.store.submit(part.new_job(Part(i=1), account="acct-a"), now))[0]
+        b = (await p.store.submit(part.new_job(Part(i=2), account="acct-a"), now))[0]
+        theirs = (await p.store.submit(part.new_job(Part(i=3), account="acct-b"), now))[0]
+        token = await make_token(p.rt, "acct-a")
+        admin = await make_token(p.rt, None, admin=True)
+        api = create_app(p.rt.settings, runtime=p.rt)
+        transport = httpx.ASGITransport(app=api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            body = {"type": "lab.total", "params": {}, "after": [a, b], "afterFailure": "run"}
+            accepted = await client.post("/v1/jobs", json=body, headers=bearer(token))
+            assert accepted.status_code == 202, accepted.text
+            total_id = accepted.json()["jobId"]
+            job = (await client.get(f"/v1/jobs/{total_id}", headers=bearer(token))).json()
+            assert (job["state"], job["waitingFor"]) == ("waiting", 2)
+
+            refused = await client.post(
+                "/v1/jobs",
+                json={"type": "lab.total", "params": {}, "after": [a, theirs]},
+                headers=bearer(token),
+            )
+            assert refused.status_code == 422, refused.text
+            problem = refused.json()
+            assert problem["errors"][0]["field"] == "after" and theirs in problem["detail"]
+            bad = await client.post(
+                "/v1/jobs",
+                json={"type": "lab.total", "params": {}, "after": [a], "afterFailure": "x"},
+                headers=bearer(token),
+            )
+            assert bad.status_code == 422
+
+            seen = (await client.get(f"/v1/jobs/{total_id}/explain", headers=bearer(admin))).json()
+            assert seen["after"]["total"] == 2 and seen["after"]["waitingFor"] == 2
+            assert seen["after"]["afterFailure"] == "run"
+            assert [j["jobId"] for j in seen["after"]["jobs"]] == [a, b]
+            assert "waiting for 2 job(s)" in seen["nextStep"]
+            part_seen = (await client.get(f"/v1/jobs/{a}/explain", headers=bearer(admin))).json()
+            assert part_seen["dependants"] == {
+                "total": 1,
+                "jobs": [{"jobId": total_id, "state": "waiting"}],
+            }
+            own = (await client.get(f"/v1/jobs/{total_id}/explain", headers=bearer(token))).json()
+            assert own["after"]["total"] == 2 and "dependants" not in own
+            assert "waiting for 2" in own["nextStep"]

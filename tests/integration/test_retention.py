@@ -19,9 +19,11 @@ from jobrelay.errors import TransientError
 from jobrelay.maintenance.prune import Pruner
 from jobrelay.maintenance.reconcile import Reconciler
 from jobrelay.runtime.wiring import Runtime
+from jobrelay.storage.records import NewJob
 from jobrelay.storage.retention import PruneCounts, Retention
 from jobrelay.storage.tables import (
     effects_ledger,
+    job_dependencies,
     job_events,
     jobs,
     local_messages,
@@ -444,3 +446,31 @@ async def test_a_dead_letter_is_kept_for_the_retention_period_after_it_was_dead_
         assert await count(runtime, local_messages) == 0
     finally:
         await transport.close()
+
+
+async def test_a_job_that_a_waiting_job_still_needs_is_kept(runtime: Runtime) -> None:
+    """Issue 37: a dependency past retention stays while a job written ``after=`` it has not
+    ended (it reads its dependencies when it runs); it goes once that job has ended."""
+    done = await job_in_state(runtime.store, S.SUCCEEDED, T0, "2020-01")
+    other = await job_in_state(runtime.store, S.RUNNING, T0, "2020-02")
+    waiting = NewJob(
+        job_id="fan-in",
+        type="report.export",
+        account_id=None,
+        params={},
+        request_hash="h",
+        max_attempts=3,
+        after=(done, other),
+    )
+    await runtime.store.submit(waiting, T0)
+    clock(runtime).advance(timedelta(days=DAYS + 1).total_seconds())
+    await prune(runtime)
+    assert await runtime.store.get_job(done) is not None  # still needed
+    async with runtime.store.writing() as conn:
+        await conn.execute(
+            update(jobs).where(jobs.c.id == "fan-in").values(state=S.CANCELLED.value, updated_at=T0)
+        )
+    await prune(runtime)
+    assert await runtime.store.get_job(done) is None
+    assert await runtime.store.get_job("fan-in") is None
+    assert await count(runtime, job_dependencies) == 0

@@ -15,8 +15,15 @@ from typing import Any
 
 from jobrelay.admin.explain import ago, explain_document
 from jobrelay.domain.delays import runs_at_text
-from jobrelay.domain.disclosure import FAILED, PUBLIC_KEY, account_detail, account_error
+from jobrelay.domain.disclosure import (
+    DEPENDENCY_FAILED,
+    FAILED,
+    PUBLIC_KEY,
+    account_detail,
+    account_error,
+)
 from jobrelay.domain.states import JobState
+from jobrelay.storage.records import JobLinks
 from jobrelay.storage.store import EventRecord, JobRecord
 
 # Top-level keys of the operator document an account may see. Left out: lastPublishError
@@ -37,6 +44,9 @@ ACCOUNT_EXPLAIN_KEYS = (
     "runAt",
     "resultKey",
     "result",
+    # The jobs it runs after (its account's own: ``after=`` names no other account's). Not
+    # the jobs that wait for it: those may be on no account's behalf.
+    "after",
     "progress",
     "traceId",
     "createdAt",
@@ -48,9 +58,13 @@ ACCOUNT_ATTEMPT_KEYS = ("attempt", "startedAt", "outcome", "error", "endedAt", "
 
 
 def account_explain_document(
-    job: JobRecord, events: list[EventRecord], now: datetime, trace_id: str | None = None
+    job: JobRecord,
+    events: list[EventRecord],
+    now: datetime,
+    trace_id: str | None = None,
+    links: JobLinks | None = None,
 ) -> dict[str, Any]:
-    full = explain_document(job, events, now, trace_id)
+    full = explain_document(job, events, now, trace_id, links=links)
     shown: dict[str, Any] = {}
     for key in ACCOUNT_EXPLAIN_KEYS:
         value = full[key]
@@ -94,8 +108,14 @@ def account_next_step(job: JobRecord, now: datetime) -> str:
         reason = account_error(job.quarantine_reason or job.last_error, job.public_error)
         reason = reason or "no reason recorded"
         return f"stopped: {reason}; it runs again only if an operator replays it"
+    if job.state is JobState.CANCELLED and (job.public_error or "").startswith(
+        f"{DEPENDENCY_FAILED}:"
+    ):
+        return f"cancelled: {job.public_error}; it will not run"
     if job.state is JobState.CANCELLED:
         return "cancelled by an operator; it will not run"
+    if job.state is JobState.WAITING:
+        return f"waiting for {job.waiting_for} job(s) it runs after to end"
     if job.state is JobState.RUNNING:
         return f"running (attempt {job.attempt} of {job.max_attempts})"
     if job.state is JobState.RETRY_WAIT:

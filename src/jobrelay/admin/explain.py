@@ -23,11 +23,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from jobrelay.domain.delays import runs_at_text
+from jobrelay.domain.disclosure import DEPENDENCY_FAILED
 from jobrelay.domain.limits import FAIR, JobLimit, limiting, split_id
 from jobrelay.domain.states import JobState
 from jobrelay.runtime.wiring import open_runtime, utc_now
 from jobrelay.settings import Settings
 from jobrelay.storage.queue_pauses import QueuePause, pause_of
+from jobrelay.storage.records import JobLinks, LinkedJob
 from jobrelay.storage.store import EventRecord, JobRecord
 
 # Piped into a file or grep, lines are not wrapped at 80 columns (job ids stay whole).
@@ -125,8 +127,17 @@ def _next_step(
             f"quarantined: {job.quarantine_reason or job.last_error}; fix the cause, then "
             f"replay it: jobrelay job replay {job.id}"
         )
+    if job.state is JobState.CANCELLED and (job.public_error or "").startswith(
+        f"{DEPENDENCY_FAILED}:"
+    ):
+        return f"cancelled: {job.cancel_reason} (it was written with after_failure=cancel)"
     if job.state is JobState.CANCELLED:
         return "cancelled by an operator; later deliveries are acked without work"
+    if job.state is JobState.WAITING:
+        return (
+            f"waiting for {job.waiting_for} job(s) it runs after (`after=`) to end: the commit"
+            " that ends the last of them queues it; nothing holds it until then"
+        )
     if job.state is JobState.RUNNING and job.cancel_requested_at is not None:
         return (
             f"cancel requested by {job.cancel_requested_by} {ago(job.cancel_requested_at, now)}"
@@ -265,6 +276,7 @@ def explain_document(
     now: datetime,
     trace_id: str | None = None,
     pause: QueuePause | None = None,
+    links: JobLinks | None = None,
 ) -> dict[str, Any]:
     """Everything ``job show`` prints, as camelCase JSON."""
 
@@ -302,6 +314,10 @@ def explain_document(
         "leaseExpiresAt": iso(job.lease_expires_at),
         "resultKey": job.result_key,
         "result": job.result,
+        # ``after=`` (null: none): the jobs it runs after, how many have not ended; the
+        # jobs that wait for it.
+        "after": None if links is None else links.after_json(job),
+        "dependants": None if links is None else links.dependants_json(),
         "progress": (
             {"done": job.progress_done or 0, "total": job.progress_total}
             if job.progress_total is not None
@@ -340,6 +356,7 @@ def render_job(
     now: datetime,
     trace_id: str | None = None,
     pause: QueuePause | None = None,
+    links: JobLinks | None = None,
 ) -> None:
     owner = f"  account {job.account_id}" if job.account_id is not None else ""
     console.print(f"[bold]job {job.id}[/bold]  {escape(job.type + owner)}")
@@ -366,6 +383,10 @@ def render_job(
         facts.add_row("publish error", job.last_publish_error)
     if job.limits:
         facts.add_row("limits", ", ".join(_limit_text(limit) for limit in job.limits))
+    if links is not None and links.dependency_count:
+        facts.add_row("runs after", _links_text(links.dependencies, links.dependency_count, job))
+    if links is not None and links.dependant_count:
+        facts.add_row("waited for by", _links_text(links.dependants, links.dependant_count))
     facts.add_row("attempts", f"{job.attempt}/{job.max_attempts}")
     facts.add_row("last error", job.last_error or "-")
     if job.quarantine_reason:
@@ -439,13 +460,25 @@ async def show_job(
         events = await rt.store.events(job_id)
         trace_id = await AdminQueries(rt.store).trace_id(job_id)
         pause = await pause_of(rt.store, job.queue)
+        links = await rt.store.links_of(job_id)
     now = utc_now()
     if as_json:
-        print(json.dumps(explain_document(job, events, now, trace_id, pause), indent=2))
+        print(json.dumps(explain_document(job, events, now, trace_id, pause, links), indent=2))
     else:
-        render_job(job, events, now, trace_id, pause)
+        render_job(job, events, now, trace_id, pause, links)
         render_traceback(job, traceback)
     return True
+
+
+def _links_text(shown: Sequence[LinkedJob], total: int, job: JobRecord | None = None) -> str:
+    """``waiting for 3 of 1,000: a (succeeded), b (running), …`` or ``2 jobs: …``."""
+    if job is not None and job.state is JobState.WAITING:
+        head = f"waiting for {job.waiting_for:,} of {total:,}"
+    else:
+        head = f"{total:,} job{'s' if total != 1 else ''}"
+    listed = ", ".join(f"{j.job_id} ({j.state.value if j.state else 'pruned'})" for j in shown)
+    more = ", …" if total > len(shown) else ""
+    return escape(f"{head}: {listed}{more}")
 
 
 def _limit_text(limit: JobLimit) -> str:

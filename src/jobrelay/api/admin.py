@@ -266,10 +266,11 @@ async def explain_job(
         raise await missing_job(runtime, principal, canonical)
     events = await runtime.store.events(job.id)
     trace_id = await AdminQueries(runtime.store).trace_id(job.id)
+    links = await runtime.store.links_of(job.id)
     if principal.is_admin:
         pause = await pause_of(runtime.store, job.queue)
-        return explain_document(job, events, runtime.clock(), trace_id, pause)
-    return account_explain_document(job, events, runtime.clock(), trace_id)
+        return explain_document(job, events, runtime.clock(), trace_id, pause, links)
+    return account_explain_document(job, events, runtime.clock(), trace_id, links)
 
 
 async def _act(

@@ -11,10 +11,10 @@ indistinguishable from each other.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, StringConstraints
 
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
@@ -29,7 +29,7 @@ from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.schemas import IDEMPOTENCY_KEY_PATTERN, Accepted, IdempotencyKey, WireModel
 from jobrelay.domain import delays
 from jobrelay.domain.delays import RunTime
-from jobrelay.errors import InvalidParams, InvalidRunTime
+from jobrelay.errors import InvalidDependencies, InvalidParams, InvalidRunTime
 from jobrelay.http import accept_job
 
 router = APIRouter()
@@ -55,6 +55,19 @@ class JobRequest(WireModel):
         default=None,
         strict=True,  # a JSON number: true and "1" are not seconds
         description="Run no earlier than this many seconds from now (0 to 365 days).",
+    )
+    after: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
+        default_factory=list,
+        max_length=100_000,
+        description=(
+            "Job ids this job runs after: it is `waiting` until every one has ended"
+            " (at most JOBRELAY_MAX_DEPENDENCIES, each readable by the caller)."
+        ),
+    )
+    after_failure: Literal["cancel", "run"] = Field(
+        default="cancel",
+        description="What a job of `after` that ends quarantined or cancelled does: "
+        "cancel this one (naming it), or let it run.",
     )
 
 
@@ -113,7 +126,7 @@ def _run_time_problem(exc: InvalidRunTime) -> ProblemError:
         404: problem_openapi("No such job type, or it is not exposed over HTTP."),
         413: problem_openapi(f"The body is larger than {MAX_BODY_BYTES} bytes."),
         422: problem_openapi(
-            "Invalid body, params or run time, or a key reused with another request.",
+            "Invalid body, params, run time or dependencies, or a key reused with another request.",
             ValidationProblem,
         ),
         503: problem_openapi("The database is unavailable; nothing was changed."),
@@ -149,7 +162,12 @@ async def create_job(
             key=key,
             when=when,
             key_field="key",
+            after=body.after,
+            after_failure=body.after_failure,
         )
+    except InvalidDependencies as exc:
+        refused = [FieldError(field="after", message=str(exc)).model_dump()]
+        raise ProblemError(422, str(exc), title="Invalid dependencies", errors=refused) from None
     except InvalidParams as exc:
         errors = [
             FieldError(

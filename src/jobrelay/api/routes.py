@@ -16,11 +16,18 @@ import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
 
 from jobrelay.api.auth import Principal, PrincipalDep
 from jobrelay.api.deps import RuntimeDep
+from jobrelay.api.event_stream import (
+    KEEPALIVE_SECONDS,
+    MEDIA_TYPE,
+    last_event_id,
+    stream_events,
+    wants_stream,
+)
 from jobrelay.api.problems import (
     JOB_PRUNED,
     NOT_FINISHED,
@@ -133,10 +140,40 @@ def _watcher(request: Request, runtime: Runtime) -> Watcher:
     "/v1/jobs/{jobId}/events",
     response_model=EventsOut,
     summary="Everything that happened to a job, oldest first",
-    responses=_JOB_RESPONSES,
+    description=(
+        "With `Accept: text/event-stream`, a live stream of server-sent events: every event so"
+        " far, then each new one as it commits (the same events, order and redaction), each"
+        " with its `id`; `Last-Event-ID` resumes after it. The stream ends with an `end` event"
+        f" once the job has ended; an idle stream sends a comment every {KEEPALIVE_SECONDS:g} s."
+    ),
+    responses={
+        **_JOB_RESPONSES,
+        200: {
+            "description": "The timeline (JSON), or a stream of server-sent events.",
+            "content": {MEDIA_TYPE: {"schema": {"type": "string"}}},
+        },
+    },
 )
-async def get_events(job_id: JobIdPath, principal: PrincipalDep, runtime: RuntimeDep) -> EventsOut:
+async def get_events(
+    job_id: JobIdPath,
+    principal: PrincipalDep,
+    runtime: RuntimeDep,
+    accept: Annotated[str | None, Header(include_in_schema=False)] = None,
+    last_event: Annotated[
+        str | None,
+        Header(alias="Last-Event-ID", description="Resume a stream after this event's id."),
+    ] = None,
+) -> Any:
     job = await _visible_job(runtime, principal, job_id)
+    if wants_stream(accept):
+        frames = stream_events(
+            runtime, job.id, admin=principal.is_admin, after=last_event_id(last_event)
+        )
+        return StreamingResponse(
+            frames,
+            media_type=MEDIA_TYPE,
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
     events = await runtime.store.events(job.id)
     return EventsOut(events=[EventOut.from_record(e, admin=principal.is_admin) for e in events])
 

@@ -19,6 +19,7 @@ from jobrelay.domain.disclosure import account_detail, account_error
 
 # Re-exported: the routes read path ids with it; the CLI takes the same forms (domain.ids).
 from jobrelay.domain.ids import canonical_job_id as canonical_job_id
+from jobrelay.domain.states import JobState
 from jobrelay.storage.store import EventRecord, JobRecord
 
 # An account id (tokens act for one): lowercase letters, digits, '_' and '-'; 1-64 characters.
@@ -76,6 +77,11 @@ class JobOut(WireModel):
         "history after it ran.",
     )
     progress: Progress | None
+    waiting_for: int | None = Field(
+        default=None,
+        description="A `waiting` job's count of the jobs it runs after (`after`) that have not"
+        " ended yet; null for a job in any other state.",
+    )
     created_at: datetime
     updated_at: datetime
 
@@ -102,6 +108,7 @@ class JobOut(WireModel):
             next_attempt_at=job.next_attempt_at,
             run_at=job.run_at,
             progress=progress,
+            waiting_for=job.waiting_for if job.state is JobState.WAITING else None,
             created_at=job.created_at,
             updated_at=job.updated_at,
         )

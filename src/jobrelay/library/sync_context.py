@@ -21,7 +21,7 @@ import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel
@@ -31,6 +31,7 @@ from jobrelay.errors import AttemptSuperseded, ConfigError
 if TYPE_CHECKING:
     from jobrelay.library.context import JobContext, JobType
     from jobrelay.library.operations import JobThread
+    from jobrelay.storage.records import JobRecord
 
 P = TypeVar("P", bound=BaseModel)
 # How long a thread's ``ctx.progress`` waits for the loop to record it; the write is not
@@ -116,9 +117,22 @@ class SyncJobContext(Generic[P]):
         and that is the job's ``resultKey``."""
         return self._ctx.result_key(filename)
 
-    def follow_up(self, job: JobType | str, params: BaseModel | Mapping[str, Any]) -> str:
+    def follow_up(
+        self,
+        job: JobType | str,
+        params: BaseModel | Mapping[str, Any],
+        *,
+        after: Iterable[str] = (),
+        after_failure: str = "cancel",
+    ) -> str:
         """``JobContext.follow_up``: a job created with this job's success, once."""
-        return self._ctx.follow_up(job, params)
+        return self._ctx.follow_up(job, params, after=after, after_failure=after_failure)
+
+    def dependencies(self) -> list[JobRecord]:
+        """``JobContext.dependencies``: the jobs this one runs after, read on the worker's
+        loop (this thread waits for the read)."""
+        future = asyncio.run_coroutine_threadsafe(self._ctx.dependencies(), self._loop)
+        return future.result()
 
     @property
     def lease_is_lost(self) -> bool:

@@ -26,13 +26,13 @@ class EventsStore(StoreBase):
         async with self.reading() as conn:
             rows = (
                 await conn.execute(
-                    select(job_events.c.at, job_events.c.kind, job_events.c.detail)
+                    select(job_events.c.id, job_events.c.at, job_events.c.kind, job_events.c.detail)
                     .where(job_events.c.job_id == job_id)
                     .order_by(job_events.c.at, job_events.c.id)
                 )
             ).all()
         return causal_order(
-            [EventRecord(at=r.at, kind=r.kind, detail=r.detail or {}) for r in rows]
+            [EventRecord(at=r.at, kind=r.kind, detail=r.detail or {}, id=r.id) for r in rows]
         )
 
     async def record_event(self, job_id: str, kind: str, now: datetime, **detail: Any) -> None:

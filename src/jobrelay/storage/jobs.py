@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
     func,
@@ -21,13 +23,16 @@ from jobrelay.storage.drivers.new_job import steps_on
 from jobrelay.storage.engine import statement_tx
 from jobrelay.storage.records import (
     Clock,
+    JobLinks,
     JobRecord,
+    LinkedJob,
     NewJob,
     job_record,
 )
 from jobrelay.storage.steps import run_async
 from jobrelay.storage.tables import (
     UNFINISHED,
+    job_dependencies,
     jobs,
 )
 
@@ -130,6 +135,43 @@ class JobsStore(StoreBase):
                 rows = (await conn.execute(self.job_query().where(jobs.c.id.in_(chunk)))).all()
                 found.update((r.id, job_record(r)) for r in rows)
         return [found[i] for i in ids if i in found]
+
+    async def links_of(self, job_id: str, shown: int = 20) -> JobLinks:
+        """The first ``shown`` jobs ``job_id`` runs after and that run after it, with their
+        states, and how many of each (``job show``, explain, the console)."""
+        deps, dependant = job_dependencies, jobs.alias("dependant")
+        async with self.reading() as conn:
+            after = (
+                await conn.execute(
+                    select(deps.c.depends_on, jobs.c.state)
+                    .select_from(deps.outerjoin(jobs, jobs.c.id == deps.c.depends_on))
+                    .where(deps.c.job_id == job_id)
+                    .order_by(deps.c.position)
+                    .limit(shown)
+                )
+            ).all()
+            after_count = await conn.scalar(
+                select(func.count()).select_from(deps).where(deps.c.job_id == job_id)
+            )
+            before = (
+                await conn.execute(
+                    select(deps.c.job_id, dependant.c.state)
+                    .join(dependant, dependant.c.id == deps.c.job_id)
+                    .where(deps.c.depends_on == job_id)
+                    .order_by(deps.c.job_id)
+                    .limit(shown)
+                )
+            ).all()
+            before_count = await conn.scalar(
+                select(func.count()).select_from(deps).where(deps.c.depends_on == job_id)
+            )
+
+        def linked(rows: Sequence[Any]) -> tuple[LinkedJob, ...]:
+            return tuple(LinkedJob(r[0], None if r[1] is None else JobState(r[1])) for r in rows)
+
+        return JobLinks(
+            linked(after), int(after_count or 0), linked(before), int(before_count or 0)
+        )
 
     async def list_jobs(
         self, state: JobState | None = None, account_id: str | None = None, limit: int = 100

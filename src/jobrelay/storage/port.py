@@ -50,6 +50,7 @@ from jobrelay.storage.records import (
     CompleteRequest,
     EventRecord,
     Fenced,
+    JobLinks,
     JobRecord,
     NewJob,
     OutboxRow,
@@ -116,6 +117,9 @@ class Jobs(Protocol):
 
     async def dependencies_of(self, job_id: str) -> list[JobRecord]:
         """The jobs ``job_id`` runs after (``after=``), in the order given."""
+
+    async def links_of(self, job_id: str, shown: int = 20) -> JobLinks:
+        """The first ``shown`` jobs ``job_id`` runs after and that wait for it, and counts."""
 
     async def job_exists(self, job_id: str) -> bool:
         """Whether a committed row has this id."""

@@ -260,6 +260,45 @@ Claimed = tuple[Claim, JobRecord, JobState] | None
 
 
 @dataclass(frozen=True)
+class LinkedJob:
+    """A job another one runs after, or that runs after it: its id and state (None: pruned)."""
+
+    job_id: str
+    state: JobState | None
+
+
+@dataclass(frozen=True)
+class JobLinks:
+    """What ``after=`` ties a job to, for the people reading it: the first jobs it runs
+    after (in the order given) and how many in all, how many of those have not ended, and
+    the first jobs waiting for it and how many."""
+
+    dependencies: tuple[LinkedJob, ...]
+    dependency_count: int
+    dependants: tuple[LinkedJob, ...]
+    dependant_count: int
+
+    def after_json(self, job: JobRecord) -> dict[str, Any] | None:
+        if not self.dependency_count:
+            return None
+        return {
+            "total": self.dependency_count,
+            "waitingFor": job.waiting_for if job.state is JobState.WAITING else 0,
+            "afterFailure": job.after_failure,
+            "jobs": [_linked_json(j) for j in self.dependencies],
+        }
+
+    def dependants_json(self) -> dict[str, Any] | None:
+        if not self.dependant_count:
+            return None
+        return {"total": self.dependant_count, "jobs": [_linked_json(j) for j in self.dependants]}
+
+
+def _linked_json(job: LinkedJob) -> dict[str, Any]:
+    return {"jobId": job.job_id, "state": None if job.state is None else job.state.value}
+
+
+@dataclass(frozen=True)
 class PendingEvent:
     """An event to write later, in a batch (what happened after an outcome, e.g. ``ack_sent``)."""
 
@@ -274,6 +313,8 @@ class EventRecord:
     at: datetime
     kind: str
     detail: dict[str, Any]
+    # Its row's id (``job_events.id``): what a stream of the timeline resumes after.
+    id: int | None = None
 
 
 @dataclass(frozen=True)

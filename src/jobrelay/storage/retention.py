@@ -8,8 +8,9 @@ clock, as every other judgement by time):
   (``updated_at``: a finished job's last change is when it finished), with their
   ``job_events``, ``effects_ledger`` and ``outbox`` rows, and their result object unless
   ``JOBRELAY_RETENTION_KEEP_RESULTS``. Each leaves a ``pruned_jobs`` tombstone. Never a job
-  in any other state: ``quarantined`` waits for an operator, ``queued``, ``running`` and
-  ``retry_wait`` are still work.
+  in any other state: ``quarantined`` waits for an operator, ``waiting``, ``queued``,
+  ``running`` and ``retry_wait`` are still work; nor one that a job written with ``after=``
+  and not ended yet still needs (it reads its dependencies when it runs).
 - Published ``outbox`` rows of the jobs that stay, except each job's newest row: that one
   still says whether the job's latest message was published (``JobRecord.published``) and
   when the broker confirmed it (the reconciler's ``queued_unclaimed`` judges by it).
@@ -57,6 +58,7 @@ from jobrelay.storage.local_queue import QUARANTINE
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.tables import (
     effects_ledger,
+    job_dependencies,
     job_events,
     jobs,
     local_messages,
@@ -111,6 +113,17 @@ class PrunedJob:
     pruned_at: datetime
 
 
+def _still_needed() -> Any:
+    """A job that a job written with ``after=`` still needs: one that has not ended yet
+    reads it (``ctx.dependencies()``) when it runs."""
+    dependant = jobs.alias("dependant")
+    return exists().where(
+        job_dependencies.c.depends_on == jobs.c.id,
+        dependant.c.id == job_dependencies.c.job_id,
+        dependant.c.state.in_([s.value for s in JobState if not s.is_terminal]),
+    )
+
+
 class Retention:
     def __init__(
         self,
@@ -137,7 +150,7 @@ class Retention:
 
     @staticmethod
     def _finished_before(cutoff: datetime) -> list[Any]:
-        return [StoreBase.state_in(PRUNABLE), jobs.c.updated_at < cutoff]
+        return [StoreBase.state_in(PRUNABLE), jobs.c.updated_at < cutoff, ~_still_needed()]
 
     @staticmethod
     def _superseded_before(cutoff: datetime) -> list[Any]:
@@ -269,6 +282,7 @@ class Retention:
         if not locked:
             return 0
         victims = [r.id for r in locked]
+        await conn.execute(delete(job_dependencies).where(job_dependencies.c.job_id.in_(victims)))
         for table, name in ((job_events, "job_events"), (effects_ledger, "effects_ledger")):
             result = await conn.execute(delete(table).where(table.c.job_id.in_(victims)))
             setattr(counts, name, getattr(counts, name) + result.rowcount)

@@ -89,6 +89,18 @@
     return node;
   }
 
+  // "waiting for 3 of 1,000: <id> (succeeded), <id> (running), …": each id opens its job.
+  function linkedJobs(head, jobs, total) {
+    const node = el("span", null, "linked-jobs");
+    node.append(head + ": ");
+    jobs.forEach((j, i) => {
+      if (i) node.append(", ");
+      node.append(window.JR.jobLink(j.jobId, lookUp), " (" + (j.state || "pruned") + ")");
+    });
+    if (total > jobs.length) node.append(", …");
+    return node;
+  }
+
   // The hand-offs of the job's final attempt, in order (lane.js); the lane shows how long
   // each took and where it waits.
   function renderLane(job) {
@@ -139,6 +151,17 @@
     facts.replaceChildren();
     fact(facts, "account", job.accountId);
     fact(facts, "params", JSON.stringify(job.params));
+    // after=: the jobs it runs after ("waiting for 3 of 1,000") and those waiting for it.
+    if (job.after) {
+      const head = job.state === "waiting"
+        ? "waiting for " + job.after.waitingFor.toLocaleString() + " of " + job.after.total.toLocaleString()
+        : job.after.total.toLocaleString() + (job.after.total === 1 ? " job" : " jobs");
+      fact(facts, "runs after", linkedJobs(head, job.after.jobs, job.after.total));
+    }
+    if (job.dependants) {
+      const head = job.dependants.total.toLocaleString() + (job.dependants.total === 1 ? " job" : " jobs");
+      fact(facts, "waited for by", linkedJobs(head, job.dependants.jobs, job.dependants.total));
+    }
     const delayed = job.state === "queued" && job.runAt && Date.parse(job.runAt) > Date.now();
     if (job.runAt) fact(facts, delayed ? "runs at" : "run at", when(job.runAt));
     fact(facts, "published", job.published ? "yes" : delayed ? "not yet: held until its run time" : job.unpublishedSince ? "no (an outbox row waits since " + ago(job.unpublishedSince) + ")" : "no");
@@ -195,7 +218,7 @@
   function renderActions(job) {
     const replayable = job.state === "quarantined";
     // A running job's cancel is a request: its worker stops it and it ends cancelled.
-    const cancellable = ["queued", "running", "retry_wait", "quarantined"].includes(job.state);
+    const cancellable = ["waiting", "queued", "running", "retry_wait", "quarantined"].includes(job.state);
     $("replay").hidden = !(session.admin && replayable);
     $("cancel").hidden = !(session.admin && cancellable);
     renderResend(job);

@@ -166,7 +166,7 @@
       const byState = view.counts.byState;
       const cards = $("state-counts");
       cards.replaceChildren();
-      for (const state of ["queued", "running", "retry_wait", "succeeded", "quarantined", "cancelled"]) {
+      for (const state of ["waiting", "queued", "running", "retry_wait", "succeeded", "quarantined", "cancelled"]) {
         const card = listLink("state", state, null);
         card.className = "card state-card " + state;
         card.dataset.state = state;
