@@ -175,3 +175,19 @@ def test_a_frameworks_own_datetime_converter_does_not_confuse_the_keys_read(
             raw.close()
     finally:
         engine.dispose()
+
+
+def test_many_jobs_and_a_job_after_them_on_the_frameworks_connection(
+    raw: Any, database_url: str
+) -> None:
+    """Issue 37: ``enqueue_many_sync`` and ``after=`` on a raw DB-API connection (a list bound
+    into one statement, an ``IN`` over the dependencies' ids)."""
+    ids = ping.enqueue_many_sync(raw, [{"n": i} for i in range(700)], keys=None)
+    again = ping.enqueue_many_sync(raw, [{"n": 1}, {"n": 2}], keys=["k-1", "k-2"])
+    assert ping.enqueue_many_sync(raw, [{"n": 1}, {"n": 2}], keys=["k-1", "k-2"]) == again
+    total = ping.enqueue_sync(raw, {"n": -1}, after=ids[:3])
+    raw.commit()
+    for job_id in (*ids, *again):
+        assert _counts(database_url, job_id)[1:] == (1, 1, 1), job_id
+    # Waiting: the job and its event, no outbox row until its dependencies have ended.
+    assert _counts(database_url, total)[1:] == (1, 0, 1)

@@ -35,7 +35,8 @@ from jobrelay.storage.drivers.dbapi import (
     require_atomic,
     run_dbapi,
 )
-from jobrelay.storage.drivers.new_job import new_job_steps, new_jobs_steps
+from jobrelay.storage.drivers.new_job import new_job_steps
+from jobrelay.storage.drivers.new_jobs import new_jobs_steps
 from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import NewJob, work_destination
 from jobrelay.storage.steps import Steps, run_async, run_sync

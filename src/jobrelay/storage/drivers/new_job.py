@@ -35,7 +35,6 @@ from sqlalchemy import (
     func,
     insert,
     literal,
-    null,
     select,
     text,
     update,
@@ -117,11 +116,11 @@ def _pg_delayed(
 
 # ``runAt`` as Python's ``isoformat()`` writes a UTC time (no fraction when it is zero), so
 # the event reads the same whichever clock made the time. The colons are escaped for text().
-_PG_ISO_RUN_AT = r"""json_build_object('type', CAST(:nj_type AS text), 'runAt',
-        to_char(run_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24\:MI\:SS')
+PG_ISO_RUN_AT = r"""to_char(run_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24\:MI\:SS')
         || CASE WHEN mod(CAST(date_part('microseconds', run_at) AS bigint), 1000000) = 0
                 THEN '' ELSE to_char(run_at AT TIME ZONE 'UTC', '.US') END
-        || '+00\:00')"""
+        || '+00\:00'"""
+_PG_DELAYED_DETAIL = f"json_build_object('type', CAST(:nj_type AS text), 'runAt', {PG_ISO_RUN_AT})"
 _LIMITS = (", limits, turn_key", ", CAST(:nj_limits AS json), CAST(:nj_turn AS varchar)")
 # A job under limits: its outbox row waits for the job's admission (``tables.outbox``).
 _AWAITING = (", awaiting_admission", ", true")
@@ -157,7 +156,7 @@ def _pg_new_job(due: str, limited: bool) -> Executable:
     # ``now()`` is when its claim runs.
     sql = _pg_delayed(
         "statement_timestamp() + make_interval(secs => CAST(:nj_delay AS double precision))",
-        _PG_ISO_RUN_AT,
+        _PG_DELAYED_DETAIL,
         cols,
         vals,
         limited,
@@ -231,7 +230,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     if job.previous_job_id is not None:
         earlier = (yield (_EXISTING_HASH, {"nj_id": job.previous_job_id})).first()
         if earlier is not None:
-            return _same_request(job.previous_job_id, job, earlier.request_hash)
+            return same_request(job.previous_job_id, job, earlier.request_hash)
     if job.after:
         return (yield from _waiting_job_steps(dialect, job, now))
     body = JobMessage(job_id=job.job_id, type=job.type).encode().decode()
@@ -277,7 +276,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
             # The id was inserted by a transaction that committed after this statement began
             # (ON CONFLICT waited for it): read it again, with a snapshot that sees it.
             existing = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).scalar_one()
-        return _same_request(job.job_id, job, existing)
+        return same_request(job.job_id, job, existing)
     due = {} if job.delay is None else {"run_at": sqlite_due(job.delay)}
     inserted = yield (
         sqlite.insert(jobs)
@@ -292,7 +291,7 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
     row = inserted.first()
     if row is None:
         existing = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).scalar_one()
-        return _same_request(job.job_id, job, existing)
+        return same_request(job.job_id, job, existing)
     run_at = row.run_at if due else job.run_at  # the database's, for a delay
     yield (
         insert(outbox).values(
@@ -315,117 +314,6 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
         None,
     )
     return job.job_id, True
-
-
-def new_jobs_steps(dialect: str, batch: Sequence[NewJob], now: datetime) -> Steps[list[str]]:
-    """Many new jobs in statements of many rows (``enqueue_many``): their ``jobs`` rows,
-    then the outbox rows and ``accepted`` events of those written, ``CHUNK_ROWS`` at a time;
-    the ids in order. The rules of ``new_job_steps`` hold for each: an id that exists with
-    the same request hash is that request again (nothing written), another hash raises
-    ``IdempotencyConflict``. A job with ``after=``, or one whose key also has an id under a
-    previous secret (a rotation's window), is written by ``new_job_steps`` on its own."""
-    if dialect not in ("postgresql", "sqlite"):
-        raise ConfigError("connection", f"jobrelay supports PostgreSQL and SQLite, not {dialect}")
-    ids: list[str] = []
-    plain: list[NewJob] = []
-    for job in batch:
-        if job.after or job.previous_job_id is not None:
-            ids.append((yield from new_job_steps(dialect, job, now))[0])
-        else:
-            ids.append(job.job_id)
-            plain.append(job)
-    upsert = postgresql.insert(jobs) if dialect == "postgresql" else sqlite.insert(jobs)
-    notify = False
-    for start in range(0, len(plain), CHUNK_ROWS):
-        chunk = plain[start : start + CHUNK_ROWS]
-        rows = yield (
-            upsert.values([_uniform(_job_values(dialect, job, now), _JOB_KEYS) for job in chunk])
-            .on_conflict_do_nothing(index_elements=[jobs.c.id])
-            .returning(jobs.c.id, jobs.c.run_at),
-            None,
-        )
-        written = {row.id: row.run_at for row in rows.all()}
-        others = sorted({job.job_id for job in chunk} - written.keys())
-        existing: dict[str, str] = {}
-        if others:
-            rows = yield (
-                select(jobs.c.id, jobs.c.request_hash).where(jobs.c.id.in_(others)),
-                None,
-            )
-            existing = {row.id: row.request_hash for row in rows.all()}
-        fresh: dict[str, NewJob] = {}
-        for job in chunk:
-            if job.job_id in fresh:  # named twice in the batch: the first one's request
-                _same_request(job.job_id, job, fresh[job.job_id].request_hash)
-            elif job.job_id in written:
-                fresh[job.job_id] = job
-            else:
-                _same_request(job.job_id, job, existing[job.job_id])
-        if not fresh:
-            continue
-        yield (
-            insert(outbox).values(
-                [
-                    _uniform(
-                        {
-                            "job_id": job.job_id,
-                            "destination": job.destination or work_destination(job.queue),
-                            "body": JobMessage(job_id=job.job_id, type=job.type).encode().decode(),
-                            "headers": dict(job.headers or {}),
-                            "created_at": now,
-                            "available_at": written[job.job_id],
-                            "awaiting_admission": bool(job.limits),
-                        },
-                        ("available_at",),
-                    )
-                    for job in fresh.values()
-                ]
-            ),
-            None,
-        )
-        yield (
-            insert(job_events).values(
-                [
-                    {
-                        "job_id": job.job_id,
-                        "at": now,
-                        "kind": "accepted",
-                        "detail": accepted_detail(job, written[job.job_id]),
-                    }
-                    for job in fresh.values()
-                ]
-            ),
-            None,
-        )
-        notify = True
-    if notify and dialect == "postgresql":
-        # Delivered at commit, to listening relays only: a hint, never the only path.
-        yield (select(func.pg_notify(NOTIFY_CHANNEL, "")), None)
-    return ids
-
-
-# Rows per multi-row statement: far below every driver's limit on bound values (asyncpg's
-# 32,767), and long enough that a batch costs a few round trips, not one per job.
-CHUNK_ROWS = 500
-
-
-def _job_values(dialect: str, job: NewJob, now: datetime) -> dict[str, Any]:
-    due: dict[str, Any] = {}
-    if job.delay is not None:
-        due = {"run_at": sqlite_due(job.delay) if dialect == "sqlite" else _pg_due(job.delay)}
-    return {**queued_job_row(job, now), **due}
-
-
-_JOB_KEYS = ("run_at", "limits", "turn_key")
-
-
-def _uniform(values: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
-    """Every row of a multi-row INSERT names the same columns: an optional one a row does
-    not set (``keys``) is SQL NULL there, never JSON ``null`` in a JSON column."""
-    for key in keys:
-        if values.get(key) is None:
-            values[key] = null()
-    return values
 
 
 def _waiting_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, bool]]:
@@ -490,7 +378,7 @@ def _waiting_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[
     ).first()
     if inserted is None:
         existing = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).scalar_one()
-        return _same_request(job.job_id, job, existing)
+        return same_request(job.job_id, job, existing)
     for start in range(0, len(after), CHUNK):
         yield (
             insert(job_dependencies).values(
@@ -578,7 +466,7 @@ def _pg_statement(job: NewJob) -> Executable:
     return _pg_new_job(due, bool(job.limits))
 
 
-def _same_request(job_id: str, job: NewJob, existing_hash: str) -> tuple[str, bool]:
+def same_request(job_id: str, job: NewJob, existing_hash: str) -> tuple[str, bool]:
     """An existing job under ``job_id``: the same request again, or a reused key."""
     if existing_hash != job.request_hash:
         raise IdempotencyConflict(
