@@ -1,5 +1,6 @@
 """What one account may keep: at most ``JOBRELAY_ACCOUNT_MAX_UNFINISHED_JOBS`` unfinished
-jobs (queued, delayed, running, waiting to retry), on every API route that accepts jobs, and
+jobs (waiting on others, queued, delayed, running, waiting to retry), on every API route that
+accepts jobs, and
 a job list page of at most ``MAX_PAGE_BYTES`` whatever its ``limit`` (issue 34, item 13).
 On SQLite and PostgreSQL."""
 
@@ -22,6 +23,7 @@ from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage import jobs as jobs_module
 from jobrelay.storage.engine import read_only
 from jobrelay.storage.jobs import QUOTA_RECOUNT_SECONDS
+from jobrelay.storage.store import Store
 from jobrelay.storage.tables import jobs
 
 from .api_fixtures import api_client, bearer, build_runtime, make_token
@@ -147,3 +149,23 @@ async def test_a_job_list_page_stays_under_its_byte_bound_and_the_cursor_goes_on
                 break
     assert pages >= 3
     assert len(seen) == len(set(seen)) == total
+
+
+async def test_jobs_waiting_on_others_count_against_the_quota(rt: Runtime) -> None:
+    """Issue 37: a ``waiting`` job (``after=``) is unfinished. Counted from the database (a
+    fresh API process, no count of its own yet): an account at its quota cannot add jobs that
+    wait on one of its own."""
+    token = await make_token(rt, "acme")
+    async with api_client(rt) as client:
+        first = await client.post("/v1/jobs", json=later(0), headers=bearer(token))
+        assert first.status_code == 202, first.text
+        part = first.json()["jobId"]
+        for n in (1, 2):
+            body = {"type": "quota.blob", "params": {"n": n}, "after": [part]}
+            waiting = await client.post("/v1/jobs", json=body, headers=bearer(token))
+            assert waiting.status_code == 202, waiting.text
+    # Another API process: a store with no count of its own reads it from the database.
+    fresh = dataclasses.replace(rt, store=Store(rt.engine))
+    async with api_client(fresh) as client:
+        body = {"type": "quota.blob", "params": {"n": 3}, "after": [part]}
+        over_quota(await client.post("/v1/jobs", json=body, headers=bearer(token)))

@@ -138,7 +138,8 @@ Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)
 # The account's unfinished jobs, for its quota (JOBRELAY_ACCOUNT_MAX_UNFINISHED_JOBS, migration
 # 0015): a count on each accept reads only these entries, never the finished history. The
 # condition is spelled as the quota's query spells it (SQLite matches it by its terms).
-UNFINISHED = "state IN ('queued', 'running', 'retry_wait')"
+# ``waiting`` (migration 0019): a job written with ``after=`` holds its place too.
+UNFINISHED = "state IN ('waiting', 'queued', 'running', 'retry_wait')"
 Index(
     "ix_jobs_account_unfinished",
     jobs.c.account_id,
