@@ -205,7 +205,8 @@ async def accept_job(
             errors=[FieldError(field=key_field, message=str(exc)).model_dump()],
         ) from None
     if created:
-        rt.metrics.transition(_NEW_JOB, JobState.QUEUED.value)
+        first = JobState.WAITING if job.after else JobState.QUEUED
+        rt.metrics.transition(_NEW_JOB, first.value)
     rt.faults.hit("api.before_response", params=job.params)
     log.info(
         "job accepted" if created else "job already accepted",

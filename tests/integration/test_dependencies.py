@@ -275,3 +275,98 @@ async def test_post_jobs_takes_after_and_explain_shows_the_wait(make_pipeline: A
             own = (await client.get(f"/v1/jobs/{total_id}/explain", headers=bearer(token))).json()
             assert own["after"]["total"] == 2 and "dependants" not in own
             assert "waiting for 2" in own["nextStep"]
+
+
+async def test_the_same_request_again_is_the_same_job_after_its_dependency_is_pruned(
+    make_pipeline: Any,
+) -> None:
+    """Found in review: the repeat read its dependencies before looking for itself, so once
+    one was pruned (retention, after the job ended) the same request was refused."""
+    async with make_pipeline() as p:
+        now = p.rt.clock()
+        a = (await p.store.submit(part.new_job(Part(i=1)), now))[0]
+        first = total.new_job(Total(), job_id="fan-in-again", after=[a])
+        assert await p.store.submit(first, now) == ("fan-in-again", True)
+        async with p.rt.store.writing() as conn:
+            await conn.execute(job_events.delete().where(job_events.c.job_id == a))
+            await conn.execute(outbox.delete().where(outbox.c.job_id == a))
+            await conn.execute(jobs.delete().where(jobs.c.id == a))
+        assert await p.store.submit(first, now) == ("fan-in-again", False)
+
+
+async def test_a_follow_up_after_jobs_that_do_not_exist_fails_only_its_own_job(
+    make_pipeline: Any,
+) -> None:
+    """Found in review: the follow-up's refusal raised out of the whole completion batch, so
+    every job of the batch stayed running, and the offending one was retried for ever. Now
+    only its own outcome is refused (and the worker quarantines it with why), and a bad
+    ``after=`` is refused at ``ctx.follow_up`` already."""
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        bad = (await p.store.submit(start.new_job(Start(after=["no-such-job"])), now))[0]
+        good = (await p.store.submit(part.new_job(Part(i=2)), now))[0]
+        p.start_relay()
+        await p.start_worker()
+        failed = await p.wait_for(bad, lambda j: j.state.is_terminal)
+        assert failed.state is JobState.QUARANTINED and failed.attempt == 1
+        assert "no-such-job" in (failed.quarantine_reason or ""), failed.quarantine_reason
+        done = await p.wait_for(good, lambda j: j.state.is_terminal)
+        assert done.state is JobState.SUCCEEDED
+    with pytest.raises(jobrelay.InvalidDependencies, match="not a single string"):
+        context_of(app).follow_up(total, Total(), after="0193-one-id")  # type: ignore[arg-type]
+
+
+def context_of(application: jobrelay.App) -> jobrelay.JobContext[Total]:
+    """A job's context as a body sees it, for what ``follow_up`` refuses before any write."""
+    from jobrelay.library.context import JobContext
+
+    return JobContext(
+        job_id="j",
+        job_type="lab.total",
+        attempt=1,
+        params=Total(),
+        account=None,
+        results=None,  # type: ignore[arg-type]
+        engine=None,  # type: ignore[arg-type]
+        lease_lost=None,  # type: ignore[arg-type]
+        report_progress=None,  # type: ignore[arg-type]
+        make_follow_up=lambda job, params: total.new_job(params),
+    )
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+async def test_a_released_job_carries_its_requests_trace_and_an_operators_cancel_cascades(
+    make_pipeline: Any,
+) -> None:
+    """Found in review: a waiting job's message was written without the request's trace.
+    And an operator's cancel of a waiting job ends it like any end: the job after it is
+    cancelled (default) or, with ``after_failure="run"``, queued."""
+    from jobrelay.storage.admin import AdminQueries
+
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        now = p.rt.clock()
+        a = (await p.store.submit(part.new_job(Part(i=3)), now))[0]
+        traced = total.new_job(Total(), after=[a], headers={"traceparent": TRACEPARENT})
+        t = (await p.store.submit(traced, now))[0]
+        p.start_relay()
+        await p.start_worker()
+        done = await p.wait_for(t, lambda j: j.state.is_terminal)
+        assert done.state is JobState.SUCCEEDED
+        assert await AdminQueries(p.rt.store).trace_id(t) == TRACEPARENT.split("-")[1]
+
+        b = (await p.store.submit(part.new_job(Part(i=4)), now))[0]
+        w = (await p.store.submit(total.new_job(Total(), after=[b, a]), now))[0]  # waits on b
+        x = (await p.store.submit(total.new_job(Total(), after=[w]), now))[0]
+        y = (await p.store.submit(total.new_job(Total(), after=[w], after_failure="run"), now))[0]
+        outcome = await AdminQueries(p.rt.store).cancel(
+            w, actor="test", reason="no longer needed", now=now
+        )
+        assert outcome.done, outcome
+        cancelled = await p.wait_for(x, lambda j: j.state is not JobState.WAITING)
+        assert cancelled.state is JobState.CANCELLED and w in (cancelled.cancel_reason or "")
+        ran = await p.wait_for(y, lambda j: j.state.is_terminal)
+        assert ran.state is JobState.SUCCEEDED

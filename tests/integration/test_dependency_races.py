@@ -113,3 +113,60 @@ async def test_a_total_enqueued_while_its_part_completes_is_never_stranded(
 
         await asyncio.gather(enqueue(), complete())
         assert await _released(one, t) == (JobState.QUEUED, 1, 1), n
+
+
+async def test_an_enqueue_after_a_waiting_job_and_its_dependency_never_deadlocks_an_end(
+    stores: tuple[Store, Store],
+) -> None:
+    """Found in review: the enqueue locked its dependencies in id order, the waiting one (W)
+    before the one it waits for (A), while A's completion held A and counted W down: a
+    ``deadlock detected``. Now the enqueue locks the jobs that wait for nothing first."""
+    one, two = stores
+    for n in range(ROUNDS):
+        a, w, t = f"z-a-{n}", f"a-w-{n}", f"m-t-{n}"  # w < a < t by id
+        await one.submit(_job(a), datetime.now(UTC))
+        await one.submit(_job(w, after=(a,)), datetime.now(UTC))
+        claim = await _claim(one, a, "w1")
+
+        async def enqueue(job_id: str = t, deps: tuple[str, ...] = (w, a)) -> None:
+            await asyncio.sleep(random.uniform(0, 0.004))
+            await two.submit(_job(job_id, after=deps), datetime.now(UTC))
+
+        async def complete(claim: Any = claim) -> None:
+            await asyncio.sleep(random.uniform(0, 0.004))
+            assert (await one.complete(claim, None, {}, datetime.now(UTC))).won
+
+        await asyncio.gather(enqueue(), complete())
+        assert await _released(one, w) == (JobState.QUEUED, 1, 1), n
+        total = await one.get_job(t)
+        assert total is not None and (total.state, total.waiting_for) == (JobState.WAITING, 1)
+
+
+async def test_a_cancel_cascade_and_a_completion_never_deadlock(
+    stores: tuple[Store, Store],
+) -> None:
+    """Found in review: W waits for A and B, V (below W by id) for B and W. A quarantined
+    (holds W, then V in its cascade) while B completes (holds V, then W): each end now locks
+    every waiting job it can reach, in id order, before counting any down."""
+    one, two = stores
+    for n in range(ROUNDS):
+        a, b, w, v = f"a-{n}", f"b-{n}", f"w-{n}", f"v-{n}"  # v < w
+        now = datetime.now(UTC)
+        for job_id in (a, b):
+            await one.submit(_job(job_id), now)
+        await one.submit(_job(w, after=(a, b)), now)
+        await one.submit(_job(v, after=(b, w)), now)
+        claim_a, claim_b = await _claim(one, a, "w1"), await _claim(two, b, "w2")
+
+        async def fail(claim: Any = claim_a) -> None:
+            await asyncio.sleep(random.uniform(0, 0.004))
+            assert await one.quarantine(claim.job_id, "no", datetime.now(UTC), claim=claim)
+
+        async def succeed(claim: Any = claim_b) -> None:
+            await asyncio.sleep(random.uniform(0, 0.004))
+            assert (await two.complete(claim, None, {}, datetime.now(UTC))).won
+
+        await asyncio.gather(fail(), succeed())
+        for job_id in (w, v):
+            job = await one.get_job(job_id)
+            assert job is not None and job.state is JobState.CANCELLED, (n, job_id, job)

@@ -17,10 +17,10 @@ replay it once per round); a job that arrived meanwhile is not swept in. A call 
 ``before`` starts a new operation, so an interrupted run is run again by starting afresh.
 
 The filter is kept to the action's legal source states (replay: ``quarantined``; cancel:
-``queued``, ``running``, ``retry_wait``, ``quarantined``): each body's schema allows only
-those, so another state is a 422 like any other invalid body. A running job's cancel is a
-request (``storage.cancels``): it counts as done, and the job no longer matches (its worker
-ends it ``cancelled``).
+``waiting``, ``queued``, ``running``, ``retry_wait``, ``quarantined``): each body's schema
+allows only those, so another state is a 422 like any other invalid body. A running job's
+cancel is a request (``storage.cancels``): it counts as done, and the job no longer matches
+(its worker ends it ``cancelled``).
 
 A call the database fails part-way through has changed some jobs already (each job is its
 own transaction): its 503 says so (``cutShort``), naming the jobs it changed, the one whose
@@ -108,7 +108,7 @@ class ReplayFilter(_Filter):
 
 
 class CancelFilter(_Filter):
-    state: Literal["queued", "running", "retry_wait", "quarantined"] | None = None
+    state: Literal["waiting", "queued", "running", "retry_wait", "quarantined"] | None = None
 
 
 class _Bulk(_Reasoned):

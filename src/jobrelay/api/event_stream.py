@@ -2,10 +2,11 @@
 client follows a job without polling the JSON route.
 
 The stream sends every event so far, then each new one as it commits, each as the JSON route
-shows it (``EventOut``: the same redaction for an account's token), with the event's row id as
-the SSE ``id``. A client that reconnects sends ``Last-Event-ID`` and gets only the events after
-it. Once the job has ended, the events written just after its end (the ack's) are sent too,
-then an ``end`` event, and the stream closes. An idle stream sends a comment every
+shows it (``EventOut``: the same redaction for an account's token). Each frame's SSE ``id`` is a
+cursor over the events' row ids (``Resume``): a client that reconnects sends it back as
+``Last-Event-ID`` and gets exactly the events it had not received. Once the job has ended,
+the events written just after its end (the ack's) are sent too, then an ``end`` event, and
+the stream closes. An idle stream sends a comment every
 ``KEEPALIVE_SECONDS`` so that proxies keep it open; each stream is one of the API's counted
 connections (``processes.http_guard``), dropped like any other whose client stops reading.
 
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 from jobrelay.api.schemas import EventOut
 from jobrelay.domain.timeline import PUBLISHED, message_of
@@ -40,33 +42,78 @@ def wants_stream(accept: str | None) -> bool:
     return accept is not None and MEDIA_TYPE in accept.lower()
 
 
-def _frame(event: EventRecord, admin: bool) -> bytes:
+def _frame(event: EventRecord, admin: bool, cursor: str) -> bytes:
     data = EventOut.from_record(event, admin=admin).model_dump_json(by_alias=True)
-    return f"id: {event.id}\nevent: {event.kind}\ndata: {data}\n\n".encode()
+    return f"id: {cursor}\nevent: {event.kind}\ndata: {data}\n\n".encode()
 
 
-def last_event_id(header: str | None) -> int | None:
-    """The ``Last-Event-ID`` a reconnecting client sent; None when absent or not an id."""
-    if header is None or not header.strip().isdigit():
-        return None
-    return int(header.strip())
+@dataclass
+class Resume:
+    """Where a stream stands: every event with a row id up to ``below`` was sent, and so
+    were ``above`` (a ``published`` moved up before an earlier-numbered delivery event, as
+    the timeline orders them). Sent as each frame's SSE ``id`` (``12`` or ``12:14,15``) and
+    read back from ``Last-Event-ID``, so a client that reconnects gets exactly the events it
+    had not received, in whichever order they were sent."""
+
+    below: int = 0
+    above: frozenset[int] = frozenset()
+
+    @classmethod
+    def parse(cls, header: str | None) -> Resume | None:
+        """The cursor a reconnecting client sent; None when absent or not one of ours."""
+        if header is None:
+            return None
+        head, _, tail = header.strip().partition(":")
+        try:
+            below = int(head)
+            above = frozenset(int(i) for i in tail.split(",")) if tail else frozenset()
+        except ValueError:
+            return None
+        if below < 0 or any(i <= below for i in above):
+            return None
+        return cls(below, above)
+
+    def has(self, event_id: int) -> bool:
+        return event_id <= self.below or event_id in self.above
+
+    def after_sending(self, event_id: int, known: Iterable[int]) -> Resume:
+        """This cursor with ``event_id`` sent; ``known``: every id read so far."""
+        above = set(self.above) | {event_id}
+        below = self.below
+        for i in sorted(i for i in known if i > below):
+            if i not in above:
+                break
+            below = i
+            above.discard(i)
+        return Resume(below, frozenset(above))
+
+    def __str__(self) -> str:
+        extra = ",".join(str(i) for i in sorted(self.above))
+        return f"{self.below}:{extra}" if extra else str(self.below)
+
+
+def last_event_id(header: str | None) -> Resume | None:
+    """The ``Last-Event-ID`` a reconnecting client sent (``Resume.parse``)."""
+    return Resume.parse(header)
 
 
 async def stream_events(
-    runtime: Runtime, job_id: str, *, admin: bool, after: int | None
+    runtime: Runtime, job_id: str, *, admin: bool, after: Resume | None
 ) -> AsyncIterator[bytes]:
     """The job's timeline as SSE frames, then ``end`` once it has ended."""
-    sent: set[int] = set()
+    cursor = after or Resume()
+    known: set[int] = set()
     held: dict[int, float] = {}
     ended_at: float | None = None
     quiet_since = time.monotonic()
     yield f"retry: {RETRY_MILLISECONDS}\n\n".encode()
     while True:
         events = await runtime.store.events(job_id)
+        known.update(e.id for e in events if e.id is not None)
         published = {message_of(e) for e in events if e.kind == PUBLISHED}
         waiting = False
         for event in events:
-            if event.id is None or event.id in sent or (after is not None and event.id <= after):
+            if event.id is None or cursor.has(event.id):
                 continue
             ref = message_of(event)
             if event.kind != PUBLISHED and ref is not None and ref not in published:
@@ -74,9 +121,9 @@ async def stream_events(
                 if time.monotonic() - since < HOLD_SECONDS:
                     waiting = True
                     break  # nothing after it either: the order is kept
-            sent.add(event.id)
+            cursor = cursor.after_sending(event.id, known)
             quiet_since = time.monotonic()
-            yield _frame(event, admin)
+            yield _frame(event, admin, str(cursor))
         job = await runtime.store.get_job(job_id)
         now = time.monotonic()
         if job is None or job.state.is_terminal:
@@ -91,4 +138,11 @@ async def stream_events(
         await asyncio.sleep(POLL_SECONDS)
 
 
-__all__ = ["KEEPALIVE_SECONDS", "MEDIA_TYPE", "last_event_id", "stream_events", "wants_stream"]
+__all__ = [
+    "KEEPALIVE_SECONDS",
+    "MEDIA_TYPE",
+    "Resume",
+    "last_event_id",
+    "stream_events",
+    "wants_stream",
+]

@@ -20,6 +20,8 @@ from typing import Any, Generic, Protocol, TypeVar
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from jobrelay.domain.dependencies import dependencies_of
+from jobrelay.domain.ids import request_hash
 from jobrelay.results.base import ResultSession, ResultStore
 from jobrelay.storage.engine import read_only, snapshot
 from jobrelay.storage.records import JobRecord, NewJob
@@ -72,6 +74,7 @@ class JobContext(Generic[P]):
         make_follow_up: Callable[[JobType | str, BaseModel | Mapping[str, Any]], NewJob],
         fault_point: Callable[[str], Awaitable[None]] | None = None,
         load_dependencies: Callable[[], Awaitable[list[JobRecord]]] | None = None,
+        max_dependencies: int = 10_000,
     ) -> None:
         self.job_id = job_id
         self.job_type = job_type
@@ -88,6 +91,7 @@ class JobContext(Generic[P]):
         self._make_follow_up = make_follow_up
         self._fault_point = fault_point
         self._load_dependencies = load_dependencies
+        self._max_dependencies = max_dependencies
         self.follow_ups: list[NewJob] = []
 
     async def progress(self, done: int, total: int) -> None:
@@ -125,8 +129,16 @@ class JobContext(Generic[P]):
         ``after`` / ``after_failure``: as for ``enqueue``, it runs once those jobs have ended.
         """
         new = self._make_follow_up(job, params)
-        if after:
-            new = replace(new, after=tuple(after), after_failure=after_failure)
+        if after or after_failure != "cancel":
+            deps = dependencies_of(after, after_failure, self._max_dependencies)
+            new = replace(
+                new,
+                after=deps.ids,
+                after_failure=deps.after_failure,
+                request_hash=request_hash(
+                    new.account_id, new.type, new.params, None, deps.requested
+                ),
+            )
         self.follow_ups.append(new)
         return new.job_id
 

@@ -547,6 +547,7 @@ class JobDefinition(Generic[P]):
             make_follow_up=follow_up,
             fault_point=fault_point,
             load_dependencies=lambda: ctx.store.dependencies_of(job.id),
+            max_dependencies=self.app.settings.max_dependencies,
         )
         if self.in_thread:
             sync_fn = cast("SyncJobFunction[P]", self.fn)

@@ -113,8 +113,8 @@ class AdminQueries:
         return ActionOutcome(job_id, True, JobState.QUEUED, state)
 
     async def cancel(self, job_id: str, *, actor: str, reason: str, now: datetime) -> ActionOutcome:
-        """queued | retry_wait | quarantined -> cancelled; later deliveries are acked unworked,
-        and a delayed job's held message is deleted before it is ever published."""
+        """waiting | queued | retry_wait | quarantined -> cancelled; later deliveries are acked
+        unworked, and a delayed job's held message is deleted before it is ever published."""
         store = self.store
         async with store.writing() as conn:
             # FOR NO KEY UPDATE, as the worker's batches lock jobs: the relay's mark holds the

@@ -88,6 +88,12 @@ def finish_steps(listens: bool, ended: Mapping[str, str], now: datetime) -> Step
     by_state: dict[str, list[str]] = defaultdict(list)
     for job_id, state in ended.items():
         by_state[state].append(job_id)
+    for chunk in chunks(sorted(ended)):
+        # Every waiting job this end can reach (its dependants, theirs in a cancel's cascade),
+        # locked at once in id order before any is counted down: two ends, or an end and an
+        # enqueue (which locks waiting jobs in id order too), never wait on each other in a
+        # cycle. A job without dependants costs this one indexed read.
+        yield (_lock_reachable(chunk), None)
     counts: dict[str, int] = defaultdict(int)
     for state, ids in sorted(by_state.items()):
         for chunk in chunks(sorted(ids)):
@@ -111,6 +117,25 @@ def finish_steps(listens: bool, ended: Mapping[str, str], now: datetime) -> Step
             None,
         )
     return (yield from settle_steps(listens, sorted(counts), now))
+
+
+def _lock_reachable(ended: Sequence[str]) -> Any:
+    reach = (
+        select(_deps.c.job_id.label("id"))
+        .where(_deps.c.depends_on.in_(ended), _deps.c.finished_state.is_(None))
+        .cte("reach", recursive=True)
+    )
+    reach = reach.union(
+        select(_deps.c.job_id).where(
+            _deps.c.depends_on == reach.c.id, _deps.c.finished_state.is_(None)
+        )
+    )
+    return (
+        select(jobs.c.id)
+        .where(jobs.c.id.in_(select(reach.c.id)), jobs.c.state == JobState.WAITING.value)
+        .order_by(jobs.c.id)
+        .with_for_update(key_share=True, of=jobs)
+    )
 
 
 def settle_steps(listens: bool, job_ids: Iterable[str], now: datetime) -> Steps[Settled]:
@@ -189,6 +214,16 @@ def _cancel(
 
 
 def _queue(listens: bool, job_id: str, row: Any, now: datetime) -> Steps[None]:
+    accepted = (
+        yield (
+            select(job_events.c.detail)
+            .where(job_events.c.job_id == job_id, job_events.c.kind == "accepted")
+            .limit(1),
+            None,
+        )
+    ).scalar()
+    # The request's trace, which its first message carries on (kept in its ``accepted``).
+    trace = (accepted or {}).get("traceparent")
     yield (
         update(jobs)
         .where(jobs.c.id == job_id, jobs.c.state == JobState.WAITING.value)
@@ -200,7 +235,7 @@ def _queue(listens: bool, job_id: str, row: Any, now: datetime) -> Steps[None]:
             job_id=job_id,
             destination=work_destination(row.queue),
             body=JobMessage(job_id, row.type).encode().decode(),
-            headers={},
+            headers={"traceparent": trace} if isinstance(trace, str) else {},
             created_at=now,
             # A job also given a run time is held until then, as at any enqueue.
             **({"available_at": row.run_at} if row.run_at is not None else {}),

@@ -25,6 +25,7 @@ from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.policy import JobView
 from jobrelay.domain.queues import DEFAULT_QUEUE
 from jobrelay.domain.states import JobState
+from jobrelay.errors import InvalidDependencies, StoreDataError
 from jobrelay.storage.claims import ClaimsStore
 from jobrelay.storage.dependencies import finish_steps
 from jobrelay.storage.drivers.new_job import steps_on
@@ -116,7 +117,13 @@ class OutcomesStore(ClaimsStore):
                         failed[request.claim.job_id] = exc
                         raise _StepFailed from exc
                 for follow_up in request.follow_ups:
-                    await self.add_follow_up(conn, request.claim.job_id, follow_up, now)
+                    try:
+                        await self.add_follow_up(conn, request.claim.job_id, follow_up, now)
+                    except InvalidDependencies as exc:
+                        # This job's own data (its follow-up's ``after=``), never its
+                        # neighbours': its outcome is refused, and it is quarantined with why.
+                        failed[request.claim.job_id] = StoreDataError(f"follow-up: {exc}")
+                        raise _StepFailed from exc
         return won
 
     async def complete(

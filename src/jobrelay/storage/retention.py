@@ -279,6 +279,16 @@ class Retention:
                 .with_for_update(skip_locked=True)
             )
         ).all()
+        if locked:
+            # Read again, now that they are locked: the select's snapshot may predate an
+            # enqueue that committed an ``after=`` edge to one of them before the lock (that
+            # enqueue locked the row too, but changed nothing the lock would re-check).
+            needed = set(
+                await conn.scalars(
+                    select(jobs.c.id).where(jobs.c.id.in_([r.id for r in locked]), _still_needed())
+                )
+            )
+            locked = [r for r in locked if r.id not in needed]
         if not locked:
             return 0
         victims = [r.id for r in locked]

@@ -321,39 +321,56 @@ def _waiting_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[
     ``accepted`` event; ``queued`` at once (or ``cancelled``) when its dependencies have all
     ended already.
 
+    The same request again writes nothing, whatever became of its dependencies since.
     Every dependency is read first, and one that does not exist, or that the job's account
     may not read, refuses the job before anything is written. Then the unfinished ones are
-    locked in id order and marked ``has_dependants`` (on SQLite that write takes the one
-    write lock first, so the states read after it are the latest): an end that commits
-    after this transaction sees its edges, one that committed before is read as ended.
+    locked and marked ``has_dependants`` (on SQLite that write takes the one write lock
+    first, so the states read after it are the latest): an end that commits after this
+    transaction sees its edges, one that committed before is read as ended. Locked in the
+    order every end takes its locks (``dependencies.finish_steps``): the jobs that wait for
+    nothing first, then the ``waiting`` ones, each in id order, so that this never holds a
+    waiting job that an end holding one of its dependencies still has to count down.
     """
     if job.after_failure not in AFTER_FAILURE:
         raise InvalidDependencies(
             f"after_failure must be one of {', '.join(AFTER_FAILURE)}, not {job.after_failure!r}"
         )
+    earlier = (yield (_EXISTING_HASH, {"nj_id": job.job_id})).first()
+    if earlier is not None:
+        return same_request(job.job_id, job, earlier.request_hash)
     after = list(dict.fromkeys(job.after))  # each once, in the order first named
-    ordered = sorted(after)
-    owners: dict[str, str | None] = {}
-    for chunk in chunks(ordered):
-        rows = yield (select(jobs.c.id, jobs.c.account_id).where(jobs.c.id.in_(chunk)), None)
-        owners.update((r.id, r.account_id) for r in rows.all())
-    _refuse_unreadable(job, after, owners, owners=True)
+    seen: dict[str, Any] = {}
+    for chunk in chunks(sorted(after)):
+        rows = yield (
+            select(jobs.c.id, jobs.c.account_id, jobs.c.state).where(jobs.c.id.in_(chunk)),
+            None,
+        )
+        seen.update((r.id, r) for r in rows.all())
+    _refuse_unreadable(job, after, {i: r.account_id for i, r in seen.items()}, owners=True)
+    waiting = JobState.WAITING.value
+    ordered = sorted(after, key=lambda i: (seen[i].state == waiting, i))
     states: dict[str, str] = {}
     if dialect == "sqlite":
         # The write lock first: every read after it sees the latest commit.
         for chunk in chunks(ordered):
             yield (_mark_dependants(chunk), None)
     for chunk in chunks(ordered):
-        rows = yield (
-            select(jobs.c.id, jobs.c.state)
-            .where(jobs.c.id.in_(chunk))
-            .order_by(jobs.c.id)
-            .with_for_update(key_share=True),
-            None,
-        )
-        states.update((r.id, r.state) for r in rows.all())
+        # One statement per class, as a lock in id order is taken per statement.
+        for waits in (False, True):
+            ids = [i for i in chunk if (seen[i].state == waiting) is waits]
+            if not ids:
+                continue
+            rows = yield (
+                select(jobs.c.id, jobs.c.state)
+                .where(jobs.c.id.in_(ids))
+                .order_by(jobs.c.id)
+                .with_for_update(key_share=True),
+                None,
+            )
+            states.update((r.id, r.state) for r in rows.all())
     _refuse_unreadable(job, after, states, owners=False)  # pruned since it was read
-    unfinished = [i for i in ordered if not JobState(states[i]).is_terminal]
+    unfinished = sorted(i for i in ordered if not JobState(states[i]).is_terminal)
+    open_ = set(unfinished)
     if dialect != "sqlite":
         for chunk in chunks(unfinished):
             yield (_mark_dependants(chunk), None)
@@ -388,7 +405,7 @@ def _waiting_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[
                         "position": position,
                         "depends_on": dependency,
                         # Ended already: counted as ended, once, now.
-                        "finished_state": None if dependency in unfinished else states[dependency],
+                        "finished_state": None if dependency in open_ else states[dependency],
                     }
                     for position, dependency in enumerate(after[start : start + CHUNK], start)
                 ]
@@ -397,6 +414,10 @@ def _waiting_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[
         )
     detail = accepted_detail(job, inserted.run_at)
     detail["after"] = len(after)
+    trace = (job.headers or {}).get("traceparent")
+    if trace is not None:
+        # Kept until its message is written (``dependencies._queue``): it has none yet.
+        detail["traceparent"] = trace
     if job.after_failure != "cancel":
         detail["afterFailure"] = job.after_failure
     yield (
