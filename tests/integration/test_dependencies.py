@@ -9,7 +9,10 @@ refused with nothing written; dependencies already ended count as ended.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import json
 from typing import Any
 
 import httpx
@@ -18,6 +21,7 @@ from pydantic import BaseModel
 from sqlalchemy import func, select
 
 import jobrelay
+from jobrelay.admin.explain import console, show_job
 from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
 from jobrelay.storage.tables import job_dependencies, job_events, jobs, outbox
@@ -370,3 +374,24 @@ async def test_a_released_job_carries_its_requests_trace_and_an_operators_cancel
         assert cancelled.state is JobState.CANCELLED and w in (cancelled.cancel_reason or "")
         ran = await p.wait_for(y, lambda j: j.state.is_terminal)
         assert ran.state is JobState.SUCCEEDED
+
+
+async def test_job_show_says_waiting_for_how_many_of_how_many(make_pipeline: Any) -> None:
+    async with make_pipeline() as p:
+        now = p.rt.clock()
+        a = (await p.store.submit(part.new_job(Part(i=1)), now))[0]
+        b = (await p.store.submit(part.new_job(Part(i=2)), now))[0]
+        t = (await p.store.submit(total.new_job(Total(), after=[a, b]), now))[0]
+        with console.capture() as text:
+            assert await show_job(p.rt.settings, t)
+        shown = " ".join(text.get().split())
+        assert f"runs after waiting for 2 of 2: {a} (queued), {b} (queued)" in shown, shown
+        assert "next: waiting for 2 job(s) it runs after" in shown
+        with console.capture() as text:
+            assert await show_job(p.rt.settings, a)
+        assert f"waited for by 1 job: {t} (waiting)" in " ".join(text.get().split())
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            assert await show_job(p.rt.settings, t, as_json=True)
+        shown_json = json.loads(buffer.getvalue())
+        assert shown_json["after"]["waitingFor"] == 2 and shown_json["dependants"] is None
