@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import glob
 import os
 import shutil
 import signal
@@ -27,33 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
+# The server binaries and whether a cluster can be made here: as the failover pair finds them.
+from jobrelay.chaos.pg_pair import available
+from jobrelay.chaos.pg_pair import server_bin as postgres_bin
+
 _START_TIMEOUT = 60.0
 
 
 class OwnPostgresError(Exception):
     """The throwaway cluster could not be made or started: not a verdict on jobrelay."""
-
-
-def postgres_bin() -> Path | None:
-    """The newest installed PostgreSQL's bin directory (Debian layout), or None."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=_version)
-    return Path(found[-1]).parent if found else None
-
-
-def _version(path: str) -> float:
-    try:
-        return float(Path(path).parent.parent.name)
-    except ValueError:
-        return 0.0
-
-
-def available() -> str | None:
-    """None when a throwaway cluster can be started here, else why not."""
-    if postgres_bin() is None:
-        return "no PostgreSQL server binaries (/usr/lib/postgresql/*/bin/initdb)"
-    if os.geteuid() == 0 and shutil.which("runuser") is None:
-        return "running as root and runuser is missing (initdb refuses root)"
-    return None
 
 
 def _free_port() -> int:

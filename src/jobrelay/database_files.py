@@ -23,13 +23,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from jobrelay.errors import ConfigError
 from jobrelay.results.files import DIR_MODE, FILE_MODE
 from jobrelay.settings import Settings
-from jobrelay.storage.engine import no_database
+from jobrelay.storage.engine import no_database, sqlalchemy_url
 
 VARIABLE = "JOBRELAY_DATABASE_URL"
 DEFAULT_URL: str = Settings.model_fields["database_url"].default
@@ -40,8 +39,8 @@ _COMPANIONS = ("-wal", "-shm", "-journal")
 def sqlite_path(database_url: str) -> Path | None:
     """The file an SQLite URL names, or None (PostgreSQL, in-memory, a ``file:`` URI)."""
     try:
-        url = make_url(database_url)
-    except ArgumentError:
+        url = sqlalchemy_url(database_url)
+    except (ArgumentError, ValueError):
         return None  # not ours to judge here: the engine names the bad URL
     if url.get_backend_name() != "sqlite" or url.query.get("uri"):
         return None

@@ -367,24 +367,20 @@ def check_database_url(database_url: str) -> None:
     """Refuse, with a ``ConfigError``, a database URL SQLAlchemy would fail on with a bare
     ``ValueError`` (``invalid literal for int()``).
 
-    A multi-host PostgreSQL URL (``h1:5432,h2:5432``) is refused by name: SQLAlchemy reads
-    ``5432,h2:5432`` as a port, and the notification listener and the leader lock connect
-    with asyncpg on the same text, so accepting it in one place would not make it work in
-    the others. The message never repeats the URL (it may hold a password).
+    Several PostgreSQL hosts are given in libpq's form (``h1:5432,h2:5432``, a primary and its
+    standbys): each port must be a number. ``storage.engine.sqlalchemy_url`` turns the form
+    into SQLAlchemy's. The message never repeats the URL (it may hold a password).
     """
     parts = urlsplit(database_url)
-    if "," in parts.netloc.rpartition("@")[2]:
-        raise ConfigError(
-            ENV_PREFIX + "DATABASE_URL",
-            "multi-host PostgreSQL URLs (host1:5432,host2:5432) are not supported yet: "
-            "give one host (a proxy or a DNS name that follows the primary)",
-        )
-    try:
-        parts.port  # noqa: B018 (a port that is not a number raises)
-    except ValueError:
-        raise ConfigError(
-            ENV_PREFIX + "DATABASE_URL", "the port is not a number from 0 to 65535"
-        ) from None
+    hosts = parts.netloc.rpartition("@")[2]
+    for host in hosts.split(",") if "," in hosts else [hosts]:
+        port = host.rpartition(":")[2] if ":" in host and not host.endswith("]") else ""
+        if "," in hosts and not host:
+            raise ConfigError(ENV_PREFIX + "DATABASE_URL", "an empty host in the list of hosts")
+        if port and not (port.isdigit() and int(port) <= 65535):
+            raise ConfigError(
+                ENV_PREFIX + "DATABASE_URL", "the port is not a number from 0 to 65535"
+            )
 
 
 def redact_url(url: str) -> str:

@@ -146,3 +146,41 @@ async def test_max_attempts_come_from_the_serving_settings(
 
     assert job is not None
     assert job.max_attempts == r.rt.settings.max_attempts == MAX_ATTEMPTS
+
+
+async def test_a_post_whose_commit_went_unanswered_says_so_and_its_retry_is_the_same_job(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38: a failover can cut the connection after the accept's commit, before its
+    answer. The 503 must not say "nothing was changed" (it may have been), and the retry
+    with the same key must answer the job that was written, not make a second one."""
+    from jobrelay.errors import StoreError
+
+    rt = dataclasses.replace(build_runtime(database_url, tmp_path), app=app)
+    token = await make_token(rt, "acme")
+    submit = rt.store.submit
+    cut: list[str] = []
+
+    async def committed_then_cut(job: Any, now: Any) -> tuple[str, bool]:
+        job_id, created = await submit(job, now)
+        if not cut:
+            cut.append(job_id)
+            raise StoreError("database write failed: connection was closed in the middle")
+        return job_id, created
+
+    monkeypatch.setattr(rt.store, "submit", committed_then_cut)
+    body = {"type": "accept.ping", "params": {"n": 7}, "key": "order-7"}
+    try:
+        async with api_client(rt) as client:
+            first = await client.post("/v1/jobs", json=body, headers=bearer(token))
+            assert first.status_code == 503, first.text
+            detail = first.json()["detail"]
+            assert "nothing was changed" not in detail
+            assert "may or may not" in detail and "same Idempotency-Key" in detail
+            again = await client.post("/v1/jobs", json=body, headers=bearer(token))
+            assert again.status_code == 202, again.text
+            assert again.json()["jobId"] == cut[0]
+            read = await client.get(f"/v1/jobs/{cut[0]}", headers=bearer(token))
+            assert read.status_code == 200
+    finally:
+        await rt.engine.dispose()

@@ -180,13 +180,17 @@ async def _on_unavailable(request: Request, exc: Exception) -> JSONResponse:
         which,
         extra={"event": "api_dependency_unavailable", "dependency": which, "reason": str(exc)},
     )
-    return problem_response(
-        request,
-        503,
-        f"the {which} is unavailable; nothing was changed, try again later",
-        type_=UNAVAILABLE,
-        headers={"Retry-After": "5"},
-    )
+    if request.method in ("GET", "HEAD", "OPTIONS"):
+        detail = f"the {which} is unavailable; nothing was changed, try again later"
+    else:
+        # A write cut off mid-way (a failover) may have committed: the client cannot tell,
+        # and neither can this process. The same key names the same job, so a retry with it
+        # answers that job if it was accepted, and accepts it once if it was not.
+        detail = (
+            f"the {which} is unavailable; the request may or may not have been carried out:"
+            " send it again with the same Idempotency-Key (or key), which names the same job"
+        )
+    return problem_response(request, 503, detail, type_=UNAVAILABLE, headers={"Retry-After": "5"})
 
 
 def install_problem_handlers(app: FastAPI) -> None:

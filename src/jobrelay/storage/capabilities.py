@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from jobrelay.storage.engine import libpq_dsn
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -75,4 +77,4 @@ def capabilities_of(bind: AsyncEngine | AsyncConnection | Engine | Connection) -
 def session_dsn(engine: AsyncEngine) -> str:
     """The engine's URL as the driver takes it, for a session of the caller's own outside the
     pool: one that lives exactly as long as what it holds (a leader's advisory lock)."""
-    return engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    return libpq_dsn(engine.url)

@@ -15,9 +15,10 @@ import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from sqlalchemy import event, text
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, ExceptionContext, make_url
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
@@ -41,12 +42,43 @@ def async_url(database_url: str) -> URL:
     from jobrelay.settings import check_database_url
 
     check_database_url(database_url)  # the library's callers do not pass through Settings
-    url = make_url(database_url)
+    url = sqlalchemy_url(database_url)
     if url.drivername in ("postgresql", "postgresql+asyncpg"):
         return url.set(drivername="postgresql+asyncpg")
     if url.drivername in ("sqlite", "sqlite+aiosqlite"):
         return url.set(drivername="sqlite+aiosqlite")
     raise ConfigError("JOBRELAY_DATABASE_URL", f"unsupported scheme {url.drivername!r}")
+
+
+def sqlalchemy_url(database_url: str) -> URL:
+    """The URL as SQLAlchemy reads it. Several PostgreSQL hosts in libpq's form
+    (``postgresql://u@h1:5432,h2:5432/db``, a primary and its standbys) become SQLAlchemy's
+    (``?host=h1:5432&host=h2:5432``), which its asyncpg and psycopg dialects pass on: each
+    connection tries them in turn. With several hosts, only a host that takes writes is kept
+    (``target_session_attrs=read-write``) unless the URL asks otherwise: a standby answers
+    read-only, and jobrelay writes on every connection."""
+    parts = urlsplit(database_url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if "," not in hosts:
+        return make_url(database_url)
+    url = make_url(urlunsplit(parts._replace(netloc=f"{userinfo}@" if at else "")))
+    query = dict(url.query)
+    query["host"] = tuple(hosts.split(","))
+    query.setdefault("target_session_attrs", "read-write")
+    return url.set(query=query)
+
+
+def libpq_dsn(url: URL) -> str:
+    """``url`` as libpq's DSN, for a session outside SQLAlchemy's pools (asyncpg's own: the
+    held connections, ``LISTEN``, the leader's lock): several hosts back in the netloc
+    (``h1:5432,h2:5432``), which asyncpg reads, the other parameters kept."""
+    plain = url.set(drivername="postgresql")
+    hosts = plain.query.get("host")
+    if not isinstance(hosts, tuple):
+        return plain.render_as_string(hide_password=False)
+    rest = {k: v for k, v in plain.query.items() if k != "host"}
+    one = plain.set(host="HOSTS", port=None, query=rest).render_as_string(hide_password=False)
+    return one.replace("@HOSTS", "@" + ",".join(hosts), 1)
 
 
 def create_engine(database_url: str) -> AsyncEngine:
@@ -56,7 +88,29 @@ def create_engine(database_url: str) -> AsyncEngine:
     # Up to 20 connections, all kept once opened: with 10 kept and 10 "overflow" ones, an API
     # under 32 concurrent requests closed and reopened connections all the time (a backend
     # fork and a handshake each; 7% of the API's CPU in a profile).
-    return create_async_engine(url, pool_size=20, max_overflow=0)
+    engine = create_async_engine(url, pool_size=20, max_overflow=0)
+
+    @event.listens_for(engine.sync_engine, "handle_error")
+    def _moved(context: ExceptionContext) -> None:
+        # The server is going or has gone, or is (now) a standby: every pooled connection
+        # may be on it, so SQLAlchemy drops them all and the next connect finds the primary.
+        if failover_error(context.original_exception):
+            context.is_disconnect = True
+
+    return engine
+
+
+# SQLSTATEs of a server that is not (or no longer) the primary: a standby refusing a write
+# (25006), an operator's or a failover's shutdown (57P01 admin_shutdown, 57P02
+# crash_shutdown), a server still starting or in recovery (57P03 cannot_connect_now), and the
+# connection exceptions (class 08).
+FAILOVER_SQLSTATES = frozenset({"25006", "57P01", "57P02", "57P03"})
+
+
+def failover_error(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (a driver's) says the connection's server is not the primary now."""
+    state = sqlstate_of(exc)
+    return state in FAILOVER_SQLSTATES or state.startswith("08")
 
 
 def _sqlite_engine(url: URL) -> AsyncEngine:
@@ -120,7 +174,10 @@ def alembic_config(database_url: str) -> Config:
 
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
-    config.set_main_option("sqlalchemy.url", async_url(database_url).render_as_string(False))
+    # ``%`` doubled: Alembic's config is a ConfigParser, which reads ``%`` as interpolation
+    # (an escaped ``:`` of a host list, a ``%40`` in a password).
+    rendered = async_url(database_url).render_as_string(False)
+    config.set_main_option("sqlalchemy.url", rendered.replace("%", "%%"))
     return config
 
 

@@ -36,7 +36,7 @@ from sqlalchemy.sql.expression import Executable
 from jobrelay import fastjson
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.storage.drivers.compiled import CompiledStatement
-from jobrelay.storage.engine import first_line, refuses_data
+from jobrelay.storage.engine import failover_error, first_line, libpq_dsn, refuses_data
 from jobrelay.storage.shared import Shared
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class HotPool:
     """
 
     def __init__(self, url: URL) -> None:
-        self._dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._dsn = libpq_dsn(url)
         self._shared: Shared[asyncpg.Pool] = Shared(self._open, _close)
         # Statements that failed on the pool, by exception name: what the engine's
         # ``handle_error`` event counts on the SQLAlchemy path (tests read both).
@@ -135,11 +135,23 @@ class HotPool:
             # InternalClientError: the connection was cut while a statement was still being
             # prepared (seen when its backend is terminated mid-Parse): the connection's fault.
             self.failures[type(exc).__name__] += 1
+            if failover_error(exc) or isinstance(exc, _CONNECTION_GONE):
+                # The server went, or is a standby now: every held connection may be on it.
+                # They are replaced as they are next acquired, on the primary of then.
+                pool.expire_connections()
             raise hot_error(f"{what} write failed", exc) from exc
         except (TypeError, ValueError, OverflowError) as exc:  # a bind processor refused it
             self.failures[type(exc).__name__] += 1
             raise StoreDataError(f"{what} write failed: {first_line(exc)}") from exc
         return rows
+
+
+# The connection itself is gone (its server stopped, or cut it mid-statement).
+_CONNECTION_GONE = (
+    OSError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.InternalClientError,
+)
 
 
 def hot_error(message: str, exc: BaseException) -> StoreError:
