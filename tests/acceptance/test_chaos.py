@@ -166,3 +166,44 @@ def test_short_soak_on_a_rabbitmq_cluster_survives_the_work_queue_leader_stoppin
     assert len(report["rabbit_nodes"]) == 3
     for node in report["rabbit_nodes"]:
         assert f"name {node.split('@')[0]} " not in names.stdout
+
+
+@pytest.mark.timeout(1000)
+def test_short_soak_with_a_postgres_failover_and_a_failback_loses_nothing(
+    tmp_path: Path, own_rabbitmq: Node
+) -> None:
+    """Issue 38: ``jobrelay chaos --failover`` starts its own PostgreSQL primary and
+    synchronous standby, gives every process both hosts, and instead of restarting
+    PostgreSQL fails it over under load, then back (with the kills and the crash at every
+    fault point): nothing lost, nothing done twice, and no process exited by itself (each
+    found the new primary); the recovery of each failover is measured."""
+    from jobrelay.chaos.pg_pair import available
+
+    from ..conftest import _unavailable
+
+    if reason := available():
+        _unavailable("a PostgreSQL primary and standby", reason)
+    out = tmp_path / "chaos"
+    rabbit = ["--amqp-server", own_rabbitmq.url.rstrip("/"), "--rabbitmq-node", own_rabbitmq.name]
+    result = run_soak(
+        "chaos", "--jobs", "200", "--profile", "short", "--seed", SEED, "--out", str(out),
+        "--failover", *rabbit, env=clean_env(), timeout=940,
+    )  # fmt: skip
+    last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, f"{last}\n{result.stderr[-6000:]}"
+    assert re.fullmatch(
+        r"chaos: accepted=200 lost=0 stuck=0 dup_results=0 dup_emails=0 window_dup_emails=\d+ "
+        r"quarantined=3/3 .* OK",
+        last,
+    ), last
+    report = json.loads(next(out.glob("chaos-*/report.json")).read_text())
+    assert report["ok"] is True and not any(report["violations"].values())
+    failovers = [f for f in report["faults"] if f["kind"] == "postgres_failover"]
+    assert [f["result"] for f in failovers] == ["done", "done"], failovers
+    for fault in failovers:
+        assert re.search(r"first job succeeded after \d+\.\d\ds", fault["detail"]), fault
+    assert not any(f["kind"] == "postgres_restart" for f in report["faults"])
+    # No process ended on its own (an exit code, not a signal of the supervisor's): none gave
+    # up on the database while it moved.
+    gave_up = [e for e in report["exits"] if e["cause"] == "unexpected" and e["code"] >= 0]
+    assert gave_up == [], gave_up

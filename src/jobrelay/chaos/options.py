@@ -32,6 +32,11 @@ class ChaosOptions:
     # The processes run ``chaos.limited_app`` (exports under a concurrency limit per account),
     # or, with ``--no-limits``, the shipped app.
     limits: bool = True
+    # >0: run on a PostgreSQL primary and standby started here, every process given both
+    # hosts, and fail over this many times (each the failback of the one before) instead of
+    # restarting PostgreSQL; ``synchronous_standby``: the standby confirms every commit.
+    failovers: int = 0
+    synchronous_standby: bool = True
 
     @property
     def layout(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:

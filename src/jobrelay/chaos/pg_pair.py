@@ -110,6 +110,11 @@ class PostgresPair:
         hosts = ",".join(node.address for node in self.nodes)
         return f"postgresql://postgres@{hosts}/{database}?target_session_attrs=read-write"
 
+    @property
+    def server_url(self) -> str:
+        """Both hosts without a database (``…/postgres`` is the admin database)."""
+        return "postgresql://postgres@" + ",".join(node.address for node in self.nodes)
+
     def admin_url(self, node: Node | None = None) -> str:
         return f"postgresql://postgres@{(node or self.primary).address}/postgres"
 

@@ -29,7 +29,13 @@ FAULT_POINTS: dict[str, str] = {
 }
 
 FaultKind = Literal[
-    "kill", "crash", "rabbitmq_restart", "postgres_restart", "node_stop", "node_start"
+    "kill",
+    "crash",
+    "rabbitmq_restart",
+    "postgres_restart",
+    "postgres_failover",
+    "node_stop",
+    "node_start",
 ]
 
 
@@ -97,6 +103,7 @@ _TAKES = {
     "crash": 4.0,
     "rabbitmq_restart": 12.0,
     "postgres_restart": 6.0,
+    "postgres_failover": 5.0,
     "node_stop": 8.0,
     "node_start": 10.0,
 }
@@ -116,9 +123,12 @@ def make_plan(
     api: str = "api",
     *,
     rabbit_nodes: int = 0,
+    failovers: int = 0,
 ) -> Plan:
     """The plan; with ``rabbit_nodes`` (the soak runs its own cluster) the broker restart is
-    replaced by the profile's node faults, spread evenly over the plan in their order."""
+    replaced by the profile's node faults, spread evenly over the plan in their order. With
+    ``failovers`` (the soak runs its own primary and standby) the PostgreSQL restart is
+    replaced by that many failovers, each the failback of the one before."""
     if jobs < 1 or not 0 <= poison < jobs:
         raise ValueError("need at least one job, and fewer poison jobs than jobs")
     rng = random.Random(seed)
@@ -144,10 +154,12 @@ def make_plan(
         crashes.append(Fault("crash", by_role[role], point=f"{point}:crash:1"))
     others = [Fault("kill", rng.choice(workers)) for _ in range(profile.worker_kills)]
     others += [Fault("kill", rng.choice(relays)) for _ in range(profile.relay_kills)]
-    if profile.service_restarts:
+    if failovers:
+        others += [Fault("postgres_failover", "postgres") for _ in range(failovers)]
+    elif profile.service_restarts:
         others.append(Fault("postgres_restart", "postgres"))
-        if not rabbit_nodes:
-            others.append(Fault("rabbitmq_restart", "rabbitmq"))
+    if profile.service_restarts and not rabbit_nodes:
+        others.append(Fault("rabbitmq_restart", "rabbitmq"))
     rng.shuffle(crashes)
     rng.shuffle(others)
     # A crash point fires only when work reaches it, so the crashes go in the first 60% of

@@ -41,6 +41,7 @@ from jobrelay.chaos.cluster import Cluster, Role
 from jobrelay.chaos.limited_app import ACCOUNT_LIMIT
 from jobrelay.chaos.limited_app import SPEC as LIMITED_APP
 from jobrelay.chaos.options import ChaosOptions
+from jobrelay.chaos.pg_pair import PairError, PostgresPair
 from jobrelay.chaos.plan import (
     POISON_ACCOUNT,
     POISON_PERIOD,
@@ -112,11 +113,13 @@ async def run_chaos(opts: ChaosOptions) -> int:
         relays,
         ",".join(apis),
         rabbit_nodes=opts.cluster_nodes,
+        failovers=opts.failovers,
     )
     console.print(
         f"chaos: seed={opts.seed} jobs={opts.jobs} poison={opts.poison} profile={opts.profile}"
         f" cluster={opts.cluster_nodes or 'no'}"
         f" limits={f'{ACCOUNT_LIMIT} per account' if opts.limits else 'off'}"
+        f" failovers={opts.failovers or 'no'}{'' if opts.synchronous_standby else ' (async)'}"
         f" run={sandbox.run_id}; logs in {sandbox.log_dir}"
     )
     for line in plan.describe():
@@ -137,6 +140,15 @@ async def run_chaos(opts: ChaosOptions) -> int:
                 raise ChaosSetupError(f"RabbitMQ cluster: {exc}") from None
             opts.services.cluster = rabbit
         nodes = NodeFaults(rabbit, sandbox.vhost) if rabbit else None
+        if opts.failovers:
+            synchronous = "synchronous" if opts.synchronous_standby else "asynchronous"
+            console.print(f"starting a PostgreSQL primary and {synchronous} standby")
+            try:
+                pair = await asyncio.to_thread(PostgresPair, synchronous=opts.synchronous_standby)
+            except PairError as exc:
+                raise ChaosSetupError(f"PostgreSQL primary and standby: {exc}") from None
+            opts.services.pair = pair
+            opts.services.pg_server = pair.server_url
         await sandbox.create()
         s3.start()
         mail.start()
@@ -198,6 +210,9 @@ async def run_chaos(opts: ChaosOptions) -> int:
         if rabbit is not None:  # on every exit path: the cluster is this run's alone
             await asyncio.to_thread(rabbit.stop)
             opts.services.cluster = None
+        if opts.services.pair is not None:  # as the cluster: this run's alone
+            await asyncio.to_thread(opts.services.pair.remove)
+            opts.services.pair = None
 
 
 def _role_env(
@@ -363,6 +378,10 @@ async def _inject(
             if nodes is None:
                 raise ChaosSetupError("node faults need --cluster")
             done = await nodes.inject(fault.kind, fault.target)
+            return FaultLog(fault.kind, fault.target, None, at, cluster.elapsed() - at, "done",
+                            done)  # fmt: skip
+        if fault.kind == "postgres_failover":
+            done = await sandbox.services.fail_over_postgres(sandbox.database)
             return FaultLog(fault.kind, fault.target, None, at, cluster.elapsed() - at, "done",
                             done)  # fmt: skip
         if fault.kind == "rabbitmq_restart":

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import asyncpg
 
 if TYPE_CHECKING:
+    from jobrelay.chaos.pg_pair import PostgresPair
     from jobrelay.chaos.rabbit_cluster import RabbitCluster
 
 
@@ -75,6 +76,15 @@ class Services:
     rabbitmq_node: str | None = None
     # The soak's own RabbitMQ cluster (``--cluster N``), instead of the machine's broker.
     cluster: RabbitCluster | None = None
+    # The soak's own PostgreSQL primary and standby (``--failover``): a PostgreSQL fault is
+    # then a failover (and the next one a failback), not a restart.
+    pair: PostgresPair | None = None
+
+    def pg_dsn(self, database: str) -> str:
+        """``database`` on the PostgreSQL server(s), for asyncpg: with several hosts, only
+        the one that takes writes (as the processes' URL gets by default)."""
+        dsn = f"{self.pg_server}/{database}"
+        return f"{dsn}?target_session_attrs=read-write" if "," in self.pg_server else dsn
 
     @property
     def amqp_servers(self) -> list[str]:
@@ -99,6 +109,37 @@ class Services:
     async def restart_postgres(self, log: Path | None = None) -> None:
         await run_command(self.postgres_restart, log=log)
 
+    async def fail_over_postgres(self, database: str) -> str:
+        """Stop the primary at once, promote the standby; then make the old primary a
+        standby of the new one, so the next failover fails back. What happened, and how long
+        until the first job succeeded on the new primary (the recovery)."""
+        if self.pair is None:
+            raise ChaosSetupError("a failover needs --failover (the soak's own pair)")
+        pair = self.pair
+        took = await asyncio.to_thread(pair.failover)
+        promoted = asyncio.get_running_loop().time()
+        admin = await asyncpg.connect(self.pg_dsn(database))
+        try:
+            since = await admin.fetchval("SELECT now()")
+            recovery = None
+            while recovery is None and asyncio.get_running_loop().time() - promoted < 120:
+                found = await admin.fetchval(
+                    "SELECT 1 FROM job_events WHERE kind = 'result_saved' AND at > $1 LIMIT 1",
+                    since,
+                )
+                if found:
+                    recovery = asyncio.get_running_loop().time() - promoted
+                else:
+                    await asyncio.sleep(0.05)  # polling the database for the first success
+        finally:
+            await admin.close()
+        await asyncio.to_thread(pair.rejoin)
+        first = "never" if recovery is None else f"{recovery:.2f}s"
+        return (
+            f"promoted {pair.primary.address} in {took:.2f}s; first job succeeded after"
+            f" {first}; old primary now its standby"
+        )
+
 
 @dataclass
 class Scratch:
@@ -115,7 +156,7 @@ class Scratch:
 
     async def create(self) -> None:
         try:
-            admin = await asyncpg.connect(f"{self.services.pg_server}/postgres")
+            admin = await asyncpg.connect(self.services.pg_dsn("postgres"))
         except (OSError, asyncpg.PostgresError) as exc:
             raise ChaosSetupError(f"PostgreSQL at {self.services.pg_server}: {exc}") from None
         try:
@@ -136,7 +177,7 @@ class Scratch:
         problems: list[str] = []
         if self._db_created:
             try:
-                admin = await asyncpg.connect(f"{self.services.pg_server}/postgres")
+                admin = await asyncpg.connect(self.services.pg_dsn("postgres"))
                 try:
                     await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
                     self._db_created = False

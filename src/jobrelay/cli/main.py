@@ -213,6 +213,21 @@ def chaos_cmd(
             "limited_app) and check it held; --no-limits: the shipped app, unlimited."
         ),
     ] = True,
+    failover: Annotated[
+        bool,
+        typer.Option(
+            help="Start a PostgreSQL primary and synchronous standby of its own (initdb, "
+            "pg_basebackup; never the machine's), give every process both hosts, and fail "
+            "over under load instead of restarting PostgreSQL: a failover, then a failback."
+        ),
+    ] = False,
+    async_standby: Annotated[
+        bool,
+        typer.Option(
+            help="With --failover: an asynchronous standby, to see what the last commits "
+            "before a failover become (a loss is then reported, not hidden)."
+        ),
+    ] = False,
 ) -> None:
     """Soak PostgreSQL + RabbitMQ under kill -9 and restarts; check nothing lost or doubled.
 
@@ -235,6 +250,8 @@ def chaos_cmd(
         raise fail(f"--profile must be one of {', '.join(PROFILES)}", 2)
     if not 0 <= poison < jobs:
         raise fail("--poison must be smaller than --jobs", 2)
+    if async_standby and not failover:
+        raise fail("--async-standby goes with --failover", 2)
     services = Services(pg_server=pg_server.rstrip("/"), amqp_server=amqp_server.rstrip("/"))
     if postgres_restart:
         services.postgres_restart = shlex.split(postgres_restart)
@@ -253,6 +270,8 @@ def chaos_cmd(
         services=services,
         cluster_nodes=cluster,
         limits=limits,
+        failovers=2 if failover else 0,
+        synchronous_standby=not async_standby,
     )
     raise typer.Exit(run(run_chaos(options)))
 
