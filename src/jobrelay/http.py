@@ -207,7 +207,7 @@ async def accept_job(
     if created:
         first = JobState.WAITING if job.after else JobState.QUEUED
         rt.metrics.transition(_NEW_JOB, first.value)
-    rt.faults.hit("api.before_response", params=job.params)
+    await rt.faults.ahit("api.before_response", params=job.params)
     log.info(
         "job accepted" if created else "job already accepted",
         extra={

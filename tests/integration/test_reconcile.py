@@ -649,3 +649,38 @@ async def test_sqlite_reconciler_always_leads(sqlite_url: str, tmp_path: Path) -
             assert await leadership.check() and await leadership.check()
     finally:
         await rt.engine.dispose()
+
+
+async def test_a_pass_whose_leadership_was_lost_midway_acts_on_nothing_it_read(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """Issue 38 (the river#1302 class): a failover takes the leader's lock session with the
+    old primary while a pass has read its clock; the leader takes the lock again on the new
+    primary. The pass must not go on to repair on what it read before: it is abandoned, and
+    the next pass, on a fresh read, does the repair."""
+    from jobrelay.maintenance.reconcile import PassAbandoned
+    from jobrelay.observe.faults import Faults
+
+    rt = build_runtime(pg_url, tmp_path, clock=Clock(), faults=Faults("reconcile.pass:stall:1"))
+    try:
+        job_id = await job_in_state(rt.store, S.RUNNING, T0)
+        await mark_all_published(rt)
+        clock(rt).advance(30 + GRACE + 1)
+        async with Leadership(rt) as leadership:
+            assert await leadership.check()
+            session = await leadership._conn.fetchval("SELECT pg_backend_pid()")
+            pass_ = asyncio.create_task(
+                Reconciler(rt).run_once(scan_quarantine=False, leadership=leadership)
+            )
+            # While the pass is held after its read: the lock's session dies (a failover).
+            async with rt.engine.connect() as conn:
+                await conn.execute(text(f"SELECT pg_terminate_backend({session})"))
+            with pytest.raises(PassAbandoned):
+                await asyncio.wait_for(pass_, 20)
+            assert leadership.term == 2  # taken again, on what is the primary now
+            job = await rt.store.get_job(job_id)
+            assert job is not None and job.state is S.RUNNING  # nothing repaired
+            report = await Reconciler(rt).run_once(scan_quarantine=False, leadership=leadership)
+            assert [f.job_id for f in report.findings if f.repaired] == [job_id]
+    finally:
+        await rt.engine.dispose()

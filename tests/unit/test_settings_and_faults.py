@@ -208,8 +208,8 @@ def test_stall_spec_parsing() -> None:
         "export.run:stall:5:1:2",  # too many fields
         "export.run:crash:1:2",  # only stall takes SECONDS
         "export.run:transient:2.5:1",
-        "worker.before_ack:stall:5",  # only export.run supports stall
-        "notify.after_send:stall:5",
+        "notify.after_send:stall:5",  # stall is for export.run and the hand-offs only
+        "reconcile.pass:crash",  # a pass only stalls
     ],
 )
 def test_bad_stall_specs_are_config_errors(bad: str) -> None:

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,8 +110,8 @@ class Cluster:
                 cause = "stopped"
             elif role._killing and code == -signal.SIGKILL:
                 cause = "sigkill"
-            elif role._restarting and code == 0:
-                cause = "restart"
+            elif role._restarting and code in (0, -signal.SIGTERM):
+                cause = "restart"  # (-SIGTERM: asked to stop before it could drain)
             elif code == CRASH_EXIT_CODE:
                 cause = "fault"  # also a second armed process that fired while being disarmed
             else:
@@ -172,6 +173,48 @@ class Cluster:
                     await self.restart(role.name)
                 role._fired = None
 
+    async def stall_at(
+        self,
+        names: list[str],
+        fault: str,
+        timeout: float,
+        during: Callable[[], Awaitable[str]],
+    ) -> tuple[str | None, str]:
+        """Restart ``names`` with a ``stall`` fault armed (``point:stall:SECONDS:1``); once
+        one of them logs that it stalls there, holding its work at that hand-off, run
+        ``during`` (a failover) while it is held. The role that stalled (None if none did
+        within ``timeout``) and what ``during`` said. Disarmed after, once the stall is over,
+        by graceful restarts as ``crash_at`` does."""
+        point, _, rest = fault.partition(":")
+        seconds = float(rest.split(":")[1])
+        logs = {name: self.log_dir / f"{name}.log" for name in names}
+        sizes = {name: (path.stat().st_size if path.exists() else 0) for name, path in logs.items()}
+        for name in names:
+            self.roles[name].armed = fault
+            await self.restart(name)
+        stalled: str | None = None
+        detail = "never reached the point"
+        deadline = time.monotonic() + timeout
+        try:
+            while stalled is None and time.monotonic() < deadline:
+                for name, path in logs.items():
+                    if _logged_fault(path, sizes[name], point):
+                        stalled = name
+                        break
+                else:
+                    await asyncio.sleep(0.05)  # polling the processes' logs for the stall
+            if stalled is not None:
+                fired = time.monotonic()
+                detail = await during()
+                await asyncio.sleep(max(0.0, seconds - (time.monotonic() - fired)) + 0.5)
+            return stalled, detail
+        finally:
+            for name in names:
+                role = self.roles[name]
+                if role.armed is not None:
+                    role.armed = None
+                    await self.restart(name)
+
     async def stop(self) -> None:
         """SIGTERM every process (they drain), SIGKILL what is still up after the timeout."""
         for role in self.roles.values():
@@ -188,3 +231,17 @@ class Cluster:
                     with contextlib.suppress(ProcessLookupError):
                         role.proc.send_signal(signal.SIGKILL)
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _logged_fault(path: Path, offset: int, point: str) -> bool:
+    """Whether the log at ``path``, from ``offset``, has a ``fault_fired`` line for ``point``
+    (a JSON line of the process's own logging)."""
+    try:
+        with path.open("rb") as log:
+            log.seek(offset)
+            tail = log.read().decode(errors="replace")
+    except OSError:
+        return False
+    return any(
+        '"fault_fired"' in line and f'"point":"{point}"' in line for line in tail.splitlines()
+    )

@@ -28,6 +28,19 @@ FAULT_POINTS: dict[str, str] = {
     "api.before_response": "api",
 }
 
+# Where ``--failover`` fails PostgreSQL over, in turn: a process of the role is held there (a
+# ``stall``) while the primary is stopped and the standby promoted. Right after an accept
+# commits; between a publish's confirm and its mark; right after a claim commits; between a
+# completion's commit and its ack; inside a reconciler pass, after its read.
+FAILOVER_POINTS: tuple[tuple[str, str], ...] = (
+    ("api.before_response", "api"),
+    ("relay.before_mark", "relay"),
+    ("claim.after_commit", "worker"),
+    ("worker.after_complete", "worker"),
+    ("reconcile.pass", "relay"),
+)
+FAILOVER_STALL_SECONDS = 3
+
 FaultKind = Literal[
     "kill",
     "crash",
@@ -128,7 +141,8 @@ def make_plan(
     """The plan; with ``rabbit_nodes`` (the soak runs its own cluster) the broker restart is
     replaced by the profile's node faults, spread evenly over the plan in their order. With
     ``failovers`` (the soak runs its own primary and standby) the PostgreSQL restart is
-    replaced by that many failovers, each the failback of the one before."""
+    replaced by that many failovers, each the failback of the one before, each while a
+    process is held at the next hand-off of ``FAILOVER_POINTS``."""
     if jobs < 1 or not 0 <= poison < jobs:
         raise ValueError("need at least one job, and fewer poison jobs than jobs")
     rng = random.Random(seed)
@@ -155,7 +169,10 @@ def make_plan(
     others = [Fault("kill", rng.choice(workers)) for _ in range(profile.worker_kills)]
     others += [Fault("kill", rng.choice(relays)) for _ in range(profile.relay_kills)]
     if failovers:
-        others += [Fault("postgres_failover", "postgres") for _ in range(failovers)]
+        for i in range(failovers):
+            point, role = FAILOVER_POINTS[i % len(FAILOVER_POINTS)]
+            spec = f"{point}:stall:{FAILOVER_STALL_SECONDS}:1"
+            others.append(Fault("postgres_failover", by_role[role], point=spec))
     elif profile.service_restarts:
         others.append(Fault("postgres_restart", "postgres"))
     if profile.service_restarts and not rabbit_nodes:

@@ -381,9 +381,23 @@ async def _inject(
             return FaultLog(fault.kind, fault.target, None, at, cluster.elapsed() - at, "done",
                             done)  # fmt: skip
         if fault.kind == "postgres_failover":
-            done = await sandbox.services.fail_over_postgres(sandbox.database)
-            return FaultLog(fault.kind, fault.target, None, at, cluster.elapsed() - at, "done",
-                            done)  # fmt: skip
+            services = sandbox.services
+
+            async def fail_over() -> str:
+                return await services.fail_over_postgres(sandbox.database)
+
+            if fault.point is None:
+                done = await fail_over()
+                return FaultLog(fault.kind, fault.target, None, at, cluster.elapsed() - at,
+                                "done", done)  # fmt: skip
+            held, detail = await cluster.stall_at(
+                fault.target.split(","), fault.point, crash_timeout, fail_over
+            )
+            result = "fired" if held else "missed"
+            if held:
+                detail = f"{held} held at the point; {detail}"
+            return FaultLog(fault.kind, fault.target, fault.point, at, cluster.elapsed() - at,
+                            result, detail)  # fmt: skip
         if fault.kind == "rabbitmq_restart":
             await sandbox.services.restart_rabbitmq(log)
         else:

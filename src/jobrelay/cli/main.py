@@ -218,7 +218,8 @@ def chaos_cmd(
         typer.Option(
             help="Start a PostgreSQL primary and synchronous standby of its own (initdb, "
             "pg_basebackup; never the machine's), give every process both hosts, and fail "
-            "over under load instead of restarting PostgreSQL: a failover, then a failback."
+            "over under load instead of restarting PostgreSQL, back and forth, once at each "
+            "hand-off (a process held there meanwhile)."
         ),
     ] = False,
     async_standby: Annotated[
@@ -241,7 +242,7 @@ def chaos_cmd(
 
     try:
         from jobrelay.chaos.options import ChaosOptions
-        from jobrelay.chaos.plan import PROFILES
+        from jobrelay.chaos.plan import FAILOVER_POINTS, PROFILES
         from jobrelay.chaos.run import run_chaos
         from jobrelay.chaos.sandbox import Services
     except ImportError as exc:
@@ -270,7 +271,7 @@ def chaos_cmd(
         services=services,
         cluster_nodes=cluster,
         limits=limits,
-        failovers=2 if failover else 0,
+        failovers=len(FAILOVER_POINTS) if failover else 0,
         synchronous_standby=not async_standby,
     )
     raise typer.Exit(run(run_chaos(options)))

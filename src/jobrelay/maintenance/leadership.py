@@ -30,6 +30,10 @@ class Leadership:
         self.enabled = rt.store.capabilities.leads
         self.dsn = session_dsn(rt.engine)
         self._conn: Any = None
+        # Counts the times the lock was taken: a pass that began under another term began
+        # before the leadership was lost (a failover took the lock's session with the old
+        # primary) and must not act on what it read then (``Reconciler.run_once``).
+        self.term = 0
 
     @property
     def leading(self) -> bool:
@@ -76,6 +80,7 @@ class Leadership:
             got = False
         if got:
             self._conn = conn
+            self.term += 1
             self.rt.metrics.reconcile_leader.set(1)
             log.info("reconciler leading", extra={"event": "reconcile_leader"})
         elif conn is not None:

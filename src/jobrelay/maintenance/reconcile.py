@@ -99,6 +99,10 @@ RESEND_BACKOFF_MAX = 3600.0
 STATISTICS_SECONDS = 2.0
 
 
+class PassAbandoned(Exception):
+    """A pass stopped between two steps: its leadership was lost since it began."""
+
+
 def new_reconciler_id() -> str:
     return f"reconciler:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
@@ -167,20 +171,40 @@ class Reconciler:
         self._reported: set[tuple[str, str | None]] = set()
 
     async def run_once(
-        self, *, dry_run: bool = False, scan_quarantine: bool = True, record: bool = True
+        self,
+        *,
+        dry_run: bool = False,
+        scan_quarantine: bool = True,
+        record: bool = True,
+        leadership: Leadership | None = None,
     ) -> Report:
         """One pass. ``record=False`` (the overview's on-demand dry run) leaves the metrics
-        and the log alone: a look is not a reconciler pass."""
+        and the log alone: a look is not a reconciler pass. With ``leadership`` (the run
+        loop's), ``PassAbandoned`` ends the pass where its leadership was lost."""
         report = Report(dry_run=dry_run)
+        term = None if leadership is None else leadership.term
+
+        async def still_leading() -> None:
+            # Before each step: a pass whose leadership was lost (or lost and taken again:
+            # a failover) stops, rather than act on what it read before (river#1302).
+            if leadership is not None and (not await leadership.check() or leadership.term != term):
+                raise PassAbandoned("the reconciler's leadership was lost during its pass")
+
         # The database's clock, read once: every judgement and every write of this pass.
         now = await self.rt.store.db_now()
         before = now - timedelta(seconds=self.rt.settings.reconcile_grace_seconds)
+        await self.rt.faults.ahit("reconcile.pass")  # tests and chaos: a failover here
+        await still_leading()
         await self._expired_leases(report, before, now)
+        await still_leading()
         held = await self._held_queues(before)
         await self._overdue_retries(report, before, now, held)
+        await still_leading()
         await self._unclaimed_queued(report, before, now, held)
+        await still_leading()
         await self._stale_outbox(report, before, now)
         if scan_quarantine:
+            await still_leading()
             await self._quarantine_mismatches(report)
         if not record:
             return report
@@ -448,7 +472,10 @@ class Reconciler:
                     passing = leading and time.monotonic() >= next_pass
                     if passing:
                         next_pass = time.monotonic() + interval
-                        await self.run_once(scan_quarantine=scan)
+                        await self.run_once(scan_quarantine=scan, leadership=leadership)
+                except PassAbandoned as exc:
+                    log.warning("%s", exc, extra={"event": "reconcile_pass_abandoned"})
+                    next_pass = time.monotonic()  # a fresh pass, on what is read now
                 except Exception:
                     log.exception("reconcile pass failed", extra={"event": "reconcile_failed"})
                 try:
@@ -475,6 +502,7 @@ __all__ = [
     "NOT_CONSUMING",
     "Finding",
     "Leadership",
+    "PassAbandoned",
     "Reconciler",
     "Report",
 ]

@@ -24,6 +24,10 @@ Points and actions:
 - ``worker.before_ack:crash[:n]``, ``relay.before_mark:crash[:n]``,
   ``api.before_response:crash[:n]`` — n means the n-th time this process reaches the point;
   without n, every time.
+- ``stall`` at a hand-off (``api.before_response``, ``relay.before_mark``,
+  ``claim.after_commit``, ``worker.after_complete``, ``worker.before_ack``) or in a reconciler
+  pass (``reconcile.pass``, after it read the clock, before its first repair) holds the
+  process there for SECONDS: ``jobrelay chaos --failover`` fails PostgreSQL over meanwhile.
 
 ``@k=v`` narrows a fault to jobs whose parameters match (``export.run:invalid@period=2019-12``),
 so the demo and the soak can poison chosen jobs while the rest flow. It works with ``stall``
@@ -51,12 +55,14 @@ log = logging.getLogger("jobrelay.faults")
 
 POINTS: dict[str, frozenset[str]] = {
     "export.run": frozenset({"transient", "invalid", "crash", "stall"}),
-    "worker.before_ack": frozenset({"crash"}),
-    "worker.after_complete": frozenset({"crash"}),
-    "relay.before_mark": frozenset({"crash"}),
-    "api.before_response": frozenset({"crash"}),
+    "worker.before_ack": frozenset({"crash", "stall"}),
+    "worker.after_complete": frozenset({"crash", "stall"}),
+    "relay.before_mark": frozenset({"crash", "stall"}),
+    "api.before_response": frozenset({"crash", "stall"}),
     "notify.after_send": frozenset({"crash"}),
-    "claim.after_commit": frozenset({"drop"}),
+    "claim.after_commit": frozenset({"drop", "stall"}),
+    # A reconciler pass that has read the database's clock, before its first repair.
+    "reconcile.pass": frozenset({"stall"}),
 }
 # Points that know the job's parameters, where an ``@k=v`` selector can apply.
 _SELECTABLE_POINTS = frozenset({"export.run", "api.before_response", "notify.after_send"})

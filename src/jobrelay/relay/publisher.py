@@ -122,7 +122,7 @@ class Relay:
         store = self.rt.store
         outcomes = await asyncio.gather(*(self._publish(row) for row in rows))
         confirmed = [row for row, error in zip(rows, outcomes, strict=True) if error is None]
-        self.rt.faults.hit("relay.before_mark")
+        await self.rt.faults.ahit("relay.before_mark")
         if confirmed:
             await store.mark_published(self.relay_id, confirmed)
             self.published += len(confirmed)

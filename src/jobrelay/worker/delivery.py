@@ -264,7 +264,7 @@ class DeliveryHandler:
                 claimed = await claim()
                 if claimed is not None:
                     # Tests: the claim committed, then the connection dropped (reply lost).
-                    self.rt.faults.hit("claim.after_commit")
+                    await self.rt.faults.ahit("claim.after_commit")
                 return claimed
             except StoreDataError:
                 raise
@@ -408,5 +408,5 @@ class DeliveryHandler:
         if job is not None:
             await self.scope.settle(delivery, job.id, Action.REJECT, job.attempt)
         else:
-            self.rt.faults.hit("worker.before_ack")
+            await self.rt.faults.ahit("worker.before_ack")
             await delivery.reject()

@@ -72,7 +72,7 @@ class WorkerScope:
         async def complete_many(requests: Sequence[CompleteRequest]) -> Sequence[Completion]:
             done = await rt.store.complete_many(requests, rt.clock())
             # Tests: the batch committed, none of its deliveries settled yet.
-            rt.faults.hit("worker.after_complete")
+            await rt.faults.ahit("worker.after_complete")
             return [done.failed.get(r.claim.job_id, r.claim.job_id in done) for r in requests]
 
         return cls(
@@ -94,7 +94,7 @@ class WorkerScope:
         ``settle_lost``: the channel the delivery came on had closed, so the broker requeues
         the message and its redelivery is handled as a duplicate of the committed outcome.
         """
-        self.rt.faults.hit("worker.before_ack")
+        await self.rt.faults.ahit("worker.before_ack")
         if action is Action.REJECT:
             taken = await delivery.reject()
             kind = "rejected"
