@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # The server binaries and whether a cluster can be made here: as the failover pair finds them.
 from jobrelay.chaos.pg_pair import available
@@ -168,3 +170,121 @@ class OwnPostgres:
             except ProcessLookupError:
                 return
             time.sleep(0.05)
+
+
+class OwnAutoFailover:
+    """A pg_auto_failover formation of the test's own (Debian's ``postgresql-N-auto-failover``):
+    a monitor and two nodes on free loopback ports, in a temporary directory, driven by
+    ``pg_autoctl`` as the cluster's owner. The monitor decides which node is primary;
+    ``failover`` asks it to move the primary (``pg_autoctl perform failover``), as an
+    operator or the monitor itself would after a node's loss. Removed on every exit path."""
+
+    def __init__(self) -> None:
+        bin_dir = postgres_bin()
+        if (reason := available()) or bin_dir is None:
+            raise OwnPostgresError(reason or "no PostgreSQL server binaries")
+        if shutil.which("pg_autoctl") is None:
+            raise OwnPostgresError(
+                "pg_autoctl is missing (apt install postgresql-15-auto-failover)"
+            )
+        self.bin = bin_dir
+        self.root = Path(tempfile.mkdtemp(prefix="jobrelay-paf-"))
+        self.root.chmod(0o755)
+        if os.geteuid() == 0:
+            subprocess.run(["chown", "postgres:postgres", str(self.root)], check=True)
+        self.ports = {name: _free_port() for name in ("monitor", "node1", "node2")}
+        self._runs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[Any] = []
+        self._removed = False
+        atexit.register(self.remove)
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{self.ports[n]}" for n in ("node1", "node2"))
+        return f"postgresql://postgres@{hosts}/jobrelay?target_session_attrs=read-write"
+
+    def start(self) -> None:
+        monitor = f"postgres://autoctl_node@127.0.0.1:{self.ports['monitor']}/pg_auto_failover"
+        self._autoctl(
+            "create", "monitor", "--pgdata", self._data("monitor"),
+            "--pgport", str(self.ports["monitor"]), "--auth", "trust", "--no-ssl",
+            "--hostname", "127.0.0.1",
+        )  # fmt: skip
+        self._run("monitor")
+        for node in ("node1", "node2"):
+            self._autoctl(
+                "create", "postgres", "--pgdata", self._data(node),
+                "--pgport", str(self.ports[node]), "--auth", "trust", "--no-ssl",
+                "--hostname", "127.0.0.1", "--dbname", "jobrelay", "--monitor", monitor,
+                "--name", node,
+            )  # fmt: skip
+            self._run(node)
+            # Alone, the first node is "single"; it is "primary" once the second follows it.
+            self._wait_for(node, {"single", "primary"} if node == "node1" else {"secondary"})
+        self._wait_for("node1", {"primary"})
+
+    def failover(self) -> float:
+        """Move the primary to the other node; the seconds ``pg_autoctl`` took."""
+        started = time.monotonic()
+        self._autoctl("perform", "failover", "--pgdata", self._data("monitor"), timeout=180)
+        return time.monotonic() - started
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        for name in ("node2", "node1", "monitor"):
+            with contextlib.suppress(Exception):
+                self._autoctl("stop", "--pgdata", self._data(name), "--immediate", timeout=30)
+        for run in self._runs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(run.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                run.wait(10)
+        for log in self._logs:
+            log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.remove)
+
+    def _data(self, name: str) -> str:
+        return str(self.root / name)
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "PATH": f"{self.bin}:{os.environ.get('PATH', '')}"}
+
+    def _owner(self) -> list[str]:
+        return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+    def _autoctl(self, *args: str, timeout: float = _START_TIMEOUT + 30) -> str:
+        argv = [*self._owner(), "env", f"PATH={self._env()['PATH']}", "pg_autoctl", *args]
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout, cwd=self.root,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        if done.returncode != 0:
+            detail = (done.stderr or done.stdout).strip()[-1500:]
+            raise OwnPostgresError(
+                f"`pg_autoctl {' '.join(args[:2])}` exited {done.returncode}: {detail}"
+            )
+        return done.stdout
+
+    def _run(self, name: str) -> None:
+        log = (self.root / f"{name}.log").open("ab")
+        self._logs.append(log)
+        argv = [*self._owner(), "env", f"PATH={self._env()['PATH']}", "pg_autoctl", "run",
+                "--pgdata", self._data(name)]  # fmt: skip
+        self._runs.append(
+            subprocess.Popen(argv, stdout=log, stderr=log, cwd=self.root, start_new_session=True)
+        )
+
+    def _wait_for(self, node: str, states: set[str]) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            shown = self._autoctl("show", "state", "--pgdata", self._data("monitor"), "--json")
+            with contextlib.suppress(ValueError):
+                for row in json.loads(shown):
+                    if row.get("nodename") == node and row.get("current_group_state") in states:
+                        return
+            time.sleep(0.5)
+        raise OwnPostgresError(f"pg_auto_failover: {node} never became {' or '.join(states)}")

@@ -5,6 +5,7 @@ it judges (objects, mails, queues, dead letters) and shows the outcome.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jobrelay.chaos.clients import Record
-from jobrelay.chaos.cluster import Cluster
+from jobrelay.chaos.cluster import Cluster, Exit
 from jobrelay.chaos.plan import Plan
 from jobrelay.chaos.sandbox import Sandbox
 from jobrelay.chaos.sinks import MailServer, S3Server
@@ -123,7 +124,7 @@ def print_table(
         table.add_column(column)
     for f in faults:
         table.add_row(
-            f"{f.at:.1f}s", f.kind if not f.point else f"crash at {f.point}", f.target,
+            f"{f.at:.1f}s", _fault_label(f), f.target,
             f.result, f.detail,
         )  # fmt: skip
     console.print(table)
@@ -143,3 +144,39 @@ def print_table(
     for kind, examples in verdict.examples.items():
         for example in examples:
             console.print(f"  {kind}: {example}")
+
+
+def _fault_label(fault: FaultLog) -> str:
+    if not fault.point:
+        return fault.kind
+    what = "failover while held at" if fault.kind == "postgres_failover" else "crash at"
+    return f"{what} {fault.point}"
+
+
+def failover_line(verdict: Verdict, faults: list[FaultLog], exits: list[Exit]) -> str | None:
+    """With ``--failover``: the failovers, how many recovered (a job succeeded on the new
+    primary) and the slowest recovery, and the verdict's counts per 10,000 accepted jobs (a
+    short run and a long one read alike); None without failovers."""
+    done = [f for f in faults if f.kind == "postgres_failover"]
+    if not done:
+        return None
+    recoveries = [
+        float(m.group(1)) for f in done if (m := _RECOVERY.search(f.detail or "")) is not None
+    ]
+    c, v = verdict.counts, verdict.violations
+    scale = 10_000 / max(c["accepted"], 1)
+
+    def per(n: int) -> str:
+        return f"{n * scale:g}"
+
+    gave_up = sum(1 for e in exits if e.cause == "unexpected" and e.code >= 0)
+    slowest = f"{max(recoveries):.2f}s" if recoveries else "n/a"
+    return (
+        f"failover: failovers={len(done)} held={sum(f.result == 'fired' for f in done)} "
+        f"recovered={len(recoveries)} slowest_recovery={slowest} per_10k_jobs: "
+        f"lost={per(v['lost'])} executed_twice={per(v['dup_results'])} "
+        f"effects_twice={per(v['dup_emails'])} stuck={per(v['stuck'])} exited={gave_up}"
+    )
+
+
+_RECOVERY = re.compile(r"first job succeeded after (\d+(?:\.\d+)?)s")

@@ -52,7 +52,7 @@ from jobrelay.chaos.plan import (
     make_plan,
 )
 from jobrelay.chaos.rabbit_cluster import ClusterError, RabbitCluster
-from jobrelay.chaos.report import FaultLog, object_versions, print_table
+from jobrelay.chaos.report import FaultLog, failover_line, object_versions, print_table
 from jobrelay.chaos.report import report as make_report
 from jobrelay.chaos.report import world as read_world
 from jobrelay.chaos.sandbox import ChaosSetupError, Sandbox
@@ -189,6 +189,11 @@ async def run_chaos(opts: ChaosOptions) -> int:
         report_path.write_text(json.dumps(report, indent=2, default=str))
         print_table(verdict, faults, cluster, quiet)
         console.print(f"report: {report_path}")
+        moved = failover_line(verdict, faults, cluster.exits)
+        if moved is not None:
+            report["failover"] = moved
+            report_path.write_text(json.dumps(report, indent=2, default=str))
+            print(moved, flush=True)
         print(line, flush=True)
         return 0 if verdict.ok else 1
     except ChaosSetupError as exc:
