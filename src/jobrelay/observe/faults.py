@@ -24,6 +24,9 @@ Points and actions:
 - ``worker.before_ack:crash[:n]``, ``relay.before_mark:crash[:n]``,
   ``api.before_response:crash[:n]`` — n means the n-th time this process reaches the point;
   without n, every time.
+- ``worker.after_complete:cut[:n]`` — the completion committed, then the server cuts every
+  session of the database (``pg_terminate_backend``) before the worker reads the answer: its
+  outcome is unknown to it, and it must be resolved by reading, never by running again.
 - ``stall`` at a hand-off (``api.before_response``, ``relay.before_mark``,
   ``claim.after_commit``, ``worker.after_complete``, ``worker.before_ack``) or in a reconciler
   pass (``reconcile.pass``, after it read the clock, before its first repair) holds the
@@ -56,7 +59,7 @@ log = logging.getLogger("jobrelay.faults")
 POINTS: dict[str, frozenset[str]] = {
     "export.run": frozenset({"transient", "invalid", "crash", "stall"}),
     "worker.before_ack": frozenset({"crash", "stall"}),
-    "worker.after_complete": frozenset({"crash", "stall"}),
+    "worker.after_complete": frozenset({"crash", "stall", "cut"}),
     "relay.before_mark": frozenset({"crash", "stall"}),
     "api.before_response": frozenset({"crash", "stall"}),
     "notify.after_send": frozenset({"crash"}),
@@ -249,6 +252,13 @@ class Faults:
             raise PermanentError(f"injected invalid payload at {point} (attempt {count})")
         if fault.action == "drop":
             raise StoreError(f"database write failed: injected connection drop at {point}")
+        if fault.action == "cut":
+            raise ConnectionCut(f"injected connection cut at {point}")
+
+
+class ConnectionCut(Exception):
+    """A ``cut`` fault fired: the caller has the database cut its sessions (it can reach the
+    store; this module cannot), then goes on as after a lost connection."""
 
 
 NO_FAULTS = Faults()

@@ -261,6 +261,9 @@ class StoreBase:
             self.now_sql().label("observed_at"),
         )
 
+    async def cut_sessions(self) -> None:
+        await self.driver.cut_sessions()
+
     async def ping(self) -> None:
         async with self.reading() as conn:
             await conn.execute(text("SELECT 1"))

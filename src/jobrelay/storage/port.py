@@ -81,6 +81,10 @@ class Connections(Protocol):
         """The installation's row (id secret), read once per process and kept."""
         ...
 
+    async def cut_sessions(self) -> None:
+        """Fault injection only (``worker.after_complete:cut``): the database ends every other
+        session, as a failover would."""
+
     async def ping(self) -> None:
         """Raises when the database cannot answer one statement now; changes nothing."""
 

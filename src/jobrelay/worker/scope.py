@@ -19,8 +19,9 @@ from typing import Any
 
 from jobrelay.batching import Batcher
 from jobrelay.domain.policy import Action
-from jobrelay.errors import StoreDataError
+from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.library.operations import Registry
+from jobrelay.observe.faults import ConnectionCut
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.store import Claimed, ClaimRequest, CompleteRequest, Completion
 from jobrelay.transport.base import Delivery
@@ -72,7 +73,13 @@ class WorkerScope:
         async def complete_many(requests: Sequence[CompleteRequest]) -> Sequence[Completion]:
             done = await rt.store.complete_many(requests, rt.clock())
             # Tests: the batch committed, none of its deliveries settled yet.
-            await rt.faults.ahit("worker.after_complete")
+            try:
+                await rt.faults.ahit("worker.after_complete")
+            except ConnectionCut as cut:
+                # ... and the server cut every session before the answer was read: the
+                # outcome is unknown here, and is read back (``attempt._own_earlier_commit``).
+                await rt.store.cut_sessions()
+                raise StoreError(f"database write failed: {cut}") from cut
             return [done.failed.get(r.claim.job_id, r.claim.job_id in done) for r in requests]
 
         return cls(

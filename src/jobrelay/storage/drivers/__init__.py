@@ -70,6 +70,11 @@ class Driver(Protocol):
     async def notify_done(self, conn: AsyncConnection) -> None:
         """Wake the waiters of ended jobs at ``conn``'s commit (``library.waiting``)."""
 
+    async def cut_sessions(self) -> None:
+        """Fault injection (``worker.after_complete:cut``): the server ends every other
+        session of this database at once, as a failover does; nothing where there is no
+        server (SQLite)."""
+
     async def claim_many(
         self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
     ) -> list[Claimed]:

@@ -103,6 +103,15 @@ class PostgresDriver:
     async def notify_done(self, conn: AsyncConnection) -> None:
         await _notify(conn, DONE_CHANNEL)
 
+    async def cut_sessions(self) -> None:
+        async with statement_tx(self.engine, "database") as conn:
+            await conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+            )
+
     async def rows(
         self,
         statement: CompiledStatement,

@@ -190,6 +190,9 @@ class SqliteDriver:
     async def notify_done(self, conn: AsyncConnection) -> None:
         return None  # waiters watch the file's ``data_version`` (``library.waiting``)
 
+    async def cut_sessions(self) -> None:
+        return None  # no server, no sessions to cut
+
     async def _tx(self, work: Callable[[sql.Execute], T], conn: AsyncConnection | None = None) -> T:
         """``work`` in one write transaction: ``conn``'s when given; else on the held
         connection in one hand-off to its thread while a worker runs, else SQLAlchemy's."""
