@@ -138,7 +138,7 @@ class HotPool:
             if failover_error(exc) or isinstance(exc, _CONNECTION_GONE):
                 # The server went, or is a standby now: every held connection may be on it.
                 # They are replaced as they are next acquired, on the primary of then.
-                pool.expire_connections()
+                await pool.expire_connections()
             raise hot_error(f"{what} write failed", exc) from exc
         except (TypeError, ValueError, OverflowError) as exc:  # a bind processor refused it
             self.failures[type(exc).__name__] += 1
