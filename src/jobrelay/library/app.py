@@ -41,8 +41,9 @@ from jobrelay.domain.delays import Delay
 from jobrelay.domain.queues import DEFAULT_QUEUE, QUEUE_NAME
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError, JobFailed
+from jobrelay.library.definition_checks import check_params_model, unknown_type
 from jobrelay.library.job_definition import JobDefinition as JobDefinition
-from jobrelay.library.job_definition import JobFunction, P, check_params_model, unknown_type
+from jobrelay.library.job_definition import JobFunction, P
 from jobrelay.library.limits import ConcurrencyLimit, RateLimit, check_limits
 from jobrelay.library.operations import Operation, Registry
 from jobrelay.library.sync_context import SyncJobFunction

@@ -5,16 +5,13 @@ loop, ``def`` in the app's thread pool).
 
 from __future__ import annotations
 
-import contextlib
-import difflib
 import inspect
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobrelay.domain import delays
@@ -23,6 +20,14 @@ from jobrelay.domain.dependencies import dependencies_of
 from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
 from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidParams, PermanentError
 from jobrelay.library.context import JobContext, JobType, Result
+from jobrelay.library.definition_checks import (
+    RAW_KINDS,
+    check_job_signature,
+    field_errors,
+    schema_missing_hint,
+    unknown_type,
+    wrong_connection,
+)
 from jobrelay.library.limits import Limit, job_limits
 from jobrelay.library.operations import OperationContext, OperationResult
 from jobrelay.library.sync_context import SyncJobFunction, run_in_thread, runs_in_thread
@@ -44,87 +49,6 @@ from jobrelay.storage.storable import value_json
 
 P = TypeVar("P", bound=BaseModel)
 JobFunction = Callable[[JobContext[P], P], Awaitable[Any]]
-
-
-def _field_errors(exc: ValidationError) -> list[dict[str, str]]:
-    return [
-        {"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
-        for err in exc.errors(include_url=False)
-    ]
-
-
-def unknown_type(name: str, known: Iterable[str]) -> str:
-    """``no job type 'x' in this app``, with the closest known names (difflib)."""
-    close = difflib.get_close_matches(name, sorted(known), n=3)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return f"no job type {name!r} in this app{hint}"
-
-
-def _wrong_connection(conn: object, expected: str, opened_by: str, raw: str = "") -> str:
-    kind = f"{type(conn).__module__}.{type(conn).__qualname__}"
-    return (
-        f"pass the SQLAlchemy {expected} of your transaction (`with engine.{opened_by} as conn`,"
-        f" the engine from jobrelay.create_engine or sqlalchemy){raw}, not a {kind}"
-    )
-
-
-_RAW_KINDS = (
-    " or the psycopg 3 or sqlite3 connection your framework holds"
-    " (Django: `django.db.connection.connection`)"
-)
-
-
-def check_params_model(name: str, params: object) -> None:
-    """Refuse, where the job is defined, a ``params=`` that is not a pydantic model class
-    (``dict``, an instance): it would be accepted here and fail at the first enqueue."""
-    if isinstance(params, type) and issubclass(params, BaseModel):
-        return
-    given = params.__name__ if isinstance(params, type) else f"{params!r}"
-    raise ConfigError(
-        "@app.job",
-        f"{name}: params must be a pydantic model class, got {given}: write"
-        " `class Params(BaseModel)` with one typed field per parameter, and"
-        " `model_config = ConfigDict(extra='allow')` in it to accept any other keys",
-    )
-
-
-def check_job_signature(name: str, fn: object, model: type[BaseModel]) -> None:
-    """Refuse, where the job is defined, a function the worker cannot call as
-    ``fn(ctx, params)`` (``def f(params)`` from Celery's habits): it would be accepted here
-    and fail on every attempt at run time, until the job was quarantined."""
-    try:
-        signature = inspect.signature(cast("Callable[..., Any]", fn))
-    except (TypeError, ValueError):
-        return  # no signature to read (some builtins): the run says it
-    try:
-        signature.bind(None, None)
-    except TypeError:
-        pass
-    else:
-        return
-    label = getattr(fn, "__name__", None) or "f"
-    shown = "f" if not label.isidentifier() else label
-    m = model.__name__
-    raise ConfigError(
-        "@app.job",
-        f"{name}: {label}{signature} must take (ctx, params): write"
-        f" `async def {shown}(ctx: jobrelay.JobContext[{m}], params: {m})`, or"
-        f" `def {shown}(ctx: jobrelay.SyncJobContext[{m}], params: {m})` to run it in a thread",
-    )
-
-
-@contextlib.contextmanager
-def _schema_missing_hint(where: str) -> Iterator[None]:
-    """A database without jobrelay's tables: say to run ``jobrelay db upgrade``."""
-    try:
-        yield
-    except DBAPIError as exc:
-        text = (str(exc.orig).splitlines() or [""])[0]
-        if "no such table" in text or getattr(exc.orig, "sqlstate", None) == "42P01":
-            raise ConfigError(
-                where, f"the database has no jobrelay schema ({text}): run `jobrelay db upgrade`"
-            ) from exc
-        raise
 
 
 class Owner(Protocol):
@@ -192,7 +116,7 @@ class JobDefinition(Generic[P]):
         try:
             return self.params_model.model_validate(params)
         except ValidationError as exc:
-            raise InvalidParams(self.type, _field_errors(exc)) from None
+            raise InvalidParams(self.type, field_errors(exc)) from None
 
     def new_job(
         self,
@@ -274,8 +198,8 @@ class JobDefinition(Generic[P]):
         account's) raise ``InvalidDependencies`` before anything is written.
         """
         if not isinstance(conn, AsyncConnection):
-            raise ConfigError("enqueue", _wrong_connection(conn, "AsyncConnection", "begin()"))
-        with _schema_missing_hint("enqueue"):
+            raise ConfigError("enqueue", wrong_connection(conn, "AsyncConnection", "begin()"))
+        with schema_missing_hint("enqueue"):
             return await run_async(
                 conn,
                 self._enqueue_steps(
@@ -309,7 +233,7 @@ class JobDefinition(Generic[P]):
         ``connection.connection`` inside ``transaction.atomic()``), never committed here."""
         when = _resolved(delay, run_at)
         if isinstance(conn, Connection):
-            with _schema_missing_hint("enqueue_sync"):
+            with schema_missing_hint("enqueue_sync"):
                 steps = self._enqueue_steps(
                     conn.engine,
                     dialect_of(conn),
@@ -325,10 +249,10 @@ class JobDefinition(Generic[P]):
         dialect = dbapi_dialect(conn)
         if dialect is None:
             raise ConfigError(
-                "enqueue_sync", _wrong_connection(conn, "Connection", "begin()", _RAW_KINDS)
+                "enqueue_sync", wrong_connection(conn, "Connection", "begin()", RAW_KINDS)
             )
         require_atomic(conn, dialect)
-        with _schema_missing_hint("enqueue_sync"):
+        with schema_missing_hint("enqueue_sync"):
             database = connection_identity(conn, dialect) if key is not None else dialect
             steps = self._enqueue_steps(
                 database, dialect, params, key, account, job_id, when, after, after_failure
@@ -357,8 +281,8 @@ class JobDefinition(Generic[P]):
         job with ``after=`` is written on its own (its dependencies are read and locked).
         """
         if not isinstance(conn, AsyncConnection):
-            raise ConfigError("enqueue_many", _wrong_connection(conn, "AsyncConnection", "begin()"))
-        with _schema_missing_hint("enqueue_many"):
+            raise ConfigError("enqueue_many", wrong_connection(conn, "AsyncConnection", "begin()"))
+        with schema_missing_hint("enqueue_many"):
             return await run_async(
                 conn,
                 self._enqueue_many_steps(
@@ -389,7 +313,7 @@ class JobDefinition(Generic[P]):
         ``enqueue_sync`` takes."""
         when = _resolved(delay, run_at)
         if isinstance(conn, Connection):
-            with _schema_missing_hint("enqueue_many_sync"):
+            with schema_missing_hint("enqueue_many_sync"):
                 steps = self._enqueue_many_steps(
                     conn.engine, dialect_of(conn), params, keys, account, when, after, after_failure
                 )
@@ -397,10 +321,10 @@ class JobDefinition(Generic[P]):
         dialect = dbapi_dialect(conn)
         if dialect is None:
             raise ConfigError(
-                "enqueue_many_sync", _wrong_connection(conn, "Connection", "begin()", _RAW_KINDS)
+                "enqueue_many_sync", wrong_connection(conn, "Connection", "begin()", RAW_KINDS)
             )
         require_atomic(conn, dialect)
-        with _schema_missing_hint("enqueue_many_sync"):
+        with schema_missing_hint("enqueue_many_sync"):
             keyed = keys is not None and any(k is not None for k in keys)
             database = connection_identity(conn, dialect) if keyed else dialect
             steps = self._enqueue_many_steps(
@@ -498,13 +422,13 @@ class JobDefinition(Generic[P]):
         try:
             self.params_model.model_validate(params)
         except ValidationError as exc:
-            raise InvalidParams(self.type, _field_errors(exc)) from None
+            raise InvalidParams(self.type, field_errors(exc)) from None
 
     async def run(self, ctx: OperationContext) -> OperationResult:
         try:
             params = self.params_model.model_validate(ctx.job.params)
         except ValidationError as exc:
-            raise PermanentError(str(InvalidParams(self.type, _field_errors(exc)))) from None
+            raise PermanentError(str(InvalidParams(self.type, field_errors(exc)))) from None
         job = ctx.job
 
         def follow_up(target: JobType | str, p: BaseModel | Mapping[str, Any]) -> NewJob:

@@ -21,6 +21,10 @@ log = logging.getLogger("jobrelay.reconcile")
 LOCK_KEY = int.from_bytes(b"jrrecncl", "big")
 
 
+class PassAbandoned(Exception):
+    """A reconciler pass stopped between two steps: its leadership was lost since it began."""
+
+
 class Leadership:
     """At most one reconciler leads: a session advisory lock on PostgreSQL, held on a
     dedicated connection for as long as it leads; always the leader on SQLite."""
@@ -62,6 +66,13 @@ class Leadership:
                 await self.release()
         await self._try_acquire()
         return self._conn is not None
+
+    async def hold(self, term: int) -> None:
+        """``PassAbandoned`` unless this process still leads under ``term``: a pass whose
+        leadership was lost, or lost and taken again (a failover took the lock's session with
+        the old primary), must not act on what it read before."""
+        if not await self.check() or self.term != term:
+            raise PassAbandoned("the reconciler's leadership was lost during its pass")
 
     async def _try_acquire(self) -> None:
         import asyncpg

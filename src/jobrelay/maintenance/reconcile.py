@@ -67,7 +67,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from jobrelay.domain.states import JobState
-from jobrelay.maintenance.leadership import LOCK_KEY, Leadership
+from jobrelay.maintenance.leadership import LOCK_KEY, Leadership, PassAbandoned
 from jobrelay.maintenance.prune import Pruner
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.queue_pauses import pauses
@@ -97,10 +97,6 @@ _MOVED = "left alone, the job moved on meanwhile"
 RESEND_BACKOFF_MAX = 3600.0
 # How often the leader looks for tables with stale statistics (``Pruner.analyze_if_stale``).
 STATISTICS_SECONDS = 2.0
-
-
-class PassAbandoned(Exception):
-    """A pass stopped between two steps: its leadership was lost since it began."""
 
 
 def new_reconciler_id() -> str:
@@ -185,10 +181,9 @@ class Reconciler:
         term = None if leadership is None else leadership.term
 
         async def still_leading() -> None:
-            # Before each step: a pass whose leadership was lost (or lost and taken again:
-            # a failover) stops, rather than act on what it read before (river#1302).
-            if leadership is not None and (not await leadership.check() or leadership.term != term):
-                raise PassAbandoned("the reconciler's leadership was lost during its pass")
+            # Before each step: never act on what was read before a failover (river#1302).
+            if leadership is not None and term is not None:
+                await leadership.hold(term)
 
         # The database's clock, read once: every judgement and every write of this pass.
         now = await self.rt.store.db_now()
