@@ -28,6 +28,8 @@ class JobState(StrEnum):
 
 
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.QUARANTINED, JobState.CANCELLED})
+# The states a job has not ended in, as the column stores them (SQL ``IN`` lists), in order.
+UNFINISHED_VALUES = tuple(s.value for s in JobState if s not in TERMINAL_STATES)
 
 # (from, to) -> who may make that move. "pipeline" moves happen on a delivery; "operator"
 # moves only through an audited operator action.

@@ -14,7 +14,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from jobrelay.domain.states import JobState
+from jobrelay.domain.states import UNFINISHED_VALUES
 from jobrelay.storage.engine import read_tx
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import JobRecord, job_record
@@ -65,7 +65,7 @@ class Facts:
 
 async def non_terminal_and_unpublished(engine: AsyncEngine) -> tuple[int, int]:
     """How much is still moving: jobs not yet terminal, outbox rows not yet published."""
-    waiting = [s.value for s in JobState if not s.is_terminal]
+    waiting = list(UNFINISHED_VALUES)
     async with read_tx(engine, "audit") as conn:
         moving = await conn.scalar(
             select(func.count()).select_from(jobs).where(jobs.c.state.in_(waiting))

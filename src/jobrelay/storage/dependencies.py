@@ -84,7 +84,8 @@ def finish_steps(listens: bool, ended: Mapping[str, str], now: datetime) -> Step
 
     Run by every transition that ends a job, AFTER the statement that ended it (see the
     module's docstring: the edges of an enqueue that committed while that statement waited
-    are visible only to a later one). A job with no dependants costs one indexed UPDATE."""
+    are visible only to a later one). A job with no dependants costs two indexed statements
+    (the lock of what it can reach, the edges' update), each finding nothing."""
     by_state: dict[str, list[str]] = defaultdict(list)
     for job_id, state in ended.items():
         by_state[state].append(job_id)

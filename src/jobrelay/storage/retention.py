@@ -50,7 +50,7 @@ from typing import Any
 from sqlalchemy import delete, exists, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from jobrelay.domain.states import JobState
+from jobrelay.domain.states import UNFINISHED_VALUES, JobState
 from jobrelay.errors import TransientError
 from jobrelay.results.base import ResultStore
 from jobrelay.storage.base import StoreBase
@@ -120,7 +120,7 @@ def _still_needed() -> Any:
     return exists().where(
         job_dependencies.c.depends_on == jobs.c.id,
         dependant.c.id == job_dependencies.c.job_id,
-        dependant.c.state.in_([s.value for s in JobState if not s.is_terminal]),
+        dependant.c.state.in_(UNFINISHED_VALUES),
     )
 
 

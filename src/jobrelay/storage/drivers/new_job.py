@@ -45,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobrelay.domain.dependencies import AFTER_FAILURE
 from jobrelay.domain.limits import turn_key
 from jobrelay.domain.messages import JobMessage
-from jobrelay.domain.states import JobState
+from jobrelay.domain.states import UNFINISHED_VALUES, JobState
 from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidDependencies
 from jobrelay.storage.dependencies import CHUNK, chunks, settle_steps
 from jobrelay.storage.records import NOTIFY_CHANNEL, NewJob, work_destination
@@ -430,9 +430,6 @@ def _waiting_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[
     return job.job_id, True
 
 
-_unfinished_sql = [s.value for s in JobState if not s.is_terminal]
-
-
 def _mark_dependants(ids: Sequence[str]) -> Executable:
     """Tell the unfinished dependencies ``ids`` that a job waits for them: their end then
     settles it, in its own transaction (``storage.dependencies``)."""
@@ -440,7 +437,7 @@ def _mark_dependants(ids: Sequence[str]) -> Executable:
         update(jobs)
         .where(
             jobs.c.id.in_(ids),
-            jobs.c.state.in_(_unfinished_sql),
+            jobs.c.state.in_(UNFINISHED_VALUES),
             jobs.c.has_dependants.is_not(True),
         )
         .values(has_dependants=True)
