@@ -11,13 +11,22 @@ A batch is never failed for one request's fault: when its statement fails for a 
 ``alone_on`` accepts (a data error, not an outage), each request is sent again alone, so
 the one that cannot be stored fails by itself and its neighbours get their own answers. An
 outage fails every waiter of the batch: each holds its delivery and retries.
+
+With ``span`` named and a trace recorded, each request's span gets a child of that name whose
+start and end are its batch statement's (``observe.tracing.batch_spans``). The batch runs in
+a context of its own, not its first request's: nothing it logs or traces is one job's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, TypeVar
+
+from opentelemetry.context import Context
+
+from jobrelay.observe import tracing
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
@@ -31,20 +40,27 @@ class Batcher(Generic[Req, Res]):
         *,
         max_size: int = 100,
         alone_on: Callable[[Exception], bool] = lambda _: False,
+        span: str | None = None,
     ) -> None:
         self._run = run
+        self._span = span
         self._key = key
         self._max = max_size
         self._alone_on = alone_on
         self._pending: list[tuple[Req, asyncio.Future[Res]]] = []
+        # The trace context each pending request was made in (None: none recorded).
+        self._contexts: dict[int, Context | None] = {}
         self._flushing: asyncio.Task[None] | None = None
         self.batches = 0  # for tests and metrics: how many statements were sent
 
     async def submit(self, request: Req) -> Res:
-        future: asyncio.Future[Res] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Res] = loop.create_future()
         self._pending.append((request, future))
+        if self._span is not None:
+            self._contexts[id(future)] = tracing.current()
         if self._flushing is None or self._flushing.done():
-            self._flushing = asyncio.create_task(self._flush())
+            self._flushing = loop.create_task(self._flush(), context=contextvars.Context())
         # Shielded: a cancelled caller must not cancel the batch the others wait on; its
         # request was sent or will be, and the answer is then simply not read.
         return await asyncio.shield(future)
@@ -64,39 +80,56 @@ class Batcher(Generic[Req, Res]):
                     rest.append(item)
             self._pending = rest
             self.batches += 1
+            started = tracing.now_ns()
             try:
                 results = await self._run([request for request, _ in batch])
             except asyncio.CancelledError:  # the worker is being torn down: nobody answers
                 for _, future in batch + self._pending:
                     future.cancel()
                 self._pending = []
+                self._contexts.clear()
                 raise
             except Exception as exc:
                 if len(batch) > 1 and self._alone_on(exc):
                     await self._one_by_one(batch)
                     continue
                 for _, future in batch:  # an outage: every waiter of this batch gets it
+                    self._contexts.pop(id(future), None)
                     if not future.done():
                         future.set_exception(exc)
                 continue
+            self._trace(batch, started)
             for (_, future), result in zip(batch, results, strict=True):
                 if not future.done():
                     future.set_result(result)
+
+    def _trace(self, batch: list[tuple[Req, asyncio.Future[Res]]], started: int) -> None:
+        """Each request's span of its batch statement; the contexts of a batch that failed
+        are dropped with it."""
+        if self._span is None:
+            return
+        contexts = [(self._contexts.pop(id(future), None), self._key(r)) for r, future in batch]
+        if any(c is not None for c, _ in contexts):
+            tracing.batch_spans(self._span, contexts, started, tracing.now_ns())
 
     async def _one_by_one(self, batch: list[tuple[Req, asyncio.Future[Res]]]) -> None:
         """Each request of a failed batch in a statement of its own: its own answer or error."""
         for request, future in batch:
             self.batches += 1
+            started = tracing.now_ns()
             try:
                 [result] = await self._run([request])
             except asyncio.CancelledError:
                 for _, waiting in batch + self._pending:
                     waiting.cancel()
                 self._pending = []
+                self._contexts.clear()
                 raise
             except Exception as exc:
+                self._contexts.pop(id(future), None)
                 if not future.done():
                     future.set_exception(exc)
                 continue
+            self._trace([(request, future)], started)
             if not future.done():
                 future.set_result(result)

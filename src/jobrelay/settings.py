@@ -8,7 +8,7 @@ before anything is created.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
@@ -118,6 +118,17 @@ class Settings(BaseSettings):
     schedule_catchup: str = "last"
     faults: str = ""
     log_level: str = "INFO"
+    # json (one object per line) or text (one line for people); unset: text when stderr is
+    # a terminal, json otherwise (observe.logs).
+    log_format: Literal["json", "text"] | None = None
+    # OpenTelemetry (observe.tracing; the exporter is named by the OTEL_* variables): a run's
+    # span LINKED to the job's enqueue span, or a CHILD of it; the account on spans as a
+    # hash, or omitted.
+    otel_parent: Literal["link", "child"] = "link"
+    otel_account: Literal["hash", "omit"] = "hash"
+    # Where `job show` and the console link a trace: a URL with {trace_id} in it
+    # (https://tempo.example/trace/{trace_id}); unset: the trace id alone.
+    trace_url: str | None = None
     # S3-compatible endpoint for s3:// results (MinIO, Ceph, moto); unset means AWS itself.
     # Credentials and region come from the standard AWS variables, never from here.
     s3_endpoint_url: str | None = None
@@ -175,6 +186,13 @@ class Settings(BaseSettings):
             raise ValueError("at least one delay is required")
         if any(d <= 0 for d in value):
             raise ValueError("delays must be positive whole seconds")
+        return value
+
+    @field_validator("trace_url")
+    @classmethod
+    def _trace_url(cls, value: str | None) -> str | None:
+        if value is not None and "{trace_id}" not in value:
+            raise ValueError("expected a URL with {trace_id} in it")
         return value
 
     @field_validator("schedule_catchup")

@@ -116,7 +116,7 @@ def test_quarantine_replay_and_cancel_from_the_cli(env: dict[str, str], tmp_path
     entries = json_lines(up)
     mine = [e for e in entries if e.get("jobId") == job_id and e["logger"] == "jobrelay.worker"]
     assert {e["event"] for e in mine} >= {"claimed", "quarantined", "result_saved", "ack_sent"}
-    assert all(e.get("traceId") == TRACE_ID for e in mine)
+    assert all(e.get("trace_id") == TRACE_ID for e in mine)
     assert all("attempt" in e for e in mine if e["event"] in ("claimed", "result_saved"))
 
 
@@ -222,5 +222,5 @@ def test_separate_processes_log_json_and_serve_metrics(env: dict[str, str], tmp_
     ):
         entries = json_lines(proc)  # each line parses: one JSON object per line
         [line] = [e for e in entries if e.get("event") == must_see and e.get("jobId") == job_id]
-        assert line["traceId"] == TRACE_ID, (proc.name, line)
+        assert line["trace_id"] == TRACE_ID, (proc.name, line)
         assert secret not in proc.log() and secret[3:] not in proc.log()

@@ -81,13 +81,13 @@ async def test_trace_reaches_the_worker_lines_through_a_retry(
     worker = [e for e in entries if e["logger"] == "jobrelay.worker" and e.get("jobId") == job_id]
     assert {e["event"] for e in worker} >= LIFECYCLE
     for entry in worker:
-        assert entry["traceId"] == TRACE_ID, entry
+        assert entry["trace_id"] == TRACE_ID, entry
         if entry["event"] in LIFECYCLE:
             assert entry["attempt"] in (1, 2), entry
     claims = [e["attempt"] for e in worker if e["event"] == "claimed"]
     assert claims == [1, 2]
     published = [e for e in entries if e.get("event") == "published" and e.get("jobId") == job_id]
-    assert len(published) == 2 and all(e["traceId"] == TRACE_ID for e in published)
+    assert len(published) == 2 and all(e["trace_id"] == TRACE_ID for e in published)
 
 
 async def test_at_info_the_worker_logs_a_line_per_batch_of_settles_not_per_job(
@@ -137,7 +137,7 @@ async def test_api_lines_carry_the_trace_and_never_the_token(
         await runtime.engine.dispose()
 
     [line] = [e for e in json_lines.entries() if e.get("event") == "job_accepted"]
-    assert line["traceId"] == TRACE_ID and line["jobId"] == accepted.json()["jobId"]
+    assert line["trace_id"] == TRACE_ID and line["jobId"] == accepted.json()["jobId"]
     assert line["attempt"] == 0
     assert all(token not in raw and token[3:] not in raw for raw in json_lines.lines)
     assert all('"period"' not in raw for raw in json_lines.lines)  # no payload bodies

@@ -28,6 +28,7 @@ from jobrelay.api.problems import ProblemError, problem_openapi
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.routes import PRUNED_RESPONSE, missing_job
 from jobrelay.api.schemas import WireModel, canonical_job_id, valid_traceparent
+from jobrelay.observe import tracing
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.admin import ActionOutcome, AdminQueries
 from jobrelay.storage.queue_pauses import pause_of
@@ -288,7 +289,8 @@ async def _act(
     operator = Operator(runtime)
     outcome: ActionOutcome
     if action == "replay":
-        headers = {"traceparent": trace} if trace else None
+        # The replay's runs link to this request's trace (the caller's, when it sent one).
+        headers = tracing.carrier() or None if trace else None
         outcome = await operator.replay(job_id, actor=actor, reason=reason, headers=headers)
     elif action == "resend":
         outcome = await operator.resend(job_id, actor=actor, reason=reason)

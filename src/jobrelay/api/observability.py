@@ -1,8 +1,10 @@
-"""``GET /metrics`` and the request middleware: trace id on log lines, request counts.
+"""``GET /metrics`` and the request middleware: the request's trace, request counts.
 
-The middleware binds the ``traceparent`` trace id of each request to its log lines (the
-same id the job's message carries to the relay and the worker) and counts requests by route
-template, never by raw path, so job ids do not become label values.
+The middleware makes the caller's trace context (W3C ``traceparent``/``tracestate``,
+``baggage``) current for the request, under a server span of ours when spans are recorded
+(``observe.tracing``): its log lines carry the trace id, and a job it enqueues carries the
+context on to the relay and the worker. It counts requests by route template, never by raw
+path, so job ids do not become label values.
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError
-from jobrelay.api.schemas import valid_traceparent
 from jobrelay.errors import StoreError
-from jobrelay.observe import logs
+from jobrelay.observe import tracing
 from jobrelay.observe.metrics import CONTENT_TYPE, Metrics, authorized, refresh_database_gauges
 from jobrelay.runtime.wiring import Runtime
 
@@ -48,6 +49,9 @@ async def metrics(runtime: RuntimeDep, request: Request) -> Response:
     return Response(runtime.metrics.render(), media_type=CONTENT_TYPE)
 
 
+_TRACE_HEADERS = {name.encode() for name in tracing.TRACE_HEADERS}
+
+
 class RequestMiddleware:
     """Outermost: binds the request's trace id to its log lines and counts the answer."""
 
@@ -67,13 +71,19 @@ class RequestMiddleware:
                 status = int(message["status"])
             await send(message)
 
-        raw = dict(scope.get("headers") or []).get(b"traceparent")
-        trace = valid_traceparent(raw.decode("latin-1")) if raw else None
-        try:
-            with logs.bound(traceId=logs.trace_id(trace)):
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in scope.get("headers") or []
+            if name in _TRACE_HEADERS
+        }
+        method = str(scope.get("method", ""))
+        with tracing.request_context(headers, method, str(scope.get("path", ""))) as span:
+            try:
                 await self.app(scope, receive, tracking_send)
-        finally:
-            self._count(scope, status)
+            finally:
+                route = getattr(scope.get("route"), "path", None)
+                tracing.finish_request(span, method, route, status)
+                self._count(scope, status)
 
     def _count(self, scope: Scope, status: int) -> None:
         metrics = self.metrics

@@ -31,6 +31,7 @@ from jobrelay.cli.common import (  # noqa: F401 (re-exported for the tests and t
     with_settings,
 )
 from jobrelay.observe import logs
+from jobrelay.observe.setup import observe
 from jobrelay.settings import Settings
 
 app = typer.Typer(
@@ -77,7 +78,7 @@ def api_cmd(
     """Serve the HTTP API."""
     from jobrelay.processes.entry_points import serve_api
 
-    logs.configure("api", settings.log_level)
+    observe("api", settings)
     run_until_signalled(lambda stop: serve_api(settings, host, port, stop), fast_loop=True)
 
 
@@ -110,7 +111,7 @@ def relay_cmd(
     """Publish outbox rows to the broker (several may run at once), and reconcile."""
     from jobrelay.processes.entry_points import run_relay
 
-    logs.configure("relay", settings.log_level)
+    observe("relay", settings)
     at = _metrics_at(metrics_host, metrics_port)
     run_until_signalled(lambda stop: run_relay(settings, stop, at), fast_loop=True)
 
@@ -134,7 +135,7 @@ def worker_cmd(
     """Consume jobs and run them."""
     from jobrelay.processes.entry_points import run_worker
 
-    logs.configure("worker", settings.log_level)
+    observe("worker", settings)
     at = _metrics_at(metrics_host, metrics_port)
     queues = tuple(queue or ())
     run_until_signalled(lambda stop: run_worker(settings, stop, at, queues), fast_loop=True)
@@ -150,7 +151,7 @@ def up_cmd(
     """API + relay + worker in one process (development and the embedded default)."""
     from jobrelay.processes.entry_points import run_up
 
-    logs.configure("up", settings.log_level)
+    observe("up", settings)
     run_until_signalled(lambda stop: run_up(settings, host, port, stop), fast_loop=True)
 
 
@@ -159,7 +160,7 @@ def up_cmd(
 def demo_cmd(settings: Settings) -> None:
     """Run the app's demo end to end on the configured (by default embedded) pipeline."""
     demo = app_command(settings, "demo")
-    logs.configure("demo", "ERROR")  # the demo narrates; faults it arms are announced
+    observe("demo", settings, "ERROR")  # the demo narrates; faults it arms are announced
     raise typer.Exit(demo(settings))
 
 

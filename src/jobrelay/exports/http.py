@@ -30,7 +30,6 @@ from jobrelay.http import (
     parse_body,
     problem_openapi,
     read_body,
-    valid_traceparent,
 )
 from jobrelay.library.job_definition import JobDefinition
 
@@ -132,14 +131,15 @@ def export_router(report_export: JobDefinition[ExportParams]) -> APIRouter:
         if not caller.may_act_for(body.account_id):
             raise ProblemError(403, "this token may not act for that account")
         params = body.params()
-        trace = valid_traceparent(traceparent)
+        # The trace (the caller's ``traceparent``, our request span) is the request's
+        # context: the enqueue takes it from there (``observe.tracing.enqueuing``).
+        del traceparent
         admission = await accept(
             report_export,
             params,
             account=body.account_id,
             key=idempotency_key,
             by_request=True,
-            headers={"traceparent": trace} if trace else None,
         )
         status_url = f"/v1/jobs/{admission.job_id}"
         response.headers["Location"] = status_url

@@ -31,6 +31,7 @@ from jobrelay.library.definition_checks import (
 from jobrelay.library.limits import Limit, job_limits
 from jobrelay.library.operations import OperationContext, OperationResult
 from jobrelay.library.sync_context import SyncJobFunction, run_in_thread, runs_in_thread
+from jobrelay.observe import tracing
 from jobrelay.settings import Settings
 from jobrelay.storage.drivers.dbapi import (
     DBAPIConnection,
@@ -438,6 +439,8 @@ class JobDefinition(Generic[P]):
                     account=job.account_id,
                     job_id=follow_up_job_id(job.id, target.type),
                     max_attempts=target._max_attempts or job.max_attempts,
+                    # Its enqueue is a child of this run (``observe.tracing``).
+                    headers=tracing.follow_up_headers(),
                 )
             if not isinstance(target, str):
                 raise ConfigError(
@@ -453,6 +456,7 @@ class JobDefinition(Generic[P]):
                 params=stored,
                 request_hash=request_hash(job.account_id, target, stored),
                 max_attempts=job.max_attempts,
+                headers=tracing.follow_up_headers(),
             )
 
         async def fault_point(point: str) -> None:

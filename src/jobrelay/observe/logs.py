@@ -1,14 +1,15 @@
-"""One JSON object per line on stderr, for every process.
+"""One line per event on stderr, for every process: JSON for machines, text for people.
 
-Lifecycle lines carry ``event`` (a stable action name) and ``jobId``/``attempt`` where they
-apply, passed through ``extra=``; support greps one job's story across api, relay and
-worker logs by its id. Never log tokens or payload bodies.
+``JOBRELAY_LOG_FORMAT=json|text``; unset, a terminal gets text and anything else (a file, a
+pipe, a log shipper) JSON. Lifecycle lines carry ``event`` (a stable action name) and
+``jobId``/``attempt`` where they apply, passed through ``extra=``; support greps one job's
+story across api, relay and worker logs by its id. Never log tokens or payload bodies.
 
-A task can ``bound()`` context (``jobId``, ``attempt``, ``traceId``) that the formatter adds
-to every line logged inside it, so lines from deep helpers carry the job too. ``traceId``
-comes from the W3C ``traceparent`` the API received, which travels in the outbox row and the
-message headers. As a last guard the formatter masks anything shaped like an API token, a
-bearer credential or a password in a URL.
+A task can ``bound()`` context (``jobId``, ``attempt``) that the formatter adds to every line
+logged inside it, so lines from deep helpers carry the job too. A line logged while a trace
+is active (the HTTP request's, the job's run: ``observe.tracing``) carries its ``trace_id``
+and ``span_id``, the ids the tracing backend shows. As a last guard every line passes
+through the one scrubber (``observe.scrub``).
 
 A line is compact JSON (``{"event":"claimed",...}``: grep a field with ``jq``, not with the
 spacing) written by orjson, a few times faster than ``json`` (a worker writes lines for
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import sys
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
@@ -29,26 +29,23 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
 
+from opentelemetry import trace
+
 from jobrelay import fastjson
+from jobrelay.observe.scrub import scrub
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 _CONTEXT: ContextVar[Mapping[str, Any]] = ContextVar(
     "jobrelay_log_context", default=MappingProxyType({})
 )
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
-_SECRETS = (
-    (re.compile(r"jr_[A-Za-z0-9_-]{16,}"), "jr_***"),
-    (re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1***"),
-    (re.compile(r"(://[^:/@\s\"']+:)[^@/\s\"']+@"), r"\1***@"),
-)
 
 
-def trace_id(traceparent: object) -> str | None:
-    """The trace id of a W3C ``traceparent`` header value, or None when it is not one."""
-    if not isinstance(traceparent, str):
-        return None
-    match = _TRACEPARENT.match(traceparent.strip().lower())
-    return match.group(1) if match and match.group(1) != "0" * 32 else None
+def trace_fields() -> dict[str, str]:
+    """``trace_id`` and ``span_id`` of the span current in this task, or nothing."""
+    span = trace.get_current_span().get_span_context()
+    if not span.is_valid:
+        return {}
+    return {"trace_id": f"{span.trace_id:032x}", "span_id": f"{span.span_id:016x}"}
 
 
 def context() -> Mapping[str, Any]:
@@ -69,16 +66,6 @@ def bound(**values: Any) -> Iterator[None]:
 def bind(**values: Any) -> None:
     """Like ``bound()`` until the enclosing ``bound()`` block (or the task) ends."""
     _CONTEXT.set({**_CONTEXT.get(), **{k: v for k, v in values.items() if v is not None}})
-
-
-def scrub(text: str) -> str:
-    # What each of _SECRETS needs before it can match: most lines hold none of it, and three
-    # substring tests cost a fraction of one regular expression's search.
-    if "jr_" not in text and "://" not in text and "bearer" not in text.lower():
-        return text
-    for pattern, replacement in _SECRETS:
-        text = pattern.sub(replacement, text)
-    return text
 
 
 class JsonFormatter(logging.Formatter):
@@ -106,6 +93,7 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
         }
         entry.update(_CONTEXT.get())
+        entry.update(trace_fields())
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
                 entry[key] = value
@@ -117,7 +105,47 @@ class JsonFormatter(logging.Formatter):
         return scrub(text)
 
 
-def configure(process_name: str, level: str = "INFO") -> None:
+class TextFormatter(logging.Formatter):
+    """One line a person reads: time, level, event, job id, the message, then the rest of
+    the fields as ``key=value`` (the trace ids last)."""
+
+    def __init__(self, process_name: str) -> None:
+        super().__init__()
+        self.process_name = process_name
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields: dict[str, Any] = dict(_CONTEXT.get())
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_"):
+                fields[key] = value
+        fields.update(trace_fields())
+        event = fields.pop("event", None)
+        job = fields.pop("jobId", None)
+        when = datetime.fromtimestamp(record.created).strftime("%H:%M:%S")
+        head = f"{when}.{int(record.msecs):03d} {record.levelname:<7} {self.process_name}"
+        text = f"{head} {event or '-':<16} {job or '-'} {record.getMessage()}"
+        rest = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
+        if rest:
+            text = f"{text}  [{rest}]"
+        if record.exc_info:
+            text = f"{text}\n{self.formatException(record.exc_info)}"
+        return scrub(text)
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if " " not in text else json.dumps(text)
+
+
+def text_by_default(stream: Any = None) -> bool:
+    """Whether ``JOBRELAY_LOG_FORMAT`` unset means text: the lines go to a terminal."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def configure(process_name: str, level: str = "INFO", fmt: str | None = None) -> None:
+    """``fmt``: "json" or "text"; None picks text for a terminal, JSON for anything else."""
     # Our lines never show the caller's file and line, thread or process: do not look them up
     # for every record (the logging HOWTO's "Optimization"; a busy API logs per request).
     logging._srcfile = None
@@ -125,7 +153,8 @@ def configure(process_name: str, level: str = "INFO") -> None:
     logging.logProcesses = False
     logging.logMultiprocessing = False
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(process_name))
+    text = fmt == "text" if fmt is not None else text_by_default()
+    handler.setFormatter((TextFormatter if text else JsonFormatter)(process_name))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

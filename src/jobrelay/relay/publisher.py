@@ -31,7 +31,7 @@ from typing import Any
 
 from jobrelay.domain.messages import OUTBOX_ID_HEADER
 from jobrelay.errors import PublishError, StoreError, TransportError
-from jobrelay.observe import logs
+from jobrelay.observe import tracing
 from jobrelay.runtime.heartbeat import heartbeat
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.notify import OutboxListener
@@ -157,9 +157,10 @@ class Relay:
 
     async def _publish(self, row: OutboxRow) -> str | None:
         """Publish one row; None when confirmed, else the error to record."""
-        with logs.bound(traceId=logs.trace_id(row.headers.get("traceparent"))):
+        with tracing.publishing(row.job_id, row.headers, row.destination) as span:
             started = time.monotonic()
             error = await self._publish_row(row)
+            tracing.published(span, error)
             outcome = "confirmed" if error is None else error.split(":", 1)[0]
             self.rt.metrics.publish_seconds.labels(outcome=outcome).observe(
                 time.monotonic() - started

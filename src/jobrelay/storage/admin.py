@@ -18,10 +18,11 @@ from typing import Any
 from sqlalchemy import delete, func, select
 
 from jobrelay.domain.states import JobState, sources_for
+from jobrelay.observe.tracing import trace_id_of
 from jobrelay.storage.delayed import drop_held, due_since, waiting_due
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import JobRecord, aware_time, job_record
-from jobrelay.storage.tables import jobs, local_messages, outbox, pruned_jobs
+from jobrelay.storage.tables import jobs, local_messages, pruned_jobs
 from jobrelay.storage.transitions import CANCEL, REPLAY
 
 OPERATOR = "operator"
@@ -185,17 +186,10 @@ class AdminQueries:
             return set((await conn.scalars(select(jobs.c.type).distinct())).all())
 
     async def trace_id(self, job_id: str) -> str | None:
-        """The trace id of the job's first message (from the HTTP request's traceparent)."""
-        from jobrelay.observe.logs import trace_id
-
+        """The trace id the job was enqueued under (``jobs.trace_context``)."""
         async with self.store.reading() as conn:
-            headers = await conn.scalar(
-                select(outbox.c.headers)
-                .where(outbox.c.job_id == job_id)
-                .order_by(outbox.c.id)
-                .limit(1)
-            )
-        return trace_id((headers or {}).get("traceparent"))
+            headers = await conn.scalar(select(jobs.c.trace_context).where(jobs.c.id == job_id))
+        return trace_id_of(headers)
 
     # --- metrics --------------------------------------------------------------------------
 

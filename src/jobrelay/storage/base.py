@@ -31,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
+from jobrelay.observe import tracing
 from jobrelay.storage.delayed import due_since
 from jobrelay.storage.dependencies import finish_steps
 from jobrelay.storage.drivers import open_driver
@@ -116,6 +117,8 @@ class StoreBase:
         await conn.execute(
             insert(job_events).values(job_id=job_id, at=now, kind=kind, detail=jsonable(detail))
         )
+        # Also an event of the span this process has open for the job, if any (its run's).
+        tracing.event(kind, now, detail)
 
     async def add_events(
         self, conn: AsyncConnection, kind: str, now: datetime, details: Mapping[str, Any]
@@ -147,22 +150,16 @@ class StoreBase:
         """The job's next message, an outbox row in the caller's transaction: its work queue,
         or with ``delay`` the delay route back to it (a retry, a deferral). ``message`` is the
         job's type (its message is written from it) or a raw body passed on unchanged (a
-        delivery only newer workers can read). Without ``headers`` it carries the trace of the
-        job's first message. ``available_at``: held until then (``storage.delayed``). A job
-        under limits that holds no admission (a retry, a replay, a takeover: the transition
-        before this gave its slots back) has its row wait for the next one."""
+        delivery only newer workers can read). Without ``headers`` it carries the trace the
+        job was enqueued under (``jobs.trace_context``). ``available_at``: held until then
+        (``storage.delayed``). A job under limits that holds no admission (a retry, a replay,
+        a takeover: the transition before this gave its slots back) has its row wait for the
+        next one."""
         destination = work_destination(queue) if delay is None else retry_destination(delay, queue)
         body = message if isinstance(message, bytes) else JobMessage(job_id, message).encode()
         if headers is None:
-            # Retries, deferrals and repairs carry on the trace of the job's first message.
-            first = await conn.scalar(
-                select(outbox.c.headers)
-                .where(outbox.c.job_id == job_id)
-                .order_by(outbox.c.id)
-                .limit(1)
-            )
-            trace = (first or {}).get("traceparent")
-            headers = {"traceparent": trace} if isinstance(trace, str) else None
+            # Retries, deferrals and repairs carry on the trace of the job's enqueue.
+            headers = await conn.scalar(select(jobs.c.trace_context).where(jobs.c.id == job_id))
         await conn.execute(
             insert(outbox).values(
                 job_id=job_id,

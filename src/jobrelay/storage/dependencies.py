@@ -215,16 +215,8 @@ def _cancel(
 
 
 def _queue(listens: bool, job_id: str, row: Any, now: datetime) -> Steps[None]:
-    accepted = (
-        yield (
-            select(job_events.c.detail)
-            .where(job_events.c.job_id == job_id, job_events.c.kind == "accepted")
-            .limit(1),
-            None,
-        )
-    ).scalar()
-    # The request's trace, which its first message carries on (kept in its ``accepted``).
-    trace = (accepted or {}).get("traceparent")
+    # The trace it was enqueued under (its row's), which its first message carries.
+    trace = (yield (select(jobs.c.trace_context).where(jobs.c.id == job_id), None)).scalar()
     yield (
         update(jobs)
         .where(jobs.c.id == job_id, jobs.c.state == JobState.WAITING.value)
@@ -236,7 +228,7 @@ def _queue(listens: bool, job_id: str, row: Any, now: datetime) -> Steps[None]:
             job_id=job_id,
             destination=work_destination(row.queue),
             body=JobMessage(job_id, row.type).encode().decode(),
-            headers={"traceparent": trace} if isinstance(trace, str) else {},
+            headers=dict(trace or {}),
             created_at=now,
             # A job also given a run time is held until then, as at any enqueue.
             **({"available_at": row.run_at} if row.run_at is not None else {}),

@@ -128,6 +128,10 @@ jobs = Table(
     Column("waiting_for", Integer),
     Column("after_failure", String(8)),
     Column("has_dependants", Boolean),
+    # The trace context of the job's ``enqueue`` (migration 0020, ``observe.tracing``): the
+    # W3C ``traceparent``/``tracestate`` and ``baggage`` headers, which every message of the
+    # job carries, so each attempt's span finds the enqueue it links to. None: no trace.
+    Column("trace_context", JSON(none_as_null=True)),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 # The jobs held back by their limits now (migration 0017): a completion that gives slots back

@@ -40,6 +40,8 @@ from jobrelay.errors import (
     StoreError,
 )
 from jobrelay.library.operations import OperationContext
+from jobrelay.observe import tracing
+from jobrelay.observe.scrub import scrub
 from jobrelay.results.staging import StagingResults
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.store import Claim, CompleteRequest, Fenced, JobRecord, NewJob
@@ -226,7 +228,7 @@ class AttemptRun:
                     extra={"event": "outcome_refused", "jobId": job.id},
                 )
                 await results.discard()
-                reason = f"{_UNSTORABLE}: {exc}" if refusals == 1 else _UNSTORABLE
+                reason = scrub(f"{_UNSTORABLE}: {exc}") if refusals == 1 else _UNSTORABLE
                 observation = PermanentFailure(reason)
             except StoreError as exc:
                 in_doubt = True
@@ -257,6 +259,7 @@ class AttemptRun:
                 },
             )
         self._measure(job, decision, won, started)
+        self._trace(decision, observation, won)
         if not won:
             await results.discard(lost=True)
             if await end_cancelled(self.rt, claim, fenced):  # an operator cancelled it
@@ -265,6 +268,21 @@ class AttemptRun:
                 await self._lease_lost(delivery, claim, fenced)
             return
         await self.scope.settle(delivery, job.id, decision.action, claim.attempt)
+
+    def _trace(self, decision: Decision, observation: Observation, won: bool) -> None:
+        """The outcome on the run's span: its name, and for a failure the account's reason
+        as the status (the operators' text as the exception event, as their logs carry it).
+        The retry's or quarantine's timeline event was added when it was written
+        (``add_event``); the batched success's statement is no one job's, so it is added
+        here, with the outcome's time."""
+        if not won:
+            tracing.annotate(**{"jobrelay.outcome": "fenced"})
+            return
+        tracing.annotate(**{"jobrelay.outcome": decision.event})
+        if decision.event == "result_saved":
+            tracing.event("result_saved", self.rt.clock())
+        elif decision.reason:
+            tracing.failed(decision.public or decision.reason, getattr(observation, "error", None))
 
     async def _write_outcome(
         self,

@@ -37,7 +37,7 @@ from jobrelay.domain.policy import (
 from jobrelay.domain.states import JobState
 from jobrelay.domain.unknown_types import DEFERS_HEADER, judge_unknown
 from jobrelay.errors import StoreDataError, StoreError
-from jobrelay.observe import logs
+from jobrelay.observe import logs, tracing
 from jobrelay.storage.store import (
     Claim,
     Claimed,
@@ -82,12 +82,12 @@ class DeliveryHandler:
         self._holding: Counter[str] = Counter()
 
     async def handle(self, delivery: Delivery) -> None:
-        """Handle one delivery; its log lines carry the trace id from its ``traceparent``."""
+        """Handle one delivery under its ``run`` span (``observe.tracing``), which its log
+        lines carry."""
         self.rt.metrics.deliveries.inc()
         if delivery.redelivered:
             self.rt.metrics.redeliveries.inc()
-        with logs.bound(traceId=logs.trace_id(delivery.headers.get("traceparent"))):
-            await self._handle(delivery)
+        await self._handle(delivery)
 
     async def _handle(self, delivery: Delivery) -> None:
         meta: dict[str, Any] = {
@@ -102,11 +102,17 @@ class DeliveryHandler:
         try:
             message = decode(delivery.body, self.registry.types)
         except MessageDecodeError as exc:
-            if exc.unknown and exc.job_id is not None:
-                await self._unknown(delivery, exc, exc.job_id, meta)
-            else:
-                await self._invalid(delivery, exc.reason, exc.job_id, meta)
+            with tracing.running(exc.job_id, "unknown", "", delivery.headers):
+                if exc.unknown and exc.job_id is not None:
+                    await self._unknown(delivery, exc, exc.job_id, meta)
+                else:
+                    await self._invalid(delivery, exc.reason, exc.job_id, meta)
             return
+        queue = getattr(self.registry.get(message.type), "queue", "")
+        with tracing.running(message.job_id, message.type, queue, delivery.headers):
+            await self._decoded(delivery, message, meta)
+
+    async def _decoded(self, delivery: Delivery, message: JobMessage, meta: dict[str, Any]) -> None:
         logs.bind(jobId=message.job_id)
         # A def job's thread is taken before its claim: waiting for one, it is not claimed.
         thread = await self.threads.take_aside() if self._in_thread(message.type) else None
@@ -312,6 +318,10 @@ class DeliveryHandler:
     ) -> None:
         self.rt.metrics.transition(claimed_from.value, JobState.RUNNING.value)
         logs.bind(attempt=claim.attempt)
+        tracing.annotate(
+            **{"jobrelay.attempt": claim.attempt, **tracing.account_attribute(job.account_id)}
+        )
+        tracing.event("claimed", detail={"attempt": claim.attempt, "worker": self.worker_id})
         run = AttemptRun(self.scope, thread=_thread.get())
         await run.run(delivery, job, claim)
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from jobrelay.domain.disclosure import REFUSED, RETRY, TEMPORARY, UNEXPECTED, public_error
 from jobrelay.domain.messages import dead_letter_reason, peek_job_id
 from jobrelay.errors import OperationError, Permanent, PermanentError, Retry, StoreError
-from jobrelay.observe.logs import scrub
+from jobrelay.observe.scrub import scrub
 from jobrelay.storage.storable import safe_text
 
 if TYPE_CHECKING:
@@ -41,6 +41,13 @@ log = logging.getLogger("jobrelay.worker")
 
 
 def failure_texts(exc: BaseException) -> tuple[str, str]:
+    """``_failure_texts`` with the operators' text scrubbed (``observe.scrub``): it is stored
+    as the last error, the quarantine reason and the attempts' reasons."""
+    raw, public = _failure_texts(exc)
+    return scrub(raw), public
+
+
+def _failure_texts(exc: BaseException) -> tuple[str, str]:
     """(raw, public): what operators read of a failed attempt, and what its account reads.
 
     The account reads the job's own words only when the job chose them for it, as the
@@ -102,7 +109,7 @@ async def record_release(rt: Runtime, delivery: Delivery, exc: Exception, worker
     job_id = peek_job_id(delivery.body)
     if job_id is None:
         return
-    reason = safe_text(f"{type(exc).__name__}: {exc}")[:1000]
+    reason = safe_text(scrub(f"{type(exc).__name__}: {exc}"))[:1000]
     with contextlib.suppress(StoreError):
         if await rt.store.get_job(job_id) is not None:
             now = rt.clock()

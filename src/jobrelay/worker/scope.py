@@ -21,6 +21,7 @@ from jobrelay.batching import Batcher
 from jobrelay.domain.policy import Action
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.library.operations import Registry
+from jobrelay.observe import tracing
 from jobrelay.observe.faults import ConnectionCut
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.store import Claimed, ClaimRequest, CompleteRequest, Completion
@@ -91,8 +92,16 @@ class WorkerScope:
             # Every running claim's lease, renewed in one statement (one renewer per worker).
             LeaseRenewer(rt, lease, rt.settings.cancel_check_seconds),
             wait_for_database,
-            Batcher(claim_many, key=lambda r: r.job_id, max_size=size, alone_on=alone_on),
-            Batcher(complete_many, key=lambda r: r.claim.job_id, max_size=size, alone_on=alone_on),
+            Batcher(
+                claim_many, key=lambda r: r.job_id, max_size=size, alone_on=alone_on, span="claim"
+            ),
+            Batcher(
+                complete_many,
+                key=lambda r: r.claim.job_id,
+                max_size=size,
+                alone_on=alone_on,
+                span="commit",
+            ),
         )
 
     async def settle(self, delivery: Delivery, job_id: str, action: Action, attempt: int) -> None:
@@ -103,10 +112,12 @@ class WorkerScope:
         """
         await self.rt.faults.ahit("worker.before_ack")
         if action is Action.REJECT:
-            taken = await delivery.reject()
+            with tracing.step("reject", **_settle_attributes(job_id)):
+                taken = await delivery.reject()
             kind = "rejected"
         else:
-            taken = await delivery.ack()
+            with tracing.step("ack", **_settle_attributes(job_id)):
+                taken = await delivery.ack()
             kind = "ack_sent"
         detail: dict[str, Any] = {"attempt": attempt}
         if not taken:
@@ -117,6 +128,10 @@ class WorkerScope:
         level = logging.INFO if kind == "settle_lost" else logging.DEBUG
         log.log(level, kind, extra={"event": kind, "jobId": job_id, "attempt": attempt})
         await self.timeline.record(job_id, kind, self.rt.clock(), **detail)
+
+
+def _settle_attributes(job_id: str) -> dict[str, str]:
+    return {"messaging.operation.type": "settle", "messaging.message.id": job_id}
 
 
 __all__ = ["BATCH_SIZE", "WorkerScope"]

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections import Counter
 from datetime import datetime
 from typing import Any
 
 from jobrelay.errors import StoreError
+from jobrelay.observe import tracing
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import PendingEvent
 
@@ -59,6 +61,7 @@ class TimelineWriter:
 
     async def record(self, job_id: str, kind: str, at: datetime, **detail: Any) -> None:
         self._count(job_id, kind)
+        tracing.event(kind, at, detail)  # on the job's run span, which is current here
         if self._batching:
             self.add(job_id, kind, at, **detail)
             return
@@ -74,7 +77,10 @@ class TimelineWriter:
             )
         self._pending.append(PendingEvent(job_id, kind, at, detail))
         if self._writing is None or self._writing.done():
-            self._writing = asyncio.get_running_loop().create_task(self._write_soon())
+            # In a context of its own: the writer is no one job's (its lines, its spans).
+            self._writing = asyncio.get_running_loop().create_task(
+                self._write_soon(), context=contextvars.Context()
+            )
 
     def _count(self, job_id: str, kind: str) -> None:
         """Count a settle for the next summary line; the first one starts its second."""

@@ -47,6 +47,8 @@ from jobrelay.domain.limits import turn_key
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import UNFINISHED_VALUES, JobState
 from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidDependencies
+from jobrelay.observe import tracing
+from jobrelay.observe.tracing import trace_headers
 from jobrelay.storage.dependencies import CHUNK, chunks, settle_steps
 from jobrelay.storage.records import NOTIFY_CHANNEL, NewJob, work_destination
 from jobrelay.storage.steps import Steps
@@ -127,16 +129,21 @@ _AWAITING = (", awaiting_admission", ", true")
 
 
 @functools.cache
-def _pg_new_job(due: str, limited: bool) -> Executable:
+def _pg_new_job(due: str, limited: bool, traced: bool) -> Executable:
     """The statement of a job due ``now``, ``at`` a time or after a ``delay``, with its
-    limits (``limited``) or without (then the statement it was before limits existed)."""
+    limits (``limited``) or without (then the statement it was before limits existed), with
+    its trace context (``traced``) or without."""
     cols, vals = _LIMITS if limited else ("", "")
+    if traced:
+        cols, vals = f"{cols}, trace_context", f"{vals}, CAST(:nj_trace AS json)"
     ocols, ovals = _AWAITING if limited else ("", "")
     limit_binds: list[BindParameter[Any]] = [
         bindparam("nj_limits", type_=JSON()),
         bindparam("nj_turn", type_=String()),
     ]
     binds: list[BindParameter[Any]] = [*_PG_BINDS, *(limit_binds if limited else [])]
+    if traced:
+        binds.append(bindparam("nj_trace", type_=JSON()))
     if due == "now":
         sql = _PG_NEW_JOB_TEXT.format(
             job_cols=cols,
@@ -188,6 +195,8 @@ def queued_job_row(job: NewJob, now: datetime) -> dict[str, Any]:
         **({"run_at": job.run_at} if job.run_at is not None else {}),
         # The same for limits: a job under none is written as before limits existed.
         **({"limits": limits_json(job), "turn_key": turn_key(job.limits)} if job.limits else {}),
+        # And for a trace: a job enqueued under none is written as before traces were kept.
+        **({"trace_context": trace} if (trace := trace_headers(job.headers)) else {}),
     }
 
 
@@ -217,7 +226,18 @@ def sqlite_due(seconds: float) -> ColumnElement[Any]:
 
 
 def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, bool]]:
-    """Insert the job unless its id exists; then its outbox row and ``accepted`` event.
+    """Insert the job unless its id exists; then its outbox row and ``accepted`` event,
+    under its ``enqueue`` span, carrying that span's trace context (``observe.tracing``).
+    """
+    with tracing.enqueuing([job]) as (traced,):
+        return (yield from untraced_new_job_steps(dialect, traced, now))
+
+
+def untraced_new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, bool]]:
+    """``new_job_steps`` for a job that carries its trace context already (one of a batch
+    under the batch's ``enqueue`` span).
+
+    Insert the job unless its id exists; then its outbox row and ``accepted`` event.
 
     Returns ``(job_id, created)``. An existing job with the same request hash is the same
     request again: nothing is written. Another hash under the same id raises
@@ -260,6 +280,11 @@ def new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[str, 
                     "nj_destination": destination,
                     "nj_body": body,
                     "nj_headers": dict(job.headers or {}),
+                    **(
+                        {"nj_trace": trace_headers(job.headers)}
+                        if trace_headers(job.headers)
+                        else {}
+                    ),
                     # (A delayed job's is written in SQL, with the database's time.)
                     **(
                         {"nj_detail": accepted_detail(job, job.run_at)} if job.delay is None else {}
@@ -414,10 +439,6 @@ def _waiting_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tuple[
         )
     detail = accepted_detail(job, inserted.run_at)
     detail["after"] = len(after)
-    trace = (job.headers or {}).get("traceparent")
-    if trace is not None:
-        # Kept until its message is written (``dependencies._queue``): it has none yet.
-        detail["traceparent"] = trace
     if job.after_failure != "cancel":
         detail["afterFailure"] = job.after_failure
     yield (
@@ -481,7 +502,7 @@ def steps_on(
 
 def _pg_statement(job: NewJob) -> Executable:
     due = "delay" if job.delay is not None else ("now" if job.run_at is None else "at")
-    return _pg_new_job(due, bool(job.limits))
+    return _pg_new_job(due, bool(job.limits), bool(trace_headers(job.headers)))
 
 
 def same_request(job_id: str, job: NewJob, existing_hash: str) -> tuple[str, bool]:

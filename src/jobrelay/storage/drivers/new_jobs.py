@@ -25,12 +25,14 @@ from jobrelay import fastjson
 from jobrelay.domain.limits import turn_key
 from jobrelay.domain.messages import JobMessage
 from jobrelay.errors import ConfigError
+from jobrelay.observe import tracing
+from jobrelay.observe.tracing import trace_headers
 from jobrelay.storage.drivers.new_job import (
     PG_ISO_RUN_AT,
     accepted_detail,
     limits_json,
-    new_job_steps,
     same_request,
+    untraced_new_job_steps,
 )
 from jobrelay.storage.records import NOTIFY_CHANNEL, NewJob, work_destination
 from jobrelay.storage.steps import Steps
@@ -52,20 +54,21 @@ WITH req AS (
         CAST(:m_params AS text[]), CAST(:m_keys AS text[]), CAST(:m_hashes AS text[]),
         CAST(:m_max_attempts AS integer[]), CAST(:m_queues AS text[]),
         CAST(:m_limits AS text[]), CAST(:m_turns AS text[]), CAST(:m_destinations AS text[]),
-        CAST(:m_bodies AS text[]), CAST(:m_headers AS text[]), CAST(:m_details AS text[])
+        CAST(:m_bodies AS text[]), CAST(:m_headers AS text[]), CAST(:m_details AS text[]),
+        CAST(:m_traces AS text[])
     ) AS r(id, type, account_id, params, key, hash, max_attempts, queue, limits, turn_key,
-           destination, body, headers, detail)
+           destination, body, headers, detail, trace)
 ), ins AS (
     INSERT INTO jobs (id, type, account_id, params, idempotency_key, request_hash, state,
                       attempt, max_attempts, queue, created_at, updated_at, run_at, limits,
-                      turn_key)
+                      turn_key, trace_context)
     SELECT id, type, account_id, CAST(params AS json), key, hash, 'queued', 0, max_attempts,
            queue, :m_now, :m_now,
            CASE WHEN CAST(:m_delay AS double precision) IS NULL
                 THEN CAST(:m_run_at AS timestamptz)
                 ELSE statement_timestamp()
                      + make_interval(secs => CAST(:m_delay AS double precision)) END,
-           CAST(limits AS json), turn_key
+           CAST(limits AS json), turn_key, CAST(trace AS json)
     FROM req
     ON CONFLICT (id) DO NOTHING
     RETURNING id, run_at
@@ -104,7 +107,7 @@ FROM ins
         ),
         *(
             bindparam(name, type_=ARRAY(Text()))
-            for name in ("m_params", "m_limits", "m_bodies", "m_headers", "m_details")
+            for name in ("m_params", "m_limits", "m_bodies", "m_headers", "m_details", "m_traces")
         ),
         bindparam("m_max_attempts", type_=ARRAY(Integer())),
         bindparam("m_now", type_=UTCDateTime()),
@@ -126,14 +129,14 @@ _SQLITE_JOBS = (
         f"""
 INSERT INTO jobs (id, type, account_id, params, idempotency_key, request_hash, state,
                   attempt, max_attempts, queue, created_at, updated_at, run_at, limits,
-                  turn_key)
+                  turn_key, trace_context)
 SELECT {", ".join(_sqlite_field(i) for i in range(3))}, {_sqlite_field(3)},
        {_sqlite_field(4)}, {_sqlite_field(5)}, 'queued', 0, {_sqlite_field(6)},
        {_sqlite_field(7)}, :now, :now,
        CASE WHEN :delay IS NULL THEN :run_at
             ELSE strftime('%Y-%m-%d %H:%M:%f', 'now', printf('%+.6f seconds', :delay)) || '000'
        END,
-       {_sqlite_field(8)}, {_sqlite_field(9)}
+       {_sqlite_field(8)}, {_sqlite_field(9)}, {_sqlite_field(10)}
 FROM json_each(:reqs) WHERE true
 ON CONFLICT (id) DO NOTHING
 RETURNING id, run_at
@@ -164,15 +167,21 @@ SELECT {_sqlite_field(0)}, :now, 'accepted', {_sqlite_field(1)} FROM json_each(:
 
 
 def new_jobs_steps(dialect: str, batch: Sequence[NewJob], now: datetime) -> Steps[list[str]]:
-    """``batch`` written (see the module's docstring); the ids in order."""
+    """``batch`` written (see the module's docstring), under one ``enqueue`` span whose
+    trace context every job carries; the ids in order."""
     if dialect not in ("postgresql", "sqlite"):
         raise ConfigError("connection", f"jobrelay supports PostgreSQL and SQLite, not {dialect}")
+    with tracing.enqueuing(batch) as traced:
+        return (yield from _new_jobs_steps(dialect, traced, now))
+
+
+def _new_jobs_steps(dialect: str, batch: Sequence[NewJob], now: datetime) -> Steps[list[str]]:
     ids: list[str] = []
     plain: dict[tuple[Any, Any], dict[str, NewJob]] = {}
     for job in batch:
         ids.append(job.job_id)
         if job.after or job.previous_job_id is not None:
-            ids[-1] = (yield from new_job_steps(dialect, job, now))[0]
+            ids[-1] = (yield from untraced_new_job_steps(dialect, job, now))[0]
             continue
         # One group per run time (one ``enqueue_many`` gives every job the same).
         group = plain.setdefault((job.run_at, job.delay), {})
@@ -208,6 +217,12 @@ def _detail(job: NewJob) -> str:
     return fastjson.dumps(accepted_detail(job, None))
 
 
+def _trace(job: NewJob) -> str | None:
+    """The job's ``trace_context`` as JSON text (None: it carries no trace)."""
+    trace = trace_headers(job.headers)
+    return fastjson.dumps(trace) if trace else None
+
+
 def _pg_round(chunk: Sequence[NewJob], now: datetime) -> Steps[set[str]]:
     first = chunk[0]
     rows = yield (
@@ -227,6 +242,7 @@ def _pg_round(chunk: Sequence[NewJob], now: datetime) -> Steps[set[str]]:
             "m_bodies": [JobMessage(j.job_id, j.type).encode().decode() for j in chunk],
             "m_headers": [fastjson.dumps(dict(j.headers or {})) for j in chunk],
             "m_details": [_detail(j) for j in chunk],
+            "m_traces": [_trace(j) for j in chunk],
             "m_now": now,
             "m_run_at": first.run_at,
             "m_delay": first.delay,
@@ -249,6 +265,7 @@ def _sqlite_round(chunk: Sequence[NewJob], now: datetime) -> Steps[set[str]]:
             j.queue,
             limits_json(j) if j.limits else None,
             turn_key(j.limits) if j.limits else None,
+            trace_headers(j.headers) or None,
         ]
         for j in chunk
     ]

@@ -1,0 +1,498 @@
+"""OpenTelemetry: one trace from the HTTP request through the relay and the broker to each run.
+
+The trace context travels with OpenTelemetry's own propagators (W3C ``traceparent`` and
+``tracestate``, and ``baggage``): captured when a job is enqueued (``enqueuing``: the HTTP
+request's span, or the application's current span when it enqueues in its own
+transaction), stored on the job row (``jobs.trace_context``), carried in its outbox rows and
+its messages' headers (AMQP, or the local transport's rows). Every attempt reads it back.
+
+Spans follow the messaging semantic conventions (``messaging.system`` = ``jobrelay``, the
+queue as destination, ``messaging.message.id`` = the job id, the operation type):
+
+- ``enqueue`` (producer, ``create``): a child of the caller's span; its context is what the
+  job carries, so every later span of the job can find it.
+- ``publish`` (producer, ``send``, in the relay): a child of ``enqueue``; its length is the
+  broker's confirm latency; a ``basic.return`` is an event on it.
+- ``run <type>`` (consumer, ``process``): one per delivery handled, LINKED to ``enqueue``
+  (``JOBRELAY_OTEL_PARENT=child`` makes it a child instead). A retry is another ``run``
+  linked to the same ``enqueue``. Inside it ``claim``, ``commit`` (children whose times are
+  their batch statement's: one measured time, shared by every job of the batch, without a
+  span per row of SQL) and ``ack``.
+
+Each timeline event a process writes for a job is also an event on that process's span for
+it (``event``), with the same name and time. Nothing here touches the database or the
+broker.
+
+Without a tracer provider (no ``otel`` extra, or no exporter named) no span is made: the
+context is still carried, so log lines keep the caller's trace id. With the extra,
+``configure`` builds the provider from the standard environment variables, unless the
+application set its own first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link, Span, SpanKind, StatusCode
+
+from jobrelay.observe.scrub import scrub
+
+if TYPE_CHECKING:
+    from jobrelay.storage.records import NewJob
+
+log = logging.getLogger("jobrelay.tracing")
+
+SYSTEM = "jobrelay"
+_tracer = trace.get_tracer("jobrelay")  # a proxy: follows whichever provider is set, when
+_ACTIVE = False
+_OWN = False  # a provider given to ``use``
+# The headers that hold the trace context, whatever else a message carries.
+TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    # How a run relates to its enqueue: "link" (a trace per run, linked) or "child".
+    parent: str = "link"
+    # The account on spans: "hash" (a SHA-256 prefix: one account's spans group together
+    # without naming it) or "omit".
+    account: str = "hash"
+
+
+OPTIONS = TraceOptions()
+
+
+def set_options(options: TraceOptions) -> None:
+    global OPTIONS
+    OPTIONS = options
+
+
+def use(provider: trace.TracerProvider | None) -> None:
+    """Record jobrelay's spans with ``provider`` instead of the global one (a test's, with the
+    SDK's in-memory exporter; an application that keeps jobrelay's spans apart); None goes
+    back to the global provider."""
+    global _tracer, _ACTIVE, _OWN
+    _OWN = provider is not None
+    _tracer = (provider or trace.get_tracer_provider()).get_tracer("jobrelay")
+    _ACTIVE = False
+
+
+def active() -> bool:
+    """Whether spans are recorded: a real tracer provider is set (ours, the application's,
+    or one given to ``use``).
+
+    Once set, a global provider cannot be replaced: a True answer is kept."""
+    global _ACTIVE
+    if _OWN:
+        return True
+    if not _ACTIVE:
+        provider = trace.get_tracer_provider()
+        _ACTIVE = not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+    return _ACTIVE
+
+
+# --- the carried context ---------------------------------------------------------------------
+
+
+def carrier(ctx: otel_context.Context | None = None) -> dict[str, str]:
+    """The headers that carry ``ctx`` (default: the current one); empty when it holds no
+    trace."""
+    out: dict[str, str] = {}
+    propagate.inject(out, context=ctx)
+    return out
+
+
+def context_of(headers: Mapping[str, object] | None) -> otel_context.Context:
+    """The trace context a job's headers carry (AMQP values may come as bytes)."""
+    found: dict[str, str] = {}
+    for name in TRACE_HEADERS:
+        value = (headers or {}).get(name)
+        if isinstance(value, bytes):
+            value = value.decode("latin-1")
+        if isinstance(value, str):
+            found[name] = value
+    return propagate.extract(found) if found else otel_context.Context()
+
+
+def trace_headers(headers: Mapping[str, object] | None) -> dict[str, str]:
+    """Only the trace context of ``headers``."""
+    return {k: v for k, v in (headers or {}).items() if k in TRACE_HEADERS and isinstance(v, str)}
+
+
+def trace_id_of(headers: Mapping[str, object] | None) -> str | None:
+    """The trace id ``headers`` carry, as the tracing backend shows it (32 hex digits)."""
+    span = trace.get_current_span(context_of(headers)).get_span_context()
+    return f"{span.trace_id:032x}" if span.is_valid else None
+
+
+def account_attribute(account: str | None) -> dict[str, str]:
+    if account is None or OPTIONS.account == "omit":
+        return {}
+    return {"jobrelay.account.hash": hashlib.sha256(account.encode()).hexdigest()[:16]}
+
+
+def _job_attributes(
+    job_id: str | None, job_type: str, queue: str, operation: str
+) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "messaging.system": SYSTEM,
+        "messaging.operation.type": operation,
+        "messaging.destination.name": queue,
+        "jobrelay.job.type": job_type,
+    }
+    if job_id is not None:
+        attributes["messaging.message.id"] = job_id
+    return attributes
+
+
+# --- enqueue ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def enqueuing(jobs: Sequence[NewJob]) -> Iterator[list[NewJob]]:
+    """The jobs as they are written: each carrying the trace context of their ``enqueue``
+    span (one span for the batch), or of the caller's current span when none is recorded.
+
+    A job that already carries a context (a follow-up, made inside its origin's run) is
+    enqueued as a child of it. The span is not made current (its statements may run as a
+    generator's steps, across other tasks' turns); it ends when the block does.
+    """
+    if not jobs:
+        yield list(jobs)
+        return
+    first = jobs[0]
+    given = trace_headers(first.headers)
+    parent = context_of(given) if given else None
+    if not active():
+        headers = given or carrier()
+        yield [_with_trace(job, headers) for job in jobs]
+        return
+    attributes = _job_attributes(
+        first.job_id if len(jobs) == 1 else None, first.type, first.queue, "create"
+    )
+    attributes["messaging.operation.name"] = "enqueue"
+    attributes.update(account_attribute(first.account_id))
+    if len(jobs) > 1:
+        attributes["messaging.batch.message_count"] = len(jobs)
+    span = _tracer.start_span(
+        "enqueue", context=parent, kind=SpanKind.PRODUCER, attributes=attributes
+    )
+    headers = carrier(trace.set_span_in_context(span))
+    try:
+        yield [_with_trace(job, headers) for job in jobs]
+    except BaseException as exc:
+        _fail(span, exc)
+        raise
+    finally:
+        if len(jobs) == 1:
+            span.add_event("accepted")
+        span.end()
+
+
+def _with_trace(job: NewJob, headers: Mapping[str, str]) -> NewJob:
+    rest = {k: v for k, v in (job.headers or {}).items() if k not in TRACE_HEADERS}
+    merged = {**rest, **headers}
+    return job if merged == dict(job.headers or {}) else dataclasses.replace(job, headers=merged)
+
+
+def follow_up_headers() -> dict[str, str]:
+    """What a job made inside a run carries: the run's context (its enqueue is a child of
+    the run that made it)."""
+    return carrier()
+
+
+# --- the API request -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def request_context(headers: Mapping[str, str], method: str, path: str) -> Iterator[Span | None]:
+    """The HTTP request's context, current for its handling: the caller's (W3C headers)
+    and, when spans are recorded and nobody else traces the request (an application's own
+    ASGI instrumentation), a server span of ours."""
+    ctx = context_of(headers) if any(h in headers for h in TRACE_HEADERS) else None
+    if not active() or trace.get_current_span().is_recording():
+        if ctx is None:
+            yield None
+            return
+        token = otel_context.attach(ctx)
+        try:
+            yield None
+        finally:
+            otel_context.detach(token)
+        return
+    span = _tracer.start_span(
+        f"{method}",
+        context=ctx,
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": method, "url.path": path},
+    )
+    with trace.use_span(
+        span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+    ):
+        yield span
+
+
+def finish_request(span: Span | None, method: str, route: str | None, status: int) -> None:
+    if span is None:
+        return
+    if route is not None:
+        span.update_name(f"{method} {route}")
+        span.set_attribute("http.route", route)
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        span.set_status(StatusCode.ERROR)
+
+
+# --- the relay -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def publishing(
+    job_id: str, headers: Mapping[str, object], destination: str
+) -> Iterator[Span | None]:
+    """The ``publish`` span of one outbox row: from the publish to its confirm."""
+    if not active():
+        token = otel_context.attach(context_of(headers))
+        try:
+            yield None
+        finally:
+            otel_context.detach(token)
+        return
+    attributes = {
+        "messaging.system": SYSTEM,
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "publish",
+        "messaging.destination.name": destination,
+        "messaging.message.id": job_id,
+    }
+    span = _tracer.start_span(
+        "publish", context=context_of(headers), kind=SpanKind.PRODUCER, attributes=attributes
+    )
+    with trace.use_span(
+        span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+    ):
+        yield span
+
+
+def published(span: Span | None, error: str | None) -> None:
+    """The confirm (or its failure) on the ``publish`` span."""
+    if span is None:
+        return
+    if error is None:
+        span.add_event("published")
+        return
+    kind = error.split(":", 1)[0]
+    if "unroutable" in error:  # the broker returned it (``basic.return``): no queue bound
+        span.add_event("basic.return", {"jobrelay.reason": scrub(error)})
+    span.set_attribute("jobrelay.outcome", kind)
+    span.set_status(StatusCode.ERROR, scrub(error))
+
+
+# --- the worker ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def running(
+    job_id: str | None, job_type: str, queue: str, headers: Mapping[str, object]
+) -> Iterator[Span | None]:
+    """The ``run <type>`` span of one delivery, current while it is handled: linked to (or
+    a child of, ``JOBRELAY_OTEL_PARENT=child``) the job's ``enqueue``. Without spans, the
+    enqueue's context is current instead (log lines carry its trace id)."""
+    origin = context_of(headers)
+    if not active():
+        token = otel_context.attach(origin)
+        try:
+            yield None
+        finally:
+            otel_context.detach(token)
+        return
+    enqueue = trace.get_current_span(origin).get_span_context()
+    child = OPTIONS.parent == "child"
+    links = [Link(enqueue)] if enqueue.is_valid and not child else None
+    span = _tracer.start_span(
+        f"run {job_type}",
+        context=origin if child else otel_context.Context(),
+        kind=SpanKind.CONSUMER,
+        links=links,
+        attributes={
+            **_job_attributes(job_id, job_type, queue, "process"),
+            "messaging.operation.name": "run",
+        },
+    )
+    with trace.use_span(
+        span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+    ):
+        yield span
+
+
+def annotate(**attributes: Any) -> None:
+    """Attributes on the current span (the run's attempt, account, outcome)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        for key, value in attributes.items():
+            if value is not None:
+                span.set_attribute(key, scrub(value) if isinstance(value, str) else value)
+
+
+def event(kind: str, at: datetime | None = None, detail: Mapping[str, Any] | None = None) -> None:
+    """A timeline event as an event of the current span, at the same time."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    stamp = int(at.timestamp() * 1e9) if at is not None else None
+    span.add_event(kind, _event_attributes(detail), timestamp=stamp)
+
+
+def _event_attributes(detail: Mapping[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in (detail or {}).items():
+        if isinstance(value, str):
+            out[f"jobrelay.{key}"] = scrub(value)
+        elif isinstance(value, bool | int | float):
+            out[f"jobrelay.{key}"] = value
+    return out
+
+
+def failed(public: str, raw: str | None = None) -> None:
+    """The run's error: the account's reason as the status, the operators' text (which their
+    logs carry already) scrubbed as an ``exception`` event."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    span.set_status(StatusCode.ERROR, public)
+    if raw:
+        span.add_event("exception", {"exception.message": scrub(raw)})
+
+
+def _fail(span: Span, exc: BaseException) -> None:
+    span.set_status(StatusCode.ERROR, type(exc).__name__)
+    span.add_event(
+        "exception",
+        {"exception.type": type(exc).__name__, "exception.message": scrub(str(exc))},
+    )
+
+
+@contextlib.contextmanager
+def step(name: str, **attributes: Any) -> Iterator[None]:
+    """A child span of the current one (an ack, a claim sent on its own)."""
+    if not active() or not trace.get_current_span().is_recording():
+        yield
+        return
+    with _tracer.start_as_current_span(
+        name,
+        kind=SpanKind.CLIENT,
+        attributes={"messaging.system": SYSTEM, **attributes},
+        record_exception=False,
+    ):
+        yield
+
+
+def current() -> otel_context.Context | None:
+    """The context a batched request is made in (its batch's span is a child of it), or None
+    when nothing is recorded (the batcher then skips the spans)."""
+    if not active():
+        return None
+    return otel_context.get_current() if trace.get_current_span().is_recording() else None
+
+
+def batch_spans(
+    name: str,
+    requests: Sequence[tuple[otel_context.Context | None, object]],
+    started_ns: int,
+    ended_ns: int,
+) -> None:
+    """One span per request of a batch (its context, its job id), each a child of its
+    request's span, all with the statement's own start and end: one measured time, shared."""
+    size = len(requests)
+    for ctx, job_id in requests:
+        if ctx is None:
+            continue
+        span = _tracer.start_span(
+            name,
+            context=ctx,
+            kind=SpanKind.CLIENT,
+            start_time=started_ns,
+            attributes={
+                "messaging.system": SYSTEM,
+                "messaging.message.id": str(job_id),
+                "jobrelay.batch.size": size,
+            },
+        )
+        span.end(end_time=ended_ns)
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+# --- the provider ----------------------------------------------------------------------------
+
+
+def configure(process: str) -> Any:
+    """Tracing from the standard environment variables, if the ``otel`` extra is installed
+    and the application set no provider of its own; the provider made (to shut down at
+    exit), or None.
+
+    ``OTEL_TRACES_EXPORTER``: ``otlp`` (HTTP/protobuf to ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``), ``console`` (stdout), ``none``; a comma list for
+    several. Unset: ``otlp`` when an OTLP endpoint is set, otherwise nothing is exported and
+    no span is made (jobrelay sends nothing anywhere that was not named). The service name,
+    resource attributes and sampler are the SDK's own variables (``OTEL_SERVICE_NAME``,
+    ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER``/``_ARG``).
+    """
+    if active():
+        return None  # the application's own provider
+    names = exporters_named()
+    if not names:
+        return None
+    try:
+        from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    except ImportError:
+        log.warning(
+            "OTEL_TRACES_EXPORTER is set but the OpenTelemetry SDK is not installed: "
+            "pip install 'jobrelay[otel]'",
+            extra={"event": "tracing_unavailable"},
+        )
+        return None
+    resource = Resource.create({"service.name": f"jobrelay-{process}"}).merge(
+        OTELResourceDetector().detect()
+    )
+    provider = TracerProvider(resource=resource)
+    for name in names:
+        if name == "console":
+            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        elif name == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        else:
+            log.warning(
+                "OTEL_TRACES_EXPORTER names %r, which jobrelay does not know (otlp, console, none)",
+                name,
+                extra={"event": "tracing_unavailable"},
+            )
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def exporters_named() -> list[str]:
+    raw = os.environ.get("OTEL_TRACES_EXPORTER")
+    if raw is None:
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
+        return ["otlp"] if endpoint else []
+    return [n for n in (part.strip().lower() for part in raw.split(",")) if n and n != "none"]
