@@ -101,8 +101,8 @@ unit: $(TEST_STAMP)
 ## the scaling table (1/2 relays, 1/2/4 workers; one node and a 3-node cluster), then one
 ## 1,000,000-row export against COPY (the `bench-export:` line), then report.export, then limits
 ## per key (the `limits:` line), then enqueue_many against one job at a time (the `enqueue:`
-## line), then the no-op job against the peers; ends with the `bench:` line. BENCH_JOBS
-## (default 10000) per phase
+## line), then the no-op job against the peers (the `bench:` line), then the drain with
+## tracing off, on at 100 % and at 1 % (the `tracing:` line). BENCH_JOBS (default 10000) per phase
 BENCH_JOBS ?= 10000
 bench: $(TEST_STAMP)
 	$(BIN)/python bench/scaling_bench.py --cluster 3 $(SCALING_ARGS)
@@ -111,6 +111,7 @@ bench: $(TEST_STAMP)
 	$(BIN)/python bench/limits_bench.py --jobs $(BENCH_JOBS)
 	$(BIN)/python bench/enqueue_bench.py --jobs $(BENCH_JOBS)
 	$(BIN)/python bench/pipeline_bench.py --job noop --jobs $(BENCH_JOBS) $(BENCH_ARGS)
+	$(BIN)/python bench/tracing_bench.py --jobs $(BENCH_JOBS)
 
 ## bench-soak: SOAK seconds (default 600) of no-op jobs over HTTP at a fixed rate (half a measured
 ## maximum), retention a few minutes; a row a minute (rows, dead tuples and sizes per table, outbox

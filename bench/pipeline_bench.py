@@ -687,13 +687,15 @@ class Bench:
             print(f"bench: cleanup: {problem}", file=sys.stderr)
 
 
-async def amain(options: Options) -> int:
+async def amain(options: Options, kind: type[Bench] = Bench, name: str = "pipeline") -> int:
+    """Run ``kind`` (this bench, or one built on it: ``tracing_bench``), always cleaning up;
+    its figures go to ``bench-results/NAME-*.json``."""
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     started = time.monotonic()
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    bench = Bench(options, stamp)
+    bench = kind(options, stamp)
     results = bench.results
     try:
         await bench.run()
@@ -705,7 +707,7 @@ async def amain(options: Options) -> int:
     finally:
         await bench.clean_up()
         elapsed = time.monotonic() - started
-        path = RESULTS / f"pipeline-{stamp}.json"
+        path = RESULTS / f"{name}-{stamp}.json"
         write_json(results, path, elapsed, str(bench.log_dir.relative_to(REPO)))
         print_table(results)
         say(bench_line(results))
@@ -718,16 +720,20 @@ async def amain(options: Options) -> int:
     return 0 if results.failure is None else 1
 
 
+def amain_with(kind: type[Bench], options: Options, name: str) -> int:
+    """``amain`` from a script's ``main``: 130 when interrupted."""
+    try:
+        return asyncio.run(amain(options, kind, name))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("bench: interrupted; cleaned up", file=sys.stderr)
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if any(arg == "--soak" or arg.startswith("--soak=") for arg in args):
         return soak_bench.main(args)  # the soak mode: bench/soak_bench.py, its own options
-    options = parse_args(args)
-    try:
-        return asyncio.run(amain(options))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        print("bench: interrupted; cleaned up", file=sys.stderr)
-        return 130
+    return amain_with(Bench, parse_args(args), "pipeline")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ FAST_ENV = {
 
 
 def clean_env(**settings: str) -> dict[str, str]:
-    """The test process's environment without any JOBRELAY_* setting, plus ``settings``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBRELAY_")}
+    """The test process's environment without any JOBRELAY_* or OTEL_* setting (a machine
+    that exports its own traces must not get the tests'), plus ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JOBRELAY_", "OTEL_"))}
     env.update(settings)
     return env
 

@@ -11,6 +11,7 @@ one row per attempt with its outcome and error.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from jobrelay.domain.delays import runs_at_text
 from jobrelay.domain.disclosure import DEPENDENCY_FAILED
 from jobrelay.domain.limits import FAIR, JobLimit, limiting, split_id
 from jobrelay.domain.states import JobState
+from jobrelay.observe.scrub import scrub, scrubbed
 from jobrelay.runtime.wiring import open_runtime, utc_now
 from jobrelay.settings import Settings
 from jobrelay.storage.queue_pauses import QueuePause, pause_of
@@ -270,6 +272,31 @@ def attempts(job: JobRecord, events: list[EventRecord]) -> list[Attempt]:
     return [found[n] for n in sorted(found)]
 
 
+def scrubbed_view(job: JobRecord, events: list[EventRecord]) -> tuple[JobRecord, list[EventRecord]]:
+    """The job and its timeline with every operators' text through the one scrubber: rows
+    written before it scrubbed them at write may quote a password (``observe.scrub``)."""
+    job = dataclasses.replace(
+        job,
+        last_error=_scrub(job.last_error),
+        quarantine_reason=_scrub(job.quarantine_reason),
+        last_publish_error=_scrub(job.last_publish_error),
+        last_traceback=_scrub(job.last_traceback),
+        cancel_reason=_scrub(job.cancel_reason),
+    )
+    return job, [dataclasses.replace(e, detail=scrubbed(e.detail)) for e in events]
+
+
+def _scrub(text: str | None) -> str | None:
+    return None if text is None else scrub(text)
+
+
+def trace_link(trace_id: str | None, template: str | None) -> str | None:
+    """``JOBRELAY_TRACE_URL`` with the trace id in it (None: no trace, or no template)."""
+    if trace_id is None or template is None:
+        return None
+    return template.replace("{trace_id}", trace_id)
+
+
 def explain_document(
     job: JobRecord,
     events: list[EventRecord],
@@ -277,8 +304,11 @@ def explain_document(
     trace_id: str | None = None,
     pause: QueuePause | None = None,
     links: JobLinks | None = None,
+    trace_url: str | None = None,
 ) -> dict[str, Any]:
-    """Everything ``job show`` prints, as camelCase JSON."""
+    """Everything ``job show`` prints, as camelCase JSON; ``trace_url``: the template of
+    ``JOBRELAY_TRACE_URL``."""
+    job, events = scrubbed_view(job, events)
 
     def iso(when: datetime | None) -> str | None:
         return when.isoformat() if when is not None else None
@@ -329,6 +359,7 @@ def explain_document(
         "admittedAt": iso(job.admitted_at),
         "throttledAt": iso(job.throttled_at),
         "traceId": trace_id,
+        "traceUrl": trace_link(trace_id, trace_url),
         "createdAt": iso(job.created_at),
         "updatedAt": iso(job.updated_at),
         "attempts": [
@@ -357,7 +388,9 @@ def render_job(
     trace_id: str | None = None,
     pause: QueuePause | None = None,
     links: JobLinks | None = None,
+    trace_url: str | None = None,
 ) -> None:
+    job, events = scrubbed_view(job, events)
     owner = f"  account {job.account_id}" if job.account_id is not None else ""
     console.print(f"[bold]job {job.id}[/bold]  {escape(job.type + owner)}")
     facts = Table.grid(padding=(0, 2))
@@ -403,6 +436,9 @@ def render_job(
         facts.add_row("progress", f"{job.progress_done or 0}/{job.progress_total}")
     facts.add_row("params", escape(json.dumps(job.params, ensure_ascii=False, default=str)))
     facts.add_row("trace id", trace_id or "-")
+    link = trace_link(trace_id, trace_url)
+    if link is not None:
+        facts.add_row("trace", f"[link={escape(link)}]{escape(link)}[/link]")
     facts.add_row(
         "accepted", f"{job.created_at.isoformat(timespec='seconds')} ({ago(job.created_at, now)})"
     )
@@ -445,7 +481,7 @@ def render_traceback(job: JobRecord, wanted: bool) -> None:
         console.print("no traceback stored for this job")
         return
     console.print("traceback of the last failure:")
-    console.print(job.last_traceback.rstrip("\n"), markup=False, emoji=False)
+    console.print(scrub(job.last_traceback).rstrip("\n"), markup=False, emoji=False)
 
 
 async def show_job(
@@ -463,9 +499,10 @@ async def show_job(
         links = await rt.store.links_of(job_id)
     now = utc_now()
     if as_json:
-        print(json.dumps(explain_document(job, events, now, trace_id, pause, links), indent=2))
+        document = explain_document(job, events, now, trace_id, pause, links, settings.trace_url)
+        print(json.dumps(document, indent=2))
     else:
-        render_job(job, events, now, trace_id, pause, links)
+        render_job(job, events, now, trace_id, pause, links, settings.trace_url)
         render_traceback(job, traceback)
     return True
 

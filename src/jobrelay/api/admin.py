@@ -270,7 +270,9 @@ async def explain_job(
     links = await runtime.store.links_of(job.id)
     if principal.is_admin:
         pause = await pause_of(runtime.store, job.queue)
-        return explain_document(job, events, runtime.clock(), trace_id, pause, links)
+        return explain_document(
+            job, events, runtime.clock(), trace_id, pause, links, runtime.settings.trace_url
+        )
     return account_explain_document(job, events, runtime.clock(), trace_id, links)
 
 

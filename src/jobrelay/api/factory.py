@@ -34,6 +34,7 @@ from jobrelay.api.buckets import RateLimiter, parse_limit
 from jobrelay.api.deps import set_runtime
 from jobrelay.api.problems import PROBLEM_MEDIA_TYPE, install_problem_handlers
 from jobrelay.library.loader import load_app
+from jobrelay.observe import tracing
 from jobrelay.runtime.wiring import Runtime, open_runtime
 from jobrelay.settings import Settings
 
@@ -88,6 +89,7 @@ def create_app(settings: Settings, *, runtime: Runtime | None = None) -> FastAPI
         # the package instead, and there is no /redoc.
         docs_url=None,
         redoc_url=None,
+        telemetry=tracing.fastapi_telemetry(),  # type: ignore[arg-type]  # a TelemetryConfig
     )
     set_runtime(app, runtime)
     app.state.rate_limiter = RateLimiter(parse_limit(settings.rate_limit))

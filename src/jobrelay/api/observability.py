@@ -1,10 +1,10 @@
 """``GET /metrics`` and the request middleware: the request's trace, request counts.
 
-The middleware makes the caller's trace context (W3C ``traceparent``/``tracestate``,
-``baggage``) current for the request, under a server span of ours when spans are recorded
-(``observe.tracing``): its log lines carry the trace id, and a job it enqueues carries the
-context on to the relay and the worker. It counts requests by route template, never by raw
-path, so job ids do not become label values.
+With spans recorded, FastAPI's own telemetry makes each request's server span, a child of the
+caller's W3C ``traceparent`` (``observe.tracing.fastapi_telemetry``). Without, the
+middleware makes the caller's trace context current for the request: its log lines carry the
+trace id, and a job it enqueues carries the context on to the relay and the worker. It counts
+requests by route template, never by raw path, so job ids do not become label values.
 """
 
 from __future__ import annotations
@@ -76,13 +76,10 @@ class RequestMiddleware:
             for name, value in scope.get("headers") or []
             if name in _TRACE_HEADERS
         }
-        method = str(scope.get("method", ""))
-        with tracing.request_context(headers, method, str(scope.get("path", ""))) as span:
+        with tracing.request_context(headers):
             try:
                 await self.app(scope, receive, tracking_send)
             finally:
-                route = getattr(scope.get("route"), "path", None)
-                tracing.finish_request(span, method, route, status)
                 self._count(scope, status)
 
     def _count(self, scope: Scope, status: int) -> None:

@@ -57,6 +57,7 @@ SYSTEM = "jobrelay"
 _tracer = trace.get_tracer("jobrelay")  # a proxy: follows whichever provider is set, when
 _ACTIVE = False
 _OWN = False  # a provider given to ``use``
+_PROVIDER: trace.TracerProvider | None = None
 # The headers that hold the trace context, whatever else a message carries.
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
 
@@ -81,9 +82,10 @@ def set_options(options: TraceOptions) -> None:
 def use(provider: trace.TracerProvider | None) -> None:
     """Record jobrelay's spans with ``provider`` instead of the global one (a test's, with the
     SDK's in-memory exporter; an application that keeps jobrelay's spans apart); None goes
-    back to the global provider."""
-    global _tracer, _ACTIVE, _OWN
+    back to the global provider. An API made after this call uses it too."""
+    global _tracer, _ACTIVE, _OWN, _PROVIDER
     _OWN = provider is not None
+    _PROVIDER = provider
     _tracer = (provider or trace.get_tracer_provider()).get_tracer("jobrelay")
     _ACTIVE = False
 
@@ -215,43 +217,31 @@ def follow_up_headers() -> dict[str, str]:
 # --- the API request -------------------------------------------------------------------------
 
 
+def fastapi_telemetry() -> dict[str, Any]:
+    """FastAPI's own OpenTelemetry settings for our API: FastAPI makes the request's server
+    span (the caller's context its parent) whenever spans are recorded, with the provider
+    given to ``use`` if any. Its operation spans (dependencies, serialisation) stay off: a
+    request's trace is its server span and the enqueue. Its log records stay off too: they
+    carry exception text past the one scrubber."""
+    config: dict[str, Any] = {"operation_spans": False, "logs": False}
+    if _OWN:
+        config["tracer_provider"] = _PROVIDER
+    return config
+
+
 @contextlib.contextmanager
-def request_context(headers: Mapping[str, str], method: str, path: str) -> Iterator[Span | None]:
-    """The HTTP request's context, current for its handling: the caller's (W3C headers)
-    and, when spans are recorded and nobody else traces the request (an application's own
-    ASGI instrumentation), a server span of ours."""
-    ctx = context_of(headers) if any(h in headers for h in TRACE_HEADERS) else None
-    if not active() or trace.get_current_span().is_recording():
-        if ctx is None:
-            yield None
-            return
-        token = otel_context.attach(ctx)
-        try:
-            yield None
-        finally:
-            otel_context.detach(token)
+def request_context(headers: Mapping[str, str]) -> Iterator[None]:
+    """With no spans recorded, the caller's trace context (W3C headers) is current while its
+    request is handled: a job it enqueues carries it, and log lines its trace id. With spans
+    recorded, FastAPI's server span is current already (``fastapi_telemetry``)."""
+    if active() or not headers:
+        yield
         return
-    span = _tracer.start_span(
-        f"{method}",
-        context=ctx,
-        kind=SpanKind.SERVER,
-        attributes={"http.request.method": method, "url.path": path},
-    )
-    with trace.use_span(
-        span, end_on_exit=True, record_exception=False, set_status_on_exception=False
-    ):
-        yield span
-
-
-def finish_request(span: Span | None, method: str, route: str | None, status: int) -> None:
-    if span is None:
-        return
-    if route is not None:
-        span.update_name(f"{method} {route}")
-        span.set_attribute("http.route", route)
-    span.set_attribute("http.response.status_code", status)
-    if status >= 500:
-        span.set_status(StatusCode.ERROR)
+    token = otel_context.attach(context_of(headers))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 # --- the relay -------------------------------------------------------------------------------

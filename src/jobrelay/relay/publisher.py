@@ -32,6 +32,7 @@ from typing import Any
 from jobrelay.domain.messages import OUTBOX_ID_HEADER
 from jobrelay.errors import PublishError, StoreError, TransportError
 from jobrelay.observe import tracing
+from jobrelay.observe.scrub import scrub
 from jobrelay.runtime.heartbeat import heartbeat
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.notify import OutboxListener
@@ -177,12 +178,12 @@ class Relay:
                 exc,
                 extra={"event": kind, "jobId": row.job_id, "outboxId": row.id},
             )
-            return f"{kind}: {exc}"
+            return scrub(f"{kind}: {exc}")
         except TransportError as exc:
             log.warning(
                 "broker error: %s", exc, extra={"event": "publish_unknown", "jobId": row.job_id}
             )
-            return f"publish_unknown: {exc}"
+            return scrub(f"publish_unknown: {exc}")
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "published",

@@ -174,7 +174,16 @@
     fact(facts, "result key", job.resultKey);
     if (job.result !== undefined && job.result !== null) fact(facts, "result", JSON.stringify(job.result));
     if (job.progress) fact(facts, "progress", job.progress.done + "/" + job.progress.total);
-    fact(facts, "trace id", job.traceId);
+    // With JOBRELAY_TRACE_URL, the trace id opens the trace in the tracing backend.
+    if (job.traceUrl && /^https?:\/\//.test(job.traceUrl)) {
+      const link = el("a", job.traceId);
+      link.href = job.traceUrl;
+      link.target = "_blank";
+      link.rel = "noopener noreferrer";
+      fact(facts, "trace id", link);
+    } else {
+      fact(facts, "trace id", job.traceId);
+    }
     fact(facts, "accepted", when(job.createdAt));
     fact(facts, "updated", when(job.updatedAt));
     // Operators' only: the account view has no lastTraceback, and an admin's shows it
