@@ -47,6 +47,7 @@ class TracingBench(Bench):
     async def run(self) -> None:
         await self.set_up()
         base = dict(self.env)
+        logs = self.log_dir
         rows: list[tuple[str, float, float]] = []
         with otlp_receiver() as receiver:
             traced = {
@@ -55,12 +56,15 @@ class TracingBench(Bench):
             }
             for label, sampler in ROUNDS:
                 say(f"\ntracing: round {label!r}")
+                # Its own log files: a phase waits for its processes' first lines.
+                self.log_dir = logs / f"round-{len(rows) + 1}"
+                self.log_dir.mkdir(parents=True, exist_ok=True)
                 await self._empty()
                 self.env = base | traced  # the API and the relay: every job carries a trace
                 self.port = free_port()
                 async with api_client(self.port, self.token, self.options.concurrency) as client:
                     self.client = client
-                    await self.start_api(f"api-{len(rows) + 1}")
+                    await self.start_api("api")
                     await self.phase_accept()
                     await self.phase_relay()
                 self.env = base | (traced | sampler if sampler else {})
@@ -76,6 +80,7 @@ class TracingBench(Bench):
                     runs = await self._runs_received(receiver, before)
                     if runs < self.options.jobs:
                         raise BenchFailure(f"tracing on 100%: {runs} run spans received")
+        self.log_dir = logs
         off_rate, off_cpu = rows[0][1], rows[0][2]
         parts = [f"off {off_rate:.0f}/s {off_cpu:.0f} µs CPU/job"]
         for label, rate, cpu in rows[1:]:
@@ -107,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--job", choices=("export", "noop"), default="noop")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument(
+        "--profile", default="", help="roles under cProfile (diagnosis: not comparable figures)"
+    )
     args = parser.parse_args(argv)
     options = Options(
         jobs=args.jobs,
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         skip_peers=True,
         phase_timeout=300.0,
         tuning={},
-        profile=frozenset(),
+        profile=frozenset(r for r in args.profile.split(",") if r),
         job=args.job,
     )
     return amain_with(TracingBench, options, "tracing")

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 from opentelemetry.context import Context
 
 from jobrelay.observe import tracing
+
+log = logging.getLogger("jobrelay.tracing")
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
@@ -110,7 +113,10 @@ class Batcher(Generic[Req, Res]):
             return
         contexts = [(self._contexts.pop(id(future), None), self._key(r)) for r, future in batch]
         if any(c is not None for c, _ in contexts):
-            tracing.batch_spans(self._span, contexts, started, tracing.now_ns())
+            try:
+                tracing.batch_spans(self._span, contexts, started, tracing.now_ns())
+            except Exception:  # a span processor's fault: the batch's answers still go out
+                log.warning("batch spans not recorded", exc_info=True)
 
     async def _one_by_one(self, batch: list[tuple[Req, asyncio.Future[Res]]]) -> None:
         """Each request of a failed batch in a statement of its own: its own answer or error."""

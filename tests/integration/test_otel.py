@@ -5,6 +5,7 @@ in an application's own span, log lines that share the span's ids, and no secret
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -17,11 +18,14 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from pydantic import BaseModel
 
+import jobrelay
 from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
 from jobrelay.observe import tracing
 from jobrelay.observe.logs import JsonFormatter
+from jobrelay.storage.admin import AdminQueries
 from tests.integration.api_fixtures import bearer, make_token
 
 from .ops_fixtures import TRACE_ID, TRACEPARENT
@@ -224,3 +228,68 @@ async def test_a_run_is_a_child_of_its_enqueue_when_configured(
     [run] = _named(found, "run report.export")
     assert _parent(run) == _hex(enqueue)[1] and not run.links
     assert run.attributes is not None and "jobrelay.account.hash" not in run.attributes
+
+
+class Empty(BaseModel):
+    pass
+
+
+lab = jobrelay.App()
+
+
+@lab.job("lab.child", params=Empty)
+async def child(ctx: jobrelay.JobContext[Empty], p: Empty) -> None:
+    return None
+
+
+@lab.job("lab.sync_parent", params=Empty)
+def sync_parent(ctx: jobrelay.SyncJobContext[Empty], p: Empty) -> None:
+    ctx.follow_up(child, Empty())  # on the def job's thread
+
+
+async def test_a_def_jobs_follow_up_is_enqueued_under_its_run(
+    make_pipeline: Any, spans: InMemorySpanExporter
+) -> None:
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=lab)
+        parent_id, _ = await p.store.submit(sync_parent.new_job(Empty()), p.rt.clock())
+        p.start_relay()
+        await p.start_worker()
+        await p.wait_for(parent_id, lambda j: j.state is JobState.SUCCEEDED)
+        found_jobs = await AdminQueries(p.store).find_jobs(limit=10)
+        [follow_up] = [j for j in found_jobs if j.type == "lab.child"]
+        await p.wait_for(follow_up.id, lambda j: j.state is JobState.SUCCEEDED)
+        await p.stop_all()
+    found = list(spans.get_finished_spans())
+    [run] = _named(found, "run lab.sync_parent")
+    enqueues = [
+        s
+        for s in _named(found, "enqueue")
+        if (s.attributes or {}).get("jobrelay.job.type") == "lab.child"
+    ]
+    assert len(enqueues) == 1 and _parent(enqueues[0]) == _hex(run)[1]
+    [child_run] = _named(found, "run lab.child")
+    assert [li.context.span_id for li in child_run.links] == [enqueues[0].context.span_id]
+
+
+async def test_a_job_written_before_the_trace_column_keeps_its_trace(make_pipeline: Any) -> None:
+    from sqlalchemy import update
+
+    from jobrelay.storage.tables import jobs
+
+    from .ops_fixtures import new_job
+
+    async with make_pipeline(faults="export.run:transient:1") as p:
+        job = await new_job(p.store, headers={"traceparent": TRACEPARENT})
+        job_id, _ = await p.store.submit(job, p.rt.clock())
+        async with p.rt.engine.begin() as conn:  # as migration 0020 leaves a finished job
+            await conn.execute(update(jobs).where(jobs.c.id == job_id).values(trace_context=None))
+        assert await AdminQueries(p.store).trace_id(job_id) == TRACE_ID
+        p.start_relay()
+        await p.start_worker()
+        await p.wait_for(job_id, lambda j: j.state is JobState.SUCCEEDED)
+        async with p.rt.engine.connect() as conn:
+            from jobrelay.storage.tables import outbox
+
+            rows = (await conn.execute(outbox.select().where(outbox.c.job_id == job_id))).all()
+    assert [r.headers.get("traceparent") for r in rows] == [TRACEPARENT, TRACEPARENT]

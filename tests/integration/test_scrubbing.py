@@ -22,7 +22,7 @@ from rich.console import Console
 from sqlalchemy import update
 
 import jobrelay
-from jobrelay.admin import explain
+from jobrelay.admin import explain, job_list
 from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
 from jobrelay.observe import tracing
@@ -115,6 +115,8 @@ async def test_a_password_in_an_exception_reaches_no_view_line_or_span(
             transport=httpx.ASGITransport(app=api), base_url="http://api"
         ) as client:
             view = await client.get(f"/v1/jobs/{job_id}/explain", headers=bearer(token))
+            listed = await client.get("/v1/jobs?state=quarantined", headers=bearer(token))
+            one = await client.get(f"/v1/jobs/{job_id}", headers=bearer(token))
         now = p.rt.clock()
 
     assert view.status_code == 200, view.text
@@ -127,6 +129,9 @@ async def test_a_password_in_an_exception_reaches_no_view_line_or_span(
     assert [a["error"] for a in document["attempts"]] and SECRET not in json.dumps(document)
     assert SECRET not in _shown(job, events, now)
     assert SECRET not in view.text and "ledger:***@" in view.text
+    for answer in (listed, one):  # the console's lists, the job itself
+        assert answer.status_code == 200 and "ledger:***@" in answer.text, answer.text
+        assert SECRET not in answer.text
     assert lines.lines and not [line for line in lines.lines if SECRET in line]
     for span in spans.get_finished_spans():
         assert SECRET not in json.dumps(dict(span.attributes or {})), span.name
@@ -161,6 +166,26 @@ async def test_rows_written_before_the_scrubber_are_masked_when_shown(
         job = await p.store.get_job(job_id)
         events = await p.store.events(job_id)
         now = p.rt.clock()
+        token = await make_token(p.rt, None, admin=True)
+        api = create_app(p.rt.settings, runtime=p.rt)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=api), base_url="http://api"
+        ) as client:
+            answers = [
+                await client.get(path, headers=bearer(token))
+                for path in (f"/v1/jobs/{job_id}", "/v1/jobs?state=queued")
+            ]
+    for answer in answers:
+        assert answer.status_code == 200 and "ledger:***@" in answer.text, answer.text
+        assert SECRET not in answer.text
+    listed = io.StringIO()
+    saved = job_list.console
+    job_list.console = Console(file=listed, width=300)
+    try:
+        job_list.render_jobs([job], now)
+    finally:
+        job_list.console = saved
+    assert "ledger:***@" in listed.getvalue() and SECRET not in listed.getvalue()
     text = _shown(job, events, now)
     assert SECRET not in text and "ledger:***@" in text and "password=***" in text
     assert SECRET not in json.dumps(explain.explain_document(job, events, now))
@@ -175,7 +200,21 @@ async def test_rows_written_before_the_scrubber_are_masked_when_shown(
         ("Authorization: Bearer abcdefgh12345678", "Authorization: Bearer ***"),
         ("token jr_0123456789abcdefghij", "token jr_***"),
         ("https://example.com/path?q=1", "https://example.com/path?q=1"),
+        ('login with password="s3cret" ok', "login with password=*** ok"),
+        ("PGPASSWORD=x1 DB_PASSWORD=y2", "PGPASSWORD=*** DB_PASSWORD=***"),
+        ("{'password': 'x'}", "{'password': ***}"),
+        ("https://host:8443/p@x", "https://host:8443/p@x"),
     ],
 )
 def test_the_scrubber_masks_each_kind_of_secret_and_keeps_the_rest(raw: str, masked: str) -> None:
     assert scrub(raw) == masked
+
+
+@pytest.mark.parametrize(
+    "message", ['invalid dsn: "host=db password=s3cret"', 'login with password="s3cret"']
+)
+def test_a_json_line_with_a_quoted_password_is_still_json_and_masked(message: str) -> None:
+    record = logging.LogRecord("jobrelay.worker", logging.WARNING, "", 0, message, None, None)
+    line = JsonFormatter("worker").format(record)
+    assert "s3cret" not in line
+    assert "password=***" in json.loads(line)["msg"]

@@ -6,8 +6,12 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from jobrelay.batching import Batcher
+from jobrelay.observe import logs, tracing
 
 
 class Recorder:
@@ -120,3 +124,72 @@ async def test_an_outage_is_not_retried_one_by_one() -> None:
     results = await asyncio.gather(batcher.submit("a"), batcher.submit("b"), return_exceptions=True)
     assert [type(r) for r in results] == [RuntimeError, RuntimeError]
     assert calls == [["a", "b"]]
+
+
+async def test_a_batch_runs_in_no_requests_context() -> None:
+    """Its statement serves every request: a line it logs is no one job's (its task used to
+    inherit the first request's bound ``jobId``)."""
+    seen: list[dict[str, object]] = []
+
+    async def run(requests: Sequence[int]) -> list[int]:
+        seen.append(dict(logs.context()))
+        return list(requests)
+
+    batcher: Batcher[int, int] = Batcher(run, key=lambda r: r)
+    with logs.bound(jobId="first"):
+        assert await batcher.submit(1) == 1
+    assert seen == [{}]
+
+
+async def test_each_request_gets_a_span_of_its_batch_statement() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use(provider)
+    try:
+
+        async def run(requests: Sequence[str]) -> list[str]:
+            await asyncio.sleep(0.01)
+            return list(requests)
+
+        batcher: Batcher[str, str] = Batcher(run, key=lambda r: r, span="claim")
+        tracer = provider.get_tracer("t")
+
+        async def one(job: str) -> str:
+            with tracer.start_as_current_span(f"run {job}"):
+                return await batcher.submit(job)
+
+        assert await asyncio.gather(one("a"), one("b")) == ["a", "b"]
+    finally:
+        tracing.use(None)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    claims = [s for s in exporter.get_finished_spans() if s.name == "claim"]
+    assert len(claims) == 2
+    for claim in claims:
+        assert claim.attributes is not None and claim.attributes["jobrelay.batch.size"] == 2
+        job = claim.attributes["messaging.message.id"]
+        parent = spans[f"run {job}"].context
+        assert claim.parent is not None and claim.parent.span_id == parent.span_id
+    # One statement, one measured time, shared.
+    assert len({(c.start_time, c.end_time) for c in claims}) == 1
+
+
+async def test_a_span_processor_that_fails_does_not_hold_the_batchs_answers() -> None:
+    class Broken(SimpleSpanProcessor):
+        def on_end(self, span: ReadableSpan) -> None:
+            if span.name == "commit":
+                raise RuntimeError("exporter bug")
+
+    provider = TracerProvider()
+    provider.add_span_processor(Broken(InMemorySpanExporter()))
+    tracing.use(provider)
+    try:
+
+        async def run(requests: Sequence[str]) -> list[str]:
+            return list(requests)
+
+        batcher: Batcher[str, str] = Batcher(run, key=lambda r: r, span="commit")
+        with provider.get_tracer("t").start_as_current_span("run"):
+            assert await asyncio.wait_for(batcher.submit("a"), 5) == "a"
+    finally:
+        tracing.use(None)

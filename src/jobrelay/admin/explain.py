@@ -27,7 +27,7 @@ from jobrelay.domain.delays import runs_at_text
 from jobrelay.domain.disclosure import DEPENDENCY_FAILED
 from jobrelay.domain.limits import FAIR, JobLimit, limiting, split_id
 from jobrelay.domain.states import JobState
-from jobrelay.observe.scrub import scrub, scrubbed
+from jobrelay.observe.scrub import scrub, scrub_text, scrubbed
 from jobrelay.runtime.wiring import open_runtime, utc_now
 from jobrelay.settings import Settings
 from jobrelay.storage.queue_pauses import QueuePause, pause_of
@@ -277,17 +277,13 @@ def scrubbed_view(job: JobRecord, events: list[EventRecord]) -> tuple[JobRecord,
     written before it scrubbed them at write may quote a password (``observe.scrub``)."""
     job = dataclasses.replace(
         job,
-        last_error=_scrub(job.last_error),
-        quarantine_reason=_scrub(job.quarantine_reason),
-        last_publish_error=_scrub(job.last_publish_error),
-        last_traceback=_scrub(job.last_traceback),
-        cancel_reason=_scrub(job.cancel_reason),
+        last_error=scrub_text(job.last_error),
+        quarantine_reason=scrub_text(job.quarantine_reason),
+        last_publish_error=scrub_text(job.last_publish_error),
+        last_traceback=scrub_text(job.last_traceback),
+        cancel_reason=scrub_text(job.cancel_reason),
     )
     return job, [dataclasses.replace(e, detail=scrubbed(e.detail)) for e in events]
-
-
-def _scrub(text: str | None) -> str | None:
-    return None if text is None else scrub(text)
 
 
 def trace_link(trace_id: str | None, template: str | None) -> str | None:

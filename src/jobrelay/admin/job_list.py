@@ -7,14 +7,20 @@ answers a different question: which jobs, not why this one.
 from __future__ import annotations
 
 import sys
+from datetime import datetime
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from jobrelay.admin.explain import ago, console
 from jobrelay.domain.delays import runs_at_text
 from jobrelay.domain.states import JobState
+from jobrelay.observe.scrub import scrub
 from jobrelay.runtime.wiring import open_runtime, utc_now
 from jobrelay.settings import Settings
+
+if TYPE_CHECKING:
+    from jobrelay.storage.records import JobRecord
 
 
 async def list_jobs(
@@ -49,6 +55,11 @@ async def list_jobs(
                     f"jobrelay: warning: --type: no job type {job_type!r} here (known: {names})",
                     file=sys.stderr,
                 )
+    render_jobs(jobs, utc_now())
+
+
+def render_jobs(jobs: list[JobRecord], now: datetime) -> None:
+    """The table ``jobs list`` prints: one row per job, its reason scrubbed."""
     table = Table(show_edge=False)
     table.add_column("job id", no_wrap=True)
     for column in (
@@ -61,7 +72,6 @@ async def list_jobs(
         "reason / last error",
     ):
         table.add_column(column)
-    now = utc_now()
     for job in jobs:
         table.add_row(
             job.id,
@@ -73,7 +83,7 @@ async def list_jobs(
             ago(job.updated_at, now),
             runs_at_text(job.run_at, now)
             if job.run_at is not None and job.waiting_for_run_at(now)
-            else (job.quarantine_reason or job.last_error or "")[:80],
+            else scrub(job.quarantine_reason or job.last_error or "")[:80],
         )
     console.print(table)
     console.print(f"{len(jobs)} job(s)")

@@ -27,6 +27,7 @@ from jobrelay.domain.disclosure import account_error
 from jobrelay.domain.job_filter import CursorError, JobFilter, PageKey, decode_cursor
 from jobrelay.domain.job_filter import encode_cursor as encode
 from jobrelay.domain.states import JobState
+from jobrelay.observe.scrub import scrub_text
 from jobrelay.storage.dashboard import search_jobs
 from jobrelay.storage.store import JobRecord
 
@@ -56,7 +57,7 @@ class JobSummary(JobOut):
     @classmethod
     def from_job(cls, job: JobRecord, *, admin: bool = True) -> JobSummary:
         reason = (
-            job.quarantine_reason
+            scrub_text(job.quarantine_reason)
             if admin
             else account_error(job.quarantine_reason, job.public_error)
         )

@@ -20,6 +20,7 @@ from jobrelay.domain.disclosure import account_detail, account_error
 # Re-exported: the routes read path ids with it; the CLI takes the same forms (domain.ids).
 from jobrelay.domain.ids import canonical_job_id as canonical_job_id
 from jobrelay.domain.states import JobState
+from jobrelay.observe.scrub import scrub_text
 from jobrelay.storage.store import EventRecord, JobRecord
 
 # An account id (tokens act for one): lowercase letters, digits, '_' and '-'; 1-64 characters.
@@ -104,7 +105,9 @@ class JobOut(WireModel):
             max_attempts=job.max_attempts,
             result_key=job.result_key,
             result=job.result,
-            last_error=job.last_error if admin else account_error(job.last_error, job.public_error),
+            last_error=scrub_text(job.last_error)
+            if admin
+            else account_error(job.last_error, job.public_error),
             next_attempt_at=job.next_attempt_at,
             run_at=job.run_at,
             progress=progress,

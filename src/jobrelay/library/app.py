@@ -48,6 +48,7 @@ from jobrelay.library.limits import ConcurrencyLimit, RateLimit, check_limits
 from jobrelay.library.operations import Operation, Registry
 from jobrelay.library.sync_context import SyncJobFunction
 from jobrelay.library.waiting import Watcher
+from jobrelay.observe.scrub import scrub_text
 from jobrelay.settings import Settings
 from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import JobRecord
@@ -397,7 +398,7 @@ def _value_of(job: JobRecord) -> Any:
     if job.state is JobState.SUCCEEDED:
         return job.result
     reason = job.quarantine_reason or job.cancel_reason or job.last_error
-    raise JobFailed(job.id, job.state.value, reason)
+    raise JobFailed(job.id, job.state.value, scrub_text(reason))
 
 
 def _run_sync(where: str, work: Coroutine[Any, Any, JobRecord]) -> JobRecord:

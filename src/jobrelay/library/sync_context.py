@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import inspect
 import logging
@@ -155,7 +156,9 @@ async def run_in_thread(
     loop = asyncio.get_running_loop()
     sync_ctx = SyncJobContext(ctx, loop)
     watch = asyncio.create_task(_mirror(ctx.lease_lost, sync_ctx.lease_lost))
-    body = functools.partial(fn, sync_ctx, params)
+    # The body runs with the run's context (its span, its log fields), as asyncio.to_thread
+    # gives it: a follow-up it makes is enqueued under the run, its lines carry the job.
+    body = functools.partial(contextvars.copy_context().run, fn, sync_ctx, params)
     try:
         if thread is None:
             return await loop.run_in_executor(None, body)

@@ -69,6 +69,7 @@ from typing import Any
 from jobrelay.domain.states import JobState
 from jobrelay.maintenance.leadership import LOCK_KEY, Leadership, PassAbandoned
 from jobrelay.maintenance.prune import Pruner
+from jobrelay.observe.scrub import scrub
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.queue_pauses import pauses
 from jobrelay.storage.queue_progress import queue_progress
@@ -406,7 +407,7 @@ class Reconciler:
 
     async def _stale_outbox(self, report: Report, before: datetime, now: datetime) -> None:
         for row in await self.queries.stale_outbox(before, self.batch):
-            error = f", last error: {row.last_error}" if row.last_error else ""
+            error = f", last error: {scrub(row.last_error)}" if row.last_error else ""
             report.findings.append(
                 Finding(
                     OUTBOX_STALE,

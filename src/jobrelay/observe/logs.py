@@ -32,7 +32,7 @@ from typing import Any
 from opentelemetry import trace
 
 from jobrelay import fastjson
-from jobrelay.observe.scrub import scrub
+from jobrelay.observe.scrub import scrub, scrubbed
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 _CONTEXT: ContextVar[Mapping[str, Any]] = ContextVar(
@@ -99,10 +99,13 @@ class JsonFormatter(logging.Formatter):
                 entry[key] = value
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
+        # Scrubbed before it is serialised: a pattern run over the JSON could cut through an
+        # escaped quote and leave a line that is not JSON.
+        entry = scrubbed(entry)
         text = fastjson.dumps(entry, default=str)
         if not text.isascii():
             text = json.dumps(entry, default=str, separators=(",", ":"))
-        return scrub(text)
+        return text
 
 
 class TextFormatter(logging.Formatter):
@@ -119,17 +122,18 @@ class TextFormatter(logging.Formatter):
             if key not in _STANDARD and not key.startswith("_"):
                 fields[key] = value
         fields.update(trace_fields())
+        fields = scrubbed(fields)
         event = fields.pop("event", None)
         job = fields.pop("jobId", None)
         when = datetime.fromtimestamp(record.created).strftime("%H:%M:%S")
         head = f"{when}.{int(record.msecs):03d} {record.levelname:<7} {self.process_name}"
-        text = f"{head} {event or '-':<16} {job or '-'} {record.getMessage()}"
+        text = f"{head} {event or '-':<16} {job or '-'} {scrub(record.getMessage())}"
         rest = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
         if rest:
             text = f"{text}  [{rest}]"
         if record.exc_info:
-            text = f"{text}\n{self.formatException(record.exc_info)}"
-        return scrub(text)
+            text = f"{text}\n{scrub(self.formatException(record.exc_info))}"
+        return text
 
 
 def _short(value: Any) -> str:

@@ -22,10 +22,15 @@ _SECRETS = (
     (re.compile(r"jr_[A-Za-z0-9_-]{16,}"), "jr_***"),
     (re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1***"),
     # user:password@ after a scheme; the password may hold anything but whitespace, quotes
-    # and the @ that ends it (the last @ before the host: a password may hold an @ too).
-    (re.compile(r"(://[^:/@\s\"']+:)[^\s\"']*@"), r"\1***@"),
-    # libpq's keyword form (host=db password=s3cret) and a query parameter (?password=).
-    (re.compile(r"(?i)\b(password\s*=\s*)(?:'[^']*'|[^\s&;\"',)]+)"), r"\1***"),
+    # and a slash (the last @ before the first slash ends it: a password may hold an @ too).
+    (re.compile(r"(://[^:/@\s\"']+:)[^\s\"'/]*@"), r"\1***@"),
+    # A password given by name: libpq's keyword form (host=db password=s3cret), a query
+    # parameter (?password=), an environment variable (PGPASSWORD=, DB_PASSWORD=), a
+    # mapping ({'password': 's3cret'}); its value bare, or quoted either way.
+    (
+        re.compile(r"(?i)(password[\"']?\s*[=:]\s*)(?:'[^']*'|\"[^\"]*\"|[^\s&;\"',)}\\]+)"),
+        r"\1***",
+    ),
 )
 
 
@@ -39,6 +44,11 @@ def scrub(text: str) -> str:
     for pattern, replacement in _SECRETS:
         text = pattern.sub(replacement, text)
     return text
+
+
+def scrub_text(text: str | None) -> str | None:
+    """``scrub`` of a text that may be absent (a job's last error)."""
+    return None if text is None else scrub(text)
 
 
 def scrubbed(value: Any) -> Any:

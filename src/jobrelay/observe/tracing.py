@@ -178,7 +178,7 @@ def enqueuing(jobs: Sequence[NewJob]) -> Iterator[list[NewJob]]:
     parent = context_of(given) if given else None
     if not active():
         headers = given or carrier()
-        yield [_with_trace(job, headers) for job in jobs]
+        yield [_with_trace(job, headers, given) for job in jobs]
         return
     attributes = _job_attributes(
         first.job_id if len(jobs) == 1 else None, first.type, first.queue, "create"
@@ -190,9 +190,9 @@ def enqueuing(jobs: Sequence[NewJob]) -> Iterator[list[NewJob]]:
     span = _tracer.start_span(
         "enqueue", context=parent, kind=SpanKind.PRODUCER, attributes=attributes
     )
-    headers = carrier(trace.set_span_in_context(span))
+    headers = carrier(trace.set_span_in_context(span, parent))
     try:
-        yield [_with_trace(job, headers) for job in jobs]
+        yield [_with_trace(job, headers, given) for job in jobs]
     except BaseException as exc:
         _fail(span, exc)
         raise
@@ -202,7 +202,12 @@ def enqueuing(jobs: Sequence[NewJob]) -> Iterator[list[NewJob]]:
         span.end()
 
 
-def _with_trace(job: NewJob, headers: Mapping[str, str]) -> NewJob:
+def _with_trace(job: NewJob, headers: Mapping[str, str], given: Mapping[str, str]) -> NewJob:
+    """``job`` carrying ``headers``, unless it carries a trace of its own other than
+    ``given`` (the first job's, the enqueue's parent): one of a batch keeps its own."""
+    own = trace_headers(job.headers)
+    if own and own != given:
+        return job
     rest = {k: v for k, v in (job.headers or {}).items() if k not in TRACE_HEADERS}
     merged = {**rest, **headers}
     return job if merged == dict(job.headers or {}) else dataclasses.replace(job, headers=merged)

@@ -19,6 +19,7 @@ from sqlalchemy import delete, func, select
 
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.observe.tracing import trace_id_of
+from jobrelay.storage.base import first_message_headers
 from jobrelay.storage.delayed import drop_held, due_since, waiting_due
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import JobRecord, aware_time, job_record
@@ -189,6 +190,8 @@ class AdminQueries:
         """The trace id the job was enqueued under (``jobs.trace_context``)."""
         async with self.store.reading() as conn:
             headers = await conn.scalar(select(jobs.c.trace_context).where(jobs.c.id == job_id))
+            if headers is None:  # written before migration 0020: its messages carry it
+                headers = await conn.scalar(first_message_headers(job_id))
         return trace_id_of(headers)
 
     # --- metrics --------------------------------------------------------------------------

@@ -26,12 +26,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, delete, func, insert, select, text, update
+from sqlalchemy import ColumnElement, Select, delete, func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState, sources_for
 from jobrelay.observe import tracing
+from jobrelay.observe.tracing import trace_headers
 from jobrelay.storage.delayed import due_since
 from jobrelay.storage.dependencies import finish_steps
 from jobrelay.storage.drivers import open_driver
@@ -48,6 +49,12 @@ from jobrelay.storage.records import (
 from jobrelay.storage.steps import run_async
 from jobrelay.storage.tables import job_events, job_slots, jobs, outbox
 from jobrelay.storage.transitions import Inputs, Transition, awaiting_admission, state_in, values_of
+
+
+def first_message_headers(job_id: str) -> Select[tuple[Any]]:
+    """The headers of the job's oldest outbox row retention kept: where a job written before
+    migration 0020 keeps its trace context."""
+    return select(outbox.c.headers).where(outbox.c.job_id == job_id).order_by(outbox.c.id).limit(1)
 
 
 class StoreBase:
@@ -160,6 +167,10 @@ class StoreBase:
         if headers is None:
             # Retries, deferrals and repairs carry on the trace of the job's enqueue.
             headers = await conn.scalar(select(jobs.c.trace_context).where(jobs.c.id == job_id))
+            if headers is None:
+                # A job written by a version before 0020 (a rolling upgrade): its messages
+                # carry it.
+                headers = trace_headers(await conn.scalar(first_message_headers(job_id))) or None
         await conn.execute(
             insert(outbox).values(
                 job_id=job_id,

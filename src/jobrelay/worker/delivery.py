@@ -38,6 +38,7 @@ from jobrelay.domain.states import JobState
 from jobrelay.domain.unknown_types import DEFERS_HEADER, judge_unknown
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.observe import logs, tracing
+from jobrelay.observe.scrub import scrub
 from jobrelay.storage.store import (
     Claim,
     Claimed,
@@ -87,7 +88,8 @@ class DeliveryHandler:
         self.rt.metrics.deliveries.inc()
         if delivery.redelivered:
             self.rt.metrics.redeliveries.inc()
-        await self._handle(delivery)
+        with logs.bound():  # what it binds (job id, attempt) ends with it
+            await self._handle(delivery)
 
     async def _handle(self, delivery: Delivery) -> None:
         meta: dict[str, Any] = {
@@ -183,7 +185,7 @@ class DeliveryHandler:
             if event.kind == "claimed":
                 last_release = None
             elif event.kind == "released":
-                last_release = str(event.detail.get("reason") or "an error")
+                last_release = scrub(str(event.detail.get("reason") or "an error"))
         return dataclasses.replace(observation, last_release=last_release)
 
     def _seen_at(self, job: JobRecord) -> datetime:

@@ -27,7 +27,9 @@ _UNFINISHED = "('waiting', 'queued', 'running', 'retry_wait')"
 
 _PG_BACKFILL = f"""
 UPDATE jobs SET trace_context = json_build_object('traceparent', o.headers->>'traceparent')
-FROM (SELECT DISTINCT ON (job_id) job_id, headers FROM outbox ORDER BY job_id, id DESC) AS o
+FROM (SELECT DISTINCT ON (job_id) job_id, headers FROM outbox
+      WHERE job_id IN (SELECT id FROM jobs WHERE state IN {_UNFINISHED})
+      ORDER BY job_id, id DESC) AS o
 WHERE o.job_id = jobs.id AND jobs.state IN {_UNFINISHED}
   AND o.headers->>'traceparent' IS NOT NULL;
 UPDATE jobs SET trace_context = json_build_object('traceparent', e.detail->>'traceparent')
@@ -52,6 +54,9 @@ WHERE state = 'waiting' AND (
 
 
 def upgrade() -> None:
+    # Only the unfinished jobs (a retry, a release still to come) are filled: their rows are
+    # few beside the history, which keeps its trace in its outbox rows (read there when the
+    # column is empty: ``storage.admin.AdminQueries.trace_id``).
     # Nullable, no default: adding it rewrites no row. Last, as the claims' ``RETURNING
     # jobs.*`` reads the columns by position.
     with op.batch_alter_table("jobs") as batch:
