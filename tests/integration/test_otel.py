@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -24,49 +22,13 @@ import jobrelay
 from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
 from jobrelay.observe import tracing
-from jobrelay.observe.logs import JsonFormatter
 from jobrelay.storage.admin import AdminQueries
 from tests.integration.api_fixtures import bearer, make_token
 
 from .ops_fixtures import TRACE_ID, TRACEPARENT
+from .trace_fixtures import LogLines
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.use(provider)
-    try:
-        yield exporter
-    finally:
-        tracing.use(None)
-        provider.shutdown()
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.setFormatter(JsonFormatter("test"))
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))
-
-
-@pytest.fixture
-def lines() -> Iterator[Lines]:
-    handler = Lines()
-    root, ours = logging.getLogger(), logging.getLogger("jobrelay")
-    root.addHandler(handler)
-    ours.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        ours.setLevel(logging.NOTSET)
-        root.removeHandler(handler)
 
 
 def _hex(span: ReadableSpan) -> tuple[str, str]:
@@ -99,7 +61,7 @@ async def _export_over_http(p: Any, period: str) -> str:
 
 
 async def test_one_export_is_one_trace_from_the_request_to_the_ack(
-    make_pipeline: Any, spans: InMemorySpanExporter, lines: Lines
+    make_pipeline: Any, spans: InMemorySpanExporter, json_lines: LogLines
 ) -> None:
     async with make_pipeline(faults="export.run:transient:1") as p:
         job_id = await _export_over_http(p, "2020-05")
@@ -175,7 +137,7 @@ async def test_one_export_is_one_trace_from_the_request_to_the_ack(
     assert retry.timestamp == int(by_kind["retry_scheduled"].timestamp() * 1e9)
 
     # The worker's log lines of each run carry that run's trace and span ids.
-    entries = [json.loads(line) for line in lines.lines]
+    entries = [json.loads(line) for line in json_lines.lines]
     claimed = [e for e in entries if e.get("event") == "claimed" and e.get("jobId") == job_id]
     assert [(e["trace_id"], e["span_id"]) for e in claimed] == [_hex(r) for r in runs]
     [accepted_line] = [e for e in entries if e.get("event") == "job_accepted"]

@@ -9,13 +9,10 @@ import dataclasses
 import io
 import json
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import BaseModel
 from rich.console import Console
@@ -25,12 +22,12 @@ import jobrelay
 from jobrelay.admin import explain, job_list
 from jobrelay.api import create_app
 from jobrelay.domain.states import JobState
-from jobrelay.observe import tracing
-from jobrelay.observe.logs import JsonFormatter, TextFormatter
+from jobrelay.observe.logs import JsonFormatter
 from jobrelay.observe.scrub import scrub
 from jobrelay.storage.tables import job_events, jobs
 
 from .api_fixtures import bearer, make_token
+from .trace_fixtures import LogLines
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,42 +47,6 @@ async def leaky(ctx: jobrelay.JobContext[Nothing], p: Nothing) -> None:
     raise ConnectionError(f"could not connect to {DSN}: timeout")
 
 
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.json, self.text = JsonFormatter("test"), TextFormatter("test")
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines += [self.json.format(record), self.text.format(record)]
-
-
-@pytest.fixture
-def lines() -> Iterator[Lines]:
-    handler = Lines()
-    root, ours = logging.getLogger(), logging.getLogger("jobrelay")
-    root.addHandler(handler)
-    ours.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        ours.setLevel(logging.NOTSET)
-        root.removeHandler(handler)
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.use(provider)
-    try:
-        yield exporter
-    finally:
-        tracing.use(None)
-        provider.shutdown()
-
-
 def _shown(job: Any, events: Any, now: Any) -> str:
     out = io.StringIO()
     saved = explain.console
@@ -99,7 +60,7 @@ def _shown(job: Any, events: Any, now: Any) -> str:
 
 
 async def test_a_password_in_an_exception_reaches_no_view_line_or_span(
-    make_pipeline: Any, lines: Lines, spans: InMemorySpanExporter
+    make_pipeline: Any, json_lines: LogLines, spans: InMemorySpanExporter
 ) -> None:
     async with make_pipeline() as p:
         p.rt = dataclasses.replace(p.rt, app=app)
@@ -132,7 +93,8 @@ async def test_a_password_in_an_exception_reaches_no_view_line_or_span(
     for answer in (listed, one):  # the console's lists, the job itself
         assert answer.status_code == 200 and "ledger:***@" in answer.text, answer.text
         assert SECRET not in answer.text
-    assert lines.lines and not [line for line in lines.lines if SECRET in line]
+    every_line = json_lines.lines + json_lines.text_lines
+    assert every_line and not [line for line in every_line if SECRET in line]
     for span in spans.get_finished_spans():
         assert SECRET not in json.dumps(dict(span.attributes or {})), span.name
         assert SECRET not in (span.status.description or ""), span.name

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,44 +24,14 @@ from .ops_fixtures import (
     TRACEPARENT,
     new_job,
 )
+from .trace_fixtures import LogLines
 
 pytestmark = pytest.mark.timeout(90)
 LIFECYCLE = {"claimed", "retry_scheduled", "result_saved", "ack_sent"}
 
 
-class JsonLines(logging.Handler):
-    """Formats each record as it is emitted, as the stderr handler does (context included)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.setFormatter(JsonFormatter("test"))
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))
-
-    def entries(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.lines]
-
-
-@pytest.fixture
-def json_lines() -> Iterator[JsonLines]:
-    # Each job's lifecycle lines are DEBUG (JOBRELAY_LOG_LEVEL=DEBUG); INFO has a summary
-    # per batch of settles.
-    handler = JsonLines()
-    root = logging.getLogger()
-    ours = logging.getLogger("jobrelay")
-    root.addHandler(handler)
-    ours.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        ours.setLevel(logging.NOTSET)
-        root.removeHandler(handler)
-
-
 async def test_trace_reaches_the_worker_lines_through_a_retry(
-    make_pipeline: Any, json_lines: JsonLines
+    make_pipeline: Any, json_lines: LogLines
 ) -> None:
     async with make_pipeline(faults="export.run:transient:1") as p:
         job_id, _ = await p.store.submit(
@@ -117,7 +86,7 @@ async def test_at_info_the_worker_logs_a_line_per_batch_of_settles_not_per_job(
 
 
 async def test_api_lines_carry_the_trace_and_never_the_token(
-    sqlite_url: str, tmp_path: Path, json_lines: JsonLines
+    sqlite_url: str, tmp_path: Path, json_lines: LogLines
 ) -> None:
     runtime = build_runtime(sqlite_url, tmp_path)
     token = await make_token(runtime, "acme")

@@ -57,6 +57,8 @@ SYSTEM = "jobrelay"
 _tracer = trace.get_tracer("jobrelay")  # a proxy: follows whichever provider is set, when
 _ACTIVE = False
 _OWN = False  # a provider given to ``use``
+_LOOKED_AT = -1e9  # when ``active`` last looked for a global provider (monotonic seconds)
+_LOOK_AGAIN_SECONDS = 1.0
 _PROVIDER: trace.TracerProvider | None = None
 # The headers that hold the trace context, whatever else a message carries.
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
@@ -94,13 +96,19 @@ def active() -> bool:
     """Whether spans are recorded: a real tracer provider is set (ours, the application's,
     or one given to ``use``).
 
-    Once set, a global provider cannot be replaced: a True answer is kept."""
-    global _ACTIVE
-    if _OWN:
+    Once set, a global provider cannot be replaced: a True answer is kept. A False one is
+    looked at again at most once a second (an application may set its provider after the
+    worker started): the look reads the environment, and the hot path asks several times
+    per job (measured: a tenth of the drain's CPU when asked every time)."""
+    global _ACTIVE, _LOOKED_AT
+    if _ACTIVE or _OWN:
         return True
-    if not _ACTIVE:
-        provider = trace.get_tracer_provider()
-        _ACTIVE = not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+    now = time.monotonic()
+    if now - _LOOKED_AT < _LOOK_AGAIN_SECONDS:
+        return False
+    _LOOKED_AT = now
+    provider = trace.get_tracer_provider()
+    _ACTIVE = not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
     return _ACTIVE
 
 
@@ -249,6 +257,20 @@ def request_context(headers: Mapping[str, str]) -> Iterator[None]:
         otel_context.detach(token)
 
 
+@contextlib.contextmanager
+def _carried(headers: Mapping[str, object]) -> Iterator[None]:
+    """With nothing recorded: the context ``headers`` carry, current in the block (its log
+    lines carry its trace id); nothing to do when they carry none."""
+    if not any(name in headers for name in TRACE_HEADERS):
+        yield
+        return
+    token = otel_context.attach(context_of(headers))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
 # --- the relay -------------------------------------------------------------------------------
 
 
@@ -258,11 +280,8 @@ def publishing(
 ) -> Iterator[Span | None]:
     """The ``publish`` span of one outbox row: from the publish to its confirm."""
     if not active():
-        token = otel_context.attach(context_of(headers))
-        try:
+        with _carried(headers):
             yield None
-        finally:
-            otel_context.detach(token)
         return
     attributes = {
         "messaging.system": SYSTEM,
@@ -304,14 +323,11 @@ def running(
     """The ``run <type>`` span of one delivery, current while it is handled: linked to (or
     a child of, ``JOBRELAY_OTEL_PARENT=child``) the job's ``enqueue``. Without spans, the
     enqueue's context is current instead (log lines carry its trace id)."""
-    origin = context_of(headers)
     if not active():
-        token = otel_context.attach(origin)
-        try:
+        with _carried(headers):
             yield None
-        finally:
-            otel_context.detach(token)
         return
+    origin = context_of(headers)
     enqueue = trace.get_current_span(origin).get_span_context()
     child = OPTIONS.parent == "child"
     links = [Link(enqueue)] if enqueue.is_valid and not child else None
@@ -333,6 +349,8 @@ def running(
 
 def annotate(**attributes: Any) -> None:
     """Attributes on the current span (the run's attempt, account, outcome)."""
+    if not active():
+        return
     span = trace.get_current_span()
     if span.is_recording():
         for key, value in attributes.items():
@@ -342,6 +360,8 @@ def annotate(**attributes: Any) -> None:
 
 def event(kind: str, at: datetime | None = None, detail: Mapping[str, Any] | None = None) -> None:
     """A timeline event as an event of the current span, at the same time."""
+    if not active():
+        return
     span = trace.get_current_span()
     if not span.is_recording():
         return
@@ -362,6 +382,8 @@ def _event_attributes(detail: Mapping[str, Any] | None) -> dict[str, Any]:
 def failed(public: str, raw: str | None = None) -> None:
     """The run's error: the account's reason as the status, the operators' text (which their
     logs carry already) scrubbed as an ``exception`` event."""
+    if not active():
+        return
     span = trace.get_current_span()
     if not span.is_recording():
         return
@@ -480,6 +502,8 @@ def configure(process: str) -> Any:
                 extra={"event": "tracing_unavailable"},
             )
     trace.set_tracer_provider(provider)
+    global _ACTIVE
+    _ACTIVE = True
     return provider
 
 
