@@ -29,12 +29,12 @@ from pydantic import BaseModel
 from sqlalchemy import func, select
 
 import jobrelay
-from jobrelay.admin.actions import Operator
 from jobrelay.admin.explain import next_step
 from jobrelay.api import create_app
 from jobrelay.domain.ids import follow_up_job_id
 from jobrelay.domain.states import JobState
 from jobrelay.errors import AttemptSuperseded
+from jobrelay.library.operator import Operator
 from jobrelay.maintenance.reconcile import LEASE_EXPIRED, Reconciler
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.store import Claim

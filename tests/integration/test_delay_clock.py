@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import jobrelay
 import jobrelay.api.jobs
 import jobrelay.library.job_definition
-from jobrelay.admin.actions import Operator
+from jobrelay.library.operator import Operator
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.engine import read_only
 from jobrelay.storage.store import Store

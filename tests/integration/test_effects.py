@@ -244,21 +244,24 @@ async def test_unreachable_s3_endpoint_is_a_retry_not_a_lost_job(
 ) -> None:  # fmt: skip
     late = S3Server(port=free_port())  # its port has nothing behind it yet
     extra = effect_settings(late.endpoint, bucket, mail_server.url, max_attempts="5")
-    async with build(sqlite_backend, tmp_path, **extra) as p:
-        export_id = await submit_export(p)
-        p.start_relay()
-        await p.start_worker()
-        waiting = await p.wait_for(export_id, lambda j: j.state is JobState.RETRY_WAIT)
-        assert "Could not connect" in (waiting.last_error or ""), waiting.last_error
-        late.start()
-        try:
+    # Stopped after the pipeline: a worker that stops may still clean up a staged object, and
+    # a server gone before it leaves that call to botocore's connect timeouts (CI: a
+    # teardown of 82 s that ran into the test's limit).
+    try:
+        async with build(sqlite_backend, tmp_path, **extra) as p:
+            export_id = await submit_export(p)
+            p.start_relay()
+            await p.start_worker()
+            waiting = await p.wait_for(export_id, lambda j: j.state is JobState.RETRY_WAIT)
+            assert "Could not connect" in (waiting.last_error or ""), waiting.last_error
+            late.start()
             await create_bucket(late.endpoint, bucket)
             export, _ = await run_to_the_end(p, export_id)
             assert export.attempt >= 2
             keys = [object_key(export_id, export.attempt)]
             assert await object_keys(late.endpoint, bucket) == keys
-        finally:
-            late.stop()
+    finally:
+        late.stop()
 
 
 async def test_transient_smtp_refusal_retries_then_sends_once(

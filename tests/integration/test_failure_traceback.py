@@ -24,8 +24,8 @@ from pydantic import BaseModel
 from sqlalchemy import update
 
 import jobrelay
-from jobrelay.admin.actions import Operator
 from jobrelay.domain.states import JobState
+from jobrelay.library.operator import Operator
 from jobrelay.runtime.wiring import Runtime, open_runtime
 from jobrelay.storage.store import JobRecord
 from jobrelay.storage.tables import jobs

@@ -77,7 +77,6 @@ from hypothesis.stateful import (
 )
 from sqlalchemy import select
 
-from jobrelay.admin.actions import Operator
 from jobrelay.domain.ids import request_hash
 from jobrelay.domain.limits import CONCURRENCY, RATE, JobLimit, limit_id, split_id
 from jobrelay.domain.policy import RETRY_SLACK
@@ -86,6 +85,7 @@ from jobrelay.domain.states import JobState, can_transition
 from jobrelay.exports.seed import seed
 from jobrelay.library.loader import default_registry
 from jobrelay.library.operations import Operation, OperationContext, OperationResult, Registry
+from jobrelay.library.operator import Operator
 from jobrelay.maintenance.reconcile import LEASE_EXPIRED, Reconciler
 from jobrelay.observe.faults import Faults
 from jobrelay.results.files import FileResults

@@ -15,10 +15,10 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from jobrelay.admin.actions import Operator
 from jobrelay.api import create_app
 from jobrelay.domain.disclosure import FAILED
 from jobrelay.domain.states import JobState
+from jobrelay.library.operator import Operator
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.tables import outbox
 from tests.integration.api_fixtures import MAX_ATTEMPTS, T0, bearer, build_runtime, make_token

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from jobrelay.admin.actions import Operator
 from jobrelay.admin.quarantine_purge import purge_quarantine
 from jobrelay.domain.messages import JobMessage
 from jobrelay.domain.states import JobState
+from jobrelay.library.operator import Operator
 from jobrelay.maintenance.reconcile import QUARANTINE_MISMATCH, Reconciler
 from jobrelay.transport.base import OutgoingMessage
 

@@ -19,7 +19,6 @@ from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jobrelay.admin.account_view import account_explain_document
-from jobrelay.admin.actions import Operator, refusal
 from jobrelay.admin.explain import explain_document
 from jobrelay.api.auth import Principal, PrincipalDep, bearer_scheme, hash_token
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
@@ -28,6 +27,7 @@ from jobrelay.api.problems import ProblemError, problem_openapi
 from jobrelay.api.ratelimit import RATE_LIMIT_RESPONSES, RateLimitedDep
 from jobrelay.api.routes import PRUNED_RESPONSE, missing_job
 from jobrelay.api.schemas import WireModel, canonical_job_id, valid_traceparent
+from jobrelay.library.operator import Operator, refusal
 from jobrelay.observe import tracing
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.admin import ActionOutcome, AdminQueries

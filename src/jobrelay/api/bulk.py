@@ -38,7 +38,6 @@ from typing import Any, Literal, TypeVar
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from jobrelay.admin.actions import CANCELLABLE, REPLAYABLE, Operator
 from jobrelay.api.admin import AdminActor, _Reasoned, body_of
 from jobrelay.api.bodies import MAX_BODY_BYTES, parse_body, read_body
 from jobrelay.api.deps import RuntimeDep
@@ -48,6 +47,7 @@ from jobrelay.api.schemas import ACCOUNT_PATTERN, WireModel
 from jobrelay.domain.job_filter import JobFilter
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreError
+from jobrelay.library.operator import CANCELLABLE, REPLAYABLE, Operator
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.dashboard import count_jobs, event_ceiling, search_jobs
 

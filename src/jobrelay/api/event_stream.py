@@ -10,9 +10,12 @@ the stream closes. An idle stream sends a comment every
 ``KEEPALIVE_SECONDS`` so that proxies keep it open; each stream is one of the API's counted
 connections (``processes.http_guard``), dropped like any other whose client stops reading.
 
-Causal order as the JSON route's (``domain.timeline``): a delivery's event is held back until
+Causal order, as the JSON route's (``domain.timeline``): a delivery's event is held back until
 its message's ``published`` (which the relay writes after the broker's confirm, possibly after
-the worker's ``claimed``) has been sent, for at most ``HOLD_SECONDS``. New events are read
+the worker's ``claimed``) has been sent, for at most ``HOLD_SECONDS``. Events that no cause
+orders, written at once by different processes (the first attempt's batched ``ack_sent`` and
+the retry's ``published``, stamped with the relay's earlier claim), come in the order they
+committed; the JSON route sorts those by time. New events are read
 every ``POLL_SECONDS`` with one indexed query per stream: a job's events are written by many
 transitions of several processes, and only its end is notified (``library.waiting``).
 """

@@ -23,9 +23,10 @@ from jobrelay.api.deps import RuntimeDep
 from jobrelay.api.problems import ProblemError, ValidationProblem, problem_openapi
 from jobrelay.api.schemas import WireModel
 from jobrelay.errors import TransportError
+from jobrelay.library.operator import UnknownQueue, set_queue_paused
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.heartbeats import seen_since
-from jobrelay.storage.queue_pauses import pauses, set_paused
+from jobrelay.storage.queue_pauses import pauses
 from jobrelay.transport.base import QueueStats, ReportsQueues
 
 router = APIRouter()
@@ -111,12 +112,14 @@ async def list_queues(runtime: RuntimeDep, actor: AdminActor) -> QueuesOut:
 
 async def _set(request: Request, runtime: Runtime, queue: str, paused: bool, actor: str) -> Any:
     body = parse_body(QueueReason, await read_body(request))
-    if queue not in runtime.topology.queues:
-        known = ", ".join(runtime.topology.queues)
-        raise ProblemError(404, f"no such queue in this app (its queues: {known})")
-    changed = await set_paused(
-        runtime.store, queue, paused, actor=actor, reason=body.reason, now=runtime.clock()
-    )
+    queues = runtime.topology.queues
+    try:
+        changed = await set_queue_paused(
+            runtime, queue, paused, actor=actor, reason=body.reason, queues=queues
+        )
+    except UnknownQueue:
+        known = ", ".join(queues)
+        raise ProblemError(404, f"no such queue in this app (its queues: {known})") from None
     if not changed:
         raise ProblemError(409, f"queue {queue} is already {'paused' if paused else 'running'}")
     [row] = [q for q in (await queue_rows(runtime)).queues if q.queue == queue]

@@ -69,7 +69,7 @@ def db_rotate_id_secret_cmd(
     or a second rotation inside it, no longer finds a job accepted under the old secret."""
     from datetime import timedelta
 
-    from jobrelay.admin.actions import cli_actor
+    from jobrelay.library.operator import cli_actor
     from jobrelay.runtime.wiring import open_runtime, utc_now
 
     if settings.id_secret is not None:

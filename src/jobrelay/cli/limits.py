@@ -184,8 +184,8 @@ def limits_set_cmd(
     actor: Actor = None,
 ) -> None:
     """Override a limit (or one --key's) until cleared; the relay applies it at once."""
-    from jobrelay.admin.actions import cli_actor
     from jobrelay.domain.limits import LimitError, parse_rate
+    from jobrelay.library.operator import cli_actor
 
     why = _reason(reason)
     if (concurrency is None) == (rate is None):
@@ -213,7 +213,7 @@ def limits_clear_cmd(
     settings: Settings, name: Name, key: Key = None, reason: Reason = None, actor: Actor = None
 ) -> None:
     """Remove a limit's override: its declared value holds again."""
-    from jobrelay.admin.actions import cli_actor
+    from jobrelay.library.operator import cli_actor
 
     why = _reason(reason)
     ident = _target(name, key)

@@ -19,8 +19,8 @@ from jobrelay.cli.retention import fail_missing
 from jobrelay.settings import Settings
 
 if TYPE_CHECKING:  # imported where they run, so `jobrelay --help` stays light
-    from jobrelay.admin.actions import BulkReplay
     from jobrelay.admin.quarantine_purge import PurgeReport
+    from jobrelay.library.operator import BulkReplay
     from jobrelay.maintenance.reconcile import Report
     from jobrelay.storage.admin import ActionOutcome
 
@@ -35,7 +35,7 @@ Actor = Annotated[
 async def _act(
     settings: Settings, action: str, job_id: str, actor: str, reason: str
 ) -> "ActionOutcome":
-    from jobrelay.admin.actions import Operator
+    from jobrelay.library.operator import Operator
     from jobrelay.runtime.wiring import open_runtime
 
     async with open_runtime(settings, connect_transport=False) as rt:
@@ -56,7 +56,7 @@ def job_replay_cmd(
     actor: Actor = None,
 ) -> None:
     """Send a quarantined job back to queued, with a fresh attempt budget."""
-    from jobrelay.admin.actions import cli_actor, refusal
+    from jobrelay.library.operator import cli_actor, refusal
 
     job_id = known_job_id(job_id)
     outcome = run(_act(settings, "replay", job_id, actor or cli_actor(), reason))
@@ -79,7 +79,7 @@ def job_cancel_cmd(
     actor: Actor = None,
 ) -> None:
     """Cancel a job that has not finished; a running one is stopped by its worker first."""
-    from jobrelay.admin.actions import cli_actor, refusal
+    from jobrelay.library.operator import cli_actor, refusal
 
     if not reason.strip():
         raise fail("--reason must not be empty", 2)
@@ -106,7 +106,7 @@ async def _bulk(
     dry_run: bool,
     limit: int,
 ) -> "BulkReplay":
-    from jobrelay.admin.actions import Operator
+    from jobrelay.library.operator import Operator
     from jobrelay.runtime.wiring import open_runtime
 
     async with open_runtime(settings, connect_transport=False) as rt:
@@ -132,7 +132,7 @@ def jobs_replay_cmd(
     actor: Actor = None,
 ) -> None:
     """Replay many quarantined jobs at once, selected by reason and/or type."""
-    from jobrelay.admin.actions import cli_actor, refusal
+    from jobrelay.library.operator import cli_actor, refusal
 
     if not reason and not job_type:
         raise fail(
@@ -153,7 +153,7 @@ def jobs_replay_cmd(
 
 
 async def _reconcile(settings: Settings, dry_run: bool, scan: bool) -> "Report":
-    from jobrelay.admin.actions import cli_actor
+    from jobrelay.library.operator import cli_actor
     from jobrelay.maintenance.reconcile import Reconciler
     from jobrelay.runtime.wiring import open_runtime
 

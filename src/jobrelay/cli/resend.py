@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # imported where they run, so `jobrelay --help` stays light
 
 
 async def _resend(settings: Settings, job_id: str, actor: str, reason: str) -> "ActionOutcome":
-    from jobrelay.admin.actions import Operator
+    from jobrelay.library.operator import Operator
     from jobrelay.runtime.wiring import open_runtime
 
     async with open_runtime(settings, connect_transport=False) as rt:
@@ -43,7 +43,7 @@ def job_resend_cmd(
     ] = None,
 ) -> None:
     """Send a stuck queued job's work message again (its message was lost)."""
-    from jobrelay.admin.actions import cli_actor, refusal
+    from jobrelay.library.operator import cli_actor, refusal
 
     if not reason.strip():
         raise fail("--reason must not be empty", 2)

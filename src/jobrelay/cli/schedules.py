@@ -144,8 +144,8 @@ async def _pause(
 def _set_paused(
     settings: Settings, name: str, paused: bool, reason: str, actor: str | None
 ) -> None:
-    from jobrelay.admin.actions import cli_actor
     from jobrelay.admin.schedules import pause_refusal
+    from jobrelay.library.operator import cli_actor
 
     if not reason.strip():
         raise fail("--reason must not be empty", 2)

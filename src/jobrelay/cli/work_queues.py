@@ -67,21 +67,22 @@ def queues_list_cmd(
 
 
 async def _set(settings: Settings, queue: str, paused: bool, actor: str, reason: str) -> bool:
+    from jobrelay.library.operator import UnknownQueue, set_queue_paused
     from jobrelay.runtime.wiring import open_runtime
-    from jobrelay.storage.queue_pauses import set_paused
 
     async with open_runtime(settings, connect_transport=False) as rt:
-        if queue not in rt.topology.queues:
-            known = ", ".join(rt.topology.queues)
-            raise fail(f"no queue {queue!r} in this app (its queues: {known})", 2)
-        now = rt.clock()
-        return await set_paused(rt.store, queue, paused, actor=actor, reason=reason, now=now)
+        try:
+            return await set_queue_paused(
+                rt, queue, paused, actor=actor, reason=reason, queues=rt.topology.queues
+            )
+        except UnknownQueue as exc:
+            raise fail(str(exc), 2) from None
 
 
 def _set_paused(
     settings: Settings, queue: str, paused: bool, reason: str, actor: str | None
 ) -> None:
-    from jobrelay.admin.actions import cli_actor
+    from jobrelay.library.operator import cli_actor
 
     if not reason.strip():
         raise fail("--reason must not be empty", 2)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import Callable, Coroutine, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ from jobrelay.domain.delays import Delay
 from jobrelay.domain.queues import DEFAULT_QUEUE, QUEUE_NAME
 from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError, JobFailed
+from jobrelay.library.app_verbs import OperatorVerbs, run_sync
 from jobrelay.library.definition_checks import check_params_model, unknown_type
 from jobrelay.library.job_definition import JobDefinition as JobDefinition
 from jobrelay.library.job_definition import JobFunction, P
@@ -62,8 +63,9 @@ AppCommand = Callable[..., int]
 _NAME_MAX = 64  # jobs.type
 
 
-class App:
-    """A set of job types, and the settings they run with (``JOBRELAY_*`` by default)."""
+class App(OperatorVerbs):
+    """A set of job types, and the settings they run with (``JOBRELAY_*`` by default); the
+    operator's verbs on its jobs (``library.app_verbs``)."""
 
     def __init__(self, settings: Settings | None = None) -> None:
         self._settings = settings
@@ -363,11 +365,11 @@ class App:
 
     def wait_sync(self, job_id: str, timeout: float | None = None) -> JobRecord:
         """``wait`` for code with no event loop (a Django view, a script)."""
-        return _run_sync("App.wait_sync", self._wait_alone(job_id, timeout))
+        return run_sync("App.wait_sync", self._wait_alone(job_id, timeout))
 
     def result_sync(self, job_id: str, timeout: float | None = None) -> Any:
         """``result`` for code with no event loop."""
-        return _value_of(_run_sync("App.result_sync", self._wait_alone(job_id, timeout)))
+        return _value_of(run_sync("App.result_sync", self._wait_alone(job_id, timeout)))
 
     async def _wait_alone(self, job_id: str, timeout: float | None) -> JobRecord:
         """A wait on a loop of its own, with an engine of its own (the app's is bound to
@@ -399,12 +401,3 @@ def _value_of(job: JobRecord) -> Any:
         return job.result
     reason = job.quarantine_reason or job.cancel_reason or job.last_error
     raise JobFailed(job.id, job.state.value, scrub_text(reason))
-
-
-def _run_sync(where: str, work: Coroutine[Any, Any, JobRecord]) -> JobRecord:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(work)
-    work.close()
-    raise ConfigError(where, "called inside a running event loop: await the async twin instead")

@@ -1,10 +1,16 @@
-"""Operator actions — replay, cancel, bulk replay — shared by the CLI and the admin HTTP API.
+"""The operator's verbs — replay, cancel, resend, bulk replay, pause and resume a queue — written
+once for the CLI, the admin HTTP API and the application's ``App`` (``await app.cancel(...)``).
 
 Each action is one guarded transition from ``domain.states`` (``by="operator"``) with its
 event, carrying ``actor`` (who did it) and ``reason``, in the same transaction; a replay's
 new work message is an outbox row in that transaction too, so the relay sends it like any
 other. An action that finds the job in a state it may not move from changes nothing and
-returns the state it found; ``refusal()`` turns that into one sentence for a person.
+returns the state it found; ``refusal()`` turns that into one sentence for a person. Every
+action that changed something is counted (``jobrelay_operator_actions_total``) and logged
+(``jobrelay.operator``) the same way whoever called it.
+
+It runs on an ``OperatorSite``: a process's ``Runtime``, or what an ``App`` has without one
+(its store, clock, metrics and itself).
 """
 
 from __future__ import annotations
@@ -12,13 +18,22 @@ from __future__ import annotations
 import getpass
 import logging
 import socket
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jobrelay.domain.states import JobState, sources_for
-from jobrelay.runtime.wiring import Runtime
+from jobrelay.errors import JobrelayError
+from jobrelay.settings import Settings
 from jobrelay.storage.admin import ActionOutcome, AdminQueries
+from jobrelay.storage.queue_pauses import set_paused
 from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import JobRecord
+
+if TYPE_CHECKING:
+    from jobrelay.observe.metrics import Metrics
+    from jobrelay.storage.port import StorePort
 
 log = logging.getLogger("jobrelay.operator")
 
@@ -26,13 +41,54 @@ REPLAYABLE = sources_for(JobState.QUEUED, by="operator")
 CANCELLABLE = sources_for(JobState.CANCELLED, by="operator")
 
 
+class JobTypes(Protocol):
+    """An application's job types (``App``): what a replay's attempt budget is read from."""
+
+    @property
+    def jobs(self) -> Mapping[str, Any]: ...
+
+
+class OperatorSite(Protocol):
+    """What the verbs need: a ``Runtime`` has it, and so does an ``App`` without one."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def store(self) -> StorePort: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def clock(self) -> Callable[[], datetime]: ...
+
+    def job_app(self) -> JobTypes: ...
+
+
+class UnknownQueue(JobrelayError):
+    """A queue the application does not have (nothing was changed)."""
+
+    def __init__(self, queue: str, known: Sequence[str]) -> None:
+        super().__init__(f"no queue {queue!r} in this app (its queues: {', '.join(known)})")
+        self.queue = queue
+
+
 def cli_actor() -> str:
     """Who runs this CLI: ``cli:<user>@<host>``."""
+    return f"cli:{_user()}@{socket.gethostname()}"
+
+
+def app_actor() -> str:
+    """Who calls an ``App`` verb without naming an actor: ``app:<user>@<host>``."""
+    return f"app:{_user()}@{socket.gethostname()}"
+
+
+def _user() -> str:
     try:
-        user = getpass.getuser()
+        return getpass.getuser()
     except (KeyError, OSError):  # no passwd entry and no $USER (some containers)
-        user = "unknown"
-    return f"cli:{user}@{socket.gethostname()}"
+        return "unknown"
 
 
 def refusal(action: str, outcome: ActionOutcome) -> str:
@@ -58,7 +114,7 @@ class BulkReplay:
 
 
 class Operator:
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: OperatorSite) -> None:
         self.rt = rt
         self.queries = AdminQueries(rt.store)
 
@@ -184,3 +240,32 @@ class Operator:
                 refusal(action, outcome),
                 extra={"event": f"{action}_refused", "jobId": outcome.job_id, "actor": actor},
             )
+
+
+async def set_queue_paused(
+    rt: OperatorSite, queue: str, paused: bool, *, actor: str, reason: str, queues: Sequence[str]
+) -> bool:
+    """Pause (or resume) ``queue``, one of the application's ``queues`` (``UnknownQueue``
+    else); False when it already was. Workers learn of it within
+    ``JOBRELAY_QUEUE_PAUSE_POLL_SECONDS``; what they hold finishes."""
+    if queue not in queues:
+        raise UnknownQueue(queue, queues)
+    action = "pause" if paused else "resume"
+    changed = await set_paused(rt.store, queue, paused, actor=actor, reason=reason, now=rt.clock())
+    if changed:
+        rt.metrics.operator_actions.labels(action=action).inc()
+    log.info(
+        "queue %s %s by %s" if changed else "queue %s already %s (%s)",
+        queue,
+        "paused" if paused else "resumed",
+        actor,
+        extra={
+            "event": f"queue_{'paused' if paused else 'resumed'}"
+            if changed
+            else f"queue_{action}_refused",
+            "queue": queue,
+            "actor": actor,
+            "reason": reason,
+        },
+    )
+    return changed
