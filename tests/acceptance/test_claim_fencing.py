@@ -198,13 +198,16 @@ def freeze(proc: Proc, db: Db) -> None:
     PostgreSQL row lock or SQLite's single write lock, and the reconciler, the other worker
     and this test would wait for it. Then thaw it and try again.
     """
-    for _ in range(5):
+    for attempt in range(20):
         os.kill(proc.pid, signal.SIGSTOP)
         poll(lambda: is_stopped(proc.pid), 10, f"{proc.name} to be stopped")
         if not db.blocks_writers():
             return
         os.kill(proc.pid, signal.SIGCONT)
         poll(lambda: not is_stopped(proc.pid), 10, f"{proc.name} to run again")
+        # Try again at another phase of its writes (CI, loaded: five tries in a row once
+        # all landed inside one).
+        time.sleep(0.01 * (attempt % 7))
     raise AssertionError(f"{proc.name} was inside a database transaction at every SIGSTOP")
 
 

@@ -43,6 +43,7 @@ from jobrelay.domain.states import JobState
 from jobrelay.errors import ConfigError, JobFailed
 from jobrelay.library.app_verbs import OperatorVerbs, run_sync
 from jobrelay.library.definition_checks import check_params_model, unknown_type
+from jobrelay.library.hooks import HookRegistry
 from jobrelay.library.job_definition import JobDefinition as JobDefinition
 from jobrelay.library.job_definition import JobFunction, P
 from jobrelay.library.limits import ConcurrencyLimit, RateLimit, check_limits
@@ -63,9 +64,10 @@ AppCommand = Callable[..., int]
 _NAME_MAX = 64  # jobs.type
 
 
-class App(OperatorVerbs):
+class App(OperatorVerbs, HookRegistry):
     """A set of job types, and the settings they run with (``JOBRELAY_*`` by default); the
-    operator's verbs on its jobs (``library.app_verbs``)."""
+    operator's verbs on its jobs (``library.app_verbs``); hooks on their outcomes
+    (``library.hooks``)."""
 
     def __init__(self, settings: Settings | None = None) -> None:
         self._settings = settings

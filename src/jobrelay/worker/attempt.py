@@ -267,6 +267,7 @@ class AttemptRun:
             else:
                 await self._lease_lost(delivery, claim, fenced)
             return
+        await self.scope.run_hooks(decision.event, job, claim.attempt, decision.reason)
         await self.scope.settle(delivery, job.id, decision.action, claim.attempt)
 
     def _trace(self, decision: Decision, observation: Observation, won: bool) -> None:

@@ -209,6 +209,8 @@ class DeliveryHandler:
                 )
                 if decision.event == "duplicate_acked":
                     self.rt.metrics.duplicates_acked.inc()
+                    if job.state is JobState.SUCCEEDED:  # its hooks may not have run
+                        await self.scope.run_hooks(decision.event, job, job.attempt)
                 await self.scope.settle(delivery, job.id, Action.ACK, job.attempt)
                 return True
             case Action.DEFER:
@@ -230,6 +232,7 @@ class DeliveryHandler:
                     if not quarantined:
                         return False
                     self.rt.metrics.quarantined(job.state.value, decision.reason or "")
+                    await self.scope.run_hooks("quarantined", job, job.attempt, decision.reason)
                 else:
                     await self.rt.store.record_event(
                         job.id, decision.event, now, reason=decision.reason, **meta

@@ -20,11 +20,12 @@ from typing import Any
 from jobrelay.batching import Batcher
 from jobrelay.domain.policy import Action
 from jobrelay.errors import StoreDataError, StoreError
+from jobrelay.library.hooks import QUARANTINED, RETRIED, SUCCEEDED, JobOutcome, call_hooks
 from jobrelay.library.operations import Registry
 from jobrelay.observe import tracing
 from jobrelay.observe.faults import ConnectionCut
 from jobrelay.runtime.wiring import Runtime
-from jobrelay.storage.store import Claimed, ClaimRequest, CompleteRequest, Completion
+from jobrelay.storage.store import Claimed, ClaimRequest, CompleteRequest, Completion, JobRecord
 from jobrelay.transport.base import Delivery
 from jobrelay.worker.leases import LeaseRenewer
 from jobrelay.worker.timeline import TimelineWriter
@@ -104,6 +105,19 @@ class WorkerScope:
             ),
         )
 
+    async def run_hooks(
+        self, event: str, job: JobRecord, attempt: int, reason: str | None = None
+    ) -> None:
+        """The application's hooks for the outcome ``event`` committed (``library.hooks``):
+        after the commit, before the settle. Nothing to do, and nothing read, without any."""
+        kind = _HOOKED.get(event)
+        app = self.rt.app
+        if kind is None or app is None:
+            return
+        hooks = app.hooks_for(kind, job.type)
+        if hooks:
+            await call_hooks(hooks, JobOutcome(job, kind, attempt, reason))
+
     async def settle(self, delivery: Delivery, job_id: str, action: Action, attempt: int) -> None:
         """Ack or reject AFTER the outcome is committed, then record whether the broker took it.
 
@@ -128,6 +142,15 @@ class WorkerScope:
         level = logging.INFO if kind == "settle_lost" else logging.DEBUG
         log.log(level, kind, extra={"event": kind, "jobId": job_id, "attempt": attempt})
         await self.timeline.record(job_id, kind, self.rt.clock(), **detail)
+
+
+# The timeline's event of an outcome -> the hooks it calls.
+_HOOKED = {
+    "result_saved": SUCCEEDED,
+    "duplicate_acked": SUCCEEDED,  # a redelivery of a success: at least once
+    "retry_scheduled": RETRIED,
+    "quarantined": QUARANTINED,
+}
 
 
 def _settle_attributes(job_id: str) -> dict[str, str]:
