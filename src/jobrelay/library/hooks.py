@@ -4,11 +4,12 @@
 for every job type or only those named (``type=``). A hook is called by the worker that
 committed the outcome, AFTER its transaction committed and before the delivery is settled:
 never inside the fenced transaction, so a hook cannot make an outcome, and the outcome it
-sees is the database's. At least once: a worker that dies between the commit and the hook
-leaves the delivery unsettled, and the redelivery, acked as a duplicate of the finished job,
-calls ``on_success`` again. A hook that raises (or runs past ``HOOK_SECONDS``) is logged
-(``hook_failed``) and changes nothing. An ``async def`` hook runs on the worker's loop; a plain
-``def`` one on a thread, with the run's context.
+sees is the database's. ``on_success`` at least once: a worker that dies between the commit
+and the hook leaves the delivery unsettled, and the redelivery, acked as a duplicate of the
+finished job, calls it again. ``on_retry`` and ``on_failure`` are called by the worker that
+committed the outcome only: a worker killed first loses that call. A hook that raises (or
+runs past ``HOOK_SECONDS``) is logged (``hook_failed``) and changes nothing. An ``async
+def`` hook runs on the worker's loop; a plain ``def`` one on a thread, with the run's context.
 
 It is the place for what Celery's ``task_success``/``task_retry``/``task_failure`` signals and
 Dramatiq's middleware do: notify, count, clean up; never the job's own work, which belongs in
@@ -18,8 +19,6 @@ the job, inside its fence.
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -111,18 +110,33 @@ async def call_hooks(hooks: list[Hook], outcome: JobOutcome) -> None:
             if inspect.iscoroutinefunction(hook):
                 await asyncio.wait_for(hook(outcome), HOOK_SECONDS)
             else:
-                call = functools.partial(contextvars.copy_context().run, hook, outcome)
-                await asyncio.wait_for(asyncio.to_thread(call), HOOK_SECONDS)
-        except Exception as exc:  # TimeoutError included: a hook never changes the job
-            log.warning(
-                "hook %s failed: %s",
-                getattr(hook, "__qualname__", repr(hook)),
-                exc if str(exc) else type(exc).__name__,
-                exc_info=True,
-                extra={
-                    "event": "hook_failed",
-                    "jobId": outcome.job.id,
-                    "attempt": outcome.attempt,
-                    "outcome": outcome.outcome,
-                },
-            )
+                # A thread of the loop's pool (``to_thread`` copies the run's context); one
+                # that outlives its 30 s keeps running there, abandoned.
+                returned = await asyncio.wait_for(asyncio.to_thread(hook, outcome), HOOK_SECONDS)
+                if inspect.isawaitable(returned):  # a callable object with ``async __call__``
+                    await asyncio.wait_for(returned, HOOK_SECONDS)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the worker is stopping: not the hook's doing
+            _failed(hook, outcome, "cancelled")
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            _failed(hook, outcome, exc)
+
+
+def _failed(hook: Hook, outcome: JobOutcome, exc: BaseException | str) -> None:
+    """A hook that raised (or ran too long): logged, the job unchanged."""
+    log.warning(
+        "hook %s failed: %s",
+        getattr(hook, "__qualname__", repr(hook)),
+        exc if str(exc) else type(exc).__name__,
+        exc_info=isinstance(exc, BaseException),
+        extra={
+            "event": "hook_failed",
+            "jobId": outcome.job.id,
+            "attempt": outcome.attempt,
+            "outcome": outcome.outcome,
+        },
+    )

@@ -254,15 +254,15 @@ async def set_queue_paused(
     changed = await set_paused(rt.store, queue, paused, actor=actor, reason=reason, now=rt.clock())
     if changed:
         rt.metrics.operator_actions.labels(action=action).inc()
+    # Named apart from the workers' ``queue_paused``/``queue_resumed`` (each worker's line
+    # when it notices): one change, one operator line.
     log.info(
         "queue %s %s by %s" if changed else "queue %s already %s (%s)",
         queue,
-        "paused" if paused else "resumed",
+        ("paused" if paused else "resumed") if changed else ("paused" if paused else "running"),
         actor,
         extra={
-            "event": f"queue_{'paused' if paused else 'resumed'}"
-            if changed
-            else f"queue_{action}_refused",
+            "event": f"queue_{action}_set" if changed else f"queue_{action}_refused",
             "queue": queue,
             "actor": actor,
             "reason": reason,

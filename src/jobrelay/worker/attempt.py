@@ -267,7 +267,9 @@ class AttemptRun:
             else:
                 await self._lease_lost(delivery, claim, fenced)
             return
-        await self.scope.run_hooks(decision.event, job, claim.attempt, decision.reason)
+        # A success's decision names its result key, not a reason.
+        said = None if decision.event == "result_saved" else decision.reason
+        await self.scope.run_hooks(decision.event, job, claim.attempt, said)
         await self.scope.settle(delivery, job.id, decision.action, claim.attempt)
 
     def _trace(self, decision: Decision, observation: Observation, won: bool) -> None:

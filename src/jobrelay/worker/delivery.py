@@ -413,6 +413,9 @@ class DeliveryHandler:
                     **meta,
                 ):
                     self.rt.metrics.quarantined(job.state.value, decision.reason or reason)
+                    await self.scope.run_hooks(
+                        "quarantined", job, job.attempt, decision.reason or reason
+                    )
             else:
                 await self.rt.store.record_event(job.id, decision.event, now, reason=reason, **meta)
         log.warning(
