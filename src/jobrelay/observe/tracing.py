@@ -247,14 +247,11 @@ def request_context(headers: Mapping[str, str]) -> Iterator[None]:
     """With no spans recorded, the caller's trace context (W3C headers) is current while its
     request is handled: a job it enqueues carries it, and log lines its trace id. With spans
     recorded, FastAPI's server span is current already (``fastapi_telemetry``)."""
-    if active() or not headers:
+    if active():
         yield
         return
-    token = otel_context.attach(context_of(headers))
-    try:
+    with _carried(headers):
         yield
-    finally:
-        otel_context.detach(token)
 
 
 @contextlib.contextmanager
