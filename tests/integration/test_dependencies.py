@@ -362,6 +362,8 @@ async def test_a_released_job_carries_its_requests_trace_and_an_operators_cancel
         assert done.state is JobState.SUCCEEDED
         assert await AdminQueries(p.rt.store).trace_id(t) == TRACEPARENT.split("-")[1]
 
+        # Nothing runs until the cancel: else b may end and release w before it (CI, loaded).
+        await p.stop_all()
         b = (await p.store.submit(part.new_job(Part(i=4)), now))[0]
         w = (await p.store.submit(total.new_job(Total(), after=[b, a]), now))[0]  # waits on b
         x = (await p.store.submit(total.new_job(Total(), after=[w]), now))[0]
@@ -370,6 +372,8 @@ async def test_a_released_job_carries_its_requests_trace_and_an_operators_cancel
             w, actor="test", reason="no longer needed", now=now
         )
         assert outcome.done, outcome
+        p.start_relay()
+        await p.start_worker()
         cancelled = await p.wait_for(x, lambda j: j.state is not JobState.WAITING)
         assert cancelled.state is JobState.CANCELLED and w in (cancelled.cancel_reason or "")
         ran = await p.wait_for(y, lambda j: j.state.is_terminal)
