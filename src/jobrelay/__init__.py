@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from jobrelay.domain.backoff import Backoff
     from jobrelay.domain.states import JobState
     from jobrelay.errors import (
         ConfigError,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 # app machinery a command may never touch.
 _EXPORTS = {
     "App": "jobrelay.library.app",
+    "Backoff": "jobrelay.domain.backoff",
     "ConcurrencyLimit": "jobrelay.library.limits",
     "RateLimit": "jobrelay.library.limits",
     "JobDefinition": "jobrelay.library.job_definition",
@@ -80,6 +82,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "App",
+    "Backoff",
     "ConcurrencyLimit",
     "ConfigError",
     "IdempotencyConflict",

@@ -50,6 +50,13 @@ def ago(seconds: float) -> datetime:
             "waiting to retry (in 25 s) after: timeout; the retry message is in the delay route",
         ),
         (
+            job(state=S.RETRY_WAIT, attempt=1, last_error="timeout", published=False,
+                unpublished_since=NOW + timedelta(seconds=25),
+                next_attempt_at=NOW + timedelta(seconds=25)),
+            "waiting to retry (in 25 s) after: timeout; the retry message is held in the "
+            "outbox until then",
+        ),
+        (
             job(state=S.RETRY_WAIT, attempt=1, last_error="timeout", next_attempt_at=ago(300)),
             "retry was due 5 min ago after: timeout; is a worker running and consuming? (the "
             "reconciler re-sends an overdue retry)",

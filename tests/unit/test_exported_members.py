@@ -12,6 +12,7 @@ import jobrelay.http
 
 JOBRELAY = [
     "App",
+    "Backoff",
     "ConcurrencyLimit",
     "ConfigError",
     "IdempotencyConflict",

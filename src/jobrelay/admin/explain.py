@@ -179,6 +179,13 @@ def _next_step(
         )
     if waiting and job.awaiting_admission and (job.throttled_at or limiting(job.limits)):
         return held_line(job, now, events)
+    held_until = job.unpublished_since
+    if job.state is JobState.RETRY_WAIT and held_until is not None and held_until > now:
+        # A back-off's retry: its row waits in the outbox until due (no relay is late).
+        return (
+            f"waiting to retry ({ago(held_until, now)}) after: {job.last_error}; the retry "
+            "message is held in the outbox until then"
+        )
     if not job.published and job.unpublished_since is not None:
         hint = f"; last publish error: {job.last_publish_error}" if job.last_publish_error else ""
         if job.state is JobState.QUEUED and job.attempt == 0:

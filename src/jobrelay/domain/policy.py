@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
+from jobrelay.domain.backoff import Backoff
 from jobrelay.domain.disclosure import (
     FAILED,
     INVALID_MESSAGE,
@@ -78,10 +79,14 @@ class TransientFailure:
     retry_delays: tuple[int, ...]
     public: str = FAILED  # what the job's account reads instead (domain.disclosure)
     # This attempt's own next delay (``Retry(delay=...)``, as the topology can wait it),
-    # instead of ``retry_delays``.
-    delay: int | None = None
+    # instead of ``retry_delays`` or ``backoff``.
+    delay: float | None = None
     asked_delay: float | None = None  # what the job asked, kept in the event
     traceback: str | None = None  # where the job raised, for operators (observe.tracebacks)
+    # The type's back-off instead of ``retry_delays``, and the worker's random draw in
+    # [-1, 1] for its jitter (drawn outside, so this table stays pure).
+    backoff: Backoff | None = None
+    draw: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -157,7 +162,10 @@ class Decision:
     # The reason as the job's account reads it: a code and a message written for customers,
     # never the raw text of ``reason`` (domain.disclosure).
     public: str | None = None
-    retry_delay: int | None = None  # seconds, when the delivery goes through the delay route
+    retry_delay: float | None = None  # seconds, when the delivery goes through the delay route
+    # The retry waits in the database until due, then goes to its work queue: a back-off's
+    # delay is any number of seconds, which no fixed delay queue holds.
+    held: bool = False
 
 
 # Slack for clocks: a retry delivered by the broker a moment before the database clock says
@@ -199,7 +207,9 @@ def decide(observation: Observation) -> Decision:
             return Decision(JobState.RUNNING, Action.RUN, "claimed")
         case ResultSaved(result_key):
             return Decision(JobState.SUCCEEDED, Action.ACK, "result_saved", reason=result_key)
-        case TransientFailure(error, attempt, max_attempts, delays, public, delay, _):
+        case TransientFailure(
+            error, attempt, max_attempts, delays, public, delay, backoff=backoff, draw=draw
+        ):
             if attempt >= max_attempts:
                 return Decision(
                     JobState.QUARANTINED,
@@ -208,13 +218,20 @@ def decide(observation: Observation) -> Decision:
                     reason=f"attempts exhausted ({attempt}/{max_attempts}): {error}",
                     public=exhausted(attempt, max_attempts, public),
                 )
+            if delay is None:
+                delay = (
+                    retry_delay_for(attempt, delays)
+                    if backoff is None
+                    else backoff.delay(attempt, draw)
+                )
             return Decision(
                 JobState.RETRY_WAIT,
                 Action.ACK,
                 "retry_scheduled",
                 reason=error,
-                retry_delay=retry_delay_for(attempt, delays) if delay is None else delay,
+                retry_delay=delay,
                 public=public,
+                held=backoff is not None,
             )
         case PermanentFailure(error, public):
             return Decision(

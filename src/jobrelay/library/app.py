@@ -37,6 +37,7 @@ from sqlalchemy import Engine, MetaData
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from jobrelay.domain.backoff import Backoff
 from jobrelay.domain.delays import Delay
 from jobrelay.domain.queues import DEFAULT_QUEUE, QUEUE_NAME
 from jobrelay.domain.states import JobState
@@ -104,6 +105,7 @@ class App(OperatorVerbs, HookRegistry):
         params: type[P],
         max_attempts: int | None = None,
         retry_delays: tuple[int, ...] | None = None,
+        retry: Backoff | None = None,
         queue: str = DEFAULT_QUEUE,
         http: bool = False,
         result_filename: Callable[[str, Mapping[str, Any]], str] | None = None,
@@ -119,6 +121,9 @@ class App(OperatorVerbs, HookRegistry):
         ``result_filename(job_id, params)``: the result object of a succeeded job is
         downloadable at ``GET /v1/jobs/{jobId}/result`` (``text/csv``) under this file name
         (without the extension). Without it that route answers 404 for jobs of this type.
+
+        ``retry``: a ``jobrelay.Backoff`` (exponential, capped, with jitter) instead of the
+        fixed ``retry_delays``; its retries wait in the database until due (library.md).
 
         ``timeout``: seconds an attempt may run (else ``JOBRELAY_JOB_TIMEOUT``, else no
         limit); past it the attempt is stopped and counts as failed (``library.md``).
@@ -138,6 +143,10 @@ class App(OperatorVerbs, HookRegistry):
             raise ConfigError("@app.job", f"max_attempts must be 1..100, got {max_attempts}")
         if retry_delays is not None and (not retry_delays or min(retry_delays) < 1):
             raise ConfigError("@app.job", f"retry_delays must be positive seconds: {retry_delays}")
+        if retry is not None and not isinstance(retry, Backoff):
+            raise ConfigError("@app.job", f"retry must be a jobrelay.Backoff, got {retry!r}")
+        if retry is not None and retry_delays is not None:
+            raise ConfigError("@app.job", "give retry= (a Backoff) or retry_delays=, not both")
 
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ConfigError("@app.job", f"timeout must be positive seconds, got {timeout!r}")
@@ -158,6 +167,7 @@ class App(OperatorVerbs, HookRegistry):
                 timeout=timeout,
                 limits=checked_limits,
                 fair_by=fair_by,
+                backoff=retry,
             )
             if schedule is not None:
                 self.schedule(

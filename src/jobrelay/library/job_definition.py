@@ -15,6 +15,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from jobrelay.domain import delays
+from jobrelay.domain.backoff import Backoff
 from jobrelay.domain.delays import Delay, RunTime
 from jobrelay.domain.dependencies import dependencies_of
 from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
@@ -81,6 +82,7 @@ class JobDefinition(Generic[P]):
         timeout: float | None = None,
         limits: tuple[Limit, ...] = (),
         fair_by: Callable[[Any], str | None] | None = None,
+        backoff: Backoff | None = None,
     ) -> None:
         self.app = app
         self.type = name
@@ -90,6 +92,7 @@ class JobDefinition(Generic[P]):
         self.params_model = params
         self._max_attempts = max_attempts
         self.retry_delays = retry_delays
+        self.backoff = backoff  # instead of the delays: the worker's ``_transient``
         self.queue = queue
         self.http = http
         self.result_filename = result_filename

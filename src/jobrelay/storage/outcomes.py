@@ -12,6 +12,7 @@ declarations (``transitions.RETRY``, ``QUARANTINE``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
@@ -163,16 +164,19 @@ class OutcomesStore(ClaimsStore):
         claim: Claim,
         job_type: str,
         error: str,
-        delay: int,
+        delay: float,
         now: datetime,
         *,
+        hold: bool = False,
         public: str | None = None,
         asked_delay: float | None = None,
         traceback: str | None = None,
     ) -> Fenced:
         """running -> retry_wait, and the retry message into the outbox, in one transaction.
 
-        Fenced on the claim; the due time is the store's clock + ``delay``; ``asked_delay``
+        Fenced on the claim; the due time is the store's clock + ``delay``. The message goes
+        through the delay route's tier ``delay`` (whole seconds), or with ``hold`` (a
+        back-off's delay, any number of seconds) waits in the outbox until due. ``asked_delay``
         (kept in the event) is what the job asked with ``Retry(delay=)``. ``public`` is the
         error as the job's account reads it (``domain.disclosure``); ``error`` the operators',
         and ``traceback`` where the run raised (``worker.failures``; None clears an earlier
@@ -206,21 +210,22 @@ class OutcomesStore(ClaimsStore):
             if row is None:
                 return await self.current(conn, claim.job_id)
             await self.release_slots(conn, RETRY, claim.job_id)
-            if row.limits:
-                # Under limits: held in the outbox until due, then admitted (a message in a
-                # delay queue would hold its slots through the whole delay).
+            if hold or row.limits:
+                # Held in the outbox until due. Under limits, then admitted: a message in a
+                # delay queue would hold its slots through the whole delay.
                 await self.next_message(
                     conn, claim.job_id, job_type, row.queue, now, available_at=row.next_attempt_at
                 )
             else:
-                await self.next_message(conn, claim.job_id, job_type, row.queue, now, delay=delay)
+                tier = math.ceil(delay)
+                await self.next_message(conn, claim.job_id, job_type, row.queue, now, delay=tier)
             await self.add_event(
                 conn,
                 claim.job_id,
                 "retry_scheduled",
                 now,
                 error=error,
-                delaySeconds=delay,
+                delaySeconds=delay if isinstance(delay, int) else round(delay, 3),
                 **({} if asked_delay is None else {"askedDelaySeconds": asked_delay}),
                 nextAttemptAt=row.next_attempt_at,
                 attempt=claim.attempt,

@@ -225,14 +225,16 @@ class Outcomes(Protocol):
         claim: Claim,
         job_type: str,
         error: str,
-        delay: int,
+        delay: float,
         now: datetime,
         *,
+        hold: bool = False,
         public: str | None = None,
         asked_delay: float | None = None,
         traceback: str | None = None,
     ) -> Fenced:
-        """running -> retry_wait with its retry message in the outbox, in one transaction."""
+        """running -> retry_wait with its retry message in the outbox, in one transaction:
+        through the delay route, or with ``hold`` waiting in the outbox until due."""
 
     async def quarantine(
         self,

@@ -19,9 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from typing import Any
 
+from jobrelay.domain.backoff import SHORTEST_SECONDS
+from jobrelay.domain.backoff import Backoff as RetryBackoff
 from jobrelay.domain.policy import (
     Action,
     Decision,
@@ -184,9 +187,24 @@ class AttemptRun:
         ``trace``: where it raised (``worker.failures``)."""
         operation = self.registry.get(job.type)
         delays = getattr(operation, "retry_delays", None) or self.rt.settings.retry_delays
-        delay = None if asked is None else self.rt.topology.retry_delay(asked)
+        backoff: RetryBackoff | None = getattr(operation, "backoff", None)
+        delay: float | None = None
+        if asked is not None:
+            # A back-off's retry is held in the database: it waits exactly what was asked.
+            held = backoff is not None
+            delay = max(SHORTEST_SECONDS, asked) if held else self.rt.topology.retry_delay(asked)
+        draw = random.uniform(-1.0, 1.0) if backoff is not None and backoff.jitter else 0.0
         return TransientFailure(
-            error, attempt, job.max_attempts, delays, public, delay, asked, trace
+            error,
+            attempt,
+            job.max_attempts,
+            delays,
+            public,
+            delay,
+            asked,
+            trace,
+            backoff=backoff,
+            draw=draw,
         )
 
     async def _commit_outcome(
@@ -325,6 +343,7 @@ class AttemptRun:
                 decision.reason or "",
                 decision.retry_delay,
                 now,
+                hold=decision.held,
                 public=decision.public,
                 asked_delay=getattr(observation, "asked_delay", None),
                 traceback=getattr(observation, "traceback", None),
