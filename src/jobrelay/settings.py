@@ -85,6 +85,11 @@ class Settings(BaseSettings):
     # of their end. Above every worker's slots for the type, so none waits idle; below a
     # backlog, so the turns across keys decide what the broker gets next.
     fair_ahead: int = Field(default=512, ge=1, le=100_000)
+    # Prioritized queues (a type on it declared ``@app.job(priority=…)``): how many of the
+    # queue's jobs the relay admits ahead of their end. The bound on how many jobs already in
+    # the broker's FIFO queue a newly enqueued job of higher priority waits behind; keep it
+    # above the slots the workers of the queue have, so none waits idle.
+    priority_ahead: int = Field(default=128, ge=1, le=100_000)
     relay_poll_seconds: float = Field(default=1.0, gt=0)
     # How often a worker reads which queues an operator paused (``jobrelay queues pause``).
     queue_pause_poll_seconds: float = Field(default=2.0, gt=0, le=60)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from jobrelay.domain.limits import (
     CONCURRENCY,
+    PRIORITY,
     RATE,
     Bucket,
     Candidate,
@@ -19,7 +20,9 @@ from jobrelay.domain.limits import (
     default_burst,
     in_turns,
     limit_id,
+    limiting,
     parse_rate,
+    priority_limit,
     split_id,
 )
 
@@ -113,3 +116,30 @@ def test_never_more_slots_than_the_max(
     expected = max(0, min(waiting, maximum - held, room if room is not None else waiting))
     assert len(answer.admitted) == expected
     assert set(answer.admitted).isdisjoint(answer.held)
+
+
+def test_a_higher_priority_is_admitted_before_any_lower_one_of_its_queue() -> None:
+    queue = priority_limit("default")
+    assert queue.to_json() == {"id": "queue:default", "kind": PRIORITY}
+    assert JobLimit.from_json(queue.to_json()) == queue
+    backlog = [Candidate(f"low{i}", (queue,), i) for i in range(50)]
+    urgent = Candidate("urgent", (queue,), 99, priority=9)
+    middle = Candidate("middle", (queue,), 98, priority=5)
+    order = [c.job_id for c in in_turns([*backlog, middle, urgent])]
+    assert order[:4] == ["urgent", "middle", "low0", "low1"]
+    # Only ``priority_ahead`` of the queue's jobs are admitted and not yet ended: the rest
+    # wait in the database, where a later urgent job still goes first.
+    answer = admit([*backlog, urgent], {}, {}, 0.0, priority_ahead=4)
+    assert answer.admitted == ["urgent", "low0", "low1", "low2"]
+    assert answer.held["low3"] == queue
+    full = admit([urgent], {queue.limit_id: 4}, {}, 0.0, priority_ahead=4)
+    assert full.admitted == [] and full.held["urgent"] == queue
+
+
+def test_priority_comes_before_the_turns_across_keys() -> None:
+    queue = priority_limit("default")
+    a = [Candidate(f"a{i}", (conc("a", 100), queue), i) for i in range(5)]
+    b = [Candidate(f"b{i}", (conc("b", 100), queue), 10 + i, priority=1) for i in range(2)]
+    order = [c.job_id for c in in_turns(a + b)]
+    assert order[:4] == ["b0", "b1", "a0", "a1"]
+    assert not limiting((queue,)) and limiting((conc("a"), queue))

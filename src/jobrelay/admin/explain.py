@@ -25,7 +25,7 @@ from rich.table import Table
 
 from jobrelay.domain.delays import runs_at_text
 from jobrelay.domain.disclosure import DEPENDENCY_FAILED
-from jobrelay.domain.limits import FAIR, JobLimit, limiting, split_id
+from jobrelay.domain.limits import FAIR, PRIORITY, JobLimit, limiting, split_id
 from jobrelay.domain.states import JobState
 from jobrelay.observe.scrub import scrub, scrub_text, scrubbed
 from jobrelay.runtime.wiring import open_runtime, utc_now
@@ -526,6 +526,8 @@ def _limit_text(limit: JobLimit) -> str:
     who = escape(name if key is None else f"{name} {key}")
     if limit.kind == FAIR:
         return f"{escape(name)} (fair by key: {escape(limit.key or '')})"
+    if limit.kind == PRIORITY:
+        return f"{escape(name)} (by priority)"
     if limit.max is not None:
         return f"{who} (concurrency {limit.max})"
     return f"{who} (rate {limit.per_second:g}/s)"

@@ -24,6 +24,12 @@ RATE = "rate"
 # admitted at most ``fair_ahead`` ahead of their end, so that the turns across keys decide
 # the order in which they reach the broker (a FIFO queue would keep the order they came in).
 FAIR = "fair"
+# Priority inside a queue (``@app.job(priority=…)``): every job of a prioritized queue waits
+# for its admission, which takes the highest priority first; at most ``priority_ahead`` of the
+# queue's jobs are admitted and not yet ended, so a backlog in the broker's FIFO queue never
+# holds more than that many ahead of a job of higher priority.
+PRIORITY = "priority"
+PRIORITY_MIN, PRIORITY_MAX = 0, 9
 _PERIODS = {"second": 1.0, "minute": 60.0, "hour": 3600.0}
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(second|minute|hour)\s*$")
 # The separator of a limit id's name and key: never in a name (a job type's or a limit's).
@@ -74,6 +80,8 @@ class JobLimit:
             return {"id": self.limit_id, "kind": self.kind, "max": self.max}
         if self.kind == FAIR:
             return {"id": self.limit_id, "kind": self.kind, "key": self.key}
+        if self.kind == PRIORITY:
+            return {"id": self.limit_id, "kind": self.kind}
         return {
             "id": self.limit_id,
             "kind": self.kind,
@@ -84,6 +92,8 @@ class JobLimit:
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> JobLimit:
         kind = str(data["kind"])
+        if kind == PRIORITY:
+            return cls(str(data["id"]), kind)
         if kind == FAIR:
             key = data.get("key")
             return cls(str(data["id"]), kind, key=None if key is None else str(key))
@@ -105,6 +115,7 @@ class Candidate:
     limits: tuple[JobLimit, ...]
     order: int
     fair_key: str | None = None
+    priority: int = 0  # in its queue, higher first: taken before any lower one
 
 
 @dataclass
@@ -157,7 +168,16 @@ def limiting(limits: Sequence[JobLimit]) -> bool:
     """Whether the job is under a limit (a slot or a token), not only fair by key: a job
     only fair by key (``fair_by=``) that no admission held back has the timeline and the
     explanation it would have without fairness."""
-    return any(limit.kind != FAIR for limit in limits)
+    return any(limit.kind not in _ORDERING for limit in limits)
+
+
+# Kinds that only order the admission (a slot each, capped by a setting, not a limit per key).
+_ORDERING = frozenset({FAIR, PRIORITY})
+
+
+def priority_limit(queue: str) -> JobLimit:
+    """The limit every job of prioritized queue ``queue`` is under: its admission's order."""
+    return JobLimit(f"queue:{queue}", PRIORITY)
 
 
 def turn_key(limits: Sequence[JobLimit]) -> str | None:
@@ -175,18 +195,21 @@ def _turn_key(candidate: Candidate) -> str | None:
 
 
 def in_turns(candidates: Iterable[Candidate]) -> list[Candidate]:
-    """The candidates in turns across keys (``_turn_key``), oldest first within a key, keys
-    in the order of their oldest job."""
-    queues: dict[str | None, deque[Candidate]] = defaultdict(deque)
-    for candidate in sorted(candidates, key=lambda c: c.order):
-        key = _turn_key(candidate)
-        queues[key].append(candidate)
+    """The candidates highest priority first; within one priority in turns across keys
+    (``_turn_key``), oldest first within a key, keys in the order of their oldest job."""
+    levels: dict[int, list[Candidate]] = defaultdict(list)
+    for candidate in candidates:
+        levels[candidate.priority].append(candidate)
     ordered: list[Candidate] = []
-    while queues:
-        for key in list(queues):
-            ordered.append(queues[key].popleft())
-            if not queues[key]:
-                del queues[key]
+    for priority in sorted(levels, reverse=True):
+        queues: dict[str | None, deque[Candidate]] = defaultdict(deque)
+        for candidate in sorted(levels[priority], key=lambda c: c.order):
+            queues[_turn_key(candidate)].append(candidate)
+        while queues:
+            for key in list(queues):
+                ordered.append(queues[key].popleft())
+                if not queues[key]:
+                    del queues[key]
     return ordered
 
 
@@ -198,10 +221,13 @@ def admit(
     overrides: Mapping[str, Override] | None = None,
     room: int | None = None,
     fair_ahead: int | None = None,
+    priority_ahead: int | None = None,
 ) -> Admission:
-    """Which candidates to admit now, taken in turns across keys (``in_turns``), each only
-    when every one of its limits has room: a concurrency limit below its max (``held``: the
-    slots each id holds now), a rate limit with a whole token. At most ``room`` jobs."""
+    """Which candidates to admit now, taken highest priority first and in turns across keys
+    (``in_turns``), each only when every one of its limits has room: a concurrency limit
+    below its max (``held``: the slots each id holds now), a rate limit with a whole token, a
+    fair type or a prioritized queue with fewer than ``fair_ahead`` / ``priority_ahead``
+    admitted and not ended. At most ``room`` jobs."""
     overrides = overrides or {}
     slots = dict(held)
     tokens: dict[str, float] = {}
@@ -212,8 +238,9 @@ def admit(
         limits = [effective(limit, overrides) for limit in candidate.limits]
         blocking = None
         for limit in limits:
-            if limit.kind == FAIR:
-                if fair_ahead is not None and slots.get(limit.limit_id, 0) >= fair_ahead:
+            if limit.kind in _ORDERING:
+                ahead = fair_ahead if limit.kind == FAIR else priority_ahead
+                if ahead is not None and slots.get(limit.limit_id, 0) >= ahead:
                     blocking = limit
                     break
             elif limit.kind == CONCURRENCY:
@@ -237,7 +264,7 @@ def admit(
             answer.held[candidate.job_id] = blocking
             continue
         for limit in limits:
-            if limit.kind in (CONCURRENCY, FAIR):
+            if limit.kind in (CONCURRENCY, *_ORDERING):
                 slots[limit.limit_id] = slots.get(limit.limit_id, 0) + 1
             else:
                 tokens[limit.limit_id] -= 1.0
@@ -251,6 +278,9 @@ __all__ = [
     "CONCURRENCY",
     "FAIR",
     "KEY_MAX",
+    "PRIORITY",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
     "RATE",
     "Admission",
     "Bucket",
@@ -265,6 +295,7 @@ __all__ = [
     "limit_id",
     "limiting",
     "parse_rate",
+    "priority_limit",
     "split_id",
     "turn_key",
 ]

@@ -47,7 +47,7 @@ from jobrelay.library.definition_checks import check_params_model, unknown_type
 from jobrelay.library.hooks import HookRegistry
 from jobrelay.library.job_definition import JobDefinition as JobDefinition
 from jobrelay.library.job_definition import JobFunction, P
-from jobrelay.library.limits import ConcurrencyLimit, RateLimit, check_limits
+from jobrelay.library.limits import ConcurrencyLimit, RateLimit, check_limits, check_priority
 from jobrelay.library.operations import Operation, Registry
 from jobrelay.library.sync_context import SyncJobFunction
 from jobrelay.library.waiting import Watcher
@@ -98,6 +98,12 @@ class App(OperatorVerbs, HookRegistry):
     def jobs(self) -> Mapping[str, JobDefinition[Any]]:
         return dict(self._jobs)
 
+    @property
+    def prioritized_queues(self) -> frozenset[str]:
+        """The queues a type on which declared ``priority=``: all their jobs are admitted to
+        the broker highest priority first."""
+        return frozenset(d.queue for d in self._jobs.values() if d.priority is not None)
+
     def job(
         self,
         name: str,
@@ -115,6 +121,7 @@ class App(OperatorVerbs, HookRegistry):
         timeout: float | None = None,
         limits: Sequence[ConcurrencyLimit | RateLimit] = (),
         fair_by: Callable[[Any], str | None] | None = None,
+        priority: int | None = None,
     ) -> Callable[[JobFunction[P] | SyncJobFunction[P]], JobDefinition[P]]:
         """Define job type ``name``; the decorated function runs it.
 
@@ -131,6 +138,10 @@ class App(OperatorVerbs, HookRegistry):
         ``limits``: limits per key (``ConcurrencyLimit``, ``RateLimit``): a job is handed to
         the broker only once each has room (docs/how-to/limits.md). ``fair_by(params)``: a
         key whose jobs take turns with other keys' to reach the broker, even with no limit.
+
+        ``priority`` (0..9, higher first): its jobs' default priority inside its queue; the
+        queue becomes a prioritized one, whose jobs (of every type on it) the relay hands to
+        the broker highest priority first (``enqueue(priority=)`` per job; library.md).
 
         ``schedule``: a cron expression; the job also runs periodically with
         ``schedule_params``, as the schedule named ``name`` (``App.schedule`` for more).
@@ -152,6 +163,8 @@ class App(OperatorVerbs, HookRegistry):
             raise ConfigError("@app.job", f"timeout must be positive seconds, got {timeout!r}")
         check_params_model(name, params)
         checked_limits = check_limits(name, limits)
+        if priority is not None:
+            check_priority("@app.job", priority)
 
         def define(fn: JobFunction[P] | SyncJobFunction[P]) -> JobDefinition[P]:
             definition = JobDefinition(
@@ -168,6 +181,7 @@ class App(OperatorVerbs, HookRegistry):
                 limits=checked_limits,
                 fair_by=fair_by,
                 backoff=retry,
+                priority=priority,
             )
             if schedule is not None:
                 self.schedule(
@@ -335,9 +349,10 @@ class App(OperatorVerbs, HookRegistry):
         run_at: datetime | None = None,
         after: Iterable[str] = (),
         after_failure: str = "cancel",
+        priority: int | None = None,
     ) -> str:
         """Enqueue in a transaction of its own (for callers with no transaction to join);
-        ``delay``, ``run_at``, ``after`` and ``after_failure`` as for
+        ``delay``, ``run_at``, ``after``, ``after_failure`` and ``priority`` as for
         ``JobDefinition.enqueue``."""
         definition = self._jobs.get(name)
         if definition is None:
@@ -353,6 +368,7 @@ class App(OperatorVerbs, HookRegistry):
                 run_at=run_at,
                 after=after,
                 after_failure=after_failure,
+                priority=priority,
             )
 
     async def get_job(self, job_id: str) -> JobRecord | None:

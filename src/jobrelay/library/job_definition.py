@@ -19,6 +19,7 @@ from jobrelay.domain.backoff import Backoff
 from jobrelay.domain.delays import Delay, RunTime
 from jobrelay.domain.dependencies import dependencies_of
 from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
+from jobrelay.domain.limits import priority_limit
 from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidParams, PermanentError
 from jobrelay.library.context import JobContext, JobType, Result
 from jobrelay.library.definition_checks import (
@@ -29,7 +30,7 @@ from jobrelay.library.definition_checks import (
     unknown_type,
     wrong_connection,
 )
-from jobrelay.library.limits import Limit, job_limits
+from jobrelay.library.limits import Limit, job_limits, job_priority
 from jobrelay.library.operations import OperationContext, OperationResult
 from jobrelay.library.sync_context import SyncJobFunction, run_in_thread, runs_in_thread
 from jobrelay.observe import tracing
@@ -61,6 +62,8 @@ class Owner(Protocol):
     def settings(self) -> Settings: ...
     @property
     def included_types(self) -> frozenset[str]: ...
+    @property
+    def prioritized_queues(self) -> frozenset[str]: ...
     def id_key_cache(self, engine: Engine | str) -> IdKeyCache: ...
 
 
@@ -83,6 +86,7 @@ class JobDefinition(Generic[P]):
         limits: tuple[Limit, ...] = (),
         fair_by: Callable[[Any], str | None] | None = None,
         backoff: Backoff | None = None,
+        priority: int | None = None,
     ) -> None:
         self.app = app
         self.type = name
@@ -93,6 +97,8 @@ class JobDefinition(Generic[P]):
         self._max_attempts = max_attempts
         self.retry_delays = retry_delays
         self.backoff = backoff  # instead of the delays: the worker's ``_transient``
+        # Its jobs' default priority in its queue; given, the queue is a prioritized one.
+        self.priority = priority
         self.queue = queue
         self.http = http
         self.result_filename = result_filename
@@ -135,13 +141,20 @@ class JobDefinition(Generic[P]):
         when: RunTime = delays.NOW,
         after: Iterable[str] = (),
         after_failure: str = "cancel",
+        priority: int | None = None,
     ) -> NewJob:
         """The job to write. Its id: ``job_id``; else, with ``key``, keyed with ``keys`` (the
         installation's, required then: ``Store.id_keys``), and also the id under the previous
         secret while that one counts; else a fresh UUIDv7. ``when``: its run time
         (``domain.delays.resolve``), part of the request hash as it was asked for, as are
-        ``after`` and ``after_failure`` (``dependencies_of``)."""
+        ``after`` and ``after_failure`` (``dependencies_of``). ``priority``: in its queue,
+        else the type's (``job_priority``)."""
         parsed = self.parse(params)
+        limits = job_limits(self.type, self.limits, parsed, self.fair_by)
+        prioritized = self.queue in self.app.prioritized_queues
+        rank = job_priority(self.type, self.queue, prioritized, priority, self.priority)
+        if prioritized:
+            limits = (*limits, priority_limit(self.queue))
         stored = parsed.model_dump(mode="json")
         deps = dependencies_of(after, after_failure, self.app.settings.max_dependencies)
         previous = None
@@ -165,9 +178,10 @@ class JobDefinition(Generic[P]):
             previous_job_id=previous,
             run_at=when.due,
             delay=when.delay,
-            limits=job_limits(self.type, self.limits, parsed, self.fair_by),
+            limits=limits,
             after=deps.ids,
             after_failure=deps.after_failure,
+            priority=rank,
         )
 
     async def enqueue(
@@ -182,6 +196,7 @@ class JobDefinition(Generic[P]):
         run_at: datetime | None = None,
         after: Iterable[str] = (),
         after_failure: str = "cancel",
+        priority: int | None = None,
     ) -> str:
         """Write the job on ``conn`` (the caller's open transaction); returns its id.
 
@@ -216,6 +231,7 @@ class JobDefinition(Generic[P]):
                     _resolved(delay, run_at),
                     after,
                     after_failure,
+                    priority,
                 ),
             )
 
@@ -231,6 +247,7 @@ class JobDefinition(Generic[P]):
         run_at: datetime | None = None,
         after: Iterable[str] = (),
         after_failure: str = "cancel",
+        priority: int | None = None,
     ) -> str:
         """``enqueue`` for a synchronous application: on a SQLAlchemy ``Connection``, or on
         the DB-API connection a framework holds (psycopg 3, sqlite3: Django's
@@ -248,6 +265,7 @@ class JobDefinition(Generic[P]):
                     when,
                     after,
                     after_failure,
+                    priority,
                 )
                 return run_sync(conn, steps)
         dialect = dbapi_dialect(conn)
@@ -259,7 +277,16 @@ class JobDefinition(Generic[P]):
         with schema_missing_hint("enqueue_sync"):
             database = connection_identity(conn, dialect) if key is not None else dialect
             steps = self._enqueue_steps(
-                database, dialect, params, key, account, job_id, when, after, after_failure
+                database,
+                dialect,
+                params,
+                key,
+                account,
+                job_id,
+                when,
+                after,
+                after_failure,
+                priority,
             )
             return run_dbapi(conn, dialect, steps)
 
@@ -274,6 +301,7 @@ class JobDefinition(Generic[P]):
         run_at: datetime | None = None,
         after: Iterable[str] = (),
         after_failure: str = "cancel",
+        priority: int | None = None,
     ) -> list[str]:
         """Many jobs of this type on ``conn`` (the caller's open transaction), in statements
         of many rows (a few round trips for thousands of jobs); their ids, in order.
@@ -298,6 +326,7 @@ class JobDefinition(Generic[P]):
                     _resolved(delay, run_at),
                     after,
                     after_failure,
+                    priority,
                 ),
             )
 
@@ -312,6 +341,7 @@ class JobDefinition(Generic[P]):
         run_at: datetime | None = None,
         after: Iterable[str] = (),
         after_failure: str = "cancel",
+        priority: int | None = None,
     ) -> list[str]:
         """``enqueue_many`` for a synchronous application, on the connections
         ``enqueue_sync`` takes."""
@@ -319,7 +349,15 @@ class JobDefinition(Generic[P]):
         if isinstance(conn, Connection):
             with schema_missing_hint("enqueue_many_sync"):
                 steps = self._enqueue_many_steps(
-                    conn.engine, dialect_of(conn), params, keys, account, when, after, after_failure
+                    conn.engine,
+                    dialect_of(conn),
+                    params,
+                    keys,
+                    account,
+                    when,
+                    after,
+                    after_failure,
+                    priority,
                 )
                 return run_sync(conn, steps)
         dialect = dbapi_dialect(conn)
@@ -332,7 +370,7 @@ class JobDefinition(Generic[P]):
             keyed = keys is not None and any(k is not None for k in keys)
             database = connection_identity(conn, dialect) if keyed else dialect
             steps = self._enqueue_many_steps(
-                database, dialect, params, keys, account, when, after, after_failure
+                database, dialect, params, keys, account, when, after, after_failure, priority
             )
             return run_dbapi(conn, dialect, steps)
 
@@ -346,6 +384,7 @@ class JobDefinition(Generic[P]):
         when: RunTime,
         after: Iterable[str],
         after_failure: str,
+        priority: int | None = None,
     ) -> Steps[list[str]]:
         if isinstance(params, Mapping | BaseModel) or not isinstance(params, Sequence):
             raise ConfigError("enqueue_many", "params must be a list of parameters, one per job")
@@ -370,6 +409,7 @@ class JobDefinition(Generic[P]):
                         when=when,
                         after=after,
                         after_failure=after_failure,
+                        priority=priority,
                     )
                 )
             except InvalidParams as exc:
@@ -396,6 +436,7 @@ class JobDefinition(Generic[P]):
         when: RunTime,
         after: Iterable[str] = (),
         after_failure: str = "cancel",
+        priority: int | None = None,
     ) -> Steps[str]:
         now = _now()
         keys = None
@@ -410,6 +451,7 @@ class JobDefinition(Generic[P]):
             when=when,
             after=after,
             after_failure=after_failure,
+            priority=priority,
         )
         try:
             written, _ = yield from new_job_steps(dialect, job, now)

@@ -20,6 +20,8 @@ from jobrelay.domain.limits import (
     CONCURRENCY,
     FAIR,
     KEY_MAX,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
     RATE,
     JobLimit,
     LimitError,
@@ -140,4 +142,45 @@ def job_limits(
     return tuple(found)
 
 
-__all__ = ["ConcurrencyLimit", "Limit", "RateLimit", "check_limits", "job_limits"]
+def check_priority(where: str, priority: object) -> int:
+    """A priority as ``@app.job`` and ``enqueue`` take it: a whole number 0..9."""
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not PRIORITY_MIN <= priority <= PRIORITY_MAX
+    ):
+        raise ConfigError(
+            where,
+            f"priority must be a whole number {PRIORITY_MIN}..{PRIORITY_MAX} (higher runs "
+            f"first), got {priority!r}",
+        )
+    return priority
+
+
+def job_priority(
+    job_type: str, queue: str, prioritized: bool, asked: int | None, declared: int | None
+) -> int:
+    """A job's priority: ``asked`` at its enqueue, else its type's, else 0. Asking one on a
+    queue without priorities is refused: nothing would order it, and a job of that queue
+    reaches the broker as it comes."""
+    if asked is None:
+        return declared or 0
+    check_priority("enqueue", asked)
+    if not prioritized:
+        raise ConfigError(
+            "enqueue",
+            f"priority= for {job_type}: its queue {queue!r} has no priorities; give a job "
+            f"type on that queue @app.job(..., priority=N) to order its jobs",
+        )
+    return asked
+
+
+__all__ = [
+    "ConcurrencyLimit",
+    "Limit",
+    "RateLimit",
+    "check_limits",
+    "check_priority",
+    "job_limits",
+    "job_priority",
+]

@@ -95,7 +95,10 @@ class Relay:
         admitted: tuple[OutboxRow, ...] = ()
         if await store.awaits_admission():
             answer = await store.admit_waiting(
-                budget, self.rt.settings.fair_ahead, claim_for=(self.relay_id, self.claim_for)
+                budget,
+                self.rt.settings.fair_ahead,
+                claim_for=(self.relay_id, self.claim_for),
+                priority_ahead=self.rt.settings.priority_ahead,
             )
             admitted = answer.rows
             self.rt.metrics.admission(answer.throttled, answer.waits)

@@ -276,10 +276,12 @@ class Admission(Protocol):
         budget: int,
         fair_ahead: int | None = None,
         claim_for: tuple[str, timedelta] | None = None,
+        priority_ahead: int | None = None,
     ) -> Admitted:
         """Admit up to ``budget`` jobs whose next message waits for their limits: each only
         when every limit has room (a concurrency limit's slots held below its max, a rate
-        limit's bucket holding a token), in turns across keys, serialised across relays; the
+        limit's bucket holding a token), highest priority first, in turns across keys,
+        serialised across relays; the
         slots are given back by the transaction that ends the run. With ``claim_for`` (a
         relay's id, for how long) the admitted rows are claimed for that relay too."""
 

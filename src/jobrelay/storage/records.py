@@ -63,6 +63,9 @@ class NewJob:
     # they have all ended; ``after_failure`` says what one that did not succeed does to it.
     after: tuple[str, ...] = ()
     after_failure: str = "cancel"
+    # Its priority in its queue (0..9, higher first): stored with its limits, it orders the
+    # admission of a prioritized queue's jobs (``storage.admission``).
+    priority: int = 0
 
 
 Clock = Callable[[], datetime]
@@ -232,6 +235,7 @@ class JobRecord:
     # have not ended (None: it runs after none), and what one that failed does to it.
     waiting_for: int | None = None
     after_failure: str | None = None
+    priority: int = 0  # in its queue, higher first (``NewJob.priority``)
 
     @property
     def awaiting_admission(self) -> bool:
@@ -398,6 +402,7 @@ def job_record(row: Row[Any] | Mapping[str, Any]) -> JobRecord:
         throttled_at=aware_time(m.get("throttled_at")),
         result=m.get("result_value"),
         waiting_for=m.get("waiting_for"),
+        priority=m.get("priority") or 0,
         after_failure=m.get("after_failure"),
     )
 

@@ -24,6 +24,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     PrimaryKeyConstraint,
+    SmallInteger,
     String,
     Table,
     Text,
@@ -132,6 +133,9 @@ jobs = Table(
     # W3C ``traceparent``/``tracestate`` and ``baggage`` headers, which every message of the
     # job carries, so each attempt's span finds the enqueue it links to. None: no trace.
     Column("trace_context", JSON(none_as_null=True)),
+    # Its priority in its queue, 0..9, higher first (migration 0021): written with the limits
+    # of a job of a prioritized queue, whose admission it orders. None reads as 0.
+    Column("priority", SmallInteger),
 )
 Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
 # The jobs held back by their limits now (migration 0017): a completion that gives slots back

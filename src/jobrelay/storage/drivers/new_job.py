@@ -123,7 +123,10 @@ PG_ISO_RUN_AT = r"""to_char(run_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24\:MI\:S
                 THEN '' ELSE to_char(run_at AT TIME ZONE 'UTC', '.US') END
         || '+00\:00'"""
 _PG_DELAYED_DETAIL = f"json_build_object('type', CAST(:nj_type AS text), 'runAt', {PG_ISO_RUN_AT})"
-_LIMITS = (", limits, turn_key", ", CAST(:nj_limits AS json), CAST(:nj_turn AS varchar)")
+_LIMITS = (
+    ", limits, turn_key, priority",
+    ", CAST(:nj_limits AS json), CAST(:nj_turn AS varchar), CAST(:nj_priority AS smallint)",
+)
 # A job under limits: its outbox row waits for the job's admission (``tables.outbox``).
 _AWAITING = (", awaiting_admission", ", true")
 
@@ -140,6 +143,7 @@ def _pg_new_job(due: str, limited: bool, traced: bool) -> Executable:
     limit_binds: list[BindParameter[Any]] = [
         bindparam("nj_limits", type_=JSON()),
         bindparam("nj_turn", type_=String()),
+        bindparam("nj_priority", type_=Integer()),
     ]
     binds: list[BindParameter[Any]] = [*_PG_BINDS, *(limit_binds if limited else [])]
     if traced:
@@ -194,7 +198,7 @@ def queued_job_row(job: NewJob, now: datetime) -> dict[str, Any]:
         # Only when set: a job due at once is written as before delays existed.
         **({"run_at": job.run_at} if job.run_at is not None else {}),
         # The same for limits: a job under none is written as before limits existed.
-        **({"limits": limits_json(job), "turn_key": turn_key(job.limits)} if job.limits else {}),
+        **(limit_columns(job) if job.limits else {}),
         # And for a trace: a job enqueued under none is written as before traces were kept.
         **({"trace_context": trace} if (trace := trace_headers(job.headers)) else {}),
     }
@@ -203,6 +207,11 @@ def queued_job_row(job: NewJob, now: datetime) -> dict[str, Any]:
 def limits_json(job: NewJob) -> list[dict[str, object]]:
     """The job's limits as its ``limits`` column holds them."""
     return [limit.to_json() for limit in job.limits]
+
+
+def limit_columns(job: NewJob) -> dict[str, Any]:
+    """The columns written with a job's limits: they decide its admission's turn."""
+    return {"limits": limits_json(job), "turn_key": turn_key(job.limits), "priority": job.priority}
 
 
 def accepted_detail(job: NewJob, run_at: datetime | None) -> dict[str, Any]:
@@ -273,7 +282,11 @@ def untraced_new_job_steps(dialect: str, job: NewJob, now: datetime) -> Steps[tu
                     **({"nj_run_at": job.run_at} if job.run_at is not None else {}),
                     **({"nj_delay": job.delay} if job.delay is not None else {}),
                     **(
-                        {"nj_limits": limits_json(job), "nj_turn": turn_key(job.limits)}
+                        {
+                            "nj_limits": limits_json(job),
+                            "nj_turn": turn_key(job.limits),
+                            "nj_priority": job.priority,
+                        }
                         if job.limits
                         else {}
                     ),

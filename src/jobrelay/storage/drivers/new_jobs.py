@@ -55,20 +55,20 @@ WITH req AS (
         CAST(:m_max_attempts AS integer[]), CAST(:m_queues AS text[]),
         CAST(:m_limits AS text[]), CAST(:m_turns AS text[]), CAST(:m_destinations AS text[]),
         CAST(:m_bodies AS text[]), CAST(:m_headers AS text[]), CAST(:m_details AS text[]),
-        CAST(:m_traces AS text[])
+        CAST(:m_traces AS text[]), CAST(:m_priorities AS smallint[])
     ) AS r(id, type, account_id, params, key, hash, max_attempts, queue, limits, turn_key,
-           destination, body, headers, detail, trace)
+           destination, body, headers, detail, trace, priority)
 ), ins AS (
     INSERT INTO jobs (id, type, account_id, params, idempotency_key, request_hash, state,
                       attempt, max_attempts, queue, created_at, updated_at, run_at, limits,
-                      turn_key, trace_context)
+                      turn_key, trace_context, priority)
     SELECT id, type, account_id, CAST(params AS json), key, hash, 'queued', 0, max_attempts,
            queue, :m_now, :m_now,
            CASE WHEN CAST(:m_delay AS double precision) IS NULL
                 THEN CAST(:m_run_at AS timestamptz)
                 ELSE statement_timestamp()
                      + make_interval(secs => CAST(:m_delay AS double precision)) END,
-           CAST(limits AS json), turn_key, CAST(trace AS json)
+           CAST(limits AS json), turn_key, CAST(trace AS json), priority
     FROM req
     ON CONFLICT (id) DO NOTHING
     RETURNING id, run_at
@@ -110,6 +110,7 @@ FROM ins
             for name in ("m_params", "m_limits", "m_bodies", "m_headers", "m_details", "m_traces")
         ),
         bindparam("m_max_attempts", type_=ARRAY(Integer())),
+        bindparam("m_priorities", type_=ARRAY(Integer())),
         bindparam("m_now", type_=UTCDateTime()),
         bindparam("m_run_at", type_=UTCDateTime()),
         bindparam("m_delay", type_=Float()),
@@ -129,14 +130,14 @@ _SQLITE_JOBS = (
         f"""
 INSERT INTO jobs (id, type, account_id, params, idempotency_key, request_hash, state,
                   attempt, max_attempts, queue, created_at, updated_at, run_at, limits,
-                  turn_key, trace_context)
+                  turn_key, trace_context, priority)
 SELECT {", ".join(_sqlite_field(i) for i in range(3))}, {_sqlite_field(3)},
        {_sqlite_field(4)}, {_sqlite_field(5)}, 'queued', 0, {_sqlite_field(6)},
        {_sqlite_field(7)}, :now, :now,
        CASE WHEN :delay IS NULL THEN :run_at
             ELSE strftime('%Y-%m-%d %H:%M:%f', 'now', printf('%+.6f seconds', :delay)) || '000'
        END,
-       {_sqlite_field(8)}, {_sqlite_field(9)}, {_sqlite_field(10)}
+       {_sqlite_field(8)}, {_sqlite_field(9)}, {_sqlite_field(10)}, {_sqlite_field(11)}
 FROM json_each(:reqs) WHERE true
 ON CONFLICT (id) DO NOTHING
 RETURNING id, run_at
@@ -238,6 +239,7 @@ def _pg_round(chunk: Sequence[NewJob], now: datetime) -> Steps[set[str]]:
             "m_queues": [j.queue for j in chunk],
             "m_limits": [fastjson.dumps(limits_json(j)) if j.limits else None for j in chunk],
             "m_turns": [turn_key(j.limits) if j.limits else None for j in chunk],
+            "m_priorities": [j.priority if j.limits else None for j in chunk],
             "m_destinations": [j.destination or work_destination(j.queue) for j in chunk],
             "m_bodies": [JobMessage(j.job_id, j.type).encode().decode() for j in chunk],
             "m_headers": [fastjson.dumps(dict(j.headers or {})) for j in chunk],
@@ -266,6 +268,7 @@ def _sqlite_round(chunk: Sequence[NewJob], now: datetime) -> Steps[set[str]]:
             limits_json(j) if j.limits else None,
             turn_key(j.limits) if j.limits else None,
             trace_headers(j.headers) or None,
+            j.priority if j.limits else None,
         ]
         for j in chunk
     ]
