@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 from sqlalchemy import select
+from typer.testing import CliRunner
 
 import jobrelay
+from jobrelay.cli.main import app as cli_app
 from jobrelay.domain.states import JobState
+from jobrelay.storage.engine import create_engine
+from jobrelay.storage.store import Store
 from jobrelay.storage.tables import job_events, jobs
 
 from .ops_fixtures import eventually
@@ -129,3 +134,36 @@ def test_a_priority_is_checked_where_it_is_written() -> None:
     job = bulk.new_job(Item())
     assert job.priority == 0 and [limit.limit_id for limit in job.limits] == ["queue:default"]
     assert urgent.new_job(Item()).priority == 9
+
+
+def test_operators_see_a_prioritized_queue_and_cannot_override_its_order(
+    database_url: str, tmp_path: Path
+) -> None:
+    env = {
+        "JOBRELAY_DATABASE_URL": database_url,
+        "JOBRELAY_RESULTS_URL": f"file://{tmp_path}/exports",
+        "JOBRELAY_BROKER_URL": "local",
+    }
+
+    async def seed() -> None:
+        engine = create_engine(database_url)
+        try:
+            store = Store(engine)
+            for n in range(3):
+                await store.submit(bulk.new_job(Item(n=n)), store.local_now())
+            await store.admit_waiting(100, priority_ahead=2)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(seed())
+    runner = CliRunner()
+    listed = runner.invoke(cli_app, ["limits", "list"], env=env)
+    assert listed.exit_code == 0, (listed.stdout, listed.stderr)
+    assert "queue:default" in listed.stdout
+    refused = runner.invoke(
+        cli_app,
+        ["limits", "set", "queue:default", "--concurrency", "4", "--reason", "faster"],
+        env=env,
+    )
+    assert refused.exit_code == 2, refused.stdout
+    assert "JOBRELAY_PRIORITY_AHEAD" in refused.stderr

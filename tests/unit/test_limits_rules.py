@@ -136,10 +136,16 @@ def test_a_higher_priority_is_admitted_before_any_lower_one_of_its_queue() -> No
     assert full.admitted == [] and full.held["urgent"] == queue
 
 
-def test_priority_comes_before_the_turns_across_keys() -> None:
+def test_keys_take_turns_and_priority_orders_each_keys_jobs() -> None:
     queue = priority_limit("default")
     a = [Candidate(f"a{i}", (conc("a", 100), queue), i) for i in range(5)]
-    b = [Candidate(f"b{i}", (conc("b", 100), queue), 10 + i, priority=1) for i in range(2)]
+    b = [Candidate(f"b{i}", (conc("b", 100), queue), 10 + i) for i in range(3)]
+    b.append(Candidate("b-urgent", (conc("b", 100), queue), 20, priority=9))
     order = [c.job_id for c in in_turns(a + b)]
-    assert order[:4] == ["b0", "b1", "a0", "a1"]
+    # Never compared across keys: a's oldest keeps its turn; b's urgent one leads b's.
+    assert order[:4] == ["a0", "b-urgent", "a1", "b0"]
     assert not limiting((queue,)) and limiting((conc("a"), queue))
+    # Another queue's priority is never weighed against this one's.
+    other = Candidate("other-9", (priority_limit("reports"),), 30, priority=9)
+    order = [c.job_id for c in in_turns([Candidate("q0", (queue,), 1), other])]
+    assert order == ["q0", "other-9"]

@@ -59,7 +59,9 @@ def _value(value: "LimitValue | None") -> str:
         return "-"
     if value.max is not None:
         return str(value.max)
-    return f"{value.per_second:g}/s burst {value.burst:g}"
+    if value.per_second is None:  # fair between keys, or a prioritized queue's order
+        return "-"
+    return f"{value.per_second:g}/s burst {value.burst or 0:g}"
 
 
 def _shown(row: "LimitOut") -> str:

@@ -175,13 +175,19 @@ def limiting(limits: Sequence[JobLimit]) -> bool:
 _ORDERING = frozenset({FAIR, PRIORITY})
 
 
+# A prioritized queue's limit id: no job type's or limit's name has a colon.
+PRIORITY_PREFIX = "queue:"
+
+
 def priority_limit(queue: str) -> JobLimit:
     """The limit every job of prioritized queue ``queue`` is under: its admission's order."""
-    return JobLimit(f"queue:{queue}", PRIORITY)
+    return JobLimit(f"{PRIORITY_PREFIX}{queue}", PRIORITY)
 
 
 def turn_key(limits: Sequence[JobLimit]) -> str | None:
-    """Whose turn a job under ``limits`` takes: its fairness key, else its first limit's id."""
+    """Whose turn a job under ``limits`` takes: its fairness key, else its first limit's id
+    (a prioritized queue's limit comes last: ``library.limits``). Priority orders the jobs
+    of one turn key only: a queue's with no other limit, or each key's; never across keys."""
     for limit in limits:
         if limit.kind == FAIR:
             return f"{limit.limit_id}{_SEP}{limit.key}"
@@ -195,21 +201,22 @@ def _turn_key(candidate: Candidate) -> str | None:
 
 
 def in_turns(candidates: Iterable[Candidate]) -> list[Candidate]:
-    """The candidates highest priority first; within one priority in turns across keys
-    (``_turn_key``), oldest first within a key, keys in the order of their oldest job."""
-    levels: dict[int, list[Candidate]] = defaultdict(list)
-    for candidate in candidates:
-        levels[candidate.priority].append(candidate)
+    """The candidates in turns across keys (``_turn_key``), keys in the order of their first
+    job; within a key the highest priority first (a prioritized queue's jobs share its
+    key, ``turn_key``), then the oldest."""
+    grouped: dict[str | None, list[Candidate]] = defaultdict(list)
+    for candidate in sorted(candidates, key=lambda c: c.order):
+        grouped[_turn_key(candidate)].append(candidate)
+    queues = {
+        key: deque(sorted(group, key=lambda c: (-c.priority, c.order)))
+        for key, group in grouped.items()
+    }
     ordered: list[Candidate] = []
-    for priority in sorted(levels, reverse=True):
-        queues: dict[str | None, deque[Candidate]] = defaultdict(deque)
-        for candidate in sorted(levels[priority], key=lambda c: c.order):
-            queues[_turn_key(candidate)].append(candidate)
-        while queues:
-            for key in list(queues):
-                ordered.append(queues[key].popleft())
-                if not queues[key]:
-                    del queues[key]
+    while queues:
+        for key in list(queues):
+            ordered.append(queues[key].popleft())
+            if not queues[key]:
+                del queues[key]
     return ordered
 
 
@@ -223,8 +230,8 @@ def admit(
     fair_ahead: int | None = None,
     priority_ahead: int | None = None,
 ) -> Admission:
-    """Which candidates to admit now, taken highest priority first and in turns across keys
-    (``in_turns``), each only when every one of its limits has room: a concurrency limit
+    """Which candidates to admit now, taken in turns across keys, the highest priority first
+    within one (``in_turns``), each only when every one of its limits has room: a concurrency limit
     below its max (``held``: the slots each id holds now), a rate limit with a whole token, a
     fair type or a prioritized queue with fewer than ``fair_ahead`` / ``priority_ahead``
     admitted and not ended. At most ``room`` jobs."""
@@ -281,6 +288,7 @@ __all__ = [
     "PRIORITY",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
+    "PRIORITY_PREFIX",
     "RATE",
     "Admission",
     "Bucket",

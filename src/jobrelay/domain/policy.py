@@ -162,7 +162,7 @@ class Decision:
     # The reason as the job's account reads it: a code and a message written for customers,
     # never the raw text of ``reason`` (domain.disclosure).
     public: str | None = None
-    retry_delay: float | None = None  # seconds, when the delivery goes through the delay route
+    retry_delay: float | None = None  # seconds until the retry (a delay tier's, or ``held``)
     # The retry waits in the database until due, then goes to its work queue: a back-off's
     # delay is any number of seconds, which no fixed delay queue holds.
     held: bool = False

@@ -135,7 +135,6 @@ def waiting_ranked(
     ranked = select(
         waiting.c.id,
         waiting.c.job_id,
-        waiting.c.priority,
         func.row_number()
         .over(partition_by=waiting.c.turn_key, order_by=(waiting.c.priority.desc(), waiting.c.id))
         .label("turn"),
@@ -143,9 +142,9 @@ def waiting_ranked(
     return (
         select(ranked.c.id, ranked.c.job_id)
         .where(ranked.c.turn <= per_key)
-        # The highest priority first across keys too: a round never leaves one out for a
-        # lower one (``domain.limits.in_turns`` orders them the same way).
-        .order_by(ranked.c.priority.desc(), ranked.c.turn, ranked.c.id)
+        # Each key's jobs are ranked highest priority first (a prioritized queue's share
+        # its key): priority is never compared across keys (``domain.limits.in_turns``).
+        .order_by(ranked.c.turn, ranked.c.id)
         .limit(limit)
     )
 

@@ -21,6 +21,7 @@ from sqlalchemy import Text, cast, delete, func, insert, select
 from jobrelay.domain.limits import (
     CONCURRENCY,
     KEY_MAX,
+    PRIORITY_PREFIX,
     RATE,
     JobLimit,
     LimitError,
@@ -101,6 +102,12 @@ def target(name: str, key: str | None) -> str:
         raise LimitError(f"a limit's name is text of 1 to {NAME_MAX} characters")
     if key is not None and (not key or len(key) > KEY_MAX or "\x1f" in key or "\x00" in key):
         raise LimitError(f"a key is text of 1 to {KEY_MAX} characters")
+    if name.startswith(PRIORITY_PREFIX):
+        # Its bound is a setting: an override would be stored and do nothing.
+        raise LimitError(
+            f"{name} orders a prioritized queue and has no value to override: "
+            "JOBRELAY_PRIORITY_AHEAD bounds how many of its jobs the broker holds"
+        )
     return limit_id(name, key)
 
 

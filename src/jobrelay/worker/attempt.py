@@ -23,7 +23,7 @@ import random
 import time
 from typing import Any
 
-from jobrelay.domain.backoff import SHORTEST_SECONDS
+from jobrelay.domain.backoff import LONGEST_SECONDS, SHORTEST_SECONDS
 from jobrelay.domain.backoff import Backoff as RetryBackoff
 from jobrelay.domain.policy import (
     Action,
@@ -192,7 +192,11 @@ class AttemptRun:
         if asked is not None:
             # A back-off's retry is held in the database: it waits exactly what was asked.
             held = backoff is not None
-            delay = max(SHORTEST_SECONDS, asked) if held else self.rt.topology.retry_delay(asked)
+            delay = (
+                min(LONGEST_SECONDS, max(SHORTEST_SECONDS, asked))
+                if held
+                else self.rt.topology.retry_delay(asked)
+            )
         draw = random.uniform(-1.0, 1.0) if backoff is not None and backoff.jitter else 0.0
         return TransientFailure(
             error,

@@ -26,15 +26,20 @@
       + " (override" + whose + " by " + o.changedBy + ": " + o.reason + ")";
   }
 
+  // Kinds that only order the admission (fair between keys, a prioritized queue): no value.
+  function ordering(kind) {
+    return kind === "fair" || kind === "priority";
+  }
+
   // The group's line: what its jobs declared, and the whole limit's override if one applies.
   function groupValue(g) {
     const declared = g.declared.length ? g.declared.map(value).join(" or ") : "none declared by a waiting or running job";
-    if (!g.override) return g.kind === "fair" ? "fair between keys" : declared;
+    if (!g.override) return g.kind === "fair" ? "fair between keys" : g.kind === "priority" ? "by priority" : declared;
     return overrideText(g.override, " of the whole limit") + "; declared " + declared;
   }
 
   function rowValue(r) {
-    if (!r.override) return r.kind === "fair" ? "-" : value(r.declared);
+    if (!r.override) return ordering(r.kind) ? "-" : value(r.declared);
     const own = r.override.key === r.key && r.key !== null;
     return value(r.current) + (own ? " (override by " + r.override.changedBy + ": " + r.override.reason + ")" : " (the whole limit's override)");
   }
@@ -88,7 +93,7 @@
         el("td", g.running, "num running"),
         el("td", g.waiting, "num waiting"),
         age(g.waitingSeconds, g.waitingSince),
-        g.kind === "fair" ? el("td") : pick(g.limit, null, g.override ? { max: g.override.max } : g.declared[0]),
+        ordering(g.kind) ? el("td") : pick(g.limit, null, g.override ? { max: g.override.max } : g.declared[0]),
       );
       body.append(head);
       for (const r of rows.get(g.limit + "\u001f" + g.kind) || []) {
@@ -97,7 +102,7 @@
         const key = el("th", r.key === null ? "(no key)" : r.key, "key");
         key.scope = "row";
         row.append(key, el("td", ""), el("td", rowValue(r), "reason"), el("td", r.running, "num running"), el("td", r.waiting, "num waiting"), age(r.waitingSeconds, r.waitingSince));
-        if (r.key !== null && r.kind !== "fair") row.append(pick(r.limit, r.key, r.current));
+        if (r.key !== null && !ordering(r.kind)) row.append(pick(r.limit, r.key, r.current));
         else row.append(el("td"));
         body.append(row);
       }
