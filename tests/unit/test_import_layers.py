@@ -253,3 +253,14 @@ def test_the_store_reaches_a_driver_only_through_the_port() -> None:
         and _in(arrow[1], *POSTGRES_DRIVER, *SQLITE_DRIVER)
     ]
     assert outside == []
+
+
+def test_nothing_imports_the_testing_helpers() -> None:
+    # ``jobrelay.testing`` sits on top (it opens a runtime and runs a relay and a worker):
+    # a module below it importing it would be production code depending on test helpers.
+    assert [
+        arrow
+        for arrow in _arrows(PACKAGE)
+        if _in(arrow[1], "jobrelay.testing") and not _in(arrow[0], "jobrelay.testing")
+    ] == []
+    assert "jobrelay.worker.consumer" in GRAPH["jobrelay.testing.runner"]

@@ -28,8 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from datetime import datetime
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, MutableMapping, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -80,6 +80,8 @@ class App(OperatorVerbs, HookRegistry):
         self._commands: dict[str, AppCommand] = {}
         self._schedules: dict[str, Schedule] = {}
         self._engine: AsyncEngine | None = None
+        # A test's fake clock (``bind``): the time its enqueues are stamped and delayed by.
+        self._clock: Callable[[], datetime] | None = None
         # ``wait``'s watcher per event loop (``library.waiting``).
         self._watchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Watcher] = (
             weakref.WeakKeyDictionary()
@@ -413,6 +415,34 @@ class App(OperatorVerbs, HookRegistry):
         finally:
             await watcher.close()
             await engine.dispose()
+
+    def now(self) -> datetime:
+        """The time this app's enqueues are stamped with: the wall clock, or the fake clock
+        of a test that bound the app (``bind``)."""
+        return datetime.now(UTC) if self._clock is None else self._clock()
+
+    @property
+    def clock_is_fake(self) -> bool:
+        """Bound to a test's fake clock: a ``delay=`` counts on it, not on the database's."""
+        return self._clock is not None
+
+    @contextlib.asynccontextmanager
+    async def bind(
+        self, settings: Settings, engine: AsyncEngine, clock: Callable[[], datetime] | None = None
+    ) -> AsyncIterator[None]:
+        """Within the block, this app's own calls (``enqueue``, ``get_job``, ``wait``, the
+        operator's verbs) use ``settings`` and ``engine``, and its enqueues ``clock``: how
+        ``jobrelay.testing`` points application code at a test's database. Restored after,
+        ``wait``'s watcher on that engine closed."""
+        saved = (self._settings, self._engine, self._clock)
+        self._settings, self._engine, self._clock = settings, engine, clock
+        try:
+            yield
+        finally:
+            watcher = self._watchers.pop(asyncio.get_running_loop(), None)
+            if watcher is not None:
+                await watcher.close()
+            self._settings, self._engine, self._clock = saved
 
     async def aclose(self) -> None:
         watcher = self._watchers.pop(asyncio.get_running_loop(), None)

@@ -5,9 +5,10 @@ loop, ``def`` in the app's thread pool).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime, timedelta
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
@@ -64,6 +65,9 @@ class Owner(Protocol):
     def included_types(self) -> frozenset[str]: ...
     @property
     def prioritized_queues(self) -> frozenset[str]: ...
+    def now(self) -> datetime: ...
+    @property
+    def clock_is_fake(self) -> bool: ...
     def id_key_cache(self, engine: Engine | str) -> IdKeyCache: ...
 
 
@@ -228,7 +232,7 @@ class JobDefinition(Generic[P]):
                     key,
                     account,
                     job_id,
-                    _resolved(delay, run_at),
+                    self._when(delay, run_at),
                     after,
                     after_failure,
                     priority,
@@ -252,7 +256,7 @@ class JobDefinition(Generic[P]):
         """``enqueue`` for a synchronous application: on a SQLAlchemy ``Connection``, or on
         the DB-API connection a framework holds (psycopg 3, sqlite3: Django's
         ``connection.connection`` inside ``transaction.atomic()``), never committed here."""
-        when = _resolved(delay, run_at)
+        when = self._when(delay, run_at)
         if isinstance(conn, Connection):
             with schema_missing_hint("enqueue_sync"):
                 steps = self._enqueue_steps(
@@ -323,7 +327,7 @@ class JobDefinition(Generic[P]):
                     params,
                     keys,
                     account,
-                    _resolved(delay, run_at),
+                    self._when(delay, run_at),
                     after,
                     after_failure,
                     priority,
@@ -345,7 +349,7 @@ class JobDefinition(Generic[P]):
     ) -> list[str]:
         """``enqueue_many`` for a synchronous application, on the connections
         ``enqueue_sync`` takes."""
-        when = _resolved(delay, run_at)
+        when = self._when(delay, run_at)
         if isinstance(conn, Connection):
             with schema_missing_hint("enqueue_many_sync"):
                 steps = self._enqueue_many_steps(
@@ -392,7 +396,7 @@ class JobDefinition(Generic[P]):
             raise ConfigError(
                 "enqueue_many", f"keys has {len(keys)} items for {len(params)} jobs: one per job"
             )
-        now = _now()
+        now = self.app.now()
         id_keys = None
         if keys is not None and any(k is not None for k in keys):
             id_keys = yield from self.app.id_key_cache(database).steps(now)
@@ -438,7 +442,7 @@ class JobDefinition(Generic[P]):
         after_failure: str = "cancel",
         priority: int | None = None,
     ) -> Steps[str]:
-        now = _now()
+        now = self.app.now()
         keys = None
         if key is not None and job_id is None:
             keys = yield from self.app.id_key_cache(database).steps(now)
@@ -460,6 +464,16 @@ class JobDefinition(Generic[P]):
                 f"key {key!r} was already used for {self.type} with other params"
             ) from None
         return written
+
+    def _when(self, delay: Delay | None, run_at: datetime | None) -> RunTime:
+        """The run time, checked at the call (before any statement is sent). This host's
+        clock only judges whether a ``run_at`` is past; a delay is added by the database's,
+        unless a test's fake clock drives the app (``App.bind``): then by that clock."""
+        now = self.app.now()
+        when = delays.resolve(now, delay=delay, run_at=run_at)
+        if when.delay is not None and self.app.clock_is_fake:
+            return dataclasses.replace(when, due=now + timedelta(seconds=when.delay), delay=None)
+        return when
 
     # --- run (the worker's Operation) -------------------------------------------------------
 
@@ -540,13 +554,3 @@ class JobDefinition(Generic[P]):
             follow_ups=tuple(context.follow_ups),
             value_json=value,
         )
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _resolved(delay: Delay | None, run_at: datetime | None) -> RunTime:
-    """The run time, checked at the call (before any statement is sent). This host's clock
-    only judges whether a ``run_at`` is past; a delay is added by the database's."""
-    return delays.resolve(_now(), delay=delay, run_at=run_at)

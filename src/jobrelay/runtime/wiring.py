@@ -136,15 +136,17 @@ async def open_runtime(
     connect_transport: bool = True,
     clock: Clock | None = None,
     faults: Faults | None = None,
+    app: App | None = None,
 ) -> AsyncIterator[Runtime]:
     """Open the database and broker, failing fast with the variable to fix.
 
     ``clock`` (tests) drives both this process and the store. Without it the store judges
     leases and due times by the database's clock on PostgreSQL, never by this host's.
+    ``app``: the jobs' App itself, instead of ``settings.app`` (``jobrelay.testing``).
     """
     store_clock = clock
     clock = clock or utc_now
-    app = load_app(settings.app)
+    app = load_app(settings.app) if app is None else app
     engine = create_engine(settings.database_url)
     transport: Transport | None = None
     results: ResultStore | None = None

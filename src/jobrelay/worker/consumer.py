@@ -99,6 +99,8 @@ class Worker:
         check_queues(self.queues, rt.topology.queues)
         self.lease = timedelta(seconds=rt.settings.lease_seconds)
         self.handled = 0
+        # The deliveries being handled, each until its settle (``idle``).
+        self.in_flight: set[asyncio.Task[None]] = set()
         # Set while the database answers; cleared by an outage, which pauses consuming.
         self._database_up = asyncio.Event()
         self._database_up.set()
@@ -119,6 +121,12 @@ class Worker:
             )
         )
 
+    @property
+    def idle(self) -> bool:
+        """No delivery in hand and every timeline event written: what ``jobrelay.testing``'s
+        ``drain`` waits for before it reads the jobs."""
+        return not self.in_flight and self.timeline.idle
+
     # --- the consume loop -------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -136,7 +144,7 @@ class Worker:
     async def _run(self, stop: asyncio.Event) -> None:
         prefetch = self.rt.settings.prefetch
         concurrency = min(self.rt.settings.concurrency, prefetch)
-        in_flight: set[asyncio.Task[None]] = set()
+        in_flight = self.in_flight
         log.info(
             "worker started",
             extra={

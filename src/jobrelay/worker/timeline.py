@@ -52,6 +52,11 @@ class TimelineWriter:
         self._last_job: str | None = None
         self._summary_due: asyncio.TimerHandle | None = None
 
+    @property
+    def idle(self) -> bool:
+        """Nothing waits to be written (a test's drain reads the timeline after it)."""
+        return not self._pending and (self._writing is None or self._writing.done())
+
     def start_batching(self) -> None:
         """From now on (a worker's consume loop) events are batched; ``close`` ends it.
 
