@@ -6,6 +6,7 @@ ending the same way."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -164,11 +165,72 @@ async def test_enqueued_records_without_running_and_refuses_to_drain() -> None:
 
 
 async def test_a_drain_that_cannot_finish_says_which_jobs_are_left() -> None:
-    async with run_jobs(app) as runner:
-        await app.pause_queue("default", reason="a test")
-        await app.enqueue("shop.ship", Order(n=1))
-        with pytest.raises(DrainTimeout, match=r"1 job\(s\) had not ended: shop.ship"):
+    stuck = jobrelay.App()
+    release = asyncio.Event()
+
+    @stuck.job("lab.stuck", params=Order)
+    async def wait_forever(ctx: jobrelay.JobContext[Order], p: Order) -> None:
+        await release.wait()
+
+    async with run_jobs(stuck) as runner:
+        await stuck.enqueue("lab.stuck", Order(n=1))
+        with pytest.raises(DrainTimeout, match=r"1 job\(s\) had not ended: lab.stuck .* running"):
             await runner.drain(timeout=0.5)
+        release.set()
+        await runner.drain()
+        with pytest.raises(jobrelay.ConfigError, match="bound already"):
+            async with stuck.bind(runner.settings, runner.engine):
+                pass
+
+
+async def test_a_rate_limit_is_drained_on_the_fake_clock() -> None:
+    limited = jobrelay.App()
+
+    @limited.job("lab.mail", params=Order, limits=[jobrelay.RateLimit("1/minute", burst=1)])
+    async def mail(ctx: jobrelay.JobContext[Order], p: Order) -> None:
+        return None
+
+    start = datetime(2030, 1, 1, tzinfo=UTC)
+    async with run_jobs(limited, start=start) as runner:
+        for n in range(3):
+            await limited.enqueue("lab.mail", Order(n=n))
+        await runner.drain(timeout=20)
+        assert len(await runner.jobs(state="succeeded")) == 3
+        # One a minute: the third one's token came two minutes after the first.
+        assert timedelta(minutes=2) <= runner.clock() - start < timedelta(minutes=3)
+
+
+async def test_the_app_closing_its_engine_inside_a_runner_keeps_the_runner_working() -> None:
+    async with run_jobs(app) as runner:
+        job_id = await app.enqueue("shop.ship", Order(n=4))
+        await app.aclose()  # as an application's shutdown would
+        await runner.drain()
+        assert (await app.get_job(job_id)) is not None
+        assert (await runner.job(job_id)).state is JobState.SUCCEEDED
+    assert app._bound is None and app._clock is None
+
+
+async def test_a_fixed_delay_follows_the_fake_clock_on_both_backends(
+    backend: tuple[str, str],
+) -> None:
+    slow = jobrelay.App()
+
+    @slow.job("lab.once", params=Order, retry_delays=(300,))
+    async def once(ctx: jobrelay.JobContext[Order], p: Order) -> int:
+        if ctx.attempt == 1:
+            raise jobrelay.Retry("not yet")
+        return ctx.attempt
+
+    database_url, broker_url = backend
+    async with run_jobs(slow, database_url=database_url, broker_url=broker_url) as runner:
+        job_id = await slow.enqueue("lab.once", Order())
+        await runner.drain(skip_delays=False)
+        waiting = await runner.job(job_id)
+        assert waiting.state is JobState.RETRY_WAIT
+        runner.advance(300)  # five minutes of the fake clock, not of the test's
+        await runner.drain(skip_delays=False, timeout=20)
+        done = await runner.job(job_id)
+        assert (done.state, done.result) == (JobState.SUCCEEDED, 2)
 
 
 def test_the_fake_clock_only_moves_forward() -> None:

@@ -82,6 +82,7 @@ class App(OperatorVerbs, HookRegistry):
         self._engine: AsyncEngine | None = None
         # A test's fake clock (``bind``): the time its enqueues are stamped and delayed by.
         self._clock: Callable[[], datetime] | None = None
+        self._bound: AsyncEngine | None = None  # the engine ``bind`` holds the app to
         # ``wait``'s watcher per event loop (``library.waiting``).
         self._watchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Watcher] = (
             weakref.WeakKeyDictionary()
@@ -376,7 +377,7 @@ class App(OperatorVerbs, HookRegistry):
     async def get_job(self, job_id: str) -> JobRecord | None:
         from jobrelay.storage.store import Store
 
-        return await Store(self._engine_for_calls()).get_job(job_id)
+        return await Store(self._engine_for_calls(), clock=self._clock).get_job(job_id)
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobRecord:
         """The job once it has ended (``succeeded``, ``quarantined`` or ``cancelled``), woken by
@@ -434,21 +435,32 @@ class App(OperatorVerbs, HookRegistry):
         operator's verbs) use ``settings`` and ``engine``, and its enqueues ``clock``: how
         ``jobrelay.testing`` points application code at a test's database. Restored after,
         ``wait``'s watcher on that engine closed."""
+        if self._bound is not None:
+            raise ConfigError("App.bind", "this App is bound already: one runner at a time")
         saved = (self._settings, self._engine, self._clock)
         self._settings, self._engine, self._clock = settings, engine, clock
+        self._bound = engine
         try:
             yield
         finally:
-            watcher = self._watchers.pop(asyncio.get_running_loop(), None)
-            if watcher is not None:
-                await watcher.close()
+            # An engine made while bound (after an ``aclose``) is this block's to dispose.
+            made = self._engine if self._engine is not engine else None
             self._settings, self._engine, self._clock = saved
+            self._bound = None
+            watcher = self._watchers.pop(asyncio.get_running_loop(), None)
+            try:
+                if watcher is not None:
+                    await watcher.close()
+            finally:
+                if made is not None:
+                    await made.dispose()
 
     async def aclose(self) -> None:
         watcher = self._watchers.pop(asyncio.get_running_loop(), None)
         if watcher is not None:
             await watcher.close()
-        if self._engine is not None:
+        if self._engine is not None and self._engine is not self._bound:
+            # (A bound engine is the runner's: it outlives the application's ``aclose``.)
             with contextlib.suppress(Exception):
                 await self._engine.dispose()
             self._engine = None

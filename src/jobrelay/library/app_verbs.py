@@ -63,6 +63,11 @@ class OperatorVerbs:
 
         def _engine_for_calls(self) -> AsyncEngine: ...
 
+        def now(self) -> datetime: ...
+
+        @property
+        def clock_is_fake(self) -> bool: ...
+
     _verb_metrics: Metrics | None = None
 
     def _site(self, engine: AsyncEngine) -> _Site:
@@ -72,7 +77,9 @@ class OperatorVerbs:
 
         if self._verb_metrics is None:
             self._verb_metrics = Metrics()
-        return _Site(self.settings, Store(engine), self._verb_metrics, self)
+        # A test's fake clock (``App.bind``) is the store's too: the verbs' times are its.
+        clock = self.now if self.clock_is_fake else None
+        return _Site(self.settings, Store(engine, clock=clock), self._verb_metrics, self)
 
     # --- async -------------------------------------------------------------------------------
 

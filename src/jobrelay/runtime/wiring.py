@@ -50,6 +50,9 @@ class Runtime:
     metrics: Metrics = field(default_factory=Metrics)
     # The application whose jobs run here (``--app``); None in tests that wire a registry.
     app: App | None = None
+    # Every retry waits in the database until due, then goes to its work queue (never a
+    # delay queue): a test's fake clock decides when it is due (``jobrelay.testing``).
+    hold_retries: bool = False
 
     def job_app(self) -> App:
         """``app``, or (a runtime built without one) the app the settings name."""

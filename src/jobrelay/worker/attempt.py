@@ -347,7 +347,7 @@ class AttemptRun:
                 decision.reason or "",
                 decision.retry_delay,
                 now,
-                hold=decision.held,
+                hold=decision.held or self.rt.hold_retries,
                 public=decision.public,
                 asked_delay=getattr(observation, "asked_delay", None),
                 traceback=getattr(observation, "traceback", None),
