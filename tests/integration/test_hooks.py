@@ -7,15 +7,18 @@ logged and changes nothing; a worker killed between the commit and the ack calls
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
+from sqlalchemy import update
 
 import jobrelay
 from jobrelay.domain.states import JobState
 from jobrelay.library.hooks import JobOutcome
+from jobrelay.storage.tables import outbox
 
 from .ops_fixtures import eventually
 
@@ -150,3 +153,45 @@ async def test_a_worker_killed_before_the_ack_calls_on_success_again(make_pipeli
         kinds = await p.kinds(job_id)
     assert kinds.count("result_saved") == 1
     assert [s[0] for s in seen] == ["succeeded", "succeeded"]
+
+
+@app.job("lab.filed", params=Ask)
+async def filed(ctx: jobrelay.JobContext[Ask], p: Ask) -> jobrelay.Result:
+    key = ctx.result_key("out.txt")
+    async with ctx.writer(key) as out:
+        await out.write(b"done\n")
+    return jobrelay.Result(key=key)
+
+
+async def test_a_file_result_is_no_reason_and_a_bad_copy_calls_on_failure(
+    make_pipeline: Any,
+) -> None:
+    async with make_pipeline() as p:
+        p.rt = dataclasses.replace(p.rt, app=app)
+        hooks_store.append(p.store)
+        with_file, _ = await p.store.submit(filed.new_job(Ask()), p.rt.clock())
+        # A job whose only message is one no worker can read: an unexpected field.
+        bad, _ = await p.store.submit(hooked.new_job(Ask()), p.rt.clock())
+        body = json.dumps({"jobId": bad, "type": "lab.hooked", "version": 1, "evil": 1})
+        async with p.rt.engine.begin() as conn:
+            await conn.execute(
+                update(outbox).where(outbox.c.job_id == bad).values(published_at=p.rt.clock())
+            )
+            await p.store.next_message(conn, bad, body.encode(), "default", p.rt.clock())
+        p.start_relay()
+        await p.start_worker()
+        await p.wait_for(with_file, lambda j: j.state is JobState.SUCCEEDED)
+        job = await p.wait_for(bad, lambda j: j.state is JobState.QUARANTINED)
+
+        async def hooked_both() -> bool:
+            return {s[4] for s in seen} >= {with_file, bad}
+
+        await eventually(hooked_both, what="both hooks")
+        await p.stop_all()
+    by_job = {job_id: [s[:4] for s in seen if s[4] == job_id] for job_id in (with_file, bad)}
+    # A success names its result key in its decision, never as the hook's reason.
+    assert by_job[with_file] == [("succeeded", "lab.filed", 1, None)]
+    [(outcome, job_type, attempt, reason)] = by_job[bad]
+    assert (outcome, job_type, attempt) == ("quarantined", "lab.hooked", 0)
+    assert reason is not None and "unexpected fields" in reason
+    assert job.quarantine_reason == reason
