@@ -114,9 +114,13 @@ def _defanged(col: ColumnElement[Any]) -> ColumnElement[Any]:
     replacement after separators only for cells that hold one."""
     first = func.ascii(col)
     risky = or_(first <= defang.FAST_LOW, first >= defang.FAST_HIGH)
+    # Whether the cell holds a separator, by a substring search per separator: every cell
+    # pays this test, and four ``strpos`` cost less than one regular expression (measured on
+    # 3,000,000 cells: 290 ms against 465 ms of the database's time; issue 41).
+    separated = or_(*(func.strpos(col, sep) > 0 for sep in defang.SEPARATORS))
     inner = case(
         (
-            col.regexp_match(defang.SEPARATOR_PATTERN),
+            separated,
             func.regexp_replace(
                 col, defang.SEPARATED_PATTERN, defang.SEPARATED_REPLACEMENT, "g", type_=Text
             ),
