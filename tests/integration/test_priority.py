@@ -145,18 +145,24 @@ def test_operators_see_a_prioritized_queue_and_cannot_override_its_order(
         "JOBRELAY_BROKER_URL": "local",
     }
 
-    async def seed() -> None:
+    async def seed() -> str:
         engine = create_engine(database_url)
         try:
             store = Store(engine)
             for n in range(3):
                 await store.submit(bulk.new_job(Item(n=n)), store.local_now())
+            urgent_id, _ = await store.submit(urgent.new_job(Item()), store.local_now())
             await store.admit_waiting(100, priority_ahead=2)
+            return str(urgent_id)
         finally:
             await engine.dispose()
 
-    asyncio.run(seed())
+    urgent_id = asyncio.run(seed())
     runner = CliRunner()
+    shown = runner.invoke(cli_app, ["job", "show", urgent_id], env=env)
+    assert shown.exit_code == 0, (shown.stdout, shown.stderr)
+    assert "queue:default (by priority)" in shown.stdout
+    assert "9 in its queue (0..9, higher runs first)" in shown.stdout
     listed = runner.invoke(cli_app, ["limits", "list"], env=env)
     assert listed.exit_code == 0, (listed.stdout, listed.stderr)
     assert "queue:default" in listed.stdout

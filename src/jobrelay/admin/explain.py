@@ -419,6 +419,8 @@ def render_job(
         facts.add_row("publish error", job.last_publish_error)
     if job.limits:
         facts.add_row("limits", ", ".join(_limit_text(limit) for limit in job.limits))
+        if any(limit.kind == PRIORITY for limit in job.limits):
+            facts.add_row("priority", f"{job.priority} in its queue (0..9, higher runs first)")
     if links is not None and links.dependency_count:
         facts.add_row("runs after", _links_text(links.dependencies, links.dependency_count, job))
     if links is not None and links.dependant_count:
