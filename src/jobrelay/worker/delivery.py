@@ -204,13 +204,16 @@ class DeliveryHandler:
         now = self.rt.clock()
         match decision.action:
             case Action.ACK:
+                if decision.event == "duplicate_acked":
+                    # Counted before its event commits: whoever reads the event reads the
+                    # count with it (a test saw the event a loop turn before the count).
+                    self.rt.metrics.duplicates_acked.inc()
                 await self.rt.store.record_event(
                     job.id, decision.event, now, reason=decision.reason, **meta
                 )
-                if decision.event == "duplicate_acked":
-                    self.rt.metrics.duplicates_acked.inc()
-                    if job.state is JobState.SUCCEEDED:  # its hooks may not have run
-                        await self.scope.run_hooks(decision.event, job, job.attempt)
+                # A duplicate of a success: its hooks may not have run.
+                if decision.event == "duplicate_acked" and job.state is JobState.SUCCEEDED:
+                    await self.scope.run_hooks(decision.event, job, job.attempt)
                 await self.scope.settle(delivery, job.id, Action.ACK, job.attempt)
                 return True
             case Action.DEFER:
