@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -38,6 +39,7 @@ from jobrelay.transport.topology import (
     retry_queue,
 )
 from tests.integration.transport_fixtures import (
+    LOCAL_VISIBILITY,
     TOPOLOGY,
     Backend,
     body_of,
@@ -558,6 +560,10 @@ async def test_a_claim_in_flight_as_the_transport_closes_gives_its_rows_back(
 async def test_local_consumer_processes_share_the_queue_exactly_once(
     local: Backend, tmp_path: Path
 ) -> None:
+    # A live consumer that is descheduled for a while (a loaded CI machine, a GC pause) keeps
+    # its claims: its renewals are late, not missing, and the visibility timeout is what
+    # tells the two apart. One consumer is frozen here for three times the 1 s timeout the
+    # other tests use; under that timeout its rows were taken over and done twice.
     records = [tmp_path / f"consumer-{i}.txt" for i in range(3)]
     workers = [
         await _spawn(tmp_path / f"consumer-{i}.err", "drain", local.kind, local.url, str(r))
@@ -571,6 +577,17 @@ async def test_local_consumer_processes_share_the_queue_exactly_once(
             await publisher.publish(message({"n": n}))
         engine = local._engine  # the rows themselves: all gone means all acked
         assert engine is not None
+
+        async def started() -> bool:
+            return any(r.exists() and r.read_text() for r in records)
+
+        await wait_until(started, timeout=30)
+        frozen = next(w for w, r in zip(workers, records, strict=True) if r.exists())
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(3 * LOCAL_VISIBILITY)  # the freeze itself, not a wait for it
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
 
         async def drained() -> bool:
             async with local_queue.reading(engine) as conn:

@@ -35,6 +35,9 @@ TOPOLOGY = Topology(retry_delays=(1, 3), delivery_limit=2, queues=("images",))
 # timeout; RabbitMQ: the grace before a stopped consumer's channel closes).
 LOCAL_VISIBILITY = 1.0
 LOCAL_POLL = 0.05
+# The draining consumer processes keep the default's order of magnitude: they are live, and a
+# live consumer descheduled for seconds must keep what it holds.
+DRAIN_VISIBILITY = 30.0
 
 
 def message(body: Any, destination: str = "work", **headers: str) -> OutgoingMessage:
@@ -192,7 +195,8 @@ async def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.
 
 async def _subprocess_main(mode: str, kind: str, url: str, paths: list[str]) -> None:
     backend = Backend(kind, url)
-    transport = await backend.connected()
+    visibility = LOCAL_VISIBILITY if mode == "hold" else DRAIN_VISIBILITY
+    transport = await backend.connected(visibility_seconds=visibility)
     try:
         if mode == "hold":
             async for delivery in transport.consume(1):
