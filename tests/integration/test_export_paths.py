@@ -13,6 +13,8 @@ import csv
 import dataclasses
 import hashlib
 import io
+import logging
+import operator
 import random
 from collections.abc import Awaitable, Callable
 from datetime import date
@@ -35,14 +37,22 @@ from sqlalchemy import (
     Table,
     Text,
     insert,
+    text,
 )
 from sqlalchemy.dialects.postgresql import asyncpg as pg_asyncpg
 
 from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransientError
-from jobrelay.exports import ledger, report_export
-from jobrelay.exports.defang import FORMULA_CHARS, INVISIBLE, SPACES, defang
+from jobrelay.exports import csv_format, ledger, report_export
+from jobrelay.exports.defang import (
+    FAST_HIGH,
+    FAST_LOW,
+    FORMULA_CHARS,
+    INVISIBLE,
+    SPACES,
+    defang,
+)
 from jobrelay.exports.seed import seed_month
 from jobrelay.exports.shipped import report_export as export_job
 from jobrelay.library.operations import OperationContext
@@ -112,9 +122,10 @@ AMOUNTS = [
 ALPHABET = list(SPACES + INVISIBLE + FORMULA_CHARS + ";\t\r\n,\"'aZ09 é€😀?~@AB\x84\x86")
 
 
-def _nullable_table() -> Table:
-    """``ledger_entries`` as the export reads it, but with NULLs allowed everywhere."""
-    return Table(
+def _nullable_table(*, plain_column: bool = False) -> Table:
+    """``ledger_entries`` as the export reads it, but with NULLs allowed everywhere; with
+    ``plain_column``, the generated column a table made by ``ensure_table`` has."""
+    table = Table(
         "ledger_entries",
         MetaData(),
         Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
@@ -126,6 +137,9 @@ def _nullable_table() -> Table:
         Column("amount", Numeric(14, 2)),
         Column("currency", String(3)),
     )
+    if plain_column:
+        ledger.with_plain_column(table)
+    return table
 
 
 def hostile_rows(n: int = 600) -> list[dict[str, Any]]:
@@ -179,12 +193,13 @@ async def run_export(
     rows: list[dict[str, Any]] | None = None,
     *,
     on_progress: Callable[[int, int], Awaitable[None]] | None = None,
+    plain_column: bool = True,
 ) -> Exported:
     """The real ``report.export`` of acme's 2020-05, on its own runtime."""
     settings = Settings(database_url=database_url, results_url=f"file://{results}")
     async with open_runtime(settings, connect_transport=False) as rt:
         if rows is not None:
-            table = _nullable_table()
+            table = _nullable_table(plain_column=plain_column)
             async with rt.engine.begin() as conn:
                 # The runtime created the app's table; this one takes its place.
                 await conn.run_sync(lambda c: ledger.ledger_entries.drop(c, checkfirst=True))
@@ -231,11 +246,13 @@ def records(data: bytes) -> list[list[str]]:
     return list(csv.reader(io.StringIO(data.decode("utf-8"), newline="")))
 
 
+@pytest.mark.parametrize("plain_column", [True, False], ids=["plain-column", "no-plain-column"])
 async def test_copy_and_python_paths_write_the_same_bytes(
-    pg_url: str, sqlite_url: str, tmp_path: Path
+    pg_url: str, sqlite_url: str, tmp_path: Path, plain_column: bool
 ) -> None:
+    # Without the column: a table made before it existed, where every cell is tested.
     rows = hostile_rows()
-    on_pg = await run_export(pg_url, tmp_path / "pg", rows)
+    on_pg = await run_export(pg_url, tmp_path / "pg", rows, plain_column=plain_column)
     on_sqlite = await run_export(sqlite_url, tmp_path / "sqlite", rows)
 
     assert on_pg.data == on_sqlite.data  # byte for byte
@@ -318,6 +335,115 @@ async def test_snapshot_is_repeatable_read_and_read_only(pg_url: str) -> None:
 
 
 # --- the defanging in SQL is the Python rule ----------------------------------------------
+
+
+async def test_an_old_table_without_the_plain_column_is_named_in_a_warning(
+    pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger=ledger.__name__):
+        await run_export(pg_url, tmp_path / "old", hostile_rows(20), plain_column=False)
+    warned = [
+        r for r in caplog.records if getattr(r, "event", None) == "ledger_plain_column_missing"
+    ]
+    assert len(warned) == 1 and ledger.ADD_PLAIN_COLUMN in warned[0].getMessage()
+
+
+async def test_a_table_made_by_ensure_table_has_the_plain_column(pg_url: str) -> None:
+    engine = create_engine(pg_url)
+    try:
+        await ledger.ensure_table(engine)
+        async with engine.connect() as conn:
+            generated = await conn.scalar(
+                text(
+                    "SELECT attgenerated FROM pg_attribute"
+                    " WHERE attrelid = 'ledger_entries'::regclass AND attname = :name"
+                ),
+                {"name": ledger.PLAIN_COLUMN},
+            )
+    finally:
+        await engine.dispose()
+    assert generated == b"s"  # stored, computed by the database on every write
+
+
+# Most cells start with a character the fast test lets through, so most rows hinge on the
+# rest of the test (a separator anywhere in any cell); the others are anything.
+_PLAIN_FIRST = [c for c in ALPHABET if FAST_LOW < ord(c) < FAST_HIGH]
+
+
+def _cell(size: int) -> st.SearchStrategy[str]:
+    anything = st.text(st.sampled_from(ALPHABET), max_size=size)
+    plain_first = st.builds(operator.add, st.sampled_from(_PLAIN_FIRST), anything)
+    return st.one_of(plain_first, plain_first, anything).map(lambda cell: cell[:size])
+
+
+_row_cells = st.tuples(_cell(6), _cell(6), _cell(3))
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(cells=st.lists(_row_cells, min_size=1, max_size=30))
+@pytest.mark.long
+def test_the_plain_column_never_spares_a_cell_the_rule_changes(
+    pg_url: str, cells: list[tuple[str, str, str]]
+) -> None:
+    # Rows whose cells mix plain text with every character the rule looks at: the COPY
+    # through the generated column writes what Python's rule writes.
+    # First, every fixed hostile text alone in an otherwise plain row, in each text column.
+    # The characters at the fast test's bounds first, too: "@" and U+0085 are not plain.
+    edges = [*HOSTILE, "\x85=1", "\x84=1", "A\x85=1", "?=1", "A=1"]
+    alone = [
+        *((h, "ACME Ltd", "EUR") for h in edges),
+        *(("Rent", h, "EUR") for h in edges),
+        *(("Rent", "ACME Ltd", h[:3]) for h in edges),
+    ]
+    raw = [
+        (i + 1, date(2020, 5, 1), d, c, Decimal("1.00"), cur)
+        for i, (d, c, cur) in enumerate([*alone, *cells])
+    ]
+
+    async def exported() -> bytes:
+        engine = create_engine(pg_url)
+        try:
+            await ledger.ensure_table(engine)
+            await ledger.replace(
+                engine,
+                "acme",
+                [
+                    dict(
+                        zip(
+                            (
+                                "id",
+                                "booked_on",
+                                "description",
+                                "counterparty",
+                                "amount",
+                                "currency",
+                            ),
+                            r,
+                            strict=True,
+                        )
+                    )
+                    | {"account_id": "acme", "period": PERIOD}
+                    for r in raw
+                ],
+            )
+            lines = csv_format.CopyLines()
+            out: list[bytes] = []
+
+            async def output(chunk: bytes) -> None:
+                out.append(lines.feed(chunk))
+
+            async with engine.begin() as conn:
+                await conn.execute(text("SELECT 1"))  # the snapshot's first statement
+                await ledger.copy_month(conn, "acme", PERIOD, csv_format.ROW_END_CELL, output)
+            lines.finish()
+            return b"".join(out)
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(exported()) == csv_format.python_lines(raw)
+
 
 _cells = st.text(
     st.one_of(

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from decimal import Decimal
 from typing import Any
-from weakref import WeakSet
+from weakref import WeakKeyDictionary
 
 import asyncpg
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     ColumnElement,
     Date,
@@ -36,6 +38,7 @@ from sqlalchemy import (
     cast,
     column,
     delete,
+    event,
     func,
     insert,
     literal,
@@ -43,11 +46,14 @@ from sqlalchemy import (
     select,
     text,
 )
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 import jobrelay
 from jobrelay.exports import defang
 from jobrelay.storage.capabilities import capabilities_of
+
+log = logging.getLogger(__name__)
 
 metadata = MetaData(naming_convention={"pk": "pk_%(table_name)s"})
 
@@ -76,18 +82,78 @@ Index(
     ledger_entries.c.id,
 )
 
+# PostgreSQL only: whether every text cell of the row passes the defang's fast test (its first
+# character strictly between ``defang.FAST_LOW`` and ``FAST_HIGH``, no separator in it), so
+# the export copies the row's cells as they are. Computed when the row is written, once, not
+# for every cell of every export: testing each cell inside ``COPY`` doubled the database's
+# time per row (issue 41). A stored generated column, so no writer can leave it stale. Not
+# in the table's columns: SQLite, whose export defangs in Python, has no such column.
+PLAIN_COLUMN = "cells_plain"
+
+
+def _plain_cell(name: str) -> str:
+    # chr(), not the characters: the statement is logged, and tabs and line breaks in it
+    # would not read.
+    first = f"ascii({name}) > {defang.FAST_LOW} AND ascii({name}) < {defang.FAST_HIGH}"
+    return " AND ".join([first, *(f"strpos({name}, chr({ord(c)})) = 0" for c in defang.SEPARATORS)])
+
+
+ADD_PLAIN_COLUMN = (
+    f"ALTER TABLE ledger_entries ADD COLUMN {PLAIN_COLUMN} boolean"
+    f" GENERATED ALWAYS AS ("
+    + " AND ".join(_plain_cell(name) for name in ("description", "counterparty", "currency"))
+    + ") STORED"
+)
+
+
+def with_plain_column(table: Table) -> None:
+    """Have ``table`` (a ``ledger_entries``) made with ``PLAIN_COLUMN`` on PostgreSQL."""
+
+    def add(_target: Table, connection: Connection, **_kw: Any) -> None:
+        if connection.dialect.name == "postgresql":
+            connection.execute(text(ADD_PLAIN_COLUMN))
+
+    event.listen(table, "after_create", add)
+
+
+with_plain_column(ledger_entries)
+
 _INSERT_BATCH = 5000
-_ensured: WeakSet[Any] = WeakSet()  # sync engines whose database is known to have the table
+# Sync engines whose database is known to have the table, and whether it has ``PLAIN_COLUMN``.
+_ensured: WeakKeyDictionary[Any, bool] = WeakKeyDictionary()
 
 
 async def ensure_table(engine: AsyncEngine) -> None:
-    """Create ``ledger_entries`` if it is missing; after the first call, free."""
+    """Create ``ledger_entries`` if it is missing; after the first call, free.
+
+    A PostgreSQL table created before ``PLAIN_COLUMN`` existed keeps working without it (the
+    export then tests every cell, at about half the speed); a warning names the statement
+    that adds it, which rewrites the table and so is the operator's call, not an export's.
+    """
     if engine.sync_engine in _ensured:
         return
     app = jobrelay.App()
     app.tables(metadata)
     await app.create_tables(engine)
-    _ensured.add(engine.sync_engine)
+    plain = False
+    if capabilities_of(engine).copies:
+        async with engine.connect() as conn:
+            plain = bool(await conn.scalar(_HAS_PLAIN))
+        if not plain:
+            log.warning(
+                "ledger_entries has no %s column: the export tests every cell for the "
+                "defang; add it with: %s",
+                PLAIN_COLUMN,
+                ADD_PLAIN_COLUMN,
+                extra={"event": "ledger_plain_column_missing"},
+            )
+    _ensured[engine.sync_engine] = plain
+
+
+_HAS_PLAIN = text(
+    "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'ledger_entries'::regclass"
+    f" AND attname = '{PLAIN_COLUMN}' AND NOT attisdropped)"
+)
 
 
 async def counts_by_account(engine: AsyncEngine) -> dict[str, int]:
@@ -162,12 +228,22 @@ async def copy_month(
     ``COPY`` reported. Every cell is final: text defanged, and an empty text as NULL, which
     ``COPY`` writes unquoted as Python's csv writes ``""`` (``COPY`` quotes an empty string,
     to tell it from NULL); dates ISO (this transaction's ``DateStyle``); numeric(14,2) as
-    ``f"{amount:.2f}"`` prints it. Each row ends with one more cell holding ``row_end``,
-    which ``csv_format`` turns into the line end. ``conn`` must be in a transaction that has
-    run a statement (``ctx.snapshot()`` has), so the COPY reads the same snapshot.
+    ``f"{amount:.2f}"`` prints it; a row whose ``PLAIN_COLUMN`` says no cell needs the
+    defang skips it (a plain cell is never empty either). Each row ends with one more cell
+    holding ``row_end``, which ``csv_format`` turns into the line end. ``conn`` must be in a
+    transaction that has run a statement (``ctx.snapshot()`` has), so the COPY reads the
+    same snapshot.
     """
     c = ledger_entries.c
-    texts = [func.nullif(_defanged(col), "") for col in (c.description, c.counterparty, c.currency)]
+    texts: list[ColumnElement[Any]] = [
+        func.nullif(_defanged(col), "") for col in (c.description, c.counterparty, c.currency)
+    ]
+    if _ensured.get(conn.engine.sync_engine):
+        plain = column(PLAIN_COLUMN, Boolean)
+        texts = [
+            case((plain, col), else_=cell)
+            for col, cell in zip((c.description, c.counterparty, c.currency), texts, strict=True)
+        ]
     stmt = _month(
         account_id,
         period,
