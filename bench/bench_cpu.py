@@ -122,6 +122,33 @@ def cores_used(before: Snapshot, after: Snapshot) -> dict[str, float]:
     return {group: round(value, 2) for group, value in used.items() if value >= 0.005}
 
 
+def cpu_seconds(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """CPU seconds per group between two snapshots, and ``total`` (the whole machine's)."""
+    used: dict[str, float] = {}
+    for group, pids in after.groups.items():
+        earlier = before.groups.get(group, {})
+        used[group] = sum(cpu - earlier.get(pid, 0.0) for pid, cpu in pids.items())
+    used["total"] = after.busy - before.busy
+    return used
+
+
+@dataclass
+class CpuUse:
+    """What a phase's processes used: cores on average, and CPU seconds in all."""
+
+    cores: dict[str, float]
+    seconds: dict[str, float]
+
+    def per_job_us(self, jobs: int) -> dict[str, int]:
+        """CPU microseconds per job of each group that did any work for the jobs: where the
+        time per job goes, without a profiler (the bench's own client is left out)."""
+        return {
+            group: round(seconds / jobs * 1e6)
+            for group, seconds in self.seconds.items()
+            if jobs and seconds / jobs >= 1e-6 and not group.startswith(("bench", "other"))
+        }
+
+
 async def machine_load(seconds: float = 1.0) -> float:
     """Cores busy on the whole machine over ``seconds``: the noise floor before a run."""
     before, started = machine_busy(), time.monotonic()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench_cpu import CpuUse
 from bench_peers import PeerFigure
 
 # Which peer is the floor under which phase (the end-to-end phase has none). The accept
@@ -71,12 +72,20 @@ class Results:
         ]
 
 
+def cpu_detail(cpu: CpuUse, jobs: int) -> dict[str, Any]:
+    """A phase's CPU for its figure: cores used per group, and CPU µs per job."""
+    return {"cpu_cores": cpu.cores, "cpu_us_per_job": cpu.per_job_us(jobs)}
+
+
 def print_phase(phase: str, figure: Figure, note: str) -> None:
     counted = f"{figure.count} in {figure.seconds:.2f}s"
     say(f"phase {phase:>12}: {figure.rate:8.1f}/s  ({counted}; {note})")
     if cpu := figure.detail.get("cpu_cores"):
         shares = ", ".join(f"{group} {cores:.2f}" for group, cores in cpu.items() if cores >= 0.01)
         say(f"{'':>20}cores used: {shares}")
+    if per_job := figure.detail.get("cpu_us_per_job"):
+        spent = ", ".join(f"{group} {us} µs" for group, us in per_job.items())
+        say(f"{'':>20}CPU per job: {spent}")
 
 
 def print_table(results: Results) -> None:

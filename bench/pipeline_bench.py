@@ -81,6 +81,7 @@ from bench_report import (
     Figure,
     Results,
     bench_line,
+    cpu_detail,
     in_ms,
     percentiles,
     print_phase,
@@ -327,7 +328,7 @@ class Bench:
                 f"{waiting} outbox rows wait"
             )
         post = percentiles(submitted.latencies)
-        figure = Figure(n, submitted.seconds, {"post_ms": in_ms(post), "cpu_cores": cpu})
+        figure = Figure(n, submitted.seconds, {"post_ms": in_ms(post), **cpu_detail(cpu, n)})
         note = f"POST p50 {post['p50'] * 1000:.1f} ms, p95 {post['p95'] * 1000:.1f} ms"
         self.record("accept", figure, note)
 
@@ -348,7 +349,7 @@ class Bench:
             "startup_s": round(startup, 3),
             "cold_rate": round(cold, 1),
             "db_published_at_spread_s": float(span or 0),  # one mark per batch
-            "cpu_cores": cpu,
+            **cpu_detail(cpu, self.options.jobs),
         }
         self.record(
             "relay",
@@ -388,7 +389,7 @@ class Bench:
             "warm_rate": round(n / (done - ready), 1),
             "cold_rate": round(n / (done - spawned), 1),
             "commits_per_job": round(commits / n, 2),
-            "cpu_cores": cpu,
+            **cpu_detail(cpu, n),
         }
         self.record(
             "worker drain",
@@ -433,7 +434,7 @@ class Bench:
         detail = {
             "accept_rate_under_load": round(accepting, 1),
             "latency_ms": in_ms(latency),
-            "cpu_cores": cpu,
+            **cpu_detail(cpu, n),
         }
         self.record(
             "end to end",
@@ -456,7 +457,7 @@ class Bench:
             )
             done = await self.poll(lambda: self.all_succeeded(total))
         latency = await self.latencies(submitted.job_ids)
-        detail = {"rate": round(rate, 1), "latency_ms": in_ms(latency), "cpu_cores": cpu}
+        detail = {"rate": round(rate, 1), "latency_ms": in_ms(latency), **cpu_detail(cpu, n)}
         self.record(
             "fixed rate",
             Figure(n, done - started, detail),
@@ -607,17 +608,19 @@ class Bench:
             ) from None
 
     @contextlib.asynccontextmanager
-    async def cpu(self) -> AsyncIterator[dict[str, float]]:
-        """Cores used per process group while the block runs (filled in when it ends)."""
+    async def cpu(self) -> AsyncIterator[bench_cpu.CpuUse]:
+        """Cores and CPU seconds per process group while the block runs (filled in when it
+        ends)."""
         assert self.db is not None
         roles = {p.name: p.popen.pid for p in self.live}
         postgres = await bench_cpu.postgres_pids(self.db, self.sandbox.database)
         before = bench_cpu.snapshot(roles, postgres, self.broker_pid)
-        used: dict[str, float] = {}
+        used = bench_cpu.CpuUse({}, {})
         yield used
         postgres = await bench_cpu.postgres_pids(self.db, self.sandbox.database)
         after = bench_cpu.snapshot(roles, postgres, self.broker_pid)
-        used.update(bench_cpu.cores_used(before, after))
+        used.cores.update(bench_cpu.cores_used(before, after))
+        used.seconds.update(bench_cpu.cpu_seconds(before, after))
 
     async def submit(self, n: int, tag: str) -> Submitted:
         assert self.client is not None
