@@ -42,15 +42,12 @@ No aio-pika or aiormq type or exception leaves these modules; they become ``jobr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aio_pika
 import aiormq
 from aio_pika.abc import (
     AbstractChannel,
@@ -87,6 +84,8 @@ from jobrelay.transport.topology import (
     work_queue,
     work_routing_key,
 )
+
+_PERSISTENT = 2  # AMQP delivery mode: written to disk by the broker
 
 log = logging.getLogger("jobrelay.transport.rabbitmq")
 
@@ -239,9 +238,9 @@ class RabbitTransport:
         self._publishing: AbstractChannel | None = None
         self._renewing = asyncio.Lock()
         self._consumers: set[_Consumer] = set()
-        self._id_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = (
-            weakref.WeakValueDictionary()
-        )
+        # The message ids being published, each with a future done when its publish is:
+        # a publish of the same id waits for it (see the module's docstring).
+        self._publishing_ids: dict[str, asyncio.Future[None]] = {}
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -337,24 +336,39 @@ class RabbitTransport:
     async def publish(self, message: OutgoingMessage) -> None:
         if not self._topology.routes(message.destination):
             raise PublishError(f"unroutable: no queue for destination {message.destination!r}")
-        exchange = self._exchange
-        if exchange is None:
+        exchange, publishing = self._exchange, self._publishing
+        if exchange is None or publishing is None:
             raise PublishError("not connected: call connect() first")
-        amqp_message = aio_pika.Message(
-            message.body,
-            headers=dict(message.headers),
+        # aiormq's own frame properties, not an aio-pika ``Message`` and ``Exchange.publish``
+        # on top: the same frames, and about a tenth of the relay's CPU per row less.
+        properties = aiormq.spec.Basic.Properties(
             content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            delivery_mode=_PERSISTENT,
+            headers=dict(message.headers),
             message_id=message.message_id or None,
         )
+        message_id = message.message_id
         try:
-            async with asyncio.timeout(self._timeout), self._one_per_id(message.message_id):
-                await exchange.publish(
-                    amqp_message,
-                    routing_key=message.destination,
-                    mandatory=True,
-                    timeout=self._timeout,
-                )
+            async with asyncio.timeout(self._timeout):
+                while message_id and (earlier := self._publishing_ids.get(message_id)):
+                    await asyncio.shield(earlier)
+                if message_id:
+                    self._publishing_ids[message_id] = asyncio.get_running_loop().create_future()
+                try:
+                    if publishing.is_closed:  # fail now, as aio-pika's publish does
+                        raise aiormq.exceptions.ChannelInvalidStateError("channel closed")
+                    channel = await publishing.get_underlay_channel()
+                    await channel.basic_publish(
+                        message.body,
+                        exchange=exchange.name,
+                        routing_key=message.destination,
+                        properties=properties,
+                        mandatory=True,
+                        timeout=self._timeout,
+                    )
+                finally:
+                    if message_id:
+                        self._publishing_ids.pop(message_id).set_result(None)
         except aiormq.exceptions.PublishError as exc:  # basic.return
             raise PublishError(f"unroutable: {exc}") from exc
         except aiormq.exceptions.DeliveryError as exc:  # basic.nack
@@ -366,16 +380,6 @@ class RabbitTransport:
             raise PublishError(f"no confirm within {self._timeout:g}s", unknown=True) from exc
         except AMQP_ERRORS as exc:
             raise PublishError(f"connection lost: {short(exc)}", unknown=True) from exc
-
-    @contextlib.asynccontextmanager
-    async def _one_per_id(self, message_id: str | None) -> AsyncIterator[None]:
-        if not message_id:
-            yield
-            return
-        # Weak values: an id's lock lives exactly as long as some publish holds or awaits it.
-        lock = self._id_locks.setdefault(message_id, asyncio.Lock())
-        async with lock:
-            yield
 
     async def quarantine_depth(self) -> int:
         return await self._message_count(QUARANTINE_QUEUE)
