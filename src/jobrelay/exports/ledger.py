@@ -110,7 +110,7 @@ def with_plain_column(table: Table) -> None:
     """Have ``table`` (a ``ledger_entries``) made with ``PLAIN_COLUMN`` on PostgreSQL."""
 
     def add(_target: Table, connection: Connection, **_kw: Any) -> None:
-        if connection.dialect.name == "postgresql":
+        if capabilities_of(connection).copies:  # the column serves the COPY path only
             connection.execute(text(ADD_PLAIN_COLUMN))
 
     event.listen(table, "after_create", add)
