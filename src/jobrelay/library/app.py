@@ -73,6 +73,8 @@ class App(OperatorVerbs, HookRegistry):
     def __init__(self, settings: Settings | None = None) -> None:
         self._settings = settings
         self._jobs: dict[str, JobDefinition[Any]] = {}
+        # Kept as types are declared: every enqueue asks, and the API's accept is hot.
+        self._prioritized: frozenset[str] = frozenset()
         self._builtins: list[Callable[[Settings], Operation]] = []
         self._included_types: set[str] = set()
         self._routers: list[APIRouter | Callable[[], APIRouter]] = []
@@ -105,7 +107,7 @@ class App(OperatorVerbs, HookRegistry):
     def prioritized_queues(self) -> frozenset[str]:
         """The queues a type on which declared ``priority=``: all their jobs are admitted to
         the broker highest priority first."""
-        return frozenset(d.queue for d in self._jobs.values() if d.priority is not None)
+        return self._prioritized
 
     def job(
         self,
@@ -191,6 +193,8 @@ class App(OperatorVerbs, HookRegistry):
                     definition, cron=schedule, params=schedule_params, timezone=schedule_timezone
                 )
             self._jobs[name] = definition
+            if priority is not None:
+                self._prioritized |= {definition.queue}
             return definition
 
         return define
