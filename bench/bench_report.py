@@ -181,6 +181,7 @@ def bench_line(results: Results) -> str:
         "e2e_p50_ms": f"{latency['p50']:.0f}" if latency else "n/a",
         "e2e_p99_ms": f"{latency['p99']:.0f}" if latency else "n/a",
         "embedded_jobs_s": str(results.checks.get("embedded_jobs_s", "n/a")),
+        "embedded_cold_jobs_s": str(results.checks.get("embedded_cold_jobs_s", "n/a")),
         "commits_per_job": str(drain.detail.get("commits_per_job", "n/a")) if drain else "n/a",
     }
     return "bench: " + " ".join(f"{k}={v}" for k, v in fields.items())

@@ -239,7 +239,10 @@ class Bench:
         level = options.tuning.get("log_level", "INFO").upper()
         per_job = {
             "DEBUG": "3 worker lines and 1 relay line per job",
-            "INFO": "none per job: a worker line per second, a relay line per batch",
+            "INFO": (
+                "one per job, the API's job_accepted; a worker line per second, "
+                "a relay line per batch"
+            ),
         }.get(level, "")
         say(
             f"bench: log policy: jobrelay at {level}{f' ({per_job})' if per_job else ''}; "
