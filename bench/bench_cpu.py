@@ -142,11 +142,15 @@ class CpuUse:
     def per_job_us(self, jobs: int) -> dict[str, int]:
         """CPU microseconds per job of each group that did any work for the jobs: where the
         time per job goes, without a profiler (the bench's own client is left out)."""
-        return {
-            group: round(seconds / jobs * 1e6)
-            for group, seconds in self.seconds.items()
-            if jobs and seconds / jobs >= 1e-6 and not group.startswith(("bench", "other"))
-        }
+        if not jobs:
+            return {}
+        theirs = ("bench", "other")
+        ours = {g: s for g, s in self.seconds.items() if not g.startswith(theirs)}
+        # The machine's busy time less the client's and the neighbours': what the jobs cost.
+        ours["total"] = self.seconds.get("total", 0.0) - sum(
+            s for g, s in self.seconds.items() if g.startswith(theirs)
+        )
+        return {g: round(s / jobs * 1e6) for g, s in ours.items() if s / jobs >= 1e-6}
 
 
 async def machine_load(seconds: float = 1.0) -> float:

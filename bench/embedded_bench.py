@@ -44,7 +44,8 @@ async def embedded_drain(
     cold: bool = False,
 ) -> float:
     """Jobs per second through one ``jobrelay up`` on a fresh SQLite file (under cProfile,
-    to ``LOG_DIR/embedded.prof``, with ``profile``: for diagnosis, not a comparable figure).
+    to ``LOG_DIR/embedded.prof`` or ``embedded-cold.prof``, with ``profile``: for diagnosis,
+    not a comparable figure).
 
     Warm (the default): ``up`` is ready, then the application commits the N jobs; timed from
     that commit. ``cold``: the N jobs are committed first, then ``up`` is spawned; timed from
@@ -68,7 +69,11 @@ async def embedded_drain(
             _enqueue(database, n)
         started = time.perf_counter()
         up = RoleProcess.spawn(
-            "embedded", ["up", "--port", str(free_port())], env, log_dir, profile=profile
+            "embedded-cold" if cold else "embedded",
+            ["up", "--port", str(free_port())],
+            env,
+            log_dir,
+            profile=profile,
         )
         try:
             if not cold:

@@ -40,7 +40,9 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import asyncpg as pg_asyncpg
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+import jobrelay
 from jobrelay.domain.ids import request_hash
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransientError
@@ -60,6 +62,7 @@ from jobrelay.observe.faults import Faults
 from jobrelay.results.staging import StagingResults
 from jobrelay.runtime.wiring import open_runtime
 from jobrelay.settings import Settings
+from jobrelay.storage.capabilities import capabilities_of
 from jobrelay.storage.engine import create_engine, snapshot
 from jobrelay.storage.store import Claim, NewJob
 from tests.id_keys import request_id
@@ -236,6 +239,8 @@ async def run_export(
             clock=rt.clock,
         )
         result = await export_job.run(context)
+        if capabilities_of(rt.engine).copies:  # which path the export took
+            assert ledger._ensured[rt.engine.sync_engine] is (plain_column or rows is None)
         await staging.publish()
         assert result.result_key is not None
         data = (results / result.result_key).read_bytes()
@@ -336,6 +341,50 @@ async def test_snapshot_is_repeatable_read_and_read_only(pg_url: str) -> None:
 
 # --- the defanging in SQL is the Python rule ----------------------------------------------
 
+_RAW_COLUMNS = ("id", "booked_on", "description", "counterparty", "amount", "currency")
+
+
+def _ledger_row(raw: tuple[Any, ...]) -> dict[str, Any]:
+    return dict(zip(_RAW_COLUMNS, raw, strict=True)) | {"account_id": "acme", "period": PERIOD}
+
+
+async def _copied(engine: AsyncEngine) -> bytes:
+    """acme's month through ``ledger.copy_month``, as the export's lines."""
+    lines = csv_format.CopyLines()
+    out: list[bytes] = []
+
+    async def output(chunk: bytes) -> None:
+        out.append(lines.feed(chunk))
+
+    async with engine.begin() as conn:
+        await conn.execute(text("SELECT 1"))  # the snapshot's first statement
+        await ledger.copy_month(conn, "acme", PERIOD, csv_format.ROW_END_CELL, output)
+    lines.finish()
+    return b"".join(out)
+
+
+async def test_a_plain_column_dropped_under_a_running_worker_costs_one_attempt(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw = [(1, date(2020, 5, 1), "=1+1", "ACME Ltd", Decimal("1.00"), "EUR")]
+    engine = create_engine(pg_url)
+    try:
+        await ledger.ensure_table(engine)
+        await ledger.replace(engine, "acme", [_ledger_row(r) for r in raw])
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(f"ALTER TABLE ledger_entries DROP COLUMN {ledger.PLAIN_COLUMN}")
+            )
+        with pytest.raises(jobrelay.Retry):
+            await _copied(engine)  # the attempt that meets the dropped column
+        with caplog.at_level(logging.WARNING, logger=ledger.__name__):
+            await ledger.ensure_table(engine)  # the next attempt looks again
+        assert ledger._ensured[engine.sync_engine] is False
+        assert await _copied(engine) == csv_format.python_lines(raw)
+    finally:
+        await engine.dispose()
+    assert any(getattr(r, "event", None) == "ledger_plain_column_missing" for r in caplog.records)
+
 
 async def test_an_old_table_without_the_plain_column_is_named_in_a_warning(
     pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -406,39 +455,9 @@ def test_the_plain_column_never_spares_a_cell_the_rule_changes(
         engine = create_engine(pg_url)
         try:
             await ledger.ensure_table(engine)
-            await ledger.replace(
-                engine,
-                "acme",
-                [
-                    dict(
-                        zip(
-                            (
-                                "id",
-                                "booked_on",
-                                "description",
-                                "counterparty",
-                                "amount",
-                                "currency",
-                            ),
-                            r,
-                            strict=True,
-                        )
-                    )
-                    | {"account_id": "acme", "period": PERIOD}
-                    for r in raw
-                ],
-            )
-            lines = csv_format.CopyLines()
-            out: list[bytes] = []
-
-            async def output(chunk: bytes) -> None:
-                out.append(lines.feed(chunk))
-
-            async with engine.begin() as conn:
-                await conn.execute(text("SELECT 1"))  # the snapshot's first statement
-                await ledger.copy_month(conn, "acme", PERIOD, csv_format.ROW_END_CELL, output)
-            lines.finish()
-            return b"".join(out)
+            assert ledger._ensured[engine.sync_engine] is True  # the column's path, not the other
+            await ledger.replace(engine, "acme", [_ledger_row(r) for r in raw])
+            return await _copied(engine)
         finally:
             await engine.dispose()
 

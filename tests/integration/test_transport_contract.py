@@ -22,7 +22,7 @@ from typing import Any
 
 import aio_pika
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, text
 
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.settings import Settings
@@ -573,8 +573,13 @@ async def test_local_consumer_processes_share_the_queue_exactly_once(
         for worker in workers:
             assert (await asyncio.wait_for(worker.stdout.readline(), 30)).strip() == b"READY"  # type: ignore[union-attr]
         publisher = await local.connected()
-        for n in range(200):
-            await publisher.publish(message({"n": n}))
+
+        async def publish_all() -> None:
+            for n in range(200):
+                await publisher.publish(message({"n": n}))
+
+        # Published while a consumer is being frozen, so there is work on both sides of it.
+        publishing = asyncio.create_task(publish_all())
         engine = local._engine  # the rows themselves: all gone means all acked
         assert engine is not None
 
@@ -583,11 +588,30 @@ async def test_local_consumer_processes_share_the_queue_exactly_once(
 
         await wait_until(started, timeout=30)
         frozen = next(w for w, r in zip(workers, records, strict=True) if r.exists())
-        os.kill(frozen.pid, signal.SIGSTOP)
+
+        async def held_by_frozen() -> int:
+            # A consumer's id is "host:pid:random" (LocalTransport).
+            async with local_queue.reading(engine) as conn:
+                held = await conn.scalar(
+                    text("SELECT count(*) FROM local_messages WHERE consumer LIKE :me"),
+                    {"me": f"%:{frozen.pid}:%"},
+                )
+            return int(held or 0)
+
+        async def frozen_holding_rows() -> bool:
+            # Frozen at a moment it holds claimed rows, or let go and tried again.
+            os.kill(frozen.pid, signal.SIGSTOP)
+            if await held_by_frozen():
+                return True
+            os.kill(frozen.pid, signal.SIGCONT)
+            return False
+
         try:
+            await wait_until(frozen_holding_rows, timeout=30, interval=0.01)
             await asyncio.sleep(3 * LOCAL_VISIBILITY)  # the freeze itself, not a wait for it
         finally:
             os.kill(frozen.pid, signal.SIGCONT)
+        await publishing
 
         async def drained() -> bool:
             async with local_queue.reading(engine) as conn:
@@ -596,6 +620,7 @@ async def test_local_consumer_processes_share_the_queue_exactly_once(
         await wait_until(drained, timeout=60, interval=0.2)
     finally:
         for worker in workers:
+            os.kill(worker.pid, signal.SIGCONT)  # a failure mid-freeze leaves none stopped
             worker.terminate()
         codes = [await asyncio.wait_for(w.wait(), 30) for w in workers]
     assert codes == [0, 0, 0], [(tmp_path / f"consumer-{i}.err").read_text() for i in range(3)]

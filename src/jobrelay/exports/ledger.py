@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -88,7 +89,6 @@ Index(
 # for every cell of every export: testing each cell inside ``COPY`` doubled the database's
 # time per row (issue 41). A stored generated column, so no writer can leave it stale. Not
 # in the table's columns: SQLite, whose export defangs in Python, has no such column.
-PLAIN_COLUMN = "cells_plain"
 
 
 def _plain_cell(name: str) -> str:
@@ -98,11 +98,16 @@ def _plain_cell(name: str) -> str:
     return " AND ".join([first, *(f"strpos({name}, chr({ord(c)})) = 0" for c in defang.SEPARATORS)])
 
 
+_PLAIN_RULE = " AND ".join(
+    _plain_cell(name) for name in ("description", "counterparty", "currency")
+)
+# The column is named for its rule: a table whose column was made under another fast test (the
+# rule's characters changed since) has no column of this name, so the export does not trust
+# the old one, and the warning below names the statement that adds the new one.
+PLAIN_COLUMN = f"cells_plain_{hashlib.sha256(_PLAIN_RULE.encode()).hexdigest()[:8]}"
 ADD_PLAIN_COLUMN = (
     f"ALTER TABLE ledger_entries ADD COLUMN {PLAIN_COLUMN} boolean"
-    f" GENERATED ALWAYS AS ("
-    + " AND ".join(_plain_cell(name) for name in ("description", "counterparty", "currency"))
-    + ") STORED"
+    f" GENERATED ALWAYS AS ({_PLAIN_RULE}) STORED"
 )
 
 
@@ -138,11 +143,19 @@ async def ensure_table(engine: AsyncEngine) -> None:
     plain = False
     if capabilities_of(engine).copies:
         async with engine.connect() as conn:
-            plain = bool(await conn.scalar(_HAS_PLAIN))
-        if not plain:
+            present, utf8 = (await conn.execute(_HAS_PLAIN)).one()
+        # ``ascii()`` is the first character's code point only in UTF8: in another encoding
+        # the fast test would not be Python's.
+        plain = bool(present and utf8)
+        if present and not utf8:
+            log.warning(
+                "the database is not UTF8: the export tests every cell for the defang",
+                extra={"event": "ledger_plain_column_unused"},
+            )
+        elif not present:
             log.warning(
                 "ledger_entries has no %s column: the export tests every cell for the "
-                "defang; add it with: %s",
+                "defang; add it with: %s (then restart the workers)",
                 PLAIN_COLUMN,
                 ADD_PLAIN_COLUMN,
                 extra={"event": "ledger_plain_column_missing"},
@@ -152,7 +165,8 @@ async def ensure_table(engine: AsyncEngine) -> None:
 
 _HAS_PLAIN = text(
     "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'ledger_entries'::regclass"
-    f" AND attname = '{PLAIN_COLUMN}' AND NOT attisdropped)"
+    f" AND attname = '{PLAIN_COLUMN}' AND NOT attisdropped),"
+    " current_setting('server_encoding') = 'UTF8'"
 )
 
 
@@ -256,6 +270,9 @@ async def copy_month(
     try:
         await driver.execute("SET LOCAL DateStyle = 'ISO, YMD'")  # this transaction only
         status = await driver.copy_from_query(sql, *args, output=output, format="csv")
+    except asyncpg.UndefinedColumnError as exc:
+        _ensured.pop(conn.engine.sync_engine, None)  # dropped since: the next try looks again
+        raise read_failed(exc) from exc
     except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise read_failed(exc) from exc
     return int(str(status).rsplit(" ", 1)[-1])

@@ -336,8 +336,7 @@ class RabbitTransport:
     async def publish(self, message: OutgoingMessage) -> None:
         if not self._topology.routes(message.destination):
             raise PublishError(f"unroutable: no queue for destination {message.destination!r}")
-        exchange, publishing = self._exchange, self._publishing
-        if exchange is None or publishing is None:
+        if self._exchange is None:
             raise PublishError("not connected: call connect() first")
         # aiormq's own frame properties, not an aio-pika ``Message`` and ``Exchange.publish``
         # on top: the same frames, and about a tenth of the relay's CPU per row less.
@@ -354,7 +353,11 @@ class RabbitTransport:
                     await asyncio.shield(earlier)
                 if message_id:
                     self._publishing_ids[message_id] = asyncio.get_running_loop().create_future()
+                # Read after the wait: a nack meanwhile may have renewed the channel.
+                exchange, publishing = self._exchange, self._publishing
                 try:
+                    if exchange is None or publishing is None:
+                        raise PublishError("not connected: the transport was closed")
                     if publishing.is_closed:  # fail now, as aio-pika's publish does
                         raise aiormq.exceptions.ChannelInvalidStateError("channel closed")
                     channel = await publishing.get_underlay_channel()
