@@ -221,9 +221,11 @@ async def accept_job(
     return Admission(accepted_id, created)
 
 
-def _acceptor(runtime: RuntimeDep, _caller: RateLimitedDep) -> Acceptor:
+async def _acceptor(runtime: RuntimeDep, _caller: RateLimitedDep) -> Acceptor:
     """An acceptor for a caller within its rate limit (``JOBRELAY_RATE_LIMIT``): every
-    route that accepts jobs is limited per token, before it reads its body."""
+    route that accepts jobs is limited per token, before it reads its body. Async though it
+    awaits nothing: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop
+    on every accept."""
     return Acceptor(runtime)
 
 
