@@ -165,6 +165,7 @@ def bench_line(results: Results) -> str:
     accept = results.figures.get("accept")
     drain = results.figures.get("worker drain")
     relay = results.figures.get("relay")
+    bare = results.figures.get("bare export")
     e2e = results.figures.get("fixed rate") or results.figures.get("end to end")
 
     def ratio(ours: Figure | None, key: str) -> str:
@@ -183,5 +184,8 @@ def bench_line(results: Results) -> str:
         "embedded_jobs_s": str(results.checks.get("embedded_jobs_s", "n/a")),
         "embedded_cold_jobs_s": str(results.checks.get("embedded_cold_jobs_s", "n/a")),
         "commits_per_job": str(drain.detail.get("commits_per_job", "n/a")) if drain else "n/a",
+        "export_vs_bare": (
+            f"{drain.rate / bare.rate:.2f}" if drain is not None and bare is not None else "n/a"
+        ),
     }
     return "bench: " + " ".join(f"{k}={v}" for k, v in fields.items())

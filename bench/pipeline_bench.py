@@ -50,6 +50,7 @@ import asyncio
 import contextlib
 import csv
 import io
+import json
 import signal
 import sys
 import time
@@ -66,6 +67,7 @@ import pipeline_peers
 import soak_bench
 from bench_client import Submitted, api_client, submit, submit_at_rate, wait_ready
 from bench_env import (
+    BENCH_DIR,
     BenchFailure,
     CountedConnection,
     RoleProcess,
@@ -159,6 +161,16 @@ def parse_args(argv: list[str] | None) -> Options:
         )
         if value is not None
     }
+    if args.job == "export":
+        # report.export is fair by account: the relay admits at most JOBRELAY_FAIR_AHEAD
+        # (512) of its unfinished jobs, so the relay phase, which runs with no worker, would
+        # stop there. Lifted to N for the run (said on stdout).
+        tuning.setdefault("fair_ahead", str(max(args.jobs, 512)))
+        print(
+            f"bench: JOBRELAY_FAIR_AHEAD={tuning['fair_ahead']}: report.export's fairness "
+            "window is lifted to N, so the relay phase (no worker) can publish all N",
+            flush=True,
+        )
     return Options(
         jobs=args.jobs,
         concurrency=args.concurrency,
@@ -214,6 +226,8 @@ class Bench:
             await self.phase_accept()
             await self.phase_relay()
             await self.phase_drain()
+            if self.options.job == "export":
+                await self.phase_bare_export()
             await self.start_everything_again()
             await self.phase_end_to_end()
             await self.phase_fixed_rate()
@@ -400,6 +414,44 @@ class Bench:
             f"first claim to last result; warm {detail['warm_rate']:.0f}/s, cold "
             f"{detail['cold_rate']:.0f}/s (start-up {startup:.2f}s); "
             f"{detail['commits_per_job']:.2f} commits per job",
+        )
+
+    async def phase_bare_export(self) -> None:
+        """The drain's exports again, with no queue (``export_bare.py``): as many processes
+        as the drain had workers, each at the workers' concurrency, the same months in the
+        same order. Timed from their common start to the last one's end; the drain's rate
+        over this one is ``export_vs_bare``: how much of the drain's time is the export's."""
+        n, processes = self.options.jobs, self.options.workers
+        concurrency = int(self.options.tuning.get("concurrency", DEFAULT_CONCURRENCY))
+        start_at = time.time() + 3.0  # every process imported and connected by then
+        share = -(-n // processes)
+        runs = [
+            RoleProcess.spawn_command(
+                f"bare-{i + 1}",
+                [
+                    str(BENCH_DIR / "export_bare.py"),
+                    self.sandbox.database_url,
+                    str(self.sandbox.results_dir / "bare"),
+                    str(i * share),
+                    str(max(min(share, n - i * share), 0)),
+                    str(concurrency),
+                    str(start_at),
+                ],
+                self.env,
+                self.log_dir,
+            )
+            for i in range(processes)
+        ]
+        async with self.bounded("bare export"):
+            codes = [await asyncio.to_thread(run.popen.wait) for run in runs]
+        if any(codes):
+            raise BenchFailure(f"bare export: exit codes {codes}; logs in {self.log_dir}")
+        done = [json.loads(run.log_path.read_text().strip().splitlines()[-1]) for run in runs]
+        seconds = max(d["finished"] for d in done) - min(d["started"] for d in done)
+        self.record(
+            "bare export",
+            Figure(n, seconds, {"processes": processes, "concurrency": concurrency}),
+            f"report.export's body alone: {processes} processes x {concurrency}, no queue",
         )
 
     async def phase_end_to_end(self) -> None:
