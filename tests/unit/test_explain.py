@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from jobrelay.admin.explain import attempts, explain_document, next_step
+from jobrelay.admin.attempts import attempts
+from jobrelay.admin.explain import explain_document, next_step
 from jobrelay.domain.states import JobState as S
 from jobrelay.storage.store import EventRecord, JobRecord
 

@@ -67,8 +67,8 @@ def _configured(**env: str) -> dict[str, object]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     code = (
         "import json, sys\n"
-        "from jobrelay.observe import tracing\n"
-        "provider = tracing.configure('worker')\n"
+        "from jobrelay.observe import exporters, tracing\n"
+        "provider = exporters.configure('worker')\n"
         "print(json.dumps({'sdk': 'opentelemetry.sdk' in sys.modules,"
         " 'active': tracing.active(), 'made': provider is not None}))\n"
     )

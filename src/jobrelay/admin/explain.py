@@ -5,8 +5,8 @@ published but not claimed (look at the workers), waiting for a retry, quarantine
 reason), or done (here is the file). ``next_step`` says which, in one line.
 
 ``explain_document`` is the same explanation as JSON, for ``job show --json``, the HTTP
-``/v1/jobs/{jobId}/explain`` and the support console; ``attempts`` folds the timeline into
-one row per attempt with its outcome and error.
+``/v1/jobs/{jobId}/explain`` and the support console; ``admin.attempts`` folds the timeline
+into one row per attempt with its outcome and error.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -23,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from jobrelay.admin.attempts import attempts
 from jobrelay.domain.delays import runs_at_text
 from jobrelay.domain.disclosure import DEPENDENCY_FAILED
 from jobrelay.domain.limits import FAIR, PRIORITY, JobLimit, limiting, split_id
@@ -217,66 +217,6 @@ def _next_step(
         f"published and waiting for a worker (accepted {ago(job.created_at, now)}): "
         "is a worker running and consuming?"
     )
-
-
-@dataclass(frozen=True)
-class Attempt:
-    number: int
-    started_at: datetime
-    worker: str | None
-    outcome: str  # succeeded, retry, quarantined, lease lost, lost, running, no outcome
-    error: str | None = None
-    ended_at: datetime | None = None  # the outcome's event; None while running or unknown
-
-
-_OUTCOME_EVENTS = {
-    "result_saved": "succeeded",
-    "retry_scheduled": "retry",
-    "quarantined": "quarantined",
-    "lease_lost": "lease lost",
-    "reconciled_lease_expired": "lost (lease expired, re-queued by the reconciler)",
-}
-
-
-def attempts(job: JobRecord, events: list[EventRecord]) -> list[Attempt]:
-    """One row per claimed attempt, with how it ended, from the timeline alone."""
-    found: dict[int, Attempt] = {}
-    current: int | None = None
-    for event in events:
-        detail = event.detail
-        if event.kind == "claimed":
-            current = int(detail.get("attempt") or len(found) + 1)
-            found[current] = Attempt(current, event.at, detail.get("worker"), "no outcome")
-            continue
-        outcome = _OUTCOME_EVENTS.get(event.kind)
-        if outcome is None:
-            continue
-        number = detail.get("attempt", current)
-        if event.kind == "reconciled_lease_expired":
-            number = detail.get("attempt")
-        if not isinstance(number, int) or number not in found:
-            continue  # decided on delivery, before any attempt (invalid payload, exhausted)
-        previous = found[number]
-        if previous.outcome not in ("no outcome", "lease lost"):
-            continue  # the first outcome of an attempt is the one that counted
-        error = detail.get("error") or detail.get("reason")
-        if event.kind == "result_saved":
-            error = None
-        if event.kind == "reconciled_lease_expired":
-            error = f"worker {detail.get('worker')} stopped renewing its lease"
-        found[number] = Attempt(
-            number,
-            previous.started_at,
-            previous.worker,
-            outcome,
-            str(error) if error else None,
-            event.at,
-        )
-    if job.state is JobState.RUNNING and job.attempt in found:
-        last = found[job.attempt]
-        if last.outcome == "no outcome":
-            found[job.attempt] = Attempt(last.number, last.started_at, last.worker, "running")
-    return [found[n] for n in sorted(found)]
 
 
 def scrubbed_view(job: JobRecord, events: list[EventRecord]) -> tuple[JobRecord, list[EventRecord]]:

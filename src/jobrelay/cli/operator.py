@@ -21,7 +21,7 @@ from jobrelay.settings import Settings
 if TYPE_CHECKING:  # imported where they run, so `jobrelay --help` stays light
     from jobrelay.admin.quarantine_purge import PurgeReport
     from jobrelay.library.operator import BulkReplay
-    from jobrelay.maintenance.reconcile import Report
+    from jobrelay.maintenance.findings import Report
     from jobrelay.storage.admin import ActionOutcome
 
 app = typer.Typer()  # top-level commands, mounted by cli.main

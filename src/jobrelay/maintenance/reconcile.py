@@ -60,13 +60,21 @@ import os
 import socket
 import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
 
 from jobrelay.domain.states import JobState
+from jobrelay.maintenance.findings import (
+    FINDINGS,
+    LEASE_EXPIRED,
+    NOT_CONSUMING,
+    OUTBOX_STALE,
+    QUARANTINE_MISMATCH,
+    QUEUED_UNCLAIMED,
+    RETRY_OVERDUE,
+    Finding,
+    Report,
+)
 from jobrelay.maintenance.leadership import LOCK_KEY, Leadership, PassAbandoned
 from jobrelay.maintenance.prune import Pruner
 from jobrelay.observe.scrub import scrub
@@ -76,21 +84,6 @@ from jobrelay.storage.queue_progress import queue_progress
 from jobrelay.storage.repairs import RepairQueries, WaitingJob
 
 log = logging.getLogger("jobrelay.reconcile")
-
-LEASE_EXPIRED = "lease_expired"
-RETRY_OVERDUE = "retry_overdue"
-QUEUED_UNCLAIMED = "queued_unclaimed"
-OUTBOX_STALE = "outbox_stale"
-QUARANTINE_MISMATCH = "quarantine_mismatch"
-NOT_CONSUMING = "not_consuming"
-FINDINGS = (
-    LEASE_EXPIRED,
-    RETRY_OVERDUE,
-    QUEUED_UNCLAIMED,
-    OUTBOX_STALE,
-    QUARANTINE_MISMATCH,
-    NOT_CONSUMING,
-)
 
 _BATCH = 500
 _MOVED = "left alone, the job moved on meanwhile"
@@ -102,46 +95,6 @@ STATISTICS_SECONDS = 2.0
 
 def new_reconciler_id() -> str:
     return f"reconciler:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str
-    job_id: str | None
-    detail: str
-    repaired: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "jobId": self.job_id,
-            "detail": self.detail,
-            "repaired": self.repaired,
-        }
-
-
-@dataclass
-class Report:
-    dry_run: bool
-    findings: list[Finding] = field(default_factory=list)
-    quarantine_scanned: int | None = None  # None: the quarantine queue was not read
-
-    @property
-    def repaired(self) -> int:
-        return sum(1 for f in self.findings if f.repaired)
-
-    def counts(self) -> dict[str, int]:
-        seen = Counter(f.kind for f in self.findings)
-        return {kind: seen.get(kind, 0) for kind in FINDINGS}
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "dryRun": self.dry_run,
-            "counts": self.counts(),
-            "repaired": self.repaired,
-            "quarantineScanned": self.quarantine_scanned,
-            "findings": [f.as_dict() for f in self.findings],
-        }
 
 
 def _age(since: datetime | None, now: datetime) -> str:

@@ -28,12 +28,12 @@ from jobrelay.errors import ConfigError
 from jobrelay.observe import tracing
 from jobrelay.observe.tracing import trace_headers
 from jobrelay.storage.drivers.new_job import (
-    PG_ISO_RUN_AT,
     accepted_detail,
     limits_json,
     same_request,
     untraced_new_job_steps,
 )
+from jobrelay.storage.drivers.pg_new_job import PG_ISO_RUN_AT
 from jobrelay.storage.records import NOTIFY_CHANNEL, NewJob, work_destination
 from jobrelay.storage.steps import Steps
 from jobrelay.storage.tables import UTCDateTime, jobs
