@@ -22,15 +22,13 @@ from jobrelay.domain.dependencies import dependencies_of
 from jobrelay.domain.ids import IdKeys, follow_up_job_id, keyed_job_id, request_hash, uuid7
 from jobrelay.domain.limits import priority_limit
 from jobrelay.errors import ConfigError, IdempotencyConflict, InvalidParams, PermanentError
-from jobrelay.library.context import JobContext, JobType, Result
+from jobrelay.library.context import JobContext, JobType
 from jobrelay.library.definition_checks import (
-    RAW_KINDS,
     check_job_signature,
     field_errors,
-    schema_missing_hint,
-    unknown_type,
-    wrong_connection,
 )
+from jobrelay.library.enqueue_on import on_async, on_sync
+from jobrelay.library.job_run import named_follow_up, operation_result
 from jobrelay.library.limits import Limit, job_limits, job_priority
 from jobrelay.library.operations import OperationContext, OperationResult
 from jobrelay.library.sync_context import SyncJobFunction, run_in_thread, runs_in_thread
@@ -38,18 +36,12 @@ from jobrelay.observe import tracing
 from jobrelay.settings import Settings
 from jobrelay.storage.drivers.dbapi import (
     DBAPIConnection,
-    connection_identity,
-    dbapi_dialect,
-    dialect_of,
-    require_atomic,
-    run_dbapi,
 )
 from jobrelay.storage.drivers.new_job import new_job_steps
 from jobrelay.storage.drivers.new_jobs import new_jobs_steps
 from jobrelay.storage.installation import IdKeyCache
 from jobrelay.storage.records import NewJob, work_destination
-from jobrelay.storage.steps import Steps, run_async, run_sync
-from jobrelay.storage.storable import value_json
+from jobrelay.storage.steps import Steps
 
 P = TypeVar("P", bound=BaseModel)
 JobFunction = Callable[[JobContext[P], P], Awaitable[Any]]
@@ -220,24 +212,22 @@ class JobDefinition(Generic[P]):
         ``after_failure="run"``. Ids that do not exist (or, with ``account``, are another
         account's) raise ``InvalidDependencies`` before anything is written.
         """
-        if not isinstance(conn, AsyncConnection):
-            raise ConfigError("enqueue", wrong_connection(conn, "AsyncConnection", "begin()"))
-        with schema_missing_hint("enqueue"):
-            return await run_async(
-                conn,
-                self._enqueue_steps(
-                    conn.sync_engine,
-                    dialect_of(conn),
-                    params,
-                    key,
-                    account,
-                    job_id,
-                    self._when(delay, run_at),
-                    after,
-                    after_failure,
-                    priority,
-                ),
-            )
+        return await on_async(
+            "enqueue",
+            conn,
+            lambda database, dialect: self._enqueue_steps(
+                database,
+                dialect,
+                params,
+                key,
+                account,
+                job_id,
+                self._when(delay, run_at),
+                after,
+                after_failure,
+                priority,
+            ),
+        )
 
     def enqueue_sync(
         self,
@@ -257,30 +247,10 @@ class JobDefinition(Generic[P]):
         the DB-API connection a framework holds (psycopg 3, sqlite3: Django's
         ``connection.connection`` inside ``transaction.atomic()``), never committed here."""
         when = self._when(delay, run_at)
-        if isinstance(conn, Connection):
-            with schema_missing_hint("enqueue_sync"):
-                steps = self._enqueue_steps(
-                    conn.engine,
-                    dialect_of(conn),
-                    params,
-                    key,
-                    account,
-                    job_id,
-                    when,
-                    after,
-                    after_failure,
-                    priority,
-                )
-                return run_sync(conn, steps)
-        dialect = dbapi_dialect(conn)
-        if dialect is None:
-            raise ConfigError(
-                "enqueue_sync", wrong_connection(conn, "Connection", "begin()", RAW_KINDS)
-            )
-        require_atomic(conn, dialect)
-        with schema_missing_hint("enqueue_sync"):
-            database = connection_identity(conn, dialect) if key is not None else dialect
-            steps = self._enqueue_steps(
+        return on_sync(
+            "enqueue_sync",
+            conn,
+            lambda database, dialect: self._enqueue_steps(
                 database,
                 dialect,
                 params,
@@ -291,8 +261,9 @@ class JobDefinition(Generic[P]):
                 after,
                 after_failure,
                 priority,
-            )
-            return run_dbapi(conn, dialect, steps)
+            ),
+            keyed=key is not None,
+        )
 
     async def enqueue_many(
         self,
@@ -316,23 +287,21 @@ class JobDefinition(Generic[P]):
         one bad one raises ``InvalidParams`` naming its index, and nothing is written. A
         job with ``after=`` is written on its own (its dependencies are read and locked).
         """
-        if not isinstance(conn, AsyncConnection):
-            raise ConfigError("enqueue_many", wrong_connection(conn, "AsyncConnection", "begin()"))
-        with schema_missing_hint("enqueue_many"):
-            return await run_async(
-                conn,
-                self._enqueue_many_steps(
-                    conn.sync_engine,
-                    dialect_of(conn),
-                    params,
-                    keys,
-                    account,
-                    self._when(delay, run_at),
-                    after,
-                    after_failure,
-                    priority,
-                ),
-            )
+        return await on_async(
+            "enqueue_many",
+            conn,
+            lambda database, dialect: self._enqueue_many_steps(
+                database,
+                dialect,
+                params,
+                keys,
+                account,
+                self._when(delay, run_at),
+                after,
+                after_failure,
+                priority,
+            ),
+        )
 
     def enqueue_many_sync(
         self,
@@ -350,33 +319,14 @@ class JobDefinition(Generic[P]):
         """``enqueue_many`` for a synchronous application, on the connections
         ``enqueue_sync`` takes."""
         when = self._when(delay, run_at)
-        if isinstance(conn, Connection):
-            with schema_missing_hint("enqueue_many_sync"):
-                steps = self._enqueue_many_steps(
-                    conn.engine,
-                    dialect_of(conn),
-                    params,
-                    keys,
-                    account,
-                    when,
-                    after,
-                    after_failure,
-                    priority,
-                )
-                return run_sync(conn, steps)
-        dialect = dbapi_dialect(conn)
-        if dialect is None:
-            raise ConfigError(
-                "enqueue_many_sync", wrong_connection(conn, "Connection", "begin()", RAW_KINDS)
-            )
-        require_atomic(conn, dialect)
-        with schema_missing_hint("enqueue_many_sync"):
-            keyed = keys is not None and any(k is not None for k in keys)
-            database = connection_identity(conn, dialect) if keyed else dialect
-            steps = self._enqueue_many_steps(
+        return on_sync(
+            "enqueue_many_sync",
+            conn,
+            lambda database, dialect: self._enqueue_many_steps(
                 database, dialect, params, keys, account, when, after, after_failure, priority
-            )
-            return run_dbapi(conn, dialect, steps)
+            ),
+            keyed=keys is not None and any(k is not None for k in keys),
+        )
 
     def _enqueue_many_steps(
         self,
@@ -501,22 +451,7 @@ class JobDefinition(Generic[P]):
                     # Its enqueue is a child of this run (``observe.tracing``).
                     headers=tracing.follow_up_headers(),
                 )
-            if not isinstance(target, str):
-                raise ConfigError(
-                    "ctx.follow_up", f"{target!r} is not a job definition or a type name"
-                )
-            if target not in self.app.included_types:
-                raise ConfigError("ctx.follow_up", unknown_type(target, self.app.included_types))
-            stored = p.model_dump(mode="json") if isinstance(p, BaseModel) else dict(p)
-            return NewJob(
-                job_id=follow_up_job_id(job.id, target),
-                type=target,
-                account_id=job.account_id,
-                params=stored,
-                request_hash=request_hash(job.account_id, target, stored),
-                max_attempts=job.max_attempts,
-                headers=tracing.follow_up_headers(),
-            )
+            return named_follow_up(job, target, p, self.app.included_types)
 
         async def fault_point(point: str) -> None:
             await ctx.faults.ahit(point, attempt=ctx.attempt, params=job.params)
@@ -543,14 +478,4 @@ class JobDefinition(Generic[P]):
             returned = self.fn(context, params)  # type: ignore[arg-type]
             if inspect.isawaitable(returned):
                 returned = await returned
-        result = returned if isinstance(returned, Result) else Result(value=returned)
-        try:
-            value = value_json(result.value, self.app.settings.result_max_bytes)
-        except ValueError as exc:
-            raise PermanentError(str(exc)) from None
-        return OperationResult(
-            result_key=result.key,
-            meta=dict(result.meta),
-            follow_ups=tuple(context.follow_ups),
-            value_json=value,
-        )
+        return operation_result(returned, context, self.app.settings.result_max_bytes)
