@@ -111,11 +111,9 @@ def cores_used(before: Snapshot, after: Snapshot) -> dict[str, float]:
     wall = after.at - before.at
     if wall <= 0:
         return {}
-    used: dict[str, float] = {}
-    for group, pids in after.groups.items():
-        earlier = before.groups.get(group, {})
-        used[group] = sum(cpu - earlier.get(pid, 0.0) for pid, cpu in pids.items()) / wall
-    total = (after.busy - before.busy) / wall
+    seconds = cpu_seconds(before, after)
+    total = seconds.pop("total") / wall
+    used = {group: spent / wall for group, spent in seconds.items()}
     # Interrupt handling (loopback networking) and processes that exited in between.
     used["unattributed"] = max(total - sum(used.values()), 0.0)
     used["total"] = total
