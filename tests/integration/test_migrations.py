@@ -294,3 +294,74 @@ def test_0014_adds_the_cancel_request_columns_and_keeps_every_row(database_url: 
     assert not cancel_columns & asyncio.run(_job_columns(database_url))
     assert asyncio.run(_counts(database_url)) == (1, 1, 1)
     upgrade(database_url)
+
+
+async def _jobs_indexes(url: str) -> dict[str, list[str | None]]:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+
+            def names(sync_conn: Any) -> dict[str, list[str | None]]:
+                return {
+                    str(i["name"]): list(i["column_names"])
+                    for i in inspect(sync_conn).get_indexes("jobs")
+                }
+
+            return await conn.run_sync(names)
+    finally:
+        await engine.dispose()
+
+
+async def _finished_at(url: str) -> dict[str, Any]:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(text("SELECT id, finished_at FROM jobs"))
+            return {r.id: r.finished_at for r in rows}
+    finally:
+        await engine.dispose()
+
+
+def test_0022_stamps_the_finished_jobs_and_takes_the_indexes_off_the_state(
+    database_url: str,
+) -> None:
+    """0022 (HOT transitions): a job finished before it gets ``finished_at`` = its last change
+    (what retention judged it by), an unfinished one none; no index holds ``state`` or
+    ``updated_at`` any more; down again puts the state index back."""
+    command.downgrade(alembic_config(database_url), "0021")
+    done, running = "00000000-0000-4000-8000-000000000022", "00000000-0000-4000-8000-000000000023"
+    asyncio.run(_insert_old(database_url, "acme", done))
+    asyncio.run(_insert_old(database_url, "acme", running))
+
+    async def finish() -> None:
+        engine = create_engine(database_url)
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(jobs.update().where(jobs.c.id == done).values(state="succeeded"))
+                await conn.execute(
+                    jobs.update().where(jobs.c.id == running).values(state="running")
+                )
+        finally:
+            await engine.dispose()
+
+    asyncio.run(finish())
+    assert "ix_jobs_state_updated" in asyncio.run(_jobs_indexes(database_url))
+
+    upgrade(database_url)
+
+    stamped = asyncio.run(_finished_at(database_url))
+    assert stamped[running] is None
+    assert stamped[done] is not None
+    indexes = asyncio.run(_jobs_indexes(database_url))
+    assert "ix_jobs_state_updated" not in indexes
+    assert indexes["ix_jobs_finished"] == ["finished_at"]
+    assert not any({"state", "updated_at"} & set(cols) for cols in indexes.values())
+    assert asyncio.run(_counts(database_url)) == (2, 2, 2)
+
+    command.downgrade(alembic_config(database_url), "0021")
+    assert asyncio.run(_jobs_indexes(database_url))["ix_jobs_state_updated"] == [
+        "state",
+        "updated_at",
+    ]
+    assert "finished_at" not in asyncio.run(_job_columns(database_url))
+    upgrade(database_url)

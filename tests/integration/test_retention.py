@@ -468,7 +468,9 @@ async def test_a_job_that_a_waiting_job_still_needs_is_kept(runtime: Runtime) ->
     assert await runtime.store.get_job(done) is not None  # still needed
     async with runtime.store.writing() as conn:
         await conn.execute(
-            update(jobs).where(jobs.c.id == "fan-in").values(state=S.CANCELLED.value, updated_at=T0)
+            update(jobs)
+            .where(jobs.c.id == "fan-in")
+            .values(state=S.CANCELLED.value, updated_at=T0, finished_at=T0)
         )
     await prune(runtime)
     assert await runtime.store.get_job(done) is None

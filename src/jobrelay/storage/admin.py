@@ -24,7 +24,7 @@ from jobrelay.storage.delayed import drop_held, due_since, waiting_due
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import JobRecord, aware_time, job_record
 from jobrelay.storage.tables import jobs, local_messages, pruned_jobs
-from jobrelay.storage.transitions import CANCEL, REPLAY
+from jobrelay.storage.transitions import CANCEL, REPLAY, in_states
 
 OPERATOR = "operator"
 
@@ -163,7 +163,7 @@ class AdminQueries:
         ignoring case."""
         query = self.store.job_query().order_by(jobs.c.created_at.desc(), jobs.c.id).limit(limit)
         if state is not None:
-            query = query.where(jobs.c.state == state.value)
+            query = query.where(*in_states([state]))
         if job_type is not None:
             query = query.where(jobs.c.type == job_type)
         if account_id is not None:

@@ -20,6 +20,7 @@ from jobrelay.storage.delayed import due_since
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import JobRecord, aware_time, job_record
 from jobrelay.storage.tables import job_events, jobs, outbox
+from jobrelay.storage.transitions import in_states
 
 LAG_SAMPLE = 200  # published outbox rows the relay lag is measured on
 
@@ -44,7 +45,7 @@ class RelayLag:
 
 def _where(query: Any, f: JobFilter) -> Any:
     if f.states is not None:
-        query = query.where(jobs.c.state.in_([s.value for s in f.states]))
+        query = query.where(*in_states(f.states))
     if f.job_type is not None:
         query = query.where(jobs.c.type == f.job_type)
     if f.queue is not None:

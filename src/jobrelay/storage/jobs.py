@@ -35,6 +35,7 @@ from jobrelay.storage.tables import (
     job_dependencies,
     jobs,
 )
+from jobrelay.storage.transitions import in_states
 
 # How long an account's count of unfinished jobs is trusted by this process; within it, the
 # jobs this process accepted for the account are added to the count, read again only when
@@ -178,7 +179,7 @@ class JobsStore(StoreBase):
     ) -> list[JobRecord]:
         query = self.job_query().order_by(jobs.c.created_at.desc(), jobs.c.id).limit(limit)
         if state is not None:
-            query = query.where(jobs.c.state == state.value)
+            query = query.where(*in_states([state]))
         if account_id is not None:
             query = query.where(jobs.c.account_id == account_id)
         async with self.reading() as conn:

@@ -30,13 +30,11 @@ from jobrelay.domain.limits import (
     limit_id,
     split_id,
 )
-from jobrelay.domain.states import JobState
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.tables import job_slots, jobs, limit_events, limit_overrides
-from jobrelay.storage.transitions import awaiting_admission
+from jobrelay.storage.transitions import awaiting_admission, unfinished
 
 NAME_MAX = 64  # a job type's or a limit's name (``library.limits``)
-_UNFINISHED = (JobState.QUEUED.value, JobState.RUNNING.value, JobState.RETRY_WAIT.value)
 
 
 @dataclass(frozen=True)
@@ -151,7 +149,7 @@ async def limits_overview(store: StorePort) -> list[LimitRow]:
                 .where(
                     jobs.c.limits.is_not(None),
                     jobs.c.admitted_at.is_not(None),
-                    jobs.c.state.in_(_UNFINISHED),
+                    unfinished(),
                 )
                 .group_by(text)
             )

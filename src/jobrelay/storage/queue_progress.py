@@ -25,6 +25,7 @@ from jobrelay.storage.port import StorePort
 from jobrelay.storage.records import aware_time, work_destination
 from jobrelay.storage.tables import job_events, jobs, outbox
 from jobrelay.storage.tables import process_heartbeats as hb
+from jobrelay.storage.transitions import unfinished
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,9 @@ async def queue_progress(
                     jobs.c.attempt >= 1,
                     jobs.c.state != JobState.QUEUED.value,
                     jobs.c.updated_at >= oldest,  # claimed after its message, so after oldest
+                    # The same, said to the indexes (none holds ``updated_at``): claimed since
+                    # ``oldest``, it is unfinished or finished since.
+                    or_(unfinished(), jobs.c.finished_at >= oldest),
                     first_sent > oldest,
                 )
                 .order_by(first_sent.desc())

@@ -23,7 +23,7 @@ from jobrelay.storage.delayed import due_since
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import JobRecord, aware_time, job_record
 from jobrelay.storage.tables import job_events, jobs, outbox
-from jobrelay.storage.transitions import LEASE_EXPIRED, outbox_admissible
+from jobrelay.storage.transitions import LEASE_EXPIRED, outbox_admissible, unfinished
 
 RECONCILED_LEASE = "reconciled_lease_expired"  # LEASE_EXPIRED.event
 RECONCILED_RETRY = "reconciled_retry_overdue"
@@ -74,7 +74,12 @@ class RepairQueries:
         """Jobs ``running`` whose lease ran out before ``before`` (its worker is presumed dead)."""
         query = (
             self.store.job_query()
-            .where(jobs.c.state == JobState.RUNNING.value, jobs.c.lease_expires_at < before)
+            # ``unfinished()``: read from the unfinished jobs' index (none holds ``state``).
+            .where(
+                jobs.c.state == JobState.RUNNING.value,
+                jobs.c.lease_expires_at < before,
+                unfinished(),
+            )
             .order_by(jobs.c.lease_expires_at)
             .limit(limit)
         )
@@ -90,6 +95,7 @@ class RepairQueries:
             .where(
                 jobs.c.state == JobState.RETRY_WAIT.value,
                 jobs.c.next_attempt_at < before,
+                unfinished(),
                 ~_unpublished_row(),
             )
             .order_by(jobs.c.next_attempt_at)
@@ -124,6 +130,7 @@ class RepairQueries:
             .where(
                 jobs.c.state == JobState.QUEUED.value,
                 jobs.c.updated_at < before,
+                unfinished(),
                 ~_unpublished_row(),
                 ~exists().where(outbox.c.job_id == jobs.c.id, outbox.c.published_at >= before),
             )

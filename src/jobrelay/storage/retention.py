@@ -4,8 +4,8 @@ tombstones that let the API answer 410 for a job that was pruned.
 What goes once it is older than the cutoff (``now - JOBRELAY_RETENTION_DAYS`` by the store's
 clock, as every other judgement by time):
 
-- ``jobs`` that are ``succeeded`` or ``cancelled`` and unchanged since the cutoff
-  (``updated_at``: a finished job's last change is when it finished), with their
+- ``jobs`` that are ``succeeded`` or ``cancelled`` and finished before the cutoff
+  (``finished_at``, stamped by the transition that ended it; migration 0022), with their
   ``job_events``, ``effects_ledger`` and ``outbox`` rows, and their result object unless
   ``JOBRELAY_RETENTION_KEEP_RESULTS``. Each leaves a ``pruned_jobs`` tombstone. Never a job
   in any other state: ``quarantined`` waits for an operator, ``waiting``, ``queued``,
@@ -150,7 +150,7 @@ class Retention:
 
     @staticmethod
     def _finished_before(cutoff: datetime) -> list[Any]:
-        return [StoreBase.state_in(PRUNABLE), jobs.c.updated_at < cutoff, ~_still_needed()]
+        return [StoreBase.state_in(PRUNABLE), jobs.c.finished_at < cutoff, ~_still_needed()]
 
     @staticmethod
     def _superseded_before(cutoff: datetime) -> list[Any]:
@@ -216,8 +216,8 @@ class Retention:
                 rows = (
                     await conn.execute(
                         select(jobs.c.id, jobs.c.result_key)
-                        # No ORDER BY: (state, updated_at) then answers the range by itself,
-                        # where an order across two states would sort every old job.
+                        # No ORDER BY: ``ix_jobs_finished`` answers the range by itself, and
+                        # the oldest first is no promise worth a sort.
                         .where(*self._finished_before(cutoff))
                         .limit(limit)
                     )

@@ -33,6 +33,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.types import TypeDecorator
 
+from jobrelay.domain.states import TERMINAL_STATES
+
+# The terminal states as SQL literals, in a stable order (the check on ``jobs.finished_at``).
+TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL_STATES))
+
 # BIGINT on PostgreSQL, but INTEGER on SQLite so the column is an alias for ROWID and
 # autoincrements.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -136,8 +141,25 @@ jobs = Table(
     # Its priority in its queue, 0..9, higher first (migration 0021): written with the limits
     # of a job of a prioritized queue, whose admission it orders. None reads as 0.
     Column("priority", SmallInteger),
+    # When the job last reached a terminal state (migration 0022): written once, by the
+    # transition that ends it, and cleared by the replay that re-opens it; the database holds
+    # it to the state (``ck_jobs_finished_when_terminal``). Retention and the unfinished jobs'
+    # index read it, so no index holds a column that every transition writes (``state``,
+    # ``updated_at``): a claim, a renewal, a retry is a HOT update, with no index entry.
+    Column("finished_at", UTCDateTime()),
+    CheckConstraint(
+        f"(finished_at IS NULL) = (state NOT IN ({TERMINAL_SQL}))",
+        name="ck_jobs_finished_when_terminal",
+    ).ddl_if(dialect="postgresql"),  # SQLite would rebuild the table to add it (0022)
 )
-Index("ix_jobs_state_updated", jobs.c.state, jobs.c.updated_at)
+# The finished jobs by when they finished: retention's range (``storage.retention``).
+FINISHED = "finished_at IS NOT NULL"
+Index(
+    "ix_jobs_finished",
+    jobs.c.finished_at,
+    postgresql_where=text(FINISHED),
+    sqlite_where=text(FINISHED),
+)
 # The jobs held back by their limits now (migration 0017): a completion that gives slots back
 # wakes the relays only when one is (an index with no entry while no limit binds).
 HELD = "throttled_at IS NOT NULL AND admitted_at IS NULL"
@@ -146,8 +168,10 @@ Index("ix_jobs_account_created", jobs.c.account_id, jobs.c.created_at)
 # The account's unfinished jobs, for its quota (JOBRELAY_ACCOUNT_MAX_UNFINISHED_JOBS, migration
 # 0015): a count on each accept reads only these entries, never the finished history. The
 # condition is spelled as the quota's query spells it (SQLite matches it by its terms).
-# ``waiting`` (migration 0019): a job written with ``after=`` holds its place too.
-UNFINISHED = "state IN ('waiting', 'queued', 'running', 'retry_wait')"
+# ``waiting`` (migration 0019): a job written with ``after=`` holds its place too. By
+# ``finished_at`` (migration 0022), not ``state``: a transition between unfinished states
+# then changes no column of an index, and is a HOT update.
+UNFINISHED = "finished_at IS NULL"
 Index(
     "ix_jobs_account_unfinished",
     jobs.c.account_id,

@@ -39,6 +39,25 @@ def state_in(states: Iterable[JobState]) -> ColumnElement[bool]:
     return jobs.c.state.in_([literal_column(f"'{s.value}'") for s in sorted(states)])
 
 
+def unfinished() -> ColumnElement[bool]:
+    """The job has not ended (``finished_at``, held to the state): the terms of the partial
+    index of unfinished jobs, which a query over them names to be answered from it (no index
+    holds ``state``: every transition writes it)."""
+    return jobs.c.finished_at.is_(None)
+
+
+def in_states(states: Iterable[JobState]) -> list[ColumnElement[bool]]:
+    """``state IN (…)``, and where every state named is unfinished (or every one finished)
+    the term that lets an index answer: ``finished_at IS NULL`` (or ``IS NOT NULL``)."""
+    named = set(states)
+    terms = [state_in(named)]
+    if named and not any(s.is_terminal for s in named):
+        terms.append(unfinished())
+    elif named and all(s.is_terminal for s in named):
+        terms.append(jobs.c.finished_at.is_not(None))
+    return terms
+
+
 def _state(state: JobState) -> Any:
     return literal_column(f"'{state.value}'")
 
@@ -174,6 +193,11 @@ class Transition:
     def sets(self, i: Inputs) -> dict[str, Any]:
         """The SET list: its writes, and an end of the job's admission where it releases."""
         values = self.writes(i)
+        if self.target is not None:
+            # Stamped by the transition that ends the job, cleared by one that re-opens it
+            # (a replay): the check ``ck_jobs_finished_when_terminal`` holds every writer to
+            # it. NULL over NULL changes no index column, so a claim stays a HOT update.
+            values["finished_at"] = i.now if self.target.is_terminal else null()
         if self.releases:
             # The admission ends, and with it the wait it closed: a later wait (a retry held
             # again) gets a ``throttled`` event of its own.
