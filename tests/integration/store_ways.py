@@ -2,7 +2,8 @@
 
 A store on SQLite writes through SQLAlchemy, or, while a worker holds it, on one plain ``sqlite3``
 connection (``storage/drivers/sqlite_conn.py``); on PostgreSQL through SQLAlchemy, or on the asyncpg
-connections a worker or relay holds (``storage/drivers/pg_pool.py``). ``way`` runs a test on each
+connections a worker or relay holds (``storage/drivers/pg_pool.py``) and those the API holds for
+its accepts (``PostgresDriver.intake``). ``way`` runs a test on each
 (River's ``riverdrivertest.Exercise``, Oban's per-engine modules); ``holding`` holds a store's
 connections as the worker does and says how many statements went on them.
 """
@@ -39,11 +40,13 @@ async def holding(store: Store, how: str) -> AsyncIterator[Callable[[], int]]:
     if not held_way(how):
         yield lambda: 0
         return
-    async with store.hot_connections():
+    # The API's intake connections too (a new job's writes): held the same way.
+    async with store.hot_connections(), store.intake_connections():
         if how == "asyncpg":
-            pool = store.driver.hot
+            pool, intake = store.driver.hot, store.driver.intake
             assert pool is not None and pool.active, "the asyncpg connections are not held"
-            yield lambda: pool.sent
+            assert intake.active, "the intake connections are not held"
+            yield lambda: pool.sent + intake.sent
         else:
             conn = store.driver.hot
             assert conn is not None and conn.active, "the sqlite3 connection is not held"

@@ -69,7 +69,9 @@ def create_app(settings: Settings, *, runtime: Runtime | None = None) -> FastAPI
         if runtime is not None:
             yield  # owned by the caller, who closes it
             return
-        async with open_runtime(settings) as opened:
+        # The accepts' own connections (PostgreSQL): the job's one statement on raw asyncpg,
+        # prepared once per connection, not through SQLAlchemy's pool (``write_new_job``).
+        async with open_runtime(settings) as opened, opened.store.intake_connections():
             set_runtime(app, opened)
             try:
                 yield

@@ -31,7 +31,8 @@ async def serve_api(settings: Settings, host: str, port: int, stop: asyncio.Even
 
     sock = listen_socket(host, port)  # a busy port fails before the database is touched
     with sock:
-        async with open_runtime(settings) as rt:
+        # The intake: the accepts' own connections (``Driver.write_new_job``).
+        async with open_runtime(settings) as rt, rt.store.intake_connections():
             await open_pool(rt)
             await serve_until(build_server(rt, host, port), stop, sock)
 
@@ -156,7 +157,7 @@ async def _run_up(
     from jobrelay.worker.consumer import Worker
 
     await upgrade_database(settings)
-    async with open_runtime(settings) as rt:
+    async with open_runtime(settings) as rt, rt.store.intake_connections():
         parts = {
             "relay": asyncio.create_task(Relay(rt).run(stop)),
             "worker": asyncio.create_task(Worker(rt).run(stop)),

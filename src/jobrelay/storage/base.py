@@ -90,6 +90,10 @@ class StoreBase:
         (asyncpg connections on PostgreSQL, one ``sqlite3`` connection on SQLite)."""
         return self.driver.hot_connections()
 
+    def intake_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Held by the API while it serves: its accepts' connections (``Driver.write_new_job``)."""
+        return self.driver.intake_connections()
+
     def wake_relays(self) -> None:
         for listener in self.outbox_listeners:
             listener.set()

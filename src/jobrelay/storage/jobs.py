@@ -20,7 +20,6 @@ from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
 from jobrelay.storage.dependencies import chunks, dependency_ids
 from jobrelay.storage.drivers.new_job import steps_on
-from jobrelay.storage.engine import statement_tx
 from jobrelay.storage.records import (
     Clock,
     JobLinks,
@@ -114,9 +113,11 @@ class JobsStore(StoreBase):
         the writes are one statement, sent in autocommit mode: one round trip. A job with
         ``after=`` takes several (``storage.dependencies``): a write transaction.
         """
-        opened = self.writing() if job.after else statement_tx(self.engine, "database")
-        async with opened as conn:
-            job_id, created = await run_async(conn, steps_on(conn, job, now))
+        if job.after:
+            async with self.writing() as conn:
+                job_id, created = await run_async(conn, steps_on(conn, job, now))
+        else:
+            job_id, created = await self.driver.write_new_job(job, now)
         if created:
             self.wake_relays()
         return job_id, created

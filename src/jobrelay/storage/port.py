@@ -92,6 +92,10 @@ class Connections(Protocol):
         """While held, the claim/complete/renew/outbox statements run on connections this
         process keeps open; every guarantee below holds whether it is held or not."""
 
+    def intake_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """While held, a new job's writes (``submit`` without ``after=``) run on connections
+        this process keeps open (the API's); the same statements, the same guarantees."""
+
 
 class StoreClock(Protocol):
     """The ONE clock that judges leases, retries and due times: the database's, never a

@@ -27,6 +27,7 @@ from jobrelay.storage.records import (
     ClaimRequest,
     Clock,
     CompleteRequest,
+    NewJob,
     OutboxRow,
     PendingEvent,
     Renewed,
@@ -47,6 +48,14 @@ class Driver(Protocol):
 
     def hot_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Held by a worker or relay while it runs: the connections its hot statements use."""
+
+    def intake_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Held by the API while it serves: the connections ``write_new_job`` uses."""
+
+    async def write_new_job(self, job: NewJob, now: datetime) -> tuple[str, bool]:
+        """The writes of one new job with no ``after=`` (``drivers.new_job``): ``(job_id,
+        created)``. Each statement its own transaction on PostgreSQL (one: the job, its outbox
+        row, its event), on the intake connections while they are held."""
 
     def now_sql(self, plus: timedelta = timedelta(0)) -> ColumnElement[datetime]:
         """The store's clock (+ ``plus``) as a SQL expression, for guards and lease ends."""

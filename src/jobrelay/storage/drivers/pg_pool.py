@@ -11,8 +11,9 @@ Nothing is written twice: a ``CompiledStatement`` is the SQLAlchemy statement th
 anyway, compiled once for asyncpg, with SQLAlchemy's own bind processors, and its result rows
 read by name as the SQLAlchemy path's rows are. The guards and writes in it are the
 declarations of ``transitions``. So the two paths run the same text; the driver picks the
-held pool when there is one (``PostgresDriver.rows``) and SQLAlchemy otherwise (the API, a
-completion with steps of its own, tests that drive the store alone).
+held pool when there is one (``PostgresDriver.rows``) and SQLAlchemy otherwise (a completion
+with steps of its own, tests that drive the store alone). The API holds a pool of its own, the
+intake (``PostgresDriver.write_new_job``): a new job's one statement, up to 20 connections.
 
 Failures are told apart as on SQLAlchemy (``engine.store_error``): a refusal of the data
 (SQLSTATE classes 22 and 23, a value asyncpg cannot encode) is a ``StoreDataError``; a lost
@@ -77,8 +78,11 @@ class HotPool:
     closed when the last one lets go.
     """
 
-    def __init__(self, url: URL) -> None:
+    def __init__(self, url: URL, size: int = HOT_POOL_SIZE, eager: int | None = None) -> None:
+        """``size`` connections at most, ``eager`` of them (all by default) opened at once."""
         self._dsn = libpq_dsn(url)
+        self._size = size
+        self._eager = size if eager is None else eager
         self._shared: Shared[asyncpg.Pool] = Shared(self._open, _close)
         # Statements that failed on the pool, by exception name: what the engine's
         # ``handle_error`` event counts on the SQLAlchemy path (tests read both).
@@ -93,9 +97,10 @@ class HotPool:
         """Open the pool (its connections now, not in the first burst) for the block."""
         return self._shared.held()
 
-    async def _open(self, size: int = HOT_POOL_SIZE) -> asyncpg.Pool:
+    async def _open(self) -> asyncpg.Pool:
+        size = self._size
         try:
-            return await self._create(size, size)
+            return await self._create(self._eager, size)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             # The database is away right now: connect on demand, as SQLAlchemy would.
             log.warning(
@@ -146,6 +151,41 @@ class HotPool:
         return rows
 
 
+class HotResult:
+    """A statement's rows on the pool, read as the steps of ``drivers.new_job`` read a
+    SQLAlchemy result (``one``, ``first``, ``scalar_one``; a row's columns by attribute)."""
+
+    def __init__(self, rows: Sequence[asyncpg.Record]) -> None:
+        self._rows = rows
+
+    def one(self) -> _Row:
+        if len(self._rows) != 1:
+            raise StoreError(f"database write failed: {len(self._rows)} rows where one was due")
+        return _Row(self._rows[0])
+
+    def first(self) -> _Row | None:
+        return _Row(self._rows[0]) if self._rows else None
+
+    def scalar_one(self) -> Any:
+        return self.one()[0]
+
+
+class _Row:
+    __slots__ = ("_record",)
+
+    def __init__(self, record: asyncpg.Record) -> None:
+        self._record = record
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._record[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __getitem__(self, index: int) -> Any:
+        return self._record[index]
+
+
 # The connection itself is gone (its server stopped, or cut it mid-statement).
 _CONNECTION_GONE = (
     OSError,
@@ -173,4 +213,4 @@ async def _close(pool: asyncpg.Pool) -> None:
         pool.terminate()
 
 
-__all__ = ["HOT_POOL_SIZE", "HotPool", "hot_error", "pg_statement"]
+__all__ = ["HOT_POOL_SIZE", "HotPool", "HotResult", "hot_error", "pg_statement"]

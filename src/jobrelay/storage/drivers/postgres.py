@@ -23,7 +23,8 @@ from jobrelay.domain.policy import RETRY_SLACK
 from jobrelay.storage.capabilities import POSTGRESQL
 from jobrelay.storage.drivers import pg_statements as sql
 from jobrelay.storage.drivers.compiled import CompiledStatement
-from jobrelay.storage.drivers.pg_pool import HotPool
+from jobrelay.storage.drivers.new_job import new_job_steps
+from jobrelay.storage.drivers.pg_pool import HotPool, HotResult, pg_statement
 from jobrelay.storage.engine import read_tx, statement_tx
 from jobrelay.storage.records import (
     DONE_CHANNEL,
@@ -33,6 +34,7 @@ from jobrelay.storage.records import (
     ClaimRequest,
     Clock,
     CompleteRequest,
+    NewJob,
     OutboxRow,
     PendingEvent,
     Renewed,
@@ -41,6 +43,7 @@ from jobrelay.storage.records import (
     jsonable,
     outbox_row,
 )
+from jobrelay.storage.steps import run_async
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.tables import UTCDateTime
 from jobrelay.storage.transitions import claimed_detail, result_saved_detail
@@ -48,6 +51,11 @@ from jobrelay.storage.transitions import claimed_detail, result_saved_detail
 # The advisory lock key admissions are serialised by (``serialize_admission``); the
 # leader's session lock uses another (``maintenance.leadership``).
 ADMISSION_LOCK = 0x6A72_6C6D  # "jrlm"
+# The API's intake connections: as many as its SQLAlchemy pool may open, one at start (the
+# rest as the accepts come: a test suite runs many APIs on one server). An
+# accept through SQLAlchemy paid ``engine.connect``, its pool and a greenlet per statement:
+# about 15 % of the API's CPU per accept in a py-spy profile of the accept bench (issue 41).
+INTAKE_POOL_SIZE = 20
 
 
 async def _notify(conn: AsyncConnection, channel: str) -> None:
@@ -63,6 +71,9 @@ class PostgresDriver:
         # None: the database's clock. Tests inject one, bound as ``clock.now``.
         self._clock = clock
         self.hot = HotPool(engine.url)
+        self.intake = HotPool(engine.url, INTAKE_POOL_SIZE, eager=1)
+        # The new job's statements (a few, each built once: ``pg_new_job``), compiled once.
+        self._new_job_sql: dict[int, CompiledStatement] = {}
 
     @property
     def renewal_blocks_takeover(self) -> bool:
@@ -72,6 +83,33 @@ class PostgresDriver:
 
     def hot_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self.hot.held()
+
+    def intake_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.intake.held()
+
+    async def write_new_job(self, job: NewJob, now: datetime) -> tuple[str, bool]:
+        steps = new_job_steps("postgresql", job, now)
+        if not self.intake.active:
+            async with statement_tx(self.engine, "database") as conn:
+                return await run_async(conn, steps)
+        try:
+            statement, params = next(steps)
+            while True:
+                compiled = self._compiled_new_job(statement)
+                rows = await self.intake.fetch(compiled, params or {})
+                statement, params = steps.send(HotResult(rows))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+    def _compiled_new_job(self, statement: Any) -> CompiledStatement:
+        """By the statement's identity: the compiled form holds the statement, so an id in
+        the map is never another statement's."""
+        compiled = self._new_job_sql.get(id(statement))
+        if compiled is None or compiled.statement is not statement:
+            if len(self._new_job_sql) >= 64:  # the statements are a few; never a leak
+                self._new_job_sql.clear()
+            compiled = self._new_job_sql[id(statement)] = pg_statement(statement)
+        return compiled
 
     def now_sql(self, plus: timedelta = timedelta(0)) -> ColumnElement[datetime]:
         if self._clock is None:

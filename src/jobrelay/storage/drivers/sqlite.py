@@ -32,14 +32,16 @@ from jobrelay.errors import StoreDataError
 from jobrelay.storage.capabilities import SQLITE
 from jobrelay.storage.delayed import outbox_due
 from jobrelay.storage.drivers import sqlite_statements as sql
+from jobrelay.storage.drivers.new_job import new_job_steps
 from jobrelay.storage.drivers.sqlite_conn import SqliteHot, run
-from jobrelay.storage.engine import write_tx
+from jobrelay.storage.engine import statement_tx, write_tx
 from jobrelay.storage.records import (
     Claim,
     Claimed,
     ClaimRequest,
     Clock,
     CompleteRequest,
+    NewJob,
     OutboxRow,
     PendingEvent,
     Renewed,
@@ -49,6 +51,7 @@ from jobrelay.storage.records import (
     outbox_row,
     utc_now,
 )
+from jobrelay.storage.steps import run_async
 from jobrelay.storage.storable import outcome_json, safe_text
 from jobrelay.storage.tables import UTCDateTime, job_events, outbox
 from jobrelay.storage.transitions import claimed_detail, outbox_admissible, result_saved_detail
@@ -163,6 +166,14 @@ class SqliteDriver:
 
     def hot_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self.hot.held()
+
+    def intake_connections(self) -> contextlib.AbstractAsyncContextManager[None]:
+        # One writer at a time whatever the connection: the engine's serve the API.
+        return contextlib.nullcontext()
+
+    async def write_new_job(self, job: NewJob, now: datetime) -> tuple[str, bool]:
+        async with statement_tx(self.engine, "database") as conn:
+            return await run_async(conn, new_job_steps("sqlite", job, now))
 
     def local_now(self) -> datetime:
         return self._clock() if self._clock is not None else utc_now()
