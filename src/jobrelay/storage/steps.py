@@ -5,7 +5,7 @@ framework's DB-API connection (``drivers.dbapi``). Nothing here begins or commit
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Executable
@@ -19,10 +19,18 @@ Steps = Generator[Step, Any, T]
 
 async def run_async(conn: AsyncConnection, steps: Steps[T]) -> T:
     """Run ``steps`` on an asynchronous connection, inside whatever transaction it has."""
+    return await run_on(conn.execute, steps)
+
+
+async def run_on(
+    execute: Callable[[Executable, Mapping[str, Any] | None], Awaitable[Any]], steps: Steps[T]
+) -> T:
+    """Run ``steps`` with ``execute``, which answers each statement with a result the steps
+    can read (a SQLAlchemy result, or ``drivers.pg_pool.HotResult``)."""
     try:
         statement, params = next(steps)
         while True:
-            statement, params = steps.send(await conn.execute(statement, params))
+            statement, params = steps.send(await execute(statement, params))
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
 
@@ -37,4 +45,4 @@ def run_sync(conn: Connection, steps: Steps[T]) -> T:
         return done.value  # type: ignore[no-any-return]
 
 
-__all__ = ["Step", "Steps", "run_async", "run_sync"]
+__all__ = ["Step", "Steps", "run_async", "run_on", "run_sync"]

@@ -10,11 +10,12 @@ follow-ups) runs the same statement in a write transaction with those steps befo
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, literal, select, text, type_coerce
+from sqlalchemy import ColumnElement, Executable, func, literal, select, text, type_coerce
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -43,7 +44,7 @@ from jobrelay.storage.records import (
     jsonable,
     outbox_row,
 )
-from jobrelay.storage.steps import run_async
+from jobrelay.storage.steps import run_async, run_on
 from jobrelay.storage.storable import outcome_json
 from jobrelay.storage.tables import UTCDateTime
 from jobrelay.storage.transitions import claimed_detail, result_saved_detail
@@ -52,10 +53,13 @@ from jobrelay.storage.transitions import claimed_detail, result_saved_detail
 # leader's session lock uses another (``maintenance.leadership``).
 ADMISSION_LOCK = 0x6A72_6C6D  # "jrlm"
 # The API's intake connections: as many as its SQLAlchemy pool may open, one at start (the
-# rest as the accepts come: a test suite runs many APIs on one server). An
-# accept through SQLAlchemy paid ``engine.connect``, its pool and a greenlet per statement:
-# about 15 % of the API's CPU per accept in a py-spy profile of the accept bench (issue 41).
+# rest as the accepts come: a test suite runs many APIs on one server). An accept through
+# SQLAlchemy paid ``engine.connect``, its pool and a greenlet per statement: the API's CPU
+# per accept was 1,190 µs through it, 753-780 µs on the intake (accept bench, issue 41).
 INTAKE_POOL_SIZE = 20
+# The new job's statements (a few, each built once: ``pg_new_job``) compiled once each. Keyed
+# by the statement object (hashed and compared by identity), which the cache keeps alive.
+_compiled = functools.lru_cache(maxsize=64)(pg_statement)
 
 
 async def _notify(conn: AsyncConnection, channel: str) -> None:
@@ -72,8 +76,6 @@ class PostgresDriver:
         self._clock = clock
         self.hot = HotPool(engine.url)
         self.intake = HotPool(engine.url, INTAKE_POOL_SIZE, eager=1)
-        # The new job's statements (a few, each built once: ``pg_new_job``), compiled once.
-        self._new_job_sql: dict[int, CompiledStatement] = {}
 
     @property
     def renewal_blocks_takeover(self) -> bool:
@@ -92,24 +94,10 @@ class PostgresDriver:
         if not self.intake.active:
             async with statement_tx(self.engine, "database") as conn:
                 return await run_async(conn, steps)
-        try:
-            statement, params = next(steps)
-            while True:
-                compiled = self._compiled_new_job(statement)
-                rows = await self.intake.fetch(compiled, params or {})
-                statement, params = steps.send(HotResult(rows))
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+        return await run_on(self._on_intake, steps)
 
-    def _compiled_new_job(self, statement: Any) -> CompiledStatement:
-        """By the statement's identity: the compiled form holds the statement, so an id in
-        the map is never another statement's."""
-        compiled = self._new_job_sql.get(id(statement))
-        if compiled is None or compiled.statement is not statement:
-            if len(self._new_job_sql) >= 64:  # the statements are a few; never a leak
-                self._new_job_sql.clear()
-            compiled = self._new_job_sql[id(statement)] = pg_statement(statement)
-        return compiled
+    async def _on_intake(self, statement: Executable, params: Mapping[str, Any] | None) -> Any:
+        return HotResult(await self.intake.fetch(_compiled(statement), params or {}))
 
     def now_sql(self, plus: timedelta = timedelta(0)) -> ColumnElement[datetime]:
         if self._clock is None:
