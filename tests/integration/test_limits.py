@@ -173,6 +173,45 @@ async def test_a_retry_gives_its_slot_back_and_waits_in_the_outbox_until_due(
     assert await sent(s) == [job_id]
 
 
+class TickingClock(Clock):
+    """Each reading a millisecond after the last, as a real clock read twice is."""
+
+    def __call__(self) -> datetime:
+        self.now += timedelta(milliseconds=1)
+        return self.now - timedelta(milliseconds=1)
+
+
+async def test_an_admitted_row_is_never_sent_stamped_before_it_fell_due(database_url: str) -> None:
+    """Old code (CI, once in 2,147 tests): the admission read the clock for the row's
+    ``taken_at`` and read it again for "is it due": a row due between the two readings was
+    admitted and its ``published`` event stamped before its run time."""
+    clock = TickingClock()
+    s = Store(create_engine(database_url), clock=clock)
+    try:
+        job_id = await submit(s, export, "acme", 0)
+        await s.admit_waiting(100)
+        assert await sent(s) == [job_id]
+        claim = await s.claim_job(job_id, "w1", T0, LEASE)
+        assert claim is not None
+        assert (await s.schedule_retry(claim, "lab.export", "boom", 60, T0)).won
+        async with s.reading() as conn:
+            due = await conn.scalar(
+                select(outbox.c.available_at).where(
+                    outbox.c.job_id == job_id, outbox.c.published_at.is_(None)
+                )
+            )
+        assert due is not None
+        clock.now = due - timedelta(microseconds=500)  # the second reading is past it
+        rows: list[Any] = []
+        while not rows:
+            rows = list((await s.admit_waiting(100, claim_for=("relay-1", LEASE))).rows)
+        await s.mark_published("relay-1", rows)
+        published = [e.at for e in await s.events(job_id) if e.kind == "published"]
+        assert len(published) == 2 and published[-1] >= due
+    finally:
+        await s.engine.dispose()
+
+
 async def test_the_reconcilers_takeover_gives_the_slot_back_once(
     store: tuple[Store, Clock],
 ) -> None:

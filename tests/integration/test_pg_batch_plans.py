@@ -21,7 +21,7 @@ from typing import Any
 
 import asyncpg
 import pytest
-from sqlalchemy import func, text
+from sqlalchemy import text
 from sqlalchemy.dialects.postgresql import asyncpg as asyncpg_dialect
 
 from jobrelay.maintenance.reconcile import Reconciler
@@ -172,7 +172,7 @@ async def test_the_admissions_ranking_reads_each_waiting_job_once_on_stale_stati
             "SELECT relname, reltuples FROM pg_class WHERE relname IN ('jobs', 'outbox')"
         )
         assert all(r["reltuples"] == 0 for r in stats), stats  # the stale statistics
-        ranking = admission.waiting_ranked(NOW, func.now(), admission.PER_KEY, 256)
+        ranking = admission.waiting_ranked(NOW, admission.PER_KEY, 256)
         ranked = await conn.fetch(*_compiled(ranking))
         plans = {
             "ranking": await _explain(conn, ranking),

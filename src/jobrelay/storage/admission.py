@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, Text, cast, func, insert, or_, select, update
+from sqlalchemy import Select, Text, cast, func, insert, literal, or_, select, update
 
 from jobrelay import fastjson
 from jobrelay.domain.limits import (
@@ -40,6 +40,7 @@ from jobrelay.storage.delayed import outbox_due
 from jobrelay.storage.records import OutboxRow, outbox_row
 from jobrelay.storage.tables import (
     OUTBOX_CLAIMED,
+    UTCDateTime,
     job_slots,
     jobs,
     limit_buckets,
@@ -99,9 +100,7 @@ def _admitted(limits: Sequence[JobLimit]) -> dict[str, Any]:
     }
 
 
-def waiting_ranked(
-    now: datetime, now_sql: ColumnElement[datetime], per_key: int, limit: int
-) -> Select[Any]:
+def waiting_ranked(now: datetime, per_key: int, limit: int) -> Select[Any]:
     """The outbox rows (``id``, ``job_id``) of the oldest ``per_key`` waiting jobs of every
     turn key (``jobs.turn_key``), in turns, not the oldest of all: a key's backlog of
     thousands leaves room in the round for another's job.
@@ -110,7 +109,10 @@ def waiting_ranked(
     PostgreSQL plans a join from its statistics, and with ``reltuples`` = 0 on tables that
     hold thousands of rows (a ``VACUUM`` that saw them empty) it joined ``jobs`` by scanning
     its whole primary key per waiting row (1.3-7.5 s a round); a scalar subquery is looked
-    up by the key it names whatever the statistics say."""
+    up by the key it names whatever the statistics say.
+
+    Due by ``now``, the one reading of the clock the round stamps its rows with: judged by a
+    second reading, a row due between the two was sent stamped before its run time."""
     waiting = (
         select(
             outbox.c.id,
@@ -128,7 +130,7 @@ def waiting_ranked(
             outbox.c.published_at.is_(None),
             outbox.c.awaiting_admission.is_(True),
             or_(outbox.c.claimed_until.is_(None), outbox.c.claimed_until < now),
-            outbox_due(now_sql),
+            outbox_due(literal(now, UTCDateTime())),
         )
         .subquery()
     )
@@ -194,9 +196,7 @@ class AdmissionStore(StoreBase):
             now = await conn.scalar(select(self.now_sql()))
             assert isinstance(now, datetime)
             ranked = (
-                await conn.execute(
-                    waiting_ranked(now, self.now_sql(), min(budget, PER_KEY), budget * 4)
-                )
+                await conn.execute(waiting_ranked(now, min(budget, PER_KEY), budget * 4))
             ).all()
             if not ranked:
                 return Admitted(0, 0)
