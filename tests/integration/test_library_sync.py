@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -46,6 +47,7 @@ app = jobrelay.App()
 effects: list[tuple[int, int, str]] = []  # (n, attempt, thread name)
 started = threading.Event()
 release = threading.Event()
+returned = threading.Event()  # the superseded body is done
 superseded: list[bool] = []  # what the superseded thread saw
 
 
@@ -60,10 +62,17 @@ def step(ctx: jobrelay.SyncJobContext[Step], params: Step) -> jobrelay.Result | 
     if params.n == 99:  # the lease test: wait until the test has superseded this claim
         started.set()
         release.wait(10)
-        try:
-            ctx.progress(1, 1)  # fenced: another claim holds the job by now
-        except AttemptSuperseded:
-            superseded.append(ctx.lease_lost.is_set() and ctx.cancelled.is_set())
+        # Fenced: another claim holds the job by now. The write is the progress writer's,
+        # a moment later (``worker.progress``): the body learns at a report after it.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                ctx.progress(1, 1)
+            except AttemptSuperseded:
+                superseded.append(ctx.lease_lost.is_set() and ctx.cancelled.is_set())
+                break
+            time.sleep(0.02)
+        returned.set()
         return jobrelay.Result(key="late", meta={"late": True})
     ctx.progress(params.n, 10)
     ctx.log.info("stepped")
@@ -87,6 +96,7 @@ async def rt(database_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
     effects.clear()
     started.clear()
     release.clear()
+    returned.clear()
     superseded.clear()
     yield runtime
     release.set()
@@ -168,6 +178,8 @@ async def test_a_superseded_def_jobs_late_return_is_discarded(rt: Runtime) -> No
     assert job.result_key == "theirs" and job.result_meta == {"by": "other"}
     assert len(await events(rt, job_id, "result_saved")) == 1  # no second result
     assert len(await events(rt, job_id, "lease_lost")) == 1
+    # The thread outlives the attempt's task (a thread cannot be cancelled): wait for it.
+    await asyncio.to_thread(returned.wait, 20)
     assert superseded == [True]  # its progress was refused and its events set
     job = await rt.store.get_job(job_id)
     assert job is not None and job.progress_done is None  # the late progress was not written

@@ -61,6 +61,8 @@ STATEMENTS: Mapping[str, tuple[CompiledStatement, dict[str, Any]]] = {
             "b_metas": ["{}"] * 16,
             "b_values": [None] * 16,
             "b_details": ["{}"] * 16,
+            "b_dones": [None] * 16,
+            "b_totals": [None] * 16,
             "b_now": NOW,
             "b_settles": False,
         },

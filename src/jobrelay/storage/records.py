@@ -168,6 +168,9 @@ class CompleteRequest:
     follow_ups: tuple[NewJob, ...] = ()
     # The value the job returned, as the JSON text stored (``storable.value_json``).
     result_value: str | None = None
+    # The job's last progress (done, total) not yet written (``worker.progress``): the
+    # success's statement writes it, no commit of its own. None: the job's stays.
+    progress: tuple[int, int] | None = None
 
     @property
     def in_transaction(self) -> bool:

@@ -236,7 +236,8 @@ CLAIM = Transition(
     },
 )
 
-# Not the progress: that is the job's own (``ctx.progress``), kept as it last reported it.
+# The progress is the job's own (``ctx.progress``), kept as it last reported it: the
+# request's figures where it has some not yet written (``CompleteRequest.progress``).
 COMPLETE = Transition(
     target=JobState.SUCCEEDED,
     event="result_saved",
@@ -248,6 +249,8 @@ COMPLETE = Transition(
         "result_key": i.req("result_key"),
         "result_meta": i.req("meta"),
         "result_value": i.req("value"),
+        "progress_done": func.coalesce(i.req("done"), jobs.c.progress_done),
+        "progress_total": func.coalesce(i.req("total"), jobs.c.progress_total),
         "lease_owner": null(),
         "lease_expires_at": null(),
         "last_error": null(),

@@ -150,10 +150,15 @@ class AttemptRun:
                 observation = self._transient(job, claim.attempt, *failure_texts(exc), None, trace)
             if not isinstance(observation, ResultSaved):
                 await results.discard()
-            await progress.flush()
+            # A success writes the figures still pending itself; another outcome first.
+            if isinstance(observation, ResultSaved):
+                figures = await progress.take()
+            else:
+                figures = None
+                await progress.flush()
             try:
                 await self._commit_outcome(
-                    delivery, job, claim, observation, result, results, started=started
+                    delivery, job, claim, observation, result, results, started, figures
                 )
             except BaseException:
                 await results.discard()
@@ -220,8 +225,10 @@ class AttemptRun:
         result: Any,
         results: StagingResults,
         started: float | None = None,
+        progress: tuple[int, int] | None = None,
     ) -> None:
-        """Write the outcome, fenced on the claim, retrying through a database outage.
+        """Write the outcome, fenced on the claim, retrying through a database outage;
+        ``progress``: the figures a success writes (``Progress.take``).
 
         An outage is retried (after the database answers, and a growing pause between
         failures); a refusal of the data becomes a quarantine with its reason; the lease is
@@ -234,7 +241,7 @@ class AttemptRun:
             decision = decide(observation)
             try:
                 fenced = await self._write_outcome(
-                    job, claim, observation, decision, result, results
+                    job, claim, observation, decision, result, results, progress
                 )
                 if not fenced.won and in_doubt:
                     fenced = await self._own_earlier_commit(claim, decision, fenced)
@@ -317,6 +324,7 @@ class AttemptRun:
         decision: Decision,
         result: Any,
         results: StagingResults,
+        progress: tuple[int, int] | None = None,
     ) -> Fenced:
         store = self.rt.store
         now = self.rt.clock()
@@ -334,6 +342,7 @@ class AttemptRun:
                 publish=results.publish if results.staged else None,
                 follow_ups=tuple[NewJob, ...](result.follow_ups),
                 result_value=result.value_json,
+                progress=progress,
             )
             answer = await self.scope.completions.submit(request)
             if isinstance(answer, Exception):

@@ -132,8 +132,9 @@ WITH req AS (
     SELECT * FROM unnest(CAST(:b_ids AS text[]), CAST(:b_attempts AS integer[]),
                          CAST(:b_workers AS text[]), CAST(:b_keys AS text[]),
                          CAST(:b_metas AS text[]), CAST(:b_values AS text[]),
-                         CAST(:b_details AS text[]))
-        AS r(id, attempt, worker, result_key, meta, value, detail)
+                         CAST(:b_details AS text[]), CAST(:b_dones AS bigint[]),
+                         CAST(:b_totals AS bigint[]))
+        AS r(id, attempt, worker, result_key, meta, value, detail, done, total)
 ),
 locked AS (
     -- The row as locked is its latest version: ``has_dependants`` set by an enqueue that
@@ -198,6 +199,8 @@ WHERE has_dependants AND NOT CAST(:b_settles AS boolean)
         bindparam("b_metas", type_=ARRAY(Text())),
         bindparam("b_values", type_=ARRAY(Text())),
         bindparam("b_details", type_=ARRAY(Text())),
+        bindparam("b_dones", type_=ARRAY(BigInteger())),
+        bindparam("b_totals", type_=ARRAY(BigInteger())),
         bindparam("b_now", type_=UTCDateTime()),
         bindparam("b_settles", type_=Boolean()),
     )

@@ -195,6 +195,8 @@ class PostgresDriver:
                 fastjson.dumps(result_saved_detail(r.claim, r.result_key, r.result_meta))
                 for r in requests
             ],
+            "b_dones": [r.progress[0] if r.progress else None for r in requests],
+            "b_totals": [r.progress[1] if r.progress else None for r in requests],
             "b_now": now,
             # In the caller's transaction, which settles the jobs waiting for these.
             "b_settles": conn is not None,

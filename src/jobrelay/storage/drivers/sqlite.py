@@ -254,6 +254,7 @@ class SqliteDriver:
                     _bindable(r.result_key),
                     outcome_json(r.result_key, r.result_meta),
                     r.result_value,
+                    *(r.progress or (None, None)),
                 ]
                 for r in requests
             ]

@@ -85,7 +85,7 @@ COMPLETE_MANY = (
         f"""
 UPDATE jobs SET
     {_COMPLETE_SETS}
-FROM {_req("id", "attempt", "worker", "result_key", "meta", "value")}
+FROM {_req("id", "attempt", "worker", "result_key", "meta", "value", "done", "total")}
 WHERE jobs.id = req.id AND {_COMPLETE_GUARDS}
   -- A job others wait for ends only where the transaction then settles them
   -- (``storage.dependencies``): without that, it is left to one that does.
