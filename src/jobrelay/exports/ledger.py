@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import sqlite3
@@ -35,6 +36,7 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
+    bindparam,
     case,
     cast,
     column,
@@ -217,18 +219,56 @@ def defanged_sql(value: str) -> Select[Any]:
     return select(_defanged(literal(value, Text)))
 
 
-def _month(account_id: str, period: str, *cells: ColumnElement[Any]) -> Select[Any]:
+def _month(*cells: ColumnElement[Any]) -> Select[Any]:
     return (
         select(*cells)
-        .where(ledger_entries.c.account_id == account_id, ledger_entries.c.period == period)
+        .where(
+            ledger_entries.c.account_id == bindparam("account_id", type_=String),
+            ledger_entries.c.period == bindparam("period", type_=String),
+        )
         .order_by(ledger_entries.c.id)
     )
 
 
-def _positional(stmt: Select[Any], dialect: Dialect) -> tuple[str, list[Any]]:
-    """The statement as the driver takes it: SQL with $1/? placeholders and their values."""
-    compiled = stmt.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
-    return str(compiled), [compiled.params[name] for name in compiled.positiontup or ()]
+class _Positional:
+    """A month's statement compiled once, as the driver takes it (SQL with ``$1``/``?``
+    placeholders): compiled per export it was 17 % of a worker's samples in the export
+    drain (py-spy, issue 41, item 4), more than the ``COPY`` it sends."""
+
+    def __init__(self, stmt: Select[Any], dialect: Dialect) -> None:
+        self.compiled = stmt.compile(dialect=dialect)
+        self.sql = str(self.compiled)
+
+    def args(self, **values: Any) -> list[Any]:
+        params = self.compiled.construct_params(values)
+        return [params[name] for name in self.compiled.positiontup or ()]
+
+
+@functools.cache
+def _copy_statement(dialect: Dialect, plain_column: bool) -> _Positional:
+    """``copy_month``'s statement; ``plain_column``: the table has ``PLAIN_COLUMN``."""
+    c = ledger_entries.c
+    texts: list[ColumnElement[Any]] = [
+        func.nullif(_defanged(col), "") for col in (c.description, c.counterparty, c.currency)
+    ]
+    if plain_column:
+        plain = column(PLAIN_COLUMN, Boolean)
+        texts = [
+            case((plain, col), else_=cell)
+            for col, cell in zip((c.description, c.counterparty, c.currency), texts, strict=True)
+        ]
+    stmt = _month(
+        *(c.id, c.booked_on, texts[0], texts[1], c.amount, texts[2]),
+        bindparam("row_end", type_=Text),
+    )
+    return _Positional(stmt, dialect)
+
+
+@functools.cache
+def _fetch_statement(dialect: Dialect) -> _Positional:
+    c = ledger_entries.c
+    texts = [func.coalesce(col, "") for col in (c.description, c.counterparty, c.currency)]
+    return _Positional(_month(c.id, c.booked_on, texts[0], texts[1], c.amount, texts[2]), dialect)
 
 
 async def copy_month(
@@ -248,23 +288,9 @@ async def copy_month(
     transaction that has run a statement (``ctx.snapshot()`` has), so the COPY reads the
     same snapshot.
     """
-    c = ledger_entries.c
-    texts: list[ColumnElement[Any]] = [
-        func.nullif(_defanged(col), "") for col in (c.description, c.counterparty, c.currency)
-    ]
-    if _ensured.get(conn.engine.sync_engine):
-        plain = column(PLAIN_COLUMN, Boolean)
-        texts = [
-            case((plain, col), else_=cell)
-            for col, cell in zip((c.description, c.counterparty, c.currency), texts, strict=True)
-        ]
-    stmt = _month(
-        account_id,
-        period,
-        *(c.id, c.booked_on, texts[0], texts[1], c.amount, texts[2]),
-        literal(row_end, Text),
-    )
-    sql, args = _positional(stmt, conn.dialect)
+    statement = _copy_statement(conn.dialect, bool(_ensured.get(conn.engine.sync_engine)))
+    sql = statement.sql
+    args = statement.args(account_id=account_id, period=period, row_end=row_end)
     driver = (await conn.get_raw_connection()).driver_connection
     assert driver is not None
     try:
@@ -285,10 +311,8 @@ async def fetch_month(
     driver's own cursor: one hop to aiosqlite's thread per batch and no SQLAlchemy row per
     row (both cost more than the CSV). The next batch is fetched while the caller formats
     this one."""
-    c = ledger_entries.c
-    texts = [func.coalesce(col, "") for col in (c.description, c.counterparty, c.currency)]
-    stmt = _month(account_id, period, c.id, c.booked_on, texts[0], texts[1], c.amount, texts[2])
-    sql, args = _positional(stmt, conn.dialect)
+    statement = _fetch_statement(conn.dialect)
+    sql, args = statement.sql, statement.args(account_id=account_id, period=period)
     driver = (await conn.get_raw_connection()).driver_connection
     assert driver is not None
     try:
