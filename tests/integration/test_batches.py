@@ -13,6 +13,7 @@ own locks and errors run on PostgreSQL only.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +23,7 @@ from sqlalchemy import Text, bindparam, text
 
 from jobrelay.domain.states import JobState
 from jobrelay.errors import StoreDataError, StoreError
+from jobrelay.results import files
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.drivers.pg_pool import pg_statement
 from jobrelay.storage.repairs import RepairQueries
@@ -122,6 +124,59 @@ async def test_a_batch_completion_is_fenced_per_job(db: Runtime) -> None:
     # The progress is the job's own: the meta's "rows" does not overwrite it.
     assert job is not None and job.result_key == "ka"
     assert (job.progress_done, job.progress_total) == (1, 4)
+
+
+async def test_a_completion_writes_its_progress_figures_and_leaves_the_jobs_without(
+    db: Runtime,
+) -> None:
+    """Issue 41, item 4: the figures a job reported but had not written ride its success."""
+    a, b = await submit(db, period="2020-01"), await submit(db, period="2020-02")
+    claims = await db.store.claim_many([ask(a), ask(b)], db.clock(), LEASE)
+    claim_a, claim_b = (c[0] for c in claims if c is not None)
+    assert await db.store.report_progress(claim_b, 1, 4, db.clock())
+    won = await db.store.complete_many(
+        [
+            CompleteRequest(claim_a, "ka", {}, progress=(7, 7)),
+            CompleteRequest(claim_b, "kb", {}),
+        ],
+        db.clock(),
+    )
+    assert won == {a, b}
+    got = [await db.store.get_job(job_id) for job_id in (a, b)]
+    assert [(j.progress_done, j.progress_total) for j in got if j is not None] == [(7, 7), (1, 4)]
+
+
+async def test_a_batchs_staged_results_share_one_fsync_of_their_directory(
+    db: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 41, item 4: the winners' publications run side by side in the completion's
+    transaction, so their renames share the directory's ``fsync`` (old code: one each)."""
+    ids = [await submit(db, period=f"2020-0{i}") for i in range(1, 5)]
+    claims = await db.store.claim_many([ask(i) for i in ids], db.clock(), LEASE)
+    sessions = []
+    for job_id in ids:
+        session = db.results.writer(f"batch/{job_id}.csv", staged=True)
+        async with session as writer:
+            await writer.write(b"x\n")
+        sessions.append(session)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.isdir(path):
+            synced.append(path)
+        real_fsync(fd)
+
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    requests = [
+        CompleteRequest(c[0], f"batch/{c[0].job_id}.csv", {}, publish=s.publish)
+        for c, s in zip(claims, sessions, strict=True)
+        if c is not None
+    ]
+    assert await db.store.complete_many(requests, db.clock()) == set(ids)
+    assert len(synced) == 1
+    assert [await db.results.exists(f"batch/{job_id}.csv") for job_id in ids] == [True] * 4
 
 
 @pytest.mark.parametrize("way", ["sqlalchemy", "asyncpg"], indirect=True)

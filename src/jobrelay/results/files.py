@@ -29,6 +29,7 @@ _CHUNK = 64 * 1024  # read size
 _WRITE_BUFFER = 1024 * 1024
 # A temp file untouched this long belongs to a writer that died (exports write continuously).
 STALE_TEMP_SECONDS = 600
+SWEEP_EVERY_SECONDS = 60.0  # a directory's temp files are looked over at most this often
 # Exports hold an account's ledger: readable by the service's own user only, whatever the
 # umask (a shared host's other users, a backup agent running as someone else).
 FILE_MODE = 0o600
@@ -43,9 +44,56 @@ def path_from_url(url: str) -> Path:
     return Path(unquote(parts.netloc + parts.path))
 
 
+class DirectorySyncs:
+    """The ``fsync`` of a directory that makes its renames durable, shared by every rename
+    made in it before that ``fsync`` starts: a batch's completions publish side by side
+    (``storage.outcomes``), so a batch costs one ``fsync`` and one hop to a thread per
+    directory, not one per file. A rename's ``publish`` returns only once an ``fsync`` that
+    started after it has ended, as when each made its own.
+
+    The same hop removes dead writers' temp files from the directory, at most once every
+    ``SWEEP_EVERY_SECONDS`` (each publish used to list the directory for its own key's)."""
+
+    def __init__(self) -> None:
+        self._next: dict[Path, asyncio.Future[None]] = {}
+        self._swept: dict[Path, float] = {}
+
+    async def synced(self, directory: Path) -> None:
+        """After a rename in ``directory``: until an ``fsync`` of it started since has ended."""
+        future = self._next.get(directory)
+        if future is None:
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            self._next[directory] = future
+            # Started once the renames already scheduled in this turn of the loop (the
+            # batch's other publishes) have joined it.
+            loop.call_soon(self._start, directory, future)
+        await asyncio.shield(future)
+
+    def _start(self, directory: Path, future: asyncio.Future[None]) -> None:
+        del self._next[directory]  # a rename from now on waits for the next fsync
+        now = time.monotonic()
+        sweep = now >= self._swept.get(directory, 0.0)
+        if sweep:
+            self._swept[directory] = now + SWEEP_EVERY_SECONDS
+        task = asyncio.ensure_future(asyncio.to_thread(_sync_dir, directory, sweep))
+
+        def done(task: asyncio.Future[None]) -> None:
+            if future.cancelled():
+                return
+            exc = task.exception()
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+        task.add_done_callback(done)
+
+
 class FileResults:
     def __init__(self, url: str) -> None:
         self.root = path_from_url(url)
+        self._syncs = DirectorySyncs()
 
     def path_for(self, key: str) -> Path:
         path = (self.root / key).resolve()
@@ -56,7 +104,7 @@ class FileResults:
     def writer(self, key: str, *, staged: bool = False, attempt: int | None = None) -> _FileSession:
         # A rename is local and atomic: staged bytes stay at ``key``, published in the
         # completion (no network I/O under the job's lock, whatever the attempt).
-        return _FileSession(key, self.path_for(key), staged=staged)
+        return _FileSession(key, self.path_for(key), self._syncs, staged=staged)
 
     async def exists(self, key: str) -> bool:
         return await asyncio.to_thread(self.path_for(key).is_file)
@@ -107,9 +155,12 @@ class _FileWriter:
 
 
 class _FileSession:
-    def __init__(self, key: str, path: Path, *, staged: bool = False) -> None:
+    def __init__(
+        self, key: str, path: Path, syncs: DirectorySyncs, *, staged: bool = False
+    ) -> None:
         self.key = key
         self.path = path
+        self._syncs = syncs
         # Unique per session, so attempts of one job never write into each other's bytes.
         self.temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         self._staged = staged
@@ -156,28 +207,18 @@ class _FileSession:
             # In the event loop's own thread, not a worker thread: a cancelled caller (a
             # completion rolled back) can then never see the rename land after it gave up.
             os.replace(self.temp, self.path)
-            await asyncio.to_thread(_fsync_dir, self.path.parent)
         except OSError as err:
             self.temp.unlink(missing_ok=True)
             raise TransientError(f"cannot save result file: {err}") from err
-        await asyncio.to_thread(self._remove_stale_temps)
+        try:
+            await self._syncs.synced(self.path.parent)
+        except OSError as err:
+            raise TransientError(f"cannot save result file: {err}") from err
 
     async def discard(self) -> None:
         if self._pending:
             self._pending = False
             await asyncio.to_thread(self.temp.unlink, True)
-
-    def _remove_stale_temps(self) -> None:
-        """Temp files of earlier attempts that died mid-write; never visible as results.
-
-        Only old ones: a younger temp file may belong to a worker that is still writing
-        (a lease takeover), and deleting it would waste that worker's attempt.
-        """
-        cutoff = time.time() - STALE_TEMP_SECONDS
-        for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):
-            with contextlib.suppress(OSError):
-                if stale.stat().st_mtime < cutoff:
-                    stale.unlink()
 
     @property
     def result(self) -> StoredResult:
@@ -210,10 +251,23 @@ def _sync_and_close(handle: IO[bytes]) -> None:
     handle.close()
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make the rename itself durable, not only the file's bytes."""
+def _sync_dir(path: Path, sweep: bool) -> None:
+    """Make the renames themselves durable, not only the files' bytes; ``sweep``: and
+    remove the temp files of writers that died mid-write.
+
+    Only old ones: a younger temp file may belong to a worker that is still writing (a
+    lease takeover), and deleting it would waste that worker's attempt."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    if not sweep:
+        return
+    cutoff = time.time() - STALE_TEMP_SECONDS
+    with contextlib.suppress(OSError), os.scandir(path) as entries:
+        for entry in entries:
+            if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(entry.path)

@@ -12,6 +12,7 @@ declarations (``transitions.RETRY``, ``QUARANTINE``).
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -63,6 +64,25 @@ class Completed(frozenset[str]):
         return completed
 
 
+async def _publish_all(requests: Sequence[CompleteRequest], failed: dict[str, Exception]) -> None:
+    """The winners' staged results made visible side by side, inside their completion's
+    transaction: their renames then share one ``fsync`` per directory
+    (``results.files.DirectorySyncs``). One that raises is in ``failed``, and the
+    transaction is rolled back (``_StepFailed``); a publication that did land is not undone,
+    and its next try (the transaction sent again) has nothing left to do."""
+    publishing = [r for r in requests if r.publish is not None]
+    outcomes = await asyncio.gather(
+        *(r.publish() for r in publishing if r.publish is not None), return_exceptions=True
+    )
+    for request, outcome in zip(publishing, outcomes, strict=True):
+        if isinstance(outcome, Exception):
+            failed[request.claim.job_id] = outcome
+        elif isinstance(outcome, BaseException):
+            raise outcome
+    if any(r.claim.job_id in failed for r in publishing):
+        raise _StepFailed
+
+
 class OutcomesStore(ClaimsStore):
     async def complete_many(self, requests: Sequence[CompleteRequest], now: datetime) -> Completed:
         """Fenced completions, each winning or losing on its own, BEFORE their deliveries
@@ -108,15 +128,9 @@ class OutcomesStore(ClaimsStore):
                 # The next statement: it sees the edges of every enqueue this one waited for.
                 ended = dict.fromkeys(sorted(won.dependants), JobState.SUCCEEDED.value)
                 await run_async(conn, finish_steps(self.capabilities.listens, ended, now))
-            for request in requests:
-                if request.claim.job_id not in won:
-                    continue
-                if request.publish is not None:
-                    try:
-                        await request.publish()
-                    except Exception as exc:
-                        failed[request.claim.job_id] = exc
-                        raise _StepFailed from exc
+            winners = [r for r in requests if r.claim.job_id in won]
+            await _publish_all(winners, failed)
+            for request in winners:
                 for follow_up in request.follow_ups:
                     try:
                         await self.add_follow_up(conn, request.claim.job_id, follow_up, now)
