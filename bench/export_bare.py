@@ -7,19 +7,21 @@ the count, ``COPY`` of the month through the same chunk handling into a staged `
 result (written and fsynced), and the result published (renamed). No job rows, no broker,
 no claim, no completion, no events: what is left of the drain's time is jobrelay's.
 
-    python bench/export_bare.py DATABASE_URL RESULTS_DIR FIRST COUNT CONCURRENCY START_AT
+    python bench/export_bare.py DATABASE_URL RESULTS_DIR FIRST COUNT CONCURRENCY START_AT RELEASE
 
 Waits until ``START_AT`` (epoch seconds, so several processes start together), then prints
-one line of JSON: ``{"started": …, "finished": …, "exports": COUNT}``.
+one line of JSON: ``{"started": …, "finished": …, "exports": COUNT}``, and exits once the
+file ``RELEASE`` exists (at most a minute later): its PostgreSQL backend is alive until
+then, so the bench reads the CPU of both, as it does for the drain's workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
-from typing import Any
 
 from bench_client import export_body
 
@@ -48,7 +50,15 @@ async def _export(rt: Runtime, i: int) -> None:
     await staging.publish()
 
 
-async def main(url: str, results: str, first: int, count: int, concurrency: int, at: float) -> Any:
+def _wait_for_file(path: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+async def main(
+    url: str, results: str, first: int, count: int, concurrency: int, at: float, release: str
+) -> None:
     settings = Settings(database_url=url, results_url=f"file://{results}")
     async with open_runtime(settings, connect_transport=False) as rt:
         await ledger.ensure_table(rt.engine)
@@ -61,10 +71,11 @@ async def main(url: str, results: str, first: int, count: int, concurrency: int,
         await asyncio.sleep(max(at - time.time(), 0))
         started = time.time()
         await asyncio.gather(*(lane() for _ in range(concurrency)))
-        return {"started": started, "finished": time.time(), "exports": count}
+        print(json.dumps({"started": started, "finished": time.time(), "exports": count}))
+        sys.stdout.flush()
+        await asyncio.to_thread(_wait_for_file, release, 60.0)
 
 
 if __name__ == "__main__":
-    url, results, first, count, concurrency, at = sys.argv[1:7]
-    done = asyncio.run(main(url, results, int(first), int(count), int(concurrency), float(at)))
-    print(json.dumps(done), flush=True)
+    url, results, first, count, concurrency, at, release = sys.argv[1:8]
+    asyncio.run(main(url, results, int(first), int(count), int(concurrency), float(at), release))

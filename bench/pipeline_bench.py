@@ -54,7 +54,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -425,6 +425,7 @@ class Bench:
         concurrency = int(self.options.tuning.get("concurrency", DEFAULT_CONCURRENCY))
         start_at = time.time() + 3.0  # every process imported and connected by then
         share = -(-n // processes)
+        release = self.log_dir / "bare-release"  # they exit once their CPU has been read
         runs = [
             RoleProcess.spawn_command(
                 f"bare-{i + 1}",
@@ -436,21 +437,43 @@ class Bench:
                     str(max(min(share, n - i * share), 0)),
                     str(concurrency),
                     str(start_at),
+                    str(release),
                 ],
                 self.env,
                 self.log_dir,
             )
             for i in range(processes)
         ]
+
+        def finished() -> list[dict[str, Any]] | None:
+            lines = [run.log_path.read_text().strip().splitlines() for run in runs]
+            if not all(each and each[-1].startswith("{") for each in lines):
+                return None
+            return [json.loads(each[-1]) for each in lines]
+
         async with self.bounded("bare export"):
+            await asyncio.sleep(max(start_at - time.time() - 0.2, 0))
+            async with self.cpu(runs) as cpu:
+                while (done := finished()) is None:
+                    for run in runs:
+                        if run.popen.poll() is not None:
+                            raise BenchFailure(
+                                f"bare export: {run.name} exited {run.popen.returncode}; "
+                                f"logs in {self.log_dir}"
+                            )
+                    await asyncio.sleep(POLL_SECONDS)
+            release.touch()
             codes = [await asyncio.to_thread(run.popen.wait) for run in runs]
         if any(codes):
             raise BenchFailure(f"bare export: exit codes {codes}; logs in {self.log_dir}")
-        done = [json.loads(run.log_path.read_text().strip().splitlines()[-1]) for run in runs]
         seconds = max(d["finished"] for d in done) - min(d["started"] for d in done)
         self.record(
             "bare export",
-            Figure(n, seconds, {"processes": processes, "concurrency": concurrency}),
+            Figure(
+                n,
+                seconds,
+                {"processes": processes, "concurrency": concurrency, **cpu_detail(cpu, n)},
+            ),
             f"report.export's body alone: {processes} processes x {concurrency}, no queue",
         )
 
@@ -663,11 +686,11 @@ class Bench:
             ) from None
 
     @contextlib.asynccontextmanager
-    async def cpu(self) -> AsyncIterator[bench_cpu.CpuUse]:
+    async def cpu(self, extra: Sequence[RoleProcess] = ()) -> AsyncIterator[bench_cpu.CpuUse]:
         """Cores and CPU seconds per process group while the block runs (filled in when it
-        ends)."""
+        ends); ``extra``: processes counted beside the live roles."""
         assert self.db is not None
-        roles = {p.name: p.popen.pid for p in self.live}
+        roles = {p.name: p.popen.pid for p in (*self.live, *extra)}
         postgres = await bench_cpu.postgres_pids(self.db, self.sandbox.database)
         before = bench_cpu.snapshot(roles, postgres, self.broker_pid)
         used = bench_cpu.CpuUse({}, {})
