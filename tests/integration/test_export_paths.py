@@ -24,7 +24,7 @@ from typing import Any
 
 import asyncpg
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import (
     BigInteger,
@@ -36,7 +36,9 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    bindparam,
     insert,
+    select,
     text,
 )
 from sqlalchemy.dialects.postgresql import asyncpg as pg_asyncpg
@@ -494,6 +496,37 @@ def test_sql_defanging_is_python_defanging(pg_url: str, values: list[str]) -> No
             await conn.close()
 
     assert asyncio.run(check()) == [defang(v) for v in values]
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(values=st.lists(_cells, min_size=2, max_size=2))
+@example(values=["O'Brien \\' \\\\ x", "'); DROP TABLE ledger_entries; --"])
+@pytest.mark.long
+def test_a_copy_querys_values_are_quoted_as_the_server_reads_them(
+    pg_url: str, values: list[str]
+) -> None:
+    """``COPY (query)`` takes no parameters: the values are rendered in the query
+    (``ledger._CopyQuery``), quoted by SQLAlchemy's dialect, and read back exactly."""
+
+    async def check() -> tuple[str, str]:
+        engine = create_engine(pg_url)
+        try:
+            async with engine.connect() as conn:
+                query = ledger._CopyQuery(
+                    select(bindparam("a", type_=Text), bindparam("b", type_=Text)),
+                    conn.dialect,
+                    ("a", "b"),
+                )
+                driver = (await conn.get_raw_connection()).driver_connection
+                assert driver is not None
+                row = await driver.fetchrow(query.sql(a=values[0], b=values[1]))
+                return row[0], row[1]
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(check()) == (values[0], values[1])
 
 
 async def test_fixed_hostile_cells_defang_the_same_in_sql(pg_url: str) -> None:
