@@ -372,6 +372,49 @@ async def test_completions_with_steps_of_their_own_commit_together_one_failed_st
     assert set(again) == {b.job_id} and not again.failed
 
 
+async def test_completions_whose_one_step_is_a_publication_fail_alone(store: Store) -> None:
+    """As ``report.export``'s: publications only (no follow-up), side by side in the batch's
+    transaction, with the figures of a progress not yet written. A publication that raises
+    leaves its job running, and its neighbours complete."""
+    ids = [(await store.submit(await new_job(store, key=k), T0))[0] for k in "abc"]
+    claims = await store.claim_many([ask(i, "w1") for i in ids], at(T0), LEASE)
+    a, b, c = (claimed[0] for claimed in claims if claimed is not None)
+    published: list[str] = []
+
+    def publish(job_id: str, fail: bool = False) -> Callable[[], Awaitable[None]]:
+        async def step() -> None:
+            if fail:
+                raise OSError(f"no room for {job_id}'s result")
+            published.append(job_id)
+
+        return step
+
+    done = await store.complete_many(
+        [
+            CompleteRequest(a, "exports/a.csv", {}, publish(a.job_id), progress=(3, 3)),
+            CompleteRequest(b, "exports/b.csv", {}, publish(b.job_id, fail=True)),
+            CompleteRequest(c, "exports/c.csv", {}, publish(c.job_id)),
+        ],
+        T0,
+    )
+    assert set(done) == {a.job_id, c.job_id}
+    assert list(done.failed) == [b.job_id] and isinstance(done.failed[b.job_id], OSError)
+    assert published.count(a.job_id) >= 1 and published.count(c.job_id) >= 1
+    jobs = {i: await store.get_job(i) for i in ids}
+    assert {i: j.state for i, j in jobs.items() if j is not None} == {
+        a.job_id: JobState.SUCCEEDED,
+        b.job_id: JobState.RUNNING,
+        c.job_id: JobState.SUCCEEDED,
+    }
+    found = jobs[a.job_id]
+    assert found is not None and (found.progress_done, found.progress_total) == (3, 3)
+    assert [e.kind for e in await store.events(a.job_id)][-1] == "result_saved"
+    again = await store.complete_many(
+        [CompleteRequest(b, "exports/b.csv", {}, publish(b.job_id))], T0
+    )
+    assert set(again) == {b.job_id} and not again.failed
+
+
 async def test_a_renewal_extends_only_the_claims_that_hold(store: Store) -> None:
     a, _ = await store.submit(await new_job(store, key="a"), T0)
     b, _ = await store.submit(await new_job(store, key="b"), T0)
