@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,3 +86,43 @@ async def test_dead_writers_temp_files_are_removed_live_ones_kept(tmp_path: Path
 
     assert not dead.exists() and live.exists()
     assert (tmp_path / "acme" / "r.csv").read_bytes() == b"acme/r.csv\n"
+
+
+async def test_a_writer_stopped_while_its_file_opens_leaves_no_handle_and_no_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run cancelled (a lost lease) while the thread opens its temp file: the thread still
+    opens it, and that handle is closed and the file removed (CI: the handle was left to
+    the garbage collector, a ``ResourceWarning``, and the temp file to the sweep)."""
+    results = FileResults(f"file://{tmp_path}")
+    inside, release = threading.Event(), threading.Event()
+    opened: list[Any] = []
+    real_create = files._create_private
+
+    def slow_create(path: Path) -> Any:
+        inside.set()
+        release.wait(10)
+        handle = real_create(path)
+        opened.append(handle)
+        return handle
+
+    abandoned = asyncio.Event()
+    real_abandon = getattr(files, "_abandon", None)
+
+    def abandon(temp: Path, opening: Any) -> None:
+        assert real_abandon is not None
+        real_abandon(temp, opening)
+        abandoned.set()
+
+    monkeypatch.setattr(files, "_create_private", slow_create)
+    monkeypatch.setattr(files, "_abandon", abandon, raising=False)
+    session = results.writer("acme/r.csv", staged=True)
+    entering = asyncio.ensure_future(session.__aenter__())
+    assert await asyncio.to_thread(inside.wait, 10)
+    entering.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await entering
+    release.set()
+    await asyncio.wait_for(abandoned.wait(), 10)
+    assert len(opened) == 1 and opened[0].closed
+    assert list((tmp_path / "acme").iterdir()) == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import os
 import time
@@ -171,7 +172,15 @@ class _FileSession:
     async def __aenter__(self) -> ResultWriter:
         try:
             await asyncio.to_thread(make_private_dirs, self.path.parent)
-            handle = await asyncio.to_thread(_create_private, self.temp)
+            opening = asyncio.ensure_future(asyncio.to_thread(_create_private, self.temp))
+            try:
+                handle = await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                # Stopped while the thread opens it (a lost lease, a shutdown): the thread
+                # still does, so what it opens is closed and removed once it has (CI saw
+                # such a handle left to the garbage collector, with its temp file).
+                opening.add_done_callback(functools.partial(_abandon, self.temp))
+                raise
         except OSError as exc:
             raise TransientError(f"cannot open result file: {exc}") from exc
         self._writer = _FileWriter(handle)
@@ -243,6 +252,15 @@ def _create_private(path: Path) -> IO[bytes]:
     """A new file (never an existing one), created ``FILE_MODE`` from the first byte."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     return os.fdopen(fd, "wb")
+
+
+def _abandon(temp: Path, opening: asyncio.Future[IO[bytes]]) -> None:
+    """Close and remove a temp file opened for a writer that was stopped meanwhile."""
+    if opening.cancelled() or opening.exception() is not None:
+        return
+    opening.result().close()
+    with contextlib.suppress(OSError):
+        temp.unlink()
 
 
 def _sync_and_close(handle: IO[bytes]) -> None:
