@@ -9,11 +9,19 @@ and every write after it fails the same way.
 
 from __future__ import annotations
 
+import logging
+import time
+from pathlib import Path
+
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
+from jobrelay.errors import ConfigError
+from jobrelay.runtime.wiring import START_OUTAGE_SECONDS, open_runtime
 from jobrelay.storage.engine import FAILOVER_SQLSTATES, create_engine, failover_error
+
+from .pipeline import settings_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(60)]
 
@@ -45,3 +53,33 @@ def test_the_states_of_a_server_that_is_not_the_primary() -> None:
     assert failover_error(Raised("08006")) and failover_error(Raised("25006"))
     assert not failover_error(Raised("23505")) and not failover_error(Raised("40P01"))
     assert not failover_error(None)
+
+
+async def test_a_database_that_goes_away_mid_start_is_waited_out_not_a_bad_setting(
+    pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CI: a worker starting while PostgreSQL failed over exited 2, "local queue unreachable
+    (run `jobrelay db upgrade`?): connection was closed in the middle of operation". The
+    database had answered; its sessions were then cut (``start.after_schema:cut:1``, before
+    the local transport's check). The process checks again and starts."""
+    settings = settings_for(pg_url, "local", tmp_path, faults="start.after_schema:cut:1")
+    with caplog.at_level(logging.WARNING, logger="jobrelay.start"):
+        async with open_runtime(settings) as rt:
+            await rt.transport.ping()
+            async with rt.engine.connect() as conn:
+                assert await conn.scalar(text("SELECT count(*) FROM jobs")) == 0
+    waits = [r for r in caplog.records if getattr(r, "event", None) == "start_database_wait"]
+    assert len(waits) == 1 and "closed" in waits[0].getMessage(), caplog.text
+
+
+async def test_a_database_never_reached_at_start_is_a_bad_setting_at_once(
+    tmp_path: Path,
+) -> None:
+    """The wait above is for a database this process found: one it never reached is a
+    setting to fix, said at once (no minute of retries before exit 2)."""
+    settings = settings_for("postgresql://nobody@127.0.0.1:1/none", "local", tmp_path, faults="")
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="JOBRELAY_DATABASE_URL"):
+        async with open_runtime(settings):
+            pass
+    assert time.monotonic() - started < START_OUTAGE_SECONDS / 2

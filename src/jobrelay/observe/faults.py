@@ -27,6 +27,10 @@ Points and actions:
 - ``worker.after_complete:cut[:n]`` — the completion committed, then the server cuts every
   session of the database (``pg_terminate_backend``) before the worker reads the answer: its
   outcome is unknown to it, and it must be resolved by reading, never by running again.
+- ``start.after_schema:cut[:n]`` — a process starting found its database and its schema,
+  then the server cuts every session (a failover mid-start): the process checks again
+  until the database answers, it does not exit. Give n (``:1``): without it, every check
+  is cut again until the start-up's outage allowance runs out.
 - ``stall`` at a hand-off (``api.before_response``, ``relay.before_mark``,
   ``claim.after_commit``, ``worker.after_complete``, ``worker.before_ack``) or in a reconciler
   pass (``reconcile.pass``, after it read the clock, before its first repair) holds the
@@ -66,6 +70,8 @@ POINTS: dict[str, frozenset[str]] = {
     "claim.after_commit": frozenset({"drop", "stall"}),
     # A reconciler pass that has read the database's clock, before its first repair.
     "reconcile.pass": frozenset({"stall"}),
+    # A process starting has found its database and schema, not yet its tables or queue.
+    "start.after_schema": frozenset({"cut"}),
 }
 # Points that know the job's parameters, where an ``@k=v`` selector can apply.
 _SELECTABLE_POINTS = frozenset({"export.run", "api.before_response", "notify.after_send"})

@@ -6,7 +6,10 @@ RabbitMQ). The relay, worker and API receive a ``Runtime`` and never look at URL
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -19,18 +22,27 @@ from jobrelay.database_files import require_database
 from jobrelay.errors import ConfigError, StoreError, TransportError
 from jobrelay.library.app import App
 from jobrelay.library.loader import load_app
-from jobrelay.observe.faults import Faults
+from jobrelay.observe.faults import ConnectionCut, Faults
 from jobrelay.observe.metrics import Metrics
 from jobrelay.results.base import ResultStore
 from jobrelay.results.files import FileResults
 from jobrelay.settings import Settings
-from jobrelay.storage.engine import SCHEMA_HEAD, VERSION_TABLE, check_reachable, create_engine
+from jobrelay.storage.engine import (
+    SCHEMA_HEAD,
+    VERSION_TABLE,
+    check_reachable,
+    create_engine,
+    failover_error,
+    first_line,
+)
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import Store
 from jobrelay.transport.base import Transport
 from jobrelay.transport.topology import Topology
 
 Clock = Callable[[], datetime]
+
+log = logging.getLogger("jobrelay.start")
 
 
 def utc_now() -> datetime:
@@ -117,7 +129,7 @@ async def schema_revision(engine: AsyncEngine) -> str | None:
         return None if revision is None else str(revision)
 
 
-async def check_schema(settings: Settings, engine: AsyncEngine) -> None:
+async def check_schema(engine: AsyncEngine) -> None:
     """Refuse to run on a schema that is not the one this code was written for.
 
     Compared with ``SCHEMA_HEAD``, not with Alembic's script directory, so that a worker
@@ -160,32 +172,20 @@ async def open_runtime(
         if connect_transport and not settings.uses_local_broker:
             await _connect(transport)
         require_database(settings.database_url)  # before SQLite would create the file
-        try:
-            await check_reachable(engine)
-        except StoreError as exc:
-            raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
-        await check_schema(settings, engine)
-        try:
-            await app.create_tables(engine)
-        except DBAPIError as exc:  # a least-privileged role (db grant) may not CREATE
-            first = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
-            raise ConfigError(
-                "JOBRELAY_DATABASE_URL",
-                f"the application's tables are missing and cannot be created ({first}): "
-                "run `jobrelay db upgrade` as the schema's owner",
-            ) from None
-        if connect_transport and settings.uses_local_broker:
-            await _connect(transport)
+        store = Store(engine, clock=store_clock, id_secret=settings.id_secret_key)
+        faults = faults if faults is not None else Faults(settings.faults)
+        local = transport if connect_transport and settings.uses_local_broker else None
+        await _check_database(engine, app, local, store, faults)
         # Not probed here: an unreachable S3 endpoint is a transient failure of the jobs
         # that write to it (retried), never a reason for a worker not to start.
         results = build_results(settings)
         yield Runtime(
             settings=settings,
             engine=engine,
-            store=Store(engine, clock=store_clock, id_secret=settings.id_secret_key),
+            store=store,
             transport=transport,
             results=results,
-            faults=faults if faults is not None else Faults(settings.faults),
+            faults=faults,
             topology=topology_for(settings, app),
             clock=clock,
             app=app,
@@ -198,6 +198,95 @@ async def open_runtime(
             with contextlib.suppress(Exception):
                 await transport.close()
         await engine.dispose()
+
+
+# A database this process found that goes away during its own start-up is an outage (a
+# failover: pg_auto_failover promotes a standby in 10-30 s), not a wrong setting: waited out
+# for this long, as a running process waits one out, before the process gives up (exit 2).
+START_OUTAGE_SECONDS = 60.0
+
+
+async def _check_database(
+    engine: AsyncEngine,
+    app: App,
+    local: Transport | None,
+    store: StorePort,
+    faults: Faults,
+    outage_seconds: float = START_OUTAGE_SECONDS,
+) -> None:
+    """The database's start-up checks (and the local transport's, which lives in it).
+
+    A database never reached fails at once: that is a setting to fix. One that answered
+    and then dropped the connection (or now answers as a standby) is checked again from the
+    start, with a pause, until it answers or ``outage_seconds`` have passed.
+    """
+    deadline: float | None = None
+    pause = 0.1
+    while True:
+        try:
+            try:
+                await check_reachable(engine)
+            except StoreError as exc:
+                if deadline is None:  # never reached: a wrong URL or a server not running
+                    raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
+                raise
+            if deadline is None:
+                deadline = time.monotonic() + outage_seconds
+            await check_schema(engine)
+            try:
+                await faults.ahit("start.after_schema")
+            except ConnectionCut:
+                # As a failover does, mid-start: the server ends the pool's sessions (the one
+                # held here among them; the cut's own is spared, it is the one asking).
+                async with engine.connect():
+                    await store.cut_sessions()
+            await _create_tables(engine, app)
+            if local is not None:
+                await _connect(local)
+            return
+        except (ConfigError, StoreError, DBAPIError) as exc:
+            if deadline is None or not (isinstance(exc, StoreError) or went_away(exc)):
+                raise
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    "JOBRELAY_DATABASE_URL",
+                    f"the database went away during start-up and did not answer again in "
+                    f"{outage_seconds:g} s: {first_line(exc)}",
+                ) from None
+            log.warning(
+                "the database went away during start-up, checking again: %s",
+                first_line(exc),
+                extra={"event": "start_database_wait"},
+            )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
+
+
+def went_away(exc: BaseException) -> bool:
+    """Whether a lost connection, or a server that is not the primary now, is behind
+    ``exc`` (anywhere in its chain: the start-up checks wrap the driver's error)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, DBAPIError) and (
+            seen.connection_invalidated or failover_error(seen.orig)
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+async def _create_tables(engine: AsyncEngine, app: App) -> None:
+    try:
+        await app.create_tables(engine)
+    except DBAPIError as exc:  # a least-privileged role (db grant) may not CREATE
+        if went_away(exc):
+            raise
+        first = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+        raise ConfigError(
+            "JOBRELAY_DATABASE_URL",
+            f"the application's tables are missing and cannot be created ({first}): "
+            "run `jobrelay db upgrade` as the schema's owner",
+        ) from None
 
 
 async def _connect(transport: Transport) -> None:

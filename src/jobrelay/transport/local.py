@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.batching import Batcher
@@ -119,9 +119,10 @@ class LocalTransport:
             async with q.reading(self._engine) as conn:
                 await q.check_table(conn)
         except _DB_ERRORS as exc:
-            raise TransportError(
-                f"local queue unreachable (run `jobrelay db upgrade`?): {_short(exc)}"
-            ) from exc
+            # A dropped connection says nothing about the table: no upgrade to suggest.
+            lost = isinstance(exc, DBAPIError) and exc.connection_invalidated
+            hint = "" if lost else " (run `jobrelay db upgrade`?)"
+            raise TransportError(f"local queue unreachable{hint}: {_short(exc)}") from exc
 
     async def close(self) -> None:
         """Stop every consumer and give back all unsettled rows at once."""
