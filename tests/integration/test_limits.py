@@ -147,16 +147,22 @@ async def test_a_success_gives_its_slot_back_and_the_next_job_is_admitted(
     assert kinds == ["accepted", "throttled", "admitted", "published"]
 
 
-async def test_a_retry_gives_its_slot_back_and_waits_in_the_outbox_until_due(
-    store: tuple[Store, Clock],
-) -> None:
-    s, clock = store
+async def retried(s: Store) -> str:
+    """A job admitted, sent, claimed and failed: its retry waits in the outbox for 60 s."""
     job_id = await submit(s, export, "acme", 0)
     await s.admit_waiting(100)
     assert await sent(s) == [job_id]
     claim = await s.claim_job(job_id, "w1", T0, LEASE)
     assert claim is not None
     assert (await s.schedule_retry(claim, "lab.export", "boom", 60, T0)).won
+    return job_id
+
+
+async def test_a_retry_gives_its_slot_back_and_waits_in_the_outbox_until_due(
+    store: tuple[Store, Clock],
+) -> None:
+    s, clock = store
+    job_id = await retried(s)
     assert await slots(s, "acme") == 0
     async with s.reading() as conn:
         waiting = (
@@ -188,12 +194,7 @@ async def test_an_admitted_row_is_never_sent_stamped_before_it_fell_due(database
     clock = TickingClock()
     s = Store(create_engine(database_url), clock=clock)
     try:
-        job_id = await submit(s, export, "acme", 0)
-        await s.admit_waiting(100)
-        assert await sent(s) == [job_id]
-        claim = await s.claim_job(job_id, "w1", T0, LEASE)
-        assert claim is not None
-        assert (await s.schedule_retry(claim, "lab.export", "boom", 60, T0)).won
+        job_id = await retried(s)
         async with s.reading() as conn:
             due = await conn.scalar(
                 select(outbox.c.available_at).where(

@@ -22,6 +22,7 @@ from jobrelay.storage.store import (
     NOTIFY_CHANNEL,
     Claim,
     ClaimRequest,
+    Completed,
     CompleteRequest,
     NewJob,
     OutboxRow,
@@ -320,6 +321,47 @@ async def test_batch_claims_and_completions_are_fenced_per_job(store: Store) -> 
     assert await store.claim_many([ask(a, "w2")], at(T0 + LEASE * 2), LEASE) == [None]
 
 
+async def three_claimed(store: Store) -> tuple[Claim, Claim, Claim]:
+    ids = [(await store.submit(await new_job(store, key=k), T0))[0] for k in "abc"]
+    claims = await store.claim_many([ask(i, "w1") for i in ids], at(T0), LEASE)
+    a, b, c = (claimed[0] for claimed in claims if claimed is not None)
+    return a, b, c
+
+
+def publication(
+    published: list[str], job_id: str, fail: bool = False
+) -> Callable[[], Awaitable[None]]:
+    """A completion's step that publishes ``job_id``'s result (or finds no room for it)."""
+
+    async def step() -> None:
+        if fail:
+            raise OSError(f"no room for {job_id}'s result")
+        published.append(job_id)
+
+    return step
+
+
+async def b_failed_alone(
+    store: Store, claims: tuple[Claim, Claim, Claim], done: Completed, published: list[str]
+) -> None:
+    """a and c completed, their steps run in the transaction that committed (the failed
+    try's too); b is still running, and completes on its own once its step works."""
+    a, b, c = claims
+    assert set(done) == {a.job_id, c.job_id}
+    assert list(done.failed) == [b.job_id] and isinstance(done.failed[b.job_id], OSError)
+    assert published.count(a.job_id) >= 1 and published.count(c.job_id) >= 1
+    states = {x.job_id: (await store.get_job(x.job_id)).state for x in claims}  # type: ignore[union-attr]
+    assert states == {
+        a.job_id: JobState.SUCCEEDED,
+        b.job_id: JobState.RUNNING,
+        c.job_id: JobState.SUCCEEDED,
+    }
+    again = await store.complete_many(
+        [CompleteRequest(b, "exports/b.csv", {}, publication(published, b.job_id))], T0
+    )
+    assert set(again) == {b.job_id} and not again.failed
+
+
 async def test_completions_with_steps_of_their_own_commit_together_one_failed_step_alone(
     store: Store,
 ) -> None:
@@ -327,92 +369,46 @@ async def test_completions_with_steps_of_their_own_commit_together_one_failed_st
     ``report.export`` does) is one statement in one transaction, the steps of each winner
     inside it; a step that raises leaves its own job running and costs no neighbour its
     outcome. (Before: the batched completion took no such request at all.)"""
-    ids = [(await store.submit(await new_job(store, key=k), T0))[0] for k in "abc"]
-    claims = await store.claim_many([ask(i, "w1") for i in ids], at(T0), LEASE)
-    a, b, c = (claimed[0] for claimed in claims if claimed is not None)
+    a, b, c = claims = await three_claimed(store)
     published: list[str] = []
-
-    def publish(job_id: str, fail: bool = False) -> Callable[[], Awaitable[None]]:
-        async def step() -> None:
-            if fail:
-                raise OSError(f"no room for {job_id}'s result")
-            published.append(job_id)
-
-        return step
-
     notice = replace(await new_job(store, key="notice-a"), type="notify.email", params={})
     done = await store.complete_many(
         [
-            CompleteRequest(a, "exports/a.csv", {}, publish(a.job_id), (notice,)),
-            CompleteRequest(b, "exports/b.csv", {}, publish(b.job_id, fail=True)),
-            CompleteRequest(c, "exports/c.csv", {}, publish(c.job_id)),
+            CompleteRequest(a, "exports/a.csv", {}, publication(published, a.job_id), (notice,)),
+            CompleteRequest(b, "exports/b.csv", {}, publication(published, b.job_id, fail=True)),
+            CompleteRequest(c, "exports/c.csv", {}, publication(published, c.job_id)),
         ],
         T0,
     )
-    assert set(done) == {a.job_id, c.job_id}
-    assert list(done.failed) == [b.job_id] and isinstance(done.failed[b.job_id], OSError)
-    # Each winner's step ran once in the transaction that committed (the failed try's too).
-    assert published.count(a.job_id) >= 1 and published.count(c.job_id) >= 1
-    states = {i: (await store.get_job(i)).state for i in ids}  # type: ignore[union-attr]
-    assert states == {
-        a.job_id: JobState.SUCCEEDED,
-        b.job_id: JobState.RUNNING,
-        c.job_id: JobState.SUCCEEDED,
-    }
     [accepted] = [e for e in await store.events(notice.job_id) if e.kind == "accepted"]
     assert accepted.detail["parentJobId"] == a.job_id
     assert [e.kind for e in await store.events(a.job_id)][-2:] == [
         "result_saved",
         "follow_up_accepted",
     ]
-    # The one that failed completes on its own once its step works.
-    again = await store.complete_many(
-        [CompleteRequest(b, "exports/b.csv", {}, publish(b.job_id))], T0
-    )
-    assert set(again) == {b.job_id} and not again.failed
+    await b_failed_alone(store, claims, done, published)
 
 
 async def test_completions_whose_one_step_is_a_publication_fail_alone(store: Store) -> None:
     """As ``report.export``'s: publications only (no follow-up), side by side in the batch's
     transaction, with the figures of a progress not yet written. A publication that raises
     leaves its job running, and its neighbours complete."""
-    ids = [(await store.submit(await new_job(store, key=k), T0))[0] for k in "abc"]
-    claims = await store.claim_many([ask(i, "w1") for i in ids], at(T0), LEASE)
-    a, b, c = (claimed[0] for claimed in claims if claimed is not None)
+    a, b, c = claims = await three_claimed(store)
     published: list[str] = []
-
-    def publish(job_id: str, fail: bool = False) -> Callable[[], Awaitable[None]]:
-        async def step() -> None:
-            if fail:
-                raise OSError(f"no room for {job_id}'s result")
-            published.append(job_id)
-
-        return step
-
     done = await store.complete_many(
         [
-            CompleteRequest(a, "exports/a.csv", {}, publish(a.job_id), progress=(3, 3)),
-            CompleteRequest(b, "exports/b.csv", {}, publish(b.job_id, fail=True)),
-            CompleteRequest(c, "exports/c.csv", {}, publish(c.job_id)),
+            CompleteRequest(
+                a, "exports/a.csv", {}, publication(published, a.job_id), progress=(3, 3)
+            ),
+            CompleteRequest(b, "exports/b.csv", {}, publication(published, b.job_id, fail=True)),
+            CompleteRequest(c, "exports/c.csv", {}, publication(published, c.job_id)),
         ],
         T0,
     )
-    assert set(done) == {a.job_id, c.job_id}
-    assert list(done.failed) == [b.job_id] and isinstance(done.failed[b.job_id], OSError)
-    assert published.count(a.job_id) >= 1 and published.count(c.job_id) >= 1
-    jobs = {i: await store.get_job(i) for i in ids}
-    assert {i: j.state for i, j in jobs.items() if j is not None} == {
-        a.job_id: JobState.SUCCEEDED,
-        b.job_id: JobState.RUNNING,
-        c.job_id: JobState.SUCCEEDED,
-    }
-    found = jobs[a.job_id]
+    found = await store.get_job(a.job_id)
     assert found is not None and (found.progress_done, found.progress_total) == (3, 3)
     assert [e.kind for e in await store.events(a.job_id)][-1] == "result_saved"
-    again = await store.complete_many(
-        [CompleteRequest(b, "exports/b.csv", {}, publish(b.job_id))], T0
-    )
-    assert set(again) == {b.job_id} and not again.failed
+    await b_failed_alone(store, claims, done, published)
 
 
 async def test_a_renewal_extends_only_the_claims_that_hold(store: Store) -> None:
