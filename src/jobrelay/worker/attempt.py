@@ -148,12 +148,11 @@ class AttemptRun:
                 )
                 trace = failure_traceback(exc)
                 observation = self._transient(job, claim.attempt, *failure_texts(exc), None, trace)
-            if not isinstance(observation, ResultSaved):
-                await results.discard()
             # A success writes the figures still pending itself; another outcome first.
             if isinstance(observation, ResultSaved):
                 figures = await progress.take()
             else:
+                await results.discard()
                 figures = None
                 await progress.flush()
             try:

@@ -95,16 +95,18 @@ class Progress:
 
     def close(self) -> None:
         """The attempt ended: no more writes; a write under way finishes by itself."""
-        self._stop_timer()
+        self._stop_writes()
 
-    def _stop_timer(self) -> None:
+    def _stop_writes(self) -> None:
+        """No write starts from here on: the timer is cancelled, a writer stops at its next
+        wait."""
         self._stopping.set()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     async def _stop_writer(self) -> None:
-        self._stop_timer()
+        self._stop_writes()
         writer, self._writer = self._writer, None
         if writer is not None:
             await asyncio.wait({writer})  # cancelled meanwhile, the writer still ends by itself
