@@ -361,13 +361,18 @@ class RabbitTransport:
                     if publishing.is_closed:  # fail now, as aio-pika's publish does
                         raise aiormq.exceptions.ChannelInvalidStateError("channel closed")
                     channel = await publishing.get_underlay_channel()
+                    # ``wait=False``: aiormq's default waits, holding the channel's lock, until
+                    # the writer task has written this frame, so a window of publishes queued
+                    # on the lock one by one (and Python 3.11's lock scans its waiters on
+                    # every acquire). The confirm is awaited anyway, and bounded by the
+                    # timeout above (no second timer of aiormq's own per publish).
                     await channel.basic_publish(
                         message.body,
                         exchange=exchange.name,
                         routing_key=message.destination,
                         properties=properties,
                         mandatory=True,
-                        timeout=self._timeout,
+                        wait=False,
                     )
                 finally:
                     if message_id:
