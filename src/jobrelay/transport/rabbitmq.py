@@ -46,7 +46,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aiormq
 from aio_pika.abc import (
@@ -360,7 +360,8 @@ class RabbitTransport:
                         raise PublishError("not connected: the transport was closed")
                     if publishing.is_closed:  # fail now, as aio-pika's publish does
                         raise aiormq.exceptions.ChannelInvalidStateError("channel closed")
-                    channel = await publishing.get_underlay_channel()
+                    # aiormq's own channel (its abstract type does not name ``wait``).
+                    channel = cast(aiormq.Channel, await publishing.get_underlay_channel())
                     # ``wait=False``: aiormq's default waits, holding the channel's lock, until
                     # the writer task has written this frame, so a window of publishes queued
                     # on the lock one by one (and Python 3.11's lock scans its waiters on
