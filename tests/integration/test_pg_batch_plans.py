@@ -49,6 +49,11 @@ STATEMENTS: Mapping[str, tuple[CompiledStatement, dict[str, Any]]] = {
             "b_lease": timedelta(seconds=30),
             "b_slack": timedelta(seconds=1),
             "b_clock": None,
+            # The settles riding on the claim (``worker.timeline``), each looked up by id.
+            "e_jobs": IDS,
+            "e_ats": [NOW] * 16,
+            "e_kinds": ["ack_sent"] * 16,
+            "e_details": ["{}"] * 16,
         },
     ),
     "complete": (

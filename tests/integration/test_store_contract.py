@@ -26,6 +26,7 @@ from jobrelay.storage.store import (
     CompleteRequest,
     NewJob,
     OutboxRow,
+    PendingEvent,
     Store,
     TokenRecord,
 )
@@ -297,6 +298,28 @@ async def test_quarantine_keeps_reason(store: Store) -> None:
 
 def ask(job_id: str, worker: str) -> ClaimRequest:
     return ClaimRequest(job_id, "report.export", worker, {"redelivered": False})
+
+
+async def test_a_claim_writes_the_settles_given_to_it(store: Store) -> None:
+    """A worker's ``ack_sent`` lines ride on its next claim (no commit of their own): written
+    with the claims, an unknown job's skipped, whether or not a claim wins."""
+    done_id, _ = await store.submit(await new_job(store, key="done"), T0)
+    fresh, _ = await store.submit(await new_job(store, key="fresh"), T0)
+    acked = T0 + timedelta(seconds=1)
+    settles = [
+        PendingEvent(done_id, "ack_sent", acked, {"worker": "w1"}),
+        PendingEvent("no-such-job", "ack_sent", acked, {"worker": "w1"}),
+    ]
+    [claimed] = await store.claim_many([ask(fresh, "w1")], at(T0), LEASE, settles)
+    assert claimed is not None
+    assert [(e.kind, e.detail) for e in await store.events(done_id)][-1] == (
+        "ack_sent",
+        {"worker": "w1"},
+    )
+    assert [e.kind for e in await store.events(fresh)] == ["accepted", "claimed"]
+    lost = PendingEvent(fresh, "settle_lost", acked, {"worker": "w1"})
+    assert await store.claim_many([ask(fresh, "w2")], at(T0), LEASE, [lost]) == [None]
+    assert [e.kind for e in await store.events(fresh)] == ["accepted", "claimed", "settle_lost"]
 
 
 async def test_batch_claims_and_completions_are_fenced_per_job(store: Store) -> None:

@@ -90,3 +90,29 @@ async def test_the_line_comes_when_the_batch_window_ends(
     assert line.acked == 1
     await writer.close()
     assert len(_summaries(caplog)) == 1
+
+
+async def test_settles_taken_by_a_claim_are_not_written_again_and_given_back_are() -> None:
+    """A busy worker's settles ride on its next claim (``take``): the writer's own statement
+    then has nothing to write. A claim that failed gives them back: written by the writer's
+    own statement, in their order, and not taken by the next claim (a bad one must not fail
+    claims over and over)."""
+    store = Events()
+    writer = _writer(store)
+    writer.start_batching()
+    await writer.record("job-0", "ack_sent", NOW)
+    await writer.record("job-1", "ack_sent", NOW)
+    taken = writer.take()
+    assert [e.job_id for e in taken] == ["job-0", "job-1"]
+    await writer.record("job-2", "ack_sent", NOW)
+    writer.give_back(taken)
+    assert writer.take() == []  # given back: the writer's own, not the next claim's
+    await writer.close()
+    assert [e.job_id for e in store.written] == ["job-0", "job-1", "job-2"]
+
+    await writer.record("job-3", "ack_sent", NOW)  # written at once: not batching any more
+    writer.start_batching()
+    await writer.record("job-4", "ack_sent", NOW)
+    assert [e.job_id for e in writer.take()] == ["job-4"]  # written once, with the claim
+    await writer.close()
+    assert [e.job_id for e in store.written] == ["job-0", "job-1", "job-2", "job-3"]

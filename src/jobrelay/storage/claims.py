@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from jobrelay.domain.policy import JobView
 from jobrelay.domain.states import JobState
 from jobrelay.storage.base import StoreBase
-from jobrelay.storage.records import Claim, Claimed, ClaimRequest, Fenced, Renewed
+from jobrelay.storage.records import Claim, Claimed, ClaimRequest, Fenced, PendingEvent, Renewed
 from jobrelay.storage.tables import job_events, jobs
 from jobrelay.storage.transitions import PROGRESS, Inputs, values_of
 
@@ -49,7 +49,11 @@ class ClaimsStore(StoreBase):
         return Fenced(False, int(row.attempt), JobState(row.state))
 
     async def claim_many(
-        self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
+        self,
+        requests: Sequence[ClaimRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent] = (),
     ) -> list[Claimed]:
         """Claim many distinct jobs in one statement (one transaction on SQLite), each
         winning or losing on its own, in request order: (claim, job, state it left) or None.
@@ -57,8 +61,11 @@ class ClaimsStore(StoreBase):
         None when a job is not ready to run (finished, leased, not yet due, attempts used,
         another type, no such job, a suspect asked for in a batch): the caller then reads it
         and decides what the delivery means.
+
+        ``events``: state-less events (``record_events``) written with the claims, in their
+        commit: a worker's settles ride on its next claim instead of a commit of their own.
         """
-        return await self.driver.claim_many(requests, now, lease)
+        return await self.driver.claim_many(requests, now, lease, events)
 
     async def claim_delivered(
         self,

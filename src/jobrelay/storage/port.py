@@ -174,10 +174,15 @@ class Claims(Protocol):
         left, so a stale delivery is told apart from a live one without a second read."""
 
     async def claim_many(
-        self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
+        self,
+        requests: Sequence[ClaimRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent] = (),
     ) -> list[Claimed]:
         """``claim_delivered`` for distinct jobs, answered in request order; rows locked in
-        id order so two batches never deadlock, and one bad row fails only itself."""
+        id order so two batches never deadlock, and one bad row fails only itself.
+        ``events`` (as ``record_events``) are written in the claims' commit."""
 
     async def renew_lease(self, claim: Claim, lease: timedelta, now: datetime) -> bool:
         """Extends the lease to the store's clock + ``lease`` only while ``claim`` holds."""

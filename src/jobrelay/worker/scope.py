@@ -70,7 +70,14 @@ class WorkerScope:
             return isinstance(exc, StoreDataError)
 
         async def claim_many(requests: Sequence[ClaimRequest]) -> Sequence[Claimed]:
-            return await rt.store.claim_many(requests, rt.clock(), lease)
+            # The settles recorded since the last statement ride on this one (no commit of
+            # their own): they are the timeline's only, and decide nothing.
+            events = timeline.take()
+            try:
+                return await rt.store.claim_many(requests, rt.clock(), lease, events)
+            except BaseException:
+                timeline.give_back(events)
+                raise
 
         async def complete_many(requests: Sequence[CompleteRequest]) -> Sequence[Completion]:
             done = await rt.store.complete_many(requests, rt.clock())

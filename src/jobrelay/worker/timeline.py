@@ -3,9 +3,11 @@
 ``ack_sent``, ``rejected`` and ``settle_lost`` say what the broker was told once the outcome
 had committed. They decide nothing and nobody waits for them, so they need not cost each
 job a transaction of its own: they are gathered for a few milliseconds and written in one
-statement. A process killed inside that window loses those lines of the timeline, exactly
-as a kill between the settle and a write of its own would; the outcome they follow is
-committed either way. A database outage keeps them (up to ``limit``) and retries.
+statement, or, when the worker claims its next deliveries within those milliseconds (a busy
+worker does), in the claim's own statement (``take``): no commit of their own at all. A
+process killed inside that window loses those lines of the timeline, exactly as a kill
+between the settle and a write of its own would; the outcome they follow is committed
+either way. A database outage keeps them (up to ``limit``) and retries.
 
 The writer also gives the operator the worker's progress at INFO: one line per second of
 settles (``"event": "settled"``, how many acked, rejected and lost, the first and last job),
@@ -45,6 +47,9 @@ class TimelineWriter:
         self._window = window
         self._limit = limit
         self._pending: list[PendingEvent] = []
+        # Events a statement that took them could not write: written by a statement of their
+        # own (a bad one must not fail claims again and again), not taken again.
+        self._returned = False
         self._writing: asyncio.Task[None] | None = None
         self._batching = False
         self._tally: Counter[str] = Counter()
@@ -83,6 +88,28 @@ class TimelineWriter:
         self._pending.append(PendingEvent(job_id, kind, at, detail))
         if self._writing is None or self._writing.done():
             # In a context of its own: the writer is no one job's (its lines, its spans).
+            self._writing = asyncio.get_running_loop().create_task(
+                self._write_soon(), context=contextvars.Context()
+            )
+
+    def take(self) -> list[PendingEvent]:
+        """The events pending, for a statement about to be sent that writes them (a claim);
+        ``give_back`` them if it fails. None while events given back wait for their own."""
+        if self._returned or not self._pending:
+            return []
+        taken, self._pending = self._pending, []
+        return taken
+
+    def give_back(self, events: list[PendingEvent]) -> None:
+        """``take``'s events, whose statement failed: before what was added since, and
+        written by the writer's own statement. (A statement whose answer was lost after its
+        commit wrote them already: they are written twice, as a write of their own retried
+        after a lost answer would be.)"""
+        if not events:
+            return
+        self._pending[:0] = events
+        self._returned = True
+        if self._writing is None or self._writing.done():
             self._writing = asyncio.get_running_loop().create_task(
                 self._write_soon(), context=contextvars.Context()
             )
@@ -127,6 +154,7 @@ class TimelineWriter:
             batch, self._pending = self._pending, []
             try:
                 await self._store.record_events(batch)
+                self._returned = False
                 wait = self._window
             except StoreError as exc:
                 self._pending[:0] = batch[-self._limit :]

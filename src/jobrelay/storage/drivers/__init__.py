@@ -85,9 +85,15 @@ class Driver(Protocol):
         server (SQLite)."""
 
     async def claim_many(
-        self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
+        self,
+        requests: Sequence[ClaimRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent] = (),
     ) -> list[Claimed]:
-        """CLAIM for each request, each winning or losing on its own; in request order."""
+        """CLAIM for each request, each winning or losing on its own; in request order.
+        ``events`` (``record_events``'s) are written in the same statement (PostgreSQL) or
+        transaction (SQLite): the commit they would have cost of their own is the claim's."""
 
     async def complete_many(
         self,

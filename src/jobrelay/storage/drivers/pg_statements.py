@@ -69,6 +69,22 @@ _BATCH = Inputs(
     req=_req,
 )
 
+# State-less events (a worker's ``ack_sent``, ``rejected``, ``settle_lost``), unknown jobs'
+# skipped: a statement of their own (``RECORD_MANY``), or riding on a worker's next claim.
+_RECORD_EVENTS = """
+INSERT INTO job_events (job_id, at, kind, detail)
+SELECT r.job_id, r.at, r.kind, CAST(r.detail AS json)
+FROM unnest(CAST(:e_jobs AS text[]), CAST(:e_ats AS timestamptz[]),
+            CAST(:e_kinds AS text[]), CAST(:e_details AS text[])) AS r(job_id, at, kind, detail)
+WHERE EXISTS (SELECT 1 FROM jobs WHERE jobs.id = r.job_id)
+"""
+_EVENT_PARAMS = (
+    bindparam("e_jobs", type_=ARRAY(String())),
+    bindparam("e_ats", type_=ARRAY(UTCDateTime())),
+    bindparam("e_kinds", type_=ARRAY(String())),
+    bindparam("e_details", type_=ARRAY(Text())),
+)
+
 CLAIM_MANY = pg_statement(
     text(
         f"""
@@ -101,11 +117,13 @@ event AS (
     SELECT id, :b_now, '{CLAIM.event}',
            CAST(CAST(claim_detail AS jsonb) || jsonb_build_object('attempt', attempt) AS json)
     FROM claimed
-)
+),
+noted AS ({_RECORD_EVENTS})
 SELECT * FROM claimed
 """
     )
     .bindparams(
+        *_EVENT_PARAMS,
         bindparam("b_ids", type_=ARRAY(String())),
         bindparam("b_types", type_=ARRAY(String())),
         bindparam("b_workers", type_=ARRAY(String())),
@@ -259,22 +277,7 @@ WHERE jobs.id = ANY(CAST(:b_ids AS text[])) AND {_RENEW_HOLDS}
 )
 
 # The events of a batch as arrays, one statement whatever their number; unknown jobs' skipped.
-RECORD_MANY = pg_statement(
-    text(
-        """
-INSERT INTO job_events (job_id, at, kind, detail)
-SELECT r.job_id, r.at, r.kind, CAST(r.detail AS json)
-FROM unnest(CAST(:e_jobs AS text[]), CAST(:e_ats AS timestamptz[]),
-            CAST(:e_kinds AS text[]), CAST(:e_details AS text[])) AS r(job_id, at, kind, detail)
-WHERE EXISTS (SELECT 1 FROM jobs WHERE jobs.id = r.job_id)
-"""
-    ).bindparams(
-        bindparam("e_jobs", type_=ARRAY(String())),
-        bindparam("e_ats", type_=ARRAY(UTCDateTime())),
-        bindparam("e_kinds", type_=ARRAY(String())),
-        bindparam("e_details", type_=ARRAY(Text())),
-    )
-)
+RECORD_MANY = pg_statement(text(_RECORD_EVENTS).bindparams(*_EVENT_PARAMS))
 
 # The relay's claim: rows waiting and not claimed by a live relay, skipped when another claim
 # holds them, taken for ``o_claim_for`` by the store's clock, which is also their ``taken_at``.

@@ -159,9 +159,14 @@ class PostgresDriver:
         return self._clock() if self._clock is not None else None
 
     async def claim_many(
-        self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
+        self,
+        requests: Sequence[ClaimRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent] = (),
     ) -> list[Claimed]:
         params = {
+            **_event_params(events),
             "b_ids": [r.job_id for r in requests],
             "b_types": [r.job_type for r in requests],
             "b_workers": [r.worker_id for r in requests],
@@ -235,13 +240,7 @@ class PostgresDriver:
         )
 
     async def record_events(self, events: Sequence[PendingEvent]) -> None:
-        params = {
-            "e_jobs": [e.job_id for e in events],
-            "e_ats": [e.at for e in events],
-            "e_kinds": [e.kind for e in events],
-            "e_details": [fastjson.dumps(jsonable(e.detail)) for e in events],
-        }
-        await self.rows(sql.RECORD_MANY, params)
+        await self.rows(sql.RECORD_MANY, _event_params(events))
 
     async def claim_outbox(
         self, relay_id: str, limit: int, claim_for: timedelta
@@ -267,3 +266,12 @@ class PostgresDriver:
 
 
 __all__ = ["PostgresDriver"]
+
+
+def _event_params(events: Sequence[PendingEvent]) -> dict[str, list[Any]]:
+    return {
+        "e_jobs": [e.job_id for e in events],
+        "e_ats": [e.at for e in events],
+        "e_kinds": [e.kind for e in events],
+        "e_details": [fastjson.dumps(jsonable(e.detail)) for e in events],
+    }

@@ -99,6 +99,15 @@ def _events(execute: sql.Execute, kind: str, at: datetime, rows: list[list[Any]]
         execute(sql.EVENTS_RUN, {"reqs": fastjson.dumps(rows), "at": at, "kind": kind})
 
 
+def _record(execute: sql.Execute, events: Sequence[PendingEvent]) -> None:
+    """State-less events, one insert per kind and time."""
+    by_kind: dict[tuple[str, datetime], list[list[Any]]] = {}
+    for e in events:
+        by_kind.setdefault((e.kind, e.at), []).append([e.job_id, jsonable(e.detail)])
+    for (kind, at), rows in by_kind.items():
+        _events(execute, kind, at, rows)
+
+
 def _claim_tx(
     execute: sql.Execute, requests: Sequence[ClaimRequest], params: dict[str, Any], now: datetime
 ) -> tuple[dict[str, str], dict[str, Mapping[str, Any]]]:
@@ -215,7 +224,11 @@ class SqliteDriver:
             return await own.run_sync(lambda sync: work(_on_sqlalchemy(sync)))
 
     async def claim_many(
-        self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
+        self,
+        requests: Sequence[ClaimRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent] = (),
     ) -> list[Claimed]:
         """The batch's claims in one transaction: the states the jobs leave, ONE guarded
         ``UPDATE … FROM json_each(…) RETURNING`` (each row's owner its request's worker) and
@@ -233,7 +246,12 @@ class SqliteDriver:
             "now": clock,
             "due_by": clock + RETRY_SLACK,
         }
-        left, won = await self._tx(lambda run: _claim_tx(run, requests, params, now))
+
+        def work(run: sql.Execute) -> tuple[dict[str, str], dict[str, Mapping[str, Any]]]:
+            _record(run, events)  # the commit they ride on is the claim's
+            return _claim_tx(run, requests, params, now)
+
+        left, won = await self._tx(work)
         return claimed_in_order(requests, won, left)
 
     async def complete_many(
@@ -277,15 +295,7 @@ class SqliteDriver:
         )
 
     async def record_events(self, events: Sequence[PendingEvent]) -> None:
-        by_kind: dict[tuple[str, datetime], list[list[Any]]] = {}
-        for e in events:
-            by_kind.setdefault((e.kind, e.at), []).append([e.job_id, jsonable(e.detail)])
-
-        def work(execute: sql.Execute) -> None:
-            for (kind, at), rows in by_kind.items():
-                _events(execute, kind, at, rows)
-
-        await self._tx(work)
+        await self._tx(lambda run: _record(run, events))
 
     async def claim_outbox(
         self, relay_id: str, limit: int, claim_for: timedelta
