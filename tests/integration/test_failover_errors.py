@@ -17,8 +17,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from jobrelay.errors import ConfigError
-from jobrelay.runtime.wiring import START_OUTAGE_SECONDS, open_runtime
+from jobrelay.errors import ConfigError, TransportError
+from jobrelay.runtime.wiring import START_OUTAGE_SECONDS, open_runtime, went_away
 from jobrelay.storage.engine import FAILOVER_SQLSTATES, create_engine, failover_error
 
 from .pipeline import settings_for
@@ -83,3 +83,21 @@ async def test_a_database_never_reached_at_start_is_a_bad_setting_at_once(
         async with open_runtime(settings):
             pass
     assert time.monotonic() - started < START_OUTAGE_SECONDS / 2
+
+
+def test_a_connection_refused_in_a_start_check_is_a_database_gone_away() -> None:
+    """Review of stop 52: a reconnect refused mid-failover reaches the start-up checks as
+    a bare ``OSError`` (SQLAlchemy does not wrap a connect that failed), under the local
+    transport's ``TransportError`` and its ``ConfigError``: old code found no driver error
+    in the chain and exited 2 at once, naming the broker."""
+    try:
+        try:
+            try:
+                raise ConnectionRefusedError(111, "Connect call failed")
+            except OSError as exc:
+                raise TransportError(f"local queue unreachable: {exc}") from exc
+        except TransportError as exc:
+            raise ConfigError("JOBRELAY_BROKER_URL", str(exc)) from None
+    except ConfigError as exc:
+        assert went_away(exc)
+    assert not went_away(ConfigError("JOBRELAY_DATABASE_URL", "schema is at 0021"))

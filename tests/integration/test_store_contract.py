@@ -31,6 +31,8 @@ from jobrelay.storage.store import (
     TokenRecord,
 )
 from jobrelay.storage.tables import api_tokens
+from jobrelay.worker.scope import claim_with_settles
+from jobrelay.worker.timeline import TimelineWriter
 from tests.id_keys import request_id
 from tests.integration.store_ways import (  # noqa: F401 (way_fixture: the fixture, by name)
     held_way,
@@ -320,6 +322,25 @@ async def test_a_claim_writes_the_settles_given_to_it(store: Store) -> None:
     lost = PendingEvent(fresh, "settle_lost", acked, {"worker": "w1"})
     assert await store.claim_many([ask(fresh, "w2")], at(T0), LEASE, [lost]) == [None]
     assert [e.kind for e in await store.events(fresh)] == ["accepted", "claimed", "settle_lost"]
+
+
+@COLD_ON_SQLITE
+async def test_a_settle_the_database_refuses_costs_no_claim(store: Store) -> None:
+    """Review of stop 52: a settle riding on a claim that the database refused (here a kind
+    longer than PostgreSQL's varchar(32); in production, its job deleted by retention under
+    it) failed the claim with it. Now the claims are sent again alone, and the settle goes
+    back to the timeline writer's own statement."""
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite does not bound a kind's length")
+    job_id, _ = await store.submit(await new_job(store, key="a"), T0)
+    writer = TimelineWriter(store)
+    writer.start_batching()
+    writer.add(job_id, "k" * 40, T0)
+    [claimed] = await claim_with_settles(store, writer, [ask(job_id, "w1")], at(T0), LEASE)
+    assert claimed is not None and claimed[0].attempt == 1
+    assert writer.take() == []  # given back: the writer's own, never a claim's again
+    await writer.close(timeout=0.5)  # refused there too: given up after the timeout
+    assert [e.kind for e in await store.events(job_id)] == ["accepted", "claimed"]
 
 
 async def test_batch_claims_and_completions_are_fenced_per_job(store: Store) -> None:

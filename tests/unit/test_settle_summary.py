@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from jobrelay.errors import StoreDataError
 from jobrelay.storage.records import PendingEvent
 from jobrelay.worker import timeline
 from jobrelay.worker.timeline import TimelineWriter
@@ -116,3 +117,65 @@ async def test_settles_taken_by_a_claim_are_not_written_again_and_given_back_are
     assert [e.job_id for e in writer.take()] == ["job-4"]  # written once, with the claim
     await writer.close()
     assert [e.job_id for e in store.written] == ["job-0", "job-1", "job-2", "job-3"]
+
+
+class Held(Events):
+    """A store whose writes wait for ``release``, to give events back during one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.writing = asyncio.Event()
+        self.wrote = asyncio.Event()
+
+    async def record_events(self, events: Sequence[PendingEvent]) -> None:
+        self.writing.set()
+        await self.release.wait()
+        await super().record_events(events)
+        self.wrote.set()
+
+
+async def test_events_given_back_during_a_write_wait_for_a_write_that_holds_them() -> None:
+    """Old code: any write that succeeded let the next claim take the given-back events
+    again, here the one already under way when they came back (review of stop 52)."""
+    store = Held()
+    writer = TimelineWriter(store, window=0.5)  # type: ignore[arg-type]  # the one method
+    writer.start_batching()
+    await writer.record("job-0", "ack_sent", NOW)
+    await store.writing.wait()  # job-0's write is under way
+    await writer.record("job-1", "ack_sent", NOW)
+    taken = writer.take()
+    assert [e.job_id for e in taken] == ["job-1"]
+    writer.give_back(taken)  # its claim failed
+    store.release.set()
+    await store.wrote.wait()  # job-0 written; the writer waits its window before job-1
+    assert [e.job_id for e in store.written] == ["job-0"]
+    assert writer.take() == []  # job-1 is the writer's own: no claim takes it again
+    await writer.close()
+    assert [e.job_id for e in store.written] == ["job-0", "job-1"]
+
+
+class Refusing(Events):
+    """A database that refuses any statement holding an event of ``job-bad`` (its job
+    deleted by retention meanwhile, say)."""
+
+    async def record_events(self, events: Sequence[PendingEvent]) -> None:
+        if any(e.job_id == "job-bad" for e in events):
+            raise StoreDataError("insert or update on table job_events violates a foreign key")
+        await super().record_events(events)
+
+
+async def test_an_event_the_database_refuses_is_dropped_alone_and_holds_back_no_other(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Old code: the writer retried the refused batch for good, each later event joining
+    it, so one refused event ended the worker's timeline (its close gave up on them all)."""
+    store = Refusing()
+    writer = _writer(store)
+    writer.start_batching()
+    for job in ("job-0", "job-bad", "job-1"):
+        await writer.record(job, "ack_sent", NOW)
+    await writer.close(timeout=2.0)
+    assert [e.job_id for e in store.written] == ["job-0", "job-1"]
+    dropped = [r for r in caplog.records if getattr(r, "event", None) == "event_dropped"]
+    assert [(r.jobId, r.kind) for r in dropped] == [("job-bad", "ack_sent")]

@@ -244,7 +244,9 @@ async def _check_database(
             if local is not None:
                 await _connect(local)
             return
-        except (ConfigError, StoreError, DBAPIError) as exc:
+        # OSError: a connection the driver could not even open (refused, timed out, the
+        # server mid-failover); SQLAlchemy passes that through unwrapped.
+        except (ConfigError, StoreError, DBAPIError, OSError) as exc:
             if deadline is None or not (isinstance(exc, StoreError) or went_away(exc)):
                 raise
             if time.monotonic() >= deadline:
@@ -267,6 +269,8 @@ def went_away(exc: BaseException) -> bool:
     ``exc`` (anywhere in its chain: the start-up checks wrap the driver's error)."""
     seen: BaseException | None = exc
     while seen is not None:
+        if isinstance(seen, OSError):  # refused, reset or timed out: no answer at all
+            return True
         if isinstance(seen, DBAPIError) and (
             seen.connection_invalidated or failover_error(seen.orig)
         ):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from jobrelay.batching import Batcher
@@ -25,6 +25,7 @@ from jobrelay.library.operations import Registry
 from jobrelay.observe import tracing
 from jobrelay.observe.faults import ConnectionCut
 from jobrelay.runtime.wiring import Runtime
+from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import Claimed, ClaimRequest, CompleteRequest, Completion, JobRecord
 from jobrelay.transport.base import Delivery
 from jobrelay.worker.leases import LeaseRenewer
@@ -70,14 +71,7 @@ class WorkerScope:
             return isinstance(exc, StoreDataError)
 
         async def claim_many(requests: Sequence[ClaimRequest]) -> Sequence[Claimed]:
-            # The settles recorded since the last statement ride on this one (no commit of
-            # their own): they are the timeline's only, and decide nothing.
-            events = timeline.take()
-            try:
-                return await rt.store.claim_many(requests, rt.clock(), lease, events)
-            except BaseException:
-                timeline.give_back(events)
-                raise
+            return await claim_with_settles(rt.store, timeline, requests, rt.clock(), lease)
 
         async def complete_many(requests: Sequence[CompleteRequest]) -> Sequence[Completion]:
             done = await rt.store.complete_many(requests, rt.clock())
@@ -149,6 +143,31 @@ class WorkerScope:
         level = logging.INFO if kind == "settle_lost" else logging.DEBUG
         log.log(level, kind, extra={"event": kind, "jobId": job_id, "attempt": attempt})
         await self.timeline.record(job_id, kind, self.rt.clock(), **detail)
+
+
+async def claim_with_settles(
+    store: StorePort,
+    timeline: TimelineWriter,
+    requests: Sequence[ClaimRequest],
+    now: datetime,
+    lease: timedelta,
+) -> Sequence[Claimed]:
+    """The claims, with the settles recorded since the last statement riding on them (no
+    commit of their own): the timeline's lines only, they decide nothing. A failed claim
+    gives them back to the timeline writer's own statement; one the database refused for
+    its data is sent again without them, as the refusal may be an event's (its job deleted
+    by retention meanwhile), and an event is never a reason for a claim to fail."""
+    events = timeline.take()
+    try:
+        return await store.claim_many(requests, now, lease, events)
+    except StoreDataError:
+        timeline.give_back(events)
+        if not events:
+            raise
+        return await store.claim_many(requests, now, lease)
+    except BaseException:
+        timeline.give_back(events)
+        raise
 
 
 # The timeline's event of an outcome -> the hooks it calls.

@@ -25,7 +25,7 @@ from collections import Counter
 from datetime import datetime
 from typing import Any
 
-from jobrelay.errors import StoreError
+from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.observe import tracing
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import PendingEvent
@@ -152,11 +152,18 @@ class TimelineWriter:
         while self._pending:
             await asyncio.sleep(wait)  # the batching window: let other settles join
             batch, self._pending = self._pending, []
+            if not batch:
+                return  # a claim took them meanwhile
+            # Given-back events are at the head of what is pending: this batch holds them
+            # exactly when they were given back before it was taken.
+            holds_returned = self._returned
             try:
-                await self._store.record_events(batch)
-                self._returned = False
+                await self._write(batch)
+                if holds_returned:
+                    self._returned = False
                 wait = self._window
-            except StoreError as exc:
+            except _Unwritten as unwritten:
+                exc, batch = unwritten.cause, unwritten.left
                 self._pending[:0] = batch[-self._limit :]
                 wait = min(max(wait * 2, 0.25), _MAX_BACKOFF_SECONDS)
                 log.warning(
@@ -164,6 +171,35 @@ class TimelineWriter:
                     exc,
                     extra={"event": "events_held", "count": len(batch)},
                 )
+
+    async def _write(self, batch: list[PendingEvent]) -> None:
+        """One statement; if the database refuses its data, each event alone, and one it
+        refuses alone is dropped with a warning (its job deleted meanwhile, or a value no
+        database can hold): retried, it would hold every later event back for good. Raises
+        ``_Unwritten`` with the events not written when the database cannot be reached."""
+        try:
+            await self._store.record_events(batch)
+            return
+        except StoreDataError:
+            if len(batch) == 1:
+                self._refused(batch[0])
+                return
+        except StoreError as exc:
+            raise _Unwritten(exc, batch) from exc
+        for n, event in enumerate(batch):
+            try:
+                await self._store.record_events([event])
+            except StoreDataError:
+                self._refused(event)
+            except StoreError as exc:
+                raise _Unwritten(exc, batch[n:]) from exc
+
+    @staticmethod
+    def _refused(event: PendingEvent) -> None:
+        log.warning(
+            "timeline event refused by the database, not recorded",
+            extra={"event": "event_dropped", "jobId": event.job_id, "kind": event.kind},
+        )
 
     async def close(self, timeout: float = 5.0) -> None:
         """Log the last summary and write what is pending; after ``timeout`` (the database
@@ -183,3 +219,12 @@ class TimelineWriter:
             self._writing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writing
+
+
+class _Unwritten(Exception):
+    """The database could not be reached: ``left`` are the events still to write."""
+
+    def __init__(self, cause: StoreError, left: list[PendingEvent]) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.left = left
