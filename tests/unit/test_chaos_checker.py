@@ -58,6 +58,19 @@ def test_every_fault_point_crashes_early_and_both_services_restart(profile: str)
         assert len({s.key for s in p.submissions}) == 100
 
 
+def test_a_failover_held_at_the_api_comes_while_submissions_last() -> None:
+    """CI (a slower machine): a failover held at ``api.before_response`` was placed late in
+    the plan, came after the last submission, and never fired (``faults_missed``). The
+    faults at that point (its crash too) come right after the first now; the old code
+    placed them anywhere in the first 60 % (the crash) or the whole plan (the failover)."""
+    for seed in range(40):
+        p = make_plan(seed, 200, 3, PROFILES["short"], WORKERS, RELAYS, failovers=5)
+        held = [i for i, f in enumerate(p.faults) if (f.point or "").startswith("api.before")]
+        failover = [i for i in held if p.faults[i].kind == "postgres_failover"]
+        assert len(failover) == 1
+        assert max(held) <= 2, (seed, held)  # right after the first fault
+
+
 class World_:
     """A consistent, all-good world for a plan, to be spoiled one fact at a time."""
 

@@ -188,6 +188,13 @@ def make_plan(
     faults = [crashes.pop() if i in slots else others.pop() for i in range(total)]
     if len(faults) > 1 and (faults[0].point or "").startswith("notify"):
         faults[0], faults[1] = faults[1], faults[0]
+    # A point only an accept reaches (``api.before_response``: its crash, a failover held
+    # there) fires only while submissions last, and they are spread over the plan's
+    # estimated time: such faults come right after the first. (CI, on a machine slower than
+    # the estimates: a failover held there came at 58 % of the plan, after the last
+    # submission, and never fired.)
+    accepts = [f for f in faults[1:] if (f.point or "").startswith("api.")]
+    faults = [faults[0], *accepts, *(f for f in faults[1:] if f not in accepts)]
     if rabbit_nodes:
         # Ordered (a node must be stopped before it is started), evenly spaced, never first.
         nodes = [
