@@ -14,8 +14,9 @@ import contextlib
 import dataclasses
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from pydantic import BaseModel
@@ -28,6 +29,8 @@ from ..conftest import OwnDatabase
 from .pipeline import pipeline, settings_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(120)]
+
+T = TypeVar("T")
 
 app = jobrelay.App()
 runs: Counter[str] = Counter()
@@ -56,6 +59,20 @@ async def ended(p: Any, job_id: str) -> Any:
     raise AssertionError(f"job {job_id} did not end in 60 s")
 
 
+async def read_again(read: Callable[[], Awaitable[T]]) -> T:
+    """``read`` on the test's own engine, whose pooled connections the cut ended too: one
+    pooled connection after another may fail once (CI: the timeline read right after
+    ``ended`` met another of them) while the pool replaces them."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return await read()
+        except StoreError:
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.05)  # a pooled connection the cut ended: the next one
+
+
 async def test_a_completion_whose_answer_was_cut_off_is_read_back_not_run_again(
     own_pg: OwnDatabase, tmp_path: Path
 ) -> None:
@@ -71,7 +88,7 @@ async def test_a_completion_whose_answer_was_cut_off_is_read_back_not_run_again(
         done = await ended(p, first)
         assert done.state is JobState.SUCCEEDED and done.attempt == 1
         assert runs[first] == 1  # read back as its own, not run again
-        kinds = await p.kinds(first)
+        kinds = await read_again(lambda: p.kinds(first))
         assert kinds.count("result_saved") == 1 and "claimed" in kinds
         # Every session was cut: the worker and the relay go on, on new connections.
         later = (await p.store.submit(once.new_job(Once(n=2)), p.rt.clock()))[0]
