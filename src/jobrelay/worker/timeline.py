@@ -86,11 +86,7 @@ class TimelineWriter:
                 extra={"event": "event_dropped", "jobId": dropped.job_id, "kind": dropped.kind},
             )
         self._pending.append(PendingEvent(job_id, kind, at, detail))
-        if self._writing is None or self._writing.done():
-            # In a context of its own: the writer is no one job's (its lines, its spans).
-            self._writing = asyncio.get_running_loop().create_task(
-                self._write_soon(), context=contextvars.Context()
-            )
+        self._start_writer()
 
     def take(self) -> list[PendingEvent]:
         """The events pending, for a statement about to be sent that writes them (a claim);
@@ -109,7 +105,11 @@ class TimelineWriter:
             return
         self._pending[:0] = events
         self._returned = True
+        self._start_writer()
+
+    def _start_writer(self) -> None:
         if self._writing is None or self._writing.done():
+            # In a context of its own: the writer is no one job's (its lines, its spans).
             self._writing = asyncio.get_running_loop().create_task(
                 self._write_soon(), context=contextvars.Context()
             )
