@@ -44,8 +44,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import aiormq
@@ -60,7 +59,6 @@ from aio_pika.abc import (
 from jobrelay.domain.queues import DEFAULT_QUEUE
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.transport.base import Delivery, OutgoingMessage, QueueStats
-from jobrelay.transport.rabbit_acks import AckBatcher
 from jobrelay.transport.rabbit_declare import (
     declare,
     declare_error,
@@ -68,6 +66,7 @@ from jobrelay.transport.rabbit_declare import (
     retry_queue_arguments,
     work_queue_arguments,
 )
+from jobrelay.transport.rabbit_deliveries import Consumer, RabbitDelivery, quietly, stale
 from jobrelay.transport.rabbit_nodes import (
     AMQP_ERRORS,
     BROKER_TIMEOUT,
@@ -90,127 +89,6 @@ _PERSISTENT = 2  # AMQP delivery mode: written to disk by the broker
 log = logging.getLogger("jobrelay.transport.rabbitmq")
 
 _RECONNECT_INTERVAL = 2.0  # seconds between attempts while the broker is down
-
-
-@dataclass(eq=False)
-class _Consumer:
-    """The state of one ``consume()`` call and its channel."""
-
-    channel: AbstractChannel
-    give_back_copy: Callable[[AbstractIncomingMessage], Awaitable[None]]
-    inbox: asyncio.Queue[AbstractIncomingMessage | None] = field(default_factory=asyncio.Queue)
-    unsettled: int = 0  # handed out, neither acked nor rejected yet
-    stopping: bool = False
-    deadline: asyncio.TimerHandle | None = None
-    closer: asyncio.Task[None] | None = None
-    acks: AckBatcher = field(default_factory=AckBatcher)
-
-    async def on_message(self, message: AbstractIncomingMessage) -> None:
-        self.acks.received(message)
-        if self.stopping:  # raced the basic.cancel: give it straight back, uncounted
-            await self.give_back(message)
-        else:
-            self.inbox.put_nowait(message)
-
-    async def give_back(self, message: AbstractIncomingMessage) -> None:
-        try:
-            await self.give_back_copy(message)
-        finally:
-            self.acks.forget(message)
-
-    def stop(self, grace: float | None) -> None:
-        """Close the channel once nothing is unsettled, or after ``grace`` seconds at most
-        (``None``: no deadline, only the last settle or ``close()`` closes it)."""
-        self.stopping = True
-        if self.unsettled == 0:
-            self.close_soon()
-        elif self.deadline is None and grace is not None:
-            self.deadline = asyncio.get_running_loop().call_later(grace, self.close_soon)
-
-    def settled(self) -> None:
-        self.unsettled -= 1
-        if self.stopping and self.unsettled == 0:
-            self.close_soon()
-
-    def close_soon(self) -> None:
-        """Close the channel: the broker requeues whatever is still unsettled on it."""
-        if self.deadline is not None:
-            self.deadline.cancel()
-        if self.closer is None:
-            if self.unsettled:
-                log.warning(
-                    "consumer closed with %d unsettled deliveries; the broker requeues them",
-                    self.unsettled,
-                    extra={"event": "unsettled_requeued", "count": self.unsettled},
-                )
-            self.closer = asyncio.create_task(_quietly(self.channel.close()))
-
-
-class _RabbitDelivery:
-    def __init__(self, message: AbstractIncomingMessage, consumer: _Consumer) -> None:
-        self._message = message
-        self._consumer = consumer
-        self._headers: dict[str, object] = dict(message.headers or {})
-        self._settled = False
-
-    @property
-    def body(self) -> bytes:
-        return self._message.body
-
-    @property
-    def headers(self) -> Mapping[str, object]:
-        return self._headers
-
-    @property
-    def redelivered(self) -> bool:
-        return bool(self._message.redelivered)
-
-    @property
-    def delivery_count(self) -> int:
-        # Quorum queues count returns (nack, channel or connection closed) in this header.
-        count = self._headers.get("x-delivery-count", 0)
-        return count if isinstance(count, int) else 0
-
-    async def ack(self) -> bool:
-        return await self._settle("ack")
-
-    async def reject(self) -> bool:
-        return await self._settle("reject")
-
-    async def release(self) -> None:
-        await self._settle("release")
-
-    async def _settle(self, action: str) -> bool:
-        """True once the frame is written on this delivery's open channel (no broker reply)."""
-        if self._settled:
-            log.warning("delivery already settled", extra={"event": "settle_ignored"})
-            return False
-        self._settled = True
-        try:
-            if _stale(self._message):
-                raise aiormq.exceptions.ChannelInvalidStateError("channel closed")
-            if action == "ack":
-                await self._consumer.acks.ack(self._message)
-                return True
-            try:
-                if action == "release":
-                    await self._message.nack(requeue=True)
-                else:
-                    await self._message.reject(requeue=False)
-            finally:
-                self._consumer.acks.forget(self._message)
-        except AMQP_ERRORS as exc:
-            log.warning(
-                "%s ignored: the channel this delivery came on is gone and the broker has "
-                "requeued it (%s)",
-                action,
-                short(exc),
-                extra={"event": "settle_ignored", "action": action},
-            )
-            return False
-        finally:
-            self._consumer.settled()
-        return True
 
 
 class RabbitTransport:
@@ -237,7 +115,7 @@ class RabbitTransport:
         self._exchange: AbstractExchange | None = None
         self._publishing: AbstractChannel | None = None
         self._renewing = asyncio.Lock()
-        self._consumers: set[_Consumer] = set()
+        self._consumers: set[Consumer] = set()
         # The message ids being published, each with a future done when its publish is:
         # a publish of the same id waits for it (see the module's docstring).
         self._publishing_ids: dict[str, asyncio.Future[None]] = {}
@@ -292,7 +170,7 @@ class RabbitTransport:
             extra={"event": "publisher_channel_renewed"},
         )
         if old is not None:
-            await _quietly(old.close())
+            await quietly(old.close())
 
     async def close(self) -> None:
         """Close the connection: the broker requeues every unsettled delivery."""
@@ -305,7 +183,7 @@ class RabbitTransport:
                 consumer.deadline.cancel()
         self._consumers.clear()
         if connection is not None:
-            await _quietly(connection.close())
+            await quietly(connection.close())
 
     async def ping(self) -> None:
         """Answer from the broker itself: a passive declare of the work queue, or a connect."""
@@ -422,7 +300,7 @@ class RabbitTransport:
         try:
             # A channel (and prefetch) of its own: one queue's slow jobs never hold another's.
             channel = await connection.channel(publisher_confirms=False)
-            consumer = _Consumer(channel, functools.partial(self._give_back, queue=queue))
+            consumer = Consumer(channel, functools.partial(self._give_back, queue=queue))
             await channel.set_qos(prefetch_count=prefetch)
             declared = await channel.declare_queue(name, passive=True)
             tag = await declared.consume(consumer.on_message, no_ack=False)
@@ -431,18 +309,18 @@ class RabbitTransport:
         self._consumers.add(consumer)
         try:
             while (message := await consumer.inbox.get()) is not None:
-                if _stale(message):
+                if stale(message):
                     continue  # came on a channel lost since; the broker has requeued it
                 consumer.unsettled += 1
-                yield _RabbitDelivery(message, consumer)
+                yield RabbitDelivery(message, consumer)
         finally:
             consumer.stopping = True  # from here on a late delivery goes straight back
             if self._connection is not None:
                 # Deliveries in flight stay settleable (a draining worker acks them); only
                 # the prefetched rest goes back now, before the channel can close on it.
-                await _quietly(declared.cancel(tag))
+                await quietly(declared.cancel(tag))
             while not consumer.inbox.empty():
-                if (left := consumer.inbox.get_nowait()) is not None and not _stale(left):
+                if (left := consumer.inbox.get_nowait()) is not None and not stale(left):
                     await consumer.give_back(left)
             consumer.stop(None if keep_in_flight else self.settle_grace_seconds)
             if consumer.closer is not None:
@@ -468,30 +346,14 @@ class RabbitTransport:
                 exc,
                 extra={"event": "give_back_counted"},
             )
-            await _quietly(message.nack(requeue=True))
+            await quietly(message.nack(requeue=True))
             return
-        await _quietly(message.ack())
+        await quietly(message.ack())
 
     def _require_connection(self) -> AbstractRobustConnection:
         if self._connection is None:
             raise TransportError("not connected: call connect() first")
         return self._connection
-
-
-def _stale(message: AbstractIncomingMessage) -> bool:
-    """True once the channel a message came on has closed (a delivery tag is per channel)."""
-    try:
-        return message.channel.is_closed
-    except aiormq.exceptions.ChannelInvalidStateError:  # aio-pika >= 10 raises instead
-        return True
-
-
-async def _quietly(operation: Any) -> None:
-    """Await a best-effort broker call whose failure only means the channel is gone."""
-    try:
-        await operation
-    except AMQP_ERRORS as exc:
-        log.debug("ignored broker error during cleanup: %s", short(exc))
 
 
 __all__ = [

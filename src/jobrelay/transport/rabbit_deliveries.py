@@ -1,0 +1,162 @@
+"""A consumer's deliveries on RabbitMQ: what one ``consume()`` holds (its channel, its inbox,
+its unsettled count, its batched acks) and each delivery's settle on the channel it came on.
+
+Kept apart from ``rabbitmq`` (the transport: connection, publishing, topology) because this is
+the part a worker's drain lives in: a delivery is settled only on its own channel while that
+channel is open (a tag means nothing on another), and the channel closes after the last
+settle, or after the grace a stopped consumer is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiormq
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+
+from jobrelay.transport.rabbit_acks import AckBatcher
+from jobrelay.transport.rabbit_nodes import AMQP_ERRORS, short
+
+# The transport's logger: these lines were its own before the split.
+log = logging.getLogger("jobrelay.transport.rabbitmq")
+
+
+@dataclass(eq=False)
+class Consumer:
+    """The state of one ``consume()`` call and its channel."""
+
+    channel: AbstractChannel
+    give_back_copy: Callable[[AbstractIncomingMessage], Awaitable[None]]
+    inbox: asyncio.Queue[AbstractIncomingMessage | None] = field(default_factory=asyncio.Queue)
+    unsettled: int = 0  # handed out, neither acked nor rejected yet
+    stopping: bool = False
+    deadline: asyncio.TimerHandle | None = None
+    closer: asyncio.Task[None] | None = None
+    acks: AckBatcher = field(default_factory=AckBatcher)
+
+    async def on_message(self, message: AbstractIncomingMessage) -> None:
+        self.acks.received(message)
+        if self.stopping:  # raced the basic.cancel: give it straight back, uncounted
+            await self.give_back(message)
+        else:
+            self.inbox.put_nowait(message)
+
+    async def give_back(self, message: AbstractIncomingMessage) -> None:
+        try:
+            await self.give_back_copy(message)
+        finally:
+            self.acks.forget(message)
+
+    def stop(self, grace: float | None) -> None:
+        """Close the channel once nothing is unsettled, or after ``grace`` seconds at most
+        (``None``: no deadline, only the last settle or ``close()`` closes it)."""
+        self.stopping = True
+        if self.unsettled == 0:
+            self.close_soon()
+        elif self.deadline is None and grace is not None:
+            self.deadline = asyncio.get_running_loop().call_later(grace, self.close_soon)
+
+    def settled(self) -> None:
+        self.unsettled -= 1
+        if self.stopping and self.unsettled == 0:
+            self.close_soon()
+
+    def close_soon(self) -> None:
+        """Close the channel: the broker requeues whatever is still unsettled on it."""
+        if self.deadline is not None:
+            self.deadline.cancel()
+        if self.closer is None:
+            if self.unsettled:
+                log.warning(
+                    "consumer closed with %d unsettled deliveries; the broker requeues them",
+                    self.unsettled,
+                    extra={"event": "unsettled_requeued", "count": self.unsettled},
+                )
+            self.closer = asyncio.create_task(quietly(self.channel.close()))
+
+
+class RabbitDelivery:
+    def __init__(self, message: AbstractIncomingMessage, consumer: Consumer) -> None:
+        self._message = message
+        self._consumer = consumer
+        self._headers: dict[str, object] = dict(message.headers or {})
+        self._settled = False
+
+    @property
+    def body(self) -> bytes:
+        return self._message.body
+
+    @property
+    def headers(self) -> Mapping[str, object]:
+        return self._headers
+
+    @property
+    def redelivered(self) -> bool:
+        return bool(self._message.redelivered)
+
+    @property
+    def delivery_count(self) -> int:
+        # Quorum queues count returns (nack, channel or connection closed) in this header.
+        count = self._headers.get("x-delivery-count", 0)
+        return count if isinstance(count, int) else 0
+
+    async def ack(self) -> bool:
+        return await self._settle("ack")
+
+    async def reject(self) -> bool:
+        return await self._settle("reject")
+
+    async def release(self) -> None:
+        await self._settle("release")
+
+    async def _settle(self, action: str) -> bool:
+        """True once the frame is written on this delivery's open channel (no broker reply)."""
+        if self._settled:
+            log.warning("delivery already settled", extra={"event": "settle_ignored"})
+            return False
+        self._settled = True
+        try:
+            if stale(self._message):
+                raise aiormq.exceptions.ChannelInvalidStateError("channel closed")
+            if action == "ack":
+                await self._consumer.acks.ack(self._message)
+                return True
+            try:
+                if action == "release":
+                    await self._message.nack(requeue=True)
+                else:
+                    await self._message.reject(requeue=False)
+            finally:
+                self._consumer.acks.forget(self._message)
+        except AMQP_ERRORS as exc:
+            log.warning(
+                "%s ignored: the channel this delivery came on is gone and the broker has "
+                "requeued it (%s)",
+                action,
+                short(exc),
+                extra={"event": "settle_ignored", "action": action},
+            )
+            return False
+        finally:
+            self._consumer.settled()
+        return True
+
+
+def stale(message: AbstractIncomingMessage) -> bool:
+    """True once the channel a message came on has closed (a delivery tag is per channel)."""
+    try:
+        return message.channel.is_closed
+    except aiormq.exceptions.ChannelInvalidStateError:  # aio-pika >= 10 raises instead
+        return True
+
+
+async def quietly(operation: Any) -> None:
+    """Await a best-effort broker call whose failure only means the channel is gone."""
+    try:
+        await operation
+    except AMQP_ERRORS as exc:
+        log.debug("ignored broker error during cleanup: %s", short(exc))
