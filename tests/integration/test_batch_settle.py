@@ -65,3 +65,32 @@ async def test_a_crash_after_the_completion_statement_leaves_only_duplicates(
             assert timeline.count("ack_sent") == 1, timeline
             assert timeline.index("duplicate_acked") < timeline.index("ack_sent"), timeline
             assert operation.runs[str(job.params["period"])] == 1
+
+
+async def test_a_job_slot_is_free_once_its_outcome_commits_not_after_its_ack(
+    make_pipeline: Any,
+) -> None:
+    """Issue 41 item 7: a slot is given back at the outcome's commit. One slot, and the first
+    ack the worker reaches held back for 30 s: the other job runs and commits meanwhile.
+    Old code: the slot was busy until the ack, so the second job waited the 30 s out."""
+    async with make_pipeline(
+        faults="worker.before_ack:stall:30:1", concurrency="1", prefetch="8"
+    ) as p:
+        job_ids = [await p.submit(period=period) for period in PERIODS[:2]]
+        operation = Scripted(
+            {p_: _saved(p_) for p_ in PERIODS[:2]},
+        )
+        p.start_relay()
+        await start_worker(p, operation)
+        for job_id in job_ids:
+            await p.wait_for(job_id, lambda j: j.state is JobState.SUCCEEDED, timeout=20)
+        acked = ["ack_sent" in await p.kinds(job_id) for job_id in job_ids]
+        # Both committed while one ack is still held back: the slot did not wait for it.
+        assert sorted(acked) == [False, True], acked
+
+
+def _saved(period: str) -> Any:
+    async def run(_ctx: Any) -> OperationResult:
+        return OperationResult(f"exports/{period}.csv", {"rows": 1})
+
+    return run

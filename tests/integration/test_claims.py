@@ -65,6 +65,9 @@ class HandDelivery:
         self.outcomes.append("reject")
         return self.taken
 
+    def outcome_committed(self) -> None:
+        return None  # no prefetch window of its own to free
+
     async def release(self) -> None:
         self.outcomes.append("release")
 

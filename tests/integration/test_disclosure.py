@@ -96,6 +96,9 @@ class _Delivery:
     async def reject(self) -> bool:
         return True
 
+    def outcome_committed(self) -> None:
+        return None  # no prefetch window of its own to free
+
     async def release(self) -> None:
         return None
 

@@ -105,6 +105,9 @@ class Delivery:
         self.outcomes.append("reject")
         return True
 
+    def outcome_committed(self) -> None:
+        return None  # no prefetch window of its own to free
+
     async def release(self) -> None:
         self.outcomes.append("release")
 

@@ -184,6 +184,9 @@ class Delivery:
         self.settles.append("reject")
         return True
 
+    def outcome_committed(self) -> None:
+        return None  # no prefetch window of its own to free
+
     async def release(self) -> None:
         self.settles.append("release")
 

@@ -499,6 +499,7 @@ async def test_local_settles_asked_together_commit_together_each_fenced_alone(
     thief = await local.connected(visibility_seconds=30, clock=later)
     stolen = await local.pump(thief, prefetch=1).get()  # one of the six, taken over
     commits = 0  # of transactions that settled something (the consumers also claim)
+    settles: list[int] = []  # the queue driver's settle transactions, by size
 
     def mark(conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         settling = statement.startswith("DELETE FROM local_messages")
@@ -509,20 +510,85 @@ async def test_local_settles_asked_together_commit_together_each_fenced_alone(
         nonlocal commits
         commits += bool(conn.info.pop("settled", False))
 
+    queue = transport._queue
+    settle = queue.settle
+
+    async def counted(consumer: str, asked: Any, now: datetime) -> list[bool]:
+        settles.append(len(asked))
+        return await settle(consumer, asked, now)
+
     engine = transport._engine.sync_engine
     event.listen(engine, "before_cursor_execute", mark)
     event.listen(engine, "commit", count)
+    queue.settle = counted  # type: ignore[method-assign]
     try:
         taken = await asyncio.gather(
             *(d.reject() if i == 0 else d.ack() for i, d in enumerate(deliveries))
         )
     finally:
+        del queue.settle
         event.remove(engine, "before_cursor_execute", mark)
         event.remove(engine, "commit", count)
     lost = [body_of(d) == body_of(stolen) for d in deliveries]
     assert taken == [not was_lost for was_lost in lost]
-    assert commits == 1
+    assert settles == [6]
+    # Through SQLAlchemy (PostgreSQL) its commit is seen; SQLite's consumers hold a
+    # connection of their own, whose one transaction per settle call is the driver's.
+    assert commits == (1 if local.kind == "local-postgres" else 0)
     assert await stolen.ack() is True
+
+
+async def test_local_claims_and_settles_on_sqlite_run_on_the_consumers_own_connection(
+    local: Backend,
+) -> None:
+    """Issue 41 item 7: on SQLite the local transport's claims and settles run on a
+    connection its consumers hold, each transaction one hand-off to its thread, not through
+    SQLAlchemy (a dozen); PostgreSQL keeps the portable statements. Old code: SQLAlchemy's."""
+    transport = await local.connected(visibility_seconds=30)
+    assert isinstance(transport, LocalTransport)
+    for n in range(3):
+        await transport.publish(message({"n": n}))
+    seen: list[str] = []
+
+    def note(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if "local_messages" in statement and not statement.lstrip().startswith("INSERT"):
+            seen.append(statement.split()[0])
+
+    engine = transport._engine.sync_engine
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        pump = local.pump(transport)
+        deliveries = [await pump.get() for _ in range(3)]
+        assert await deliveries[0].reject() is True
+        assert all([await d.ack() for d in deliveries[1:]])
+        await pump.stop()
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
+    assert await transport.quarantine_depth() == 1 and await transport.work_ready() == 0
+    if local.kind == "local-sqlite":
+        assert seen == [], seen  # the claim, the reject and the acks: none through SQLAlchemy
+    else:
+        assert {"SELECT", "UPDATE", "DELETE"} <= set(seen), seen
+
+
+async def test_local_prefetch_slot_is_free_at_the_outcome_commit_its_claim_kept_to_the_ack(
+    local: Backend,
+) -> None:
+    """Issue 41 item 7: a delivery whose job's outcome committed no longer fills the
+    consumer's window (the next row is claimed while its ack is written), and its row stays
+    claimed, renewed, until that ack. Old code: the window was freed only by the ack."""
+    transport = await local.connected(visibility_seconds=30)
+    for n in range(2):
+        await transport.publish(message({"n": n}))
+    pump = local.pump(transport, prefetch=1)
+    first = await pump.get()
+    await pump.expect_none(0.3)  # a window of one, full
+    first.outcome_committed()
+    second = await pump.get()
+    assert body_of(second) != body_of(first)
+    assert await first.ack() is True  # still its claim's: deleted under it
+    assert await second.ack() is True
+    assert await transport.work_ready() == 0
 
 
 async def test_a_claim_in_flight_as_the_transport_closes_gives_its_rows_back(

@@ -231,6 +231,7 @@ POSTGRES_DRIVER = (
 SQLITE_DRIVER = (
     "jobrelay.storage.drivers.sqlite",
     "jobrelay.storage.drivers.sqlite_conn",
+    "jobrelay.storage.drivers.sqlite_local_queue",
     "jobrelay.storage.drivers.sqlite_statements",
 )
 

@@ -285,6 +285,40 @@ async def release_claims(
     return released
 
 
+class PortableQueue:
+    """The local transport's claims and settles as the portable statements above, each in
+    a write transaction through SQLAlchemy (PostgreSQL; ``drivers.open_queue_driver``)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def held(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()
+
+    async def claim(self, **asked: Any) -> ClaimResult:
+        async with writing(self._engine) as conn:
+            return await claim_messages(conn, **asked)
+
+    async def settle(
+        self, consumer: str, settles: Sequence[tuple[Claimed, bool]], now: datetime
+    ) -> list[bool]:
+        acks = {claim.id: claim.fence for claim, reject in settles if not reject}
+        held: dict[int, bool] = {}
+        async with writing(self._engine) as conn:
+            deleted = await delete_many_claimed(conn, consumer=consumer, claims=acks)
+            for claim, reject in settles:
+                if reject:
+                    held[claim.id] = await quarantine_claimed(
+                        conn,
+                        message_id=claim.id,
+                        consumer=consumer,
+                        fence=claim.fence,
+                        headers=claim.headers,
+                        now=now,
+                    )
+        return [held[c.id] if reject else c.id in deleted for c, reject in settles]
+
+
 async def count_queue(conn: AsyncConnection, queue: str) -> int:
     n = await conn.scalar(select(func.count()).select_from(lm).where(lm.c.queue == queue))
     return int(n or 0)
@@ -327,6 +361,7 @@ __all__ = [
     "WORK",
     "ClaimResult",
     "Claimed",
+    "PortableQueue",
     "check_table",
     "claim_messages",
     "count_queue",

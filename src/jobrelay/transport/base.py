@@ -89,6 +89,13 @@ class Delivery(Protocol):
         """
         ...
 
+    def outcome_committed(self) -> None:
+        """The job's outcome is committed; its settle follows. The local transport counts
+        the delivery's prefetch slot free from here, so its consumer claims the next rows
+        while the ack is written (the row stays claimed, renewed, until the ack). RabbitMQ's
+        window is the broker's: it frees the slot at the ack, as before."""
+        ...
+
     async def release(self) -> None:
         """Give the message back for redelivery now (nack with requeue).
 

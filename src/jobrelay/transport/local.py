@@ -43,14 +43,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.batching import Batcher
 from jobrelay.domain.queues import DEFAULT_QUEUE, parse_destination
-from jobrelay.errors import PublishError, TransportError
+from jobrelay.errors import PublishError, StoreError, TransportError
 from jobrelay.storage import local_queue as q
+from jobrelay.storage.drivers import open_queue_driver
 from jobrelay.transport.base import Delivery, OutgoingMessage, QueueStats
 from jobrelay.transport.local_delivery import DOORBELLS, LocalDelivery
 from jobrelay.transport.topology import Topology, work_routing_key
 
 log = logging.getLogger("jobrelay.transport.local")
-_DB_ERRORS = (SQLAlchemyError, OSError)
+_DB_ERRORS = (SQLAlchemyError, OSError, StoreError)
 _MAX_BACKOFF_SECONDS = 5.0
 
 
@@ -94,6 +95,9 @@ class LocalTransport:
         )[:128]
         self._clock = clock or (lambda: datetime.now(UTC))
         self._bell = engine.url.render_as_string(hide_password=True)
+        # Its claims and settles: on SQLite on a connection the consumers hold (one
+        # hand-off to its thread per transaction), on PostgreSQL through SQLAlchemy.
+        self._queue = open_queue_driver(engine)
         self._holds: dict[int, _Hold] = {}  # claims renewed for live iterators
         self._orphans: dict[int, int] = {}  # id -> fence, in flight from closed iterators
         self._streams: set[_Stream] = set()
@@ -225,6 +229,8 @@ class LocalTransport:
         if queue not in self._topology.queues:
             raise TransportError(f"cannot consume from queue {queue!r}: not in the topology")
         stream = _Stream(prefetch, work_routing_key(queue))
+        held = contextlib.AsyncExitStack()
+        await held.enter_async_context(self._queue.held())
         bell = DOORBELLS.register(self._bell, stream.wake)
         self._streams.add(stream)
         self._start_renewer()
@@ -275,6 +281,7 @@ class LocalTransport:
                 self._holds.pop(message_id, None)
             # Even if we are being cancelled: the unstarted uncounted, the rest counted.
             await asyncio.shield(self._give_back([], handed, unstarted=unstarted))
+            await asyncio.shield(held.aclose())
 
     async def _claim_shielded(self, stream: _Stream) -> bool:
         """Claim into ``stream.buffer``; a cancelled caller still gets the rows given back.
@@ -293,16 +300,14 @@ class LocalTransport:
     async def _claim(self, stream: _Stream) -> bool:
         now = self._clock()
         try:
-            async with q.writing(self._engine) as conn:
-                result = await q.claim_messages(
-                    conn,
-                    queue=stream.queue,
-                    consumer=self._consumer,
-                    now=now,
-                    invisible_until=now + self._visibility,
-                    limit=stream.prefetch - len(stream.handed) - len(stream.buffer),
-                    delivery_limit=self._topology.delivery_limit,
-                )
+            result = await self._queue.claim(
+                queue=stream.queue,
+                consumer=self._consumer,
+                now=now,
+                invisible_until=now + self._visibility,
+                limit=stream.prefetch - len(stream.handed) - len(stream.buffer),
+                delivery_limit=self._topology.delivery_limit,
+            )
         except _DB_ERRORS as exc:
             raise TransportError(f"claim failed: {_short(exc)}") from exc
         for claim in result.claimed:
@@ -354,21 +359,7 @@ class LocalTransport:
         """The acks and rejects asked for meanwhile, each fenced on its own claim, in ONE
         write transaction: one commit for the lot, the acks one statement. Each still wins
         or loses alone (a lost claim changes nothing); a failed write fails all of them."""
-        acks = {claim.id: claim.fence for claim, reject in settles if not reject}
-        held: dict[int, bool] = {}
-        async with q.writing(self._engine) as conn:
-            deleted = await q.delete_many_claimed(conn, consumer=self._consumer, claims=acks)
-            for claim, reject in settles:
-                if reject:
-                    held[claim.id] = await q.quarantine_claimed(
-                        conn,
-                        message_id=claim.id,
-                        consumer=self._consumer,
-                        fence=claim.fence,
-                        headers=claim.headers,
-                        now=self._clock(),
-                    )
-        return [held[c.id] if reject else c.id in deleted for c, reject in settles]
+        return await self._queue.settle(self._consumer, settles, self._clock())
 
     async def _release(self, claim: q.Claimed) -> None:
         """Give one handed-out message back now, as RabbitMQ's nack with requeue does."""
@@ -381,6 +372,14 @@ class LocalTransport:
         except _DB_ERRORS as exc:
             # Not renewed any more: the row comes back after the visibility timeout anyway.
             raise TransportError(f"release failed: {_short(exc)}") from exc
+
+    def _committed(self, claim: q.Claimed) -> None:
+        """Its job's outcome is committed: free its prefetch slot (waking its consumer) now,
+        not after the ack's own transaction; the claim stays held and renewed until then."""
+        hold = self._holds.get(claim.id)
+        if hold is not None and hold.fence == claim.fence and claim.id in hold.stream.handed:
+            hold.stream.handed.discard(claim.id)
+            hold.stream.wake.set()
 
     def _forget(self, message_id: int, fence: int) -> None:
         """Stop renewing a claim and free its prefetch slot (waking its consumer)."""

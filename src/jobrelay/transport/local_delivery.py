@@ -24,6 +24,8 @@ class Settler(Protocol):
 
     async def _release(self, claim: q.Claimed) -> None: ...
 
+    def _committed(self, claim: q.Claimed) -> None: ...
+
 
 _Waiter = tuple[asyncio.AbstractEventLoop, asyncio.Event]
 
@@ -88,6 +90,10 @@ class LocalDelivery:
 
     async def reject(self) -> bool:
         return await self._settle(reject=True)
+
+    def outcome_committed(self) -> None:
+        if not self._settled:
+            self._transport._committed(self._claim)
 
     async def release(self) -> None:
         if self._settled:

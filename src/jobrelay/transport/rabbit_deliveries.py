@@ -110,6 +110,9 @@ class RabbitDelivery:
     async def reject(self) -> bool:
         return await self._settle("reject")
 
+    def outcome_committed(self) -> None:
+        """Nothing to do: the broker counts the prefetch window, and frees it at the ack."""
+
     async def release(self) -> None:
         await self._settle("release")
 

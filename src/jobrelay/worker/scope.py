@@ -11,6 +11,7 @@ timeline its settles are recorded in, and how to wait out a database outage.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import Claimed, ClaimRequest, CompleteRequest, Completion, JobRecord
 from jobrelay.transport.base import Delivery
 from jobrelay.worker.leases import LeaseRenewer
+from jobrelay.worker.slots import delivery_slots
 from jobrelay.worker.timeline import TimelineWriter
 
 log = logging.getLogger("jobrelay.worker")
@@ -125,6 +127,7 @@ class WorkerScope:
         ``settle_lost``: the channel the delivery came on had closed, so the broker requeues
         the message and its redelivery is handled as a duplicate of the committed outcome.
         """
+        _work_done(delivery)
         await self.rt.faults.ahit("worker.before_ack")
         if action is Action.REJECT:
             with tracing.step("reject", **_settle_attributes(job_id)):
@@ -177,6 +180,17 @@ _HOOKED = {
     "retry_scheduled": RETRIED,
     "quarantined": QUARANTINED,
 }
+
+
+def _work_done(delivery: Delivery) -> None:
+    """What the delivery stands for is committed (its outcome, or a duplicate's answer) and
+    only its settle is left, which runs nothing: its job slot, and on the local transport its
+    prefetch slot, are given back now, so the next job does not wait for the ack's write.
+    After the hooks (the caller ran them): a slot still bounds the application's code."""
+    delivery.outcome_committed()
+    slots, task = delivery_slots.get(), asyncio.current_task()
+    if slots is not None and task is not None:
+        slots.work_done(task)
 
 
 def _settle_attributes(job_id: str) -> dict[str, str]:

@@ -65,6 +65,13 @@ class Slots:
         self.aside.add(task)
         self._freed.set()
 
+    def work_done(self, task: asyncio.Task[None]) -> None:
+        """``task``'s outcome is committed: only its settle is left, which starts no work,
+        so its slot is free for the next delivery now (it stays unsettled, aside, until it
+        ends)."""
+        if task in self.busy:
+            self.set_aside(task)
+
     async def take_back(self, task: asyncio.Task[None]) -> None:
         """Wait for a free slot for ``task`` set aside; it is busy again (cancelled while it
         waits, it stays aside until it ends)."""

@@ -21,6 +21,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from jobrelay.storage.capabilities import Capabilities
 from jobrelay.storage.drivers.postgres import PostgresDriver
 from jobrelay.storage.drivers.sqlite import SqliteDriver
+from jobrelay.storage.drivers.sqlite_local_queue import SqliteQueue
+from jobrelay.storage.local_queue import Claimed as QueueClaimed
+from jobrelay.storage.local_queue import ClaimResult, PortableQueue
 from jobrelay.storage.records import (
     Claim,
     Claimed,
@@ -128,4 +131,37 @@ def open_driver(engine: AsyncEngine, clock: Clock | None) -> Driver:
     return SqliteDriver(engine, clock)
 
 
-__all__ = ["Driver", "open_driver"]
+class QueueDriver(Protocol):
+    """The local transport's claims and settles (``transport.local``), fenced as
+    ``storage.local_queue`` says; each a write transaction of its own."""
+
+    def held(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """What its consumers hold while they consume (SQLite: a connection of their own)."""
+        ...
+
+    async def claim(
+        self,
+        *,
+        queue: str,
+        consumer: str,
+        now: datetime,
+        invisible_until: datetime,
+        limit: int,
+        delivery_limit: int,
+    ) -> ClaimResult: ...
+
+    async def settle(
+        self, consumer: str, settles: Sequence[tuple[QueueClaimed, bool]], now: datetime
+    ) -> list[bool]:
+        """(claim, reject) pairs: whether each was still held, and so settled."""
+        ...
+
+
+def open_queue_driver(engine: AsyncEngine) -> QueueDriver:
+    """The local queue's driver of ``engine``'s database."""
+    if engine.dialect.name == "sqlite":
+        return SqliteQueue(engine)
+    return PortableQueue(engine)
+
+
+__all__ = ["Driver", "QueueDriver", "open_driver", "open_queue_driver"]

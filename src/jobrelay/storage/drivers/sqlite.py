@@ -16,14 +16,12 @@ fails. Nothing of a batch is acked before it has committed.
 from __future__ import annotations
 
 import contextlib
-import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement, func, insert, literal, or_, select, update
 from sqlalchemy.dialects import sqlite
-from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay import fastjson
@@ -33,7 +31,7 @@ from jobrelay.storage.capabilities import SQLITE
 from jobrelay.storage.delayed import outbox_due
 from jobrelay.storage.drivers import sqlite_statements as sql
 from jobrelay.storage.drivers.new_job import new_job_steps
-from jobrelay.storage.drivers.sqlite_conn import SqliteHot, run
+from jobrelay.storage.drivers.sqlite_conn import Execute, SqliteHot, in_transaction, on_sqlalchemy
 from jobrelay.storage.engine import statement_tx, write_tx
 from jobrelay.storage.records import (
     Claim,
@@ -59,26 +57,6 @@ from jobrelay.storage.transitions import claimed_detail, outbox_admissible, resu
 T = TypeVar("T")
 
 
-def _on_held(conn: sqlite3.Connection) -> sql.Execute:
-    """Statements on the worker's held connection, in its thread (``sqlite_conn``)."""
-
-    def execute(statement: sql.Statement, params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-        rows = run(conn, statement.hot, params)
-        return statement.reader.read(rows) if statement.reader is not None else []
-
-    return execute
-
-
-def _on_sqlalchemy(conn: Connection) -> sql.Execute:
-    """The same statements through SQLAlchemy (a store used without a running worker)."""
-
-    def execute(statement: sql.Statement, params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-        result = conn.execute(statement.statement, params)
-        return [dict(row) for row in result.mappings()] if statement.reader is not None else []
-
-    return execute
-
-
 def _bindable(result_key: str | None) -> str | None:
     """The key as SQLite's driver would bind it, or StoreDataError: a lone surrogate cannot
     be UTF-8 (bound alone, the driver refuses it; inside the batch's JSON, escaped, SQLite
@@ -93,13 +71,13 @@ def _bindable(result_key: str | None) -> str | None:
     return result_key
 
 
-def _events(execute: sql.Execute, kind: str, at: datetime, rows: list[list[Any]]) -> None:
+def _events(execute: Execute, kind: str, at: datetime, rows: list[list[Any]]) -> None:
     """(job id, detail) pairs as ``kind`` events, in one insert."""
     if rows:
         execute(sql.EVENTS_RUN, {"reqs": fastjson.dumps(rows), "at": at, "kind": kind})
 
 
-def _record(execute: sql.Execute, events: Sequence[PendingEvent]) -> None:
+def _record(execute: Execute, events: Sequence[PendingEvent]) -> None:
     """State-less events, one insert per kind and time."""
     by_kind: dict[tuple[str, datetime], list[list[Any]]] = {}
     for e in events:
@@ -109,7 +87,7 @@ def _record(execute: sql.Execute, events: Sequence[PendingEvent]) -> None:
 
 
 def _claim_tx(
-    execute: sql.Execute, requests: Sequence[ClaimRequest], params: dict[str, Any], now: datetime
+    execute: Execute, requests: Sequence[ClaimRequest], params: dict[str, Any], now: datetime
 ) -> tuple[dict[str, str], dict[str, Mapping[str, Any]]]:
     asked = {r.job_id: r for r in requests}
     left = {row["id"]: row["state"] for row in execute(sql.STATES_RUN, params)}
@@ -129,7 +107,7 @@ def _claim_tx(
 
 
 def _complete_tx(
-    execute: sql.Execute,
+    execute: Execute,
     requests: Sequence[CompleteRequest],
     reqs: str,
     now: datetime,
@@ -213,15 +191,12 @@ class SqliteDriver:
     async def cut_sessions(self) -> None:
         return None  # no server, no sessions to cut
 
-    async def _tx(self, work: Callable[[sql.Execute], T], conn: AsyncConnection | None = None) -> T:
+    async def _tx(self, work: Callable[[Execute], T], conn: AsyncConnection | None = None) -> T:
         """``work`` in one write transaction: ``conn``'s when given; else on the held
         connection in one hand-off to its thread while a worker runs, else SQLAlchemy's."""
         if conn is not None:
-            return await conn.run_sync(lambda sync: work(_on_sqlalchemy(sync)))
-        if self.hot.active:
-            return await self.hot.transaction(lambda held: work(_on_held(held)), "database")
-        async with write_tx(self.engine, "database") as own:
-            return await own.run_sync(lambda sync: work(_on_sqlalchemy(sync)))
+            return await conn.run_sync(lambda sync: work(on_sqlalchemy(sync)))
+        return await in_transaction(self.engine, self.hot, work, "database")
 
     async def claim_many(
         self,
@@ -247,7 +222,7 @@ class SqliteDriver:
             "due_by": clock + RETRY_SLACK,
         }
 
-        def work(run: sql.Execute) -> tuple[dict[str, str], dict[str, Mapping[str, Any]]]:
+        def work(run: Execute) -> tuple[dict[str, str], dict[str, Mapping[str, Any]]]:
             _record(run, events)  # the commit they ride on is the claim's
             return _claim_tx(run, requests, params, now)
 

@@ -33,11 +33,12 @@ from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement
 from sqlalchemy.dialects.sqlite.aiosqlite import dialect as aiosqlite_dialect
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.errors import StoreBusy, StoreDataError, StoreError
 from jobrelay.storage.drivers.compiled import CompiledStatement
-from jobrelay.storage.engine import first_line, sqlite_busy, sqlite_session, write_lock
+from jobrelay.storage.engine import first_line, sqlite_busy, sqlite_session, write_lock, write_tx
 from jobrelay.storage.shared import Shared
 
 T = TypeVar("T")
@@ -84,6 +85,54 @@ def run(
 ) -> list[Any]:
     """One statement on the held connection (in its thread); its rows as tuples."""
     return conn.execute(statement.sql, statement.args(params)).fetchall()
+
+
+class Statement:
+    """A statement, its SQLite compilation for the held connection, and how its rows are
+    read: by the columns it declares (``text(…).columns``), the same types on either path;
+    a statement that declares none returns no rows."""
+
+    def __init__(self, statement: Any) -> None:
+        self.statement = statement
+        self.hot = sqlite_statement(statement)
+        columns = getattr(statement, "selected_columns", None)
+        self.reader = RowReader(columns) if columns is not None else None
+
+
+# A statement run inside a batch's transaction: its rows, each a mapping by column name.
+Execute = Callable[[Statement, Mapping[str, Any]], list[Mapping[str, Any]]]
+
+
+def on_held(conn: sqlite3.Connection) -> Execute:
+    """Statements on the held connection, in its thread."""
+
+    def execute(statement: Statement, params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        rows = run(conn, statement.hot, params)
+        return statement.reader.read(rows) if statement.reader is not None else []
+
+    return execute
+
+
+def on_sqlalchemy(conn: Connection) -> Execute:
+    """The same statements through SQLAlchemy (no connection held: no worker runs here,
+    or an in-memory database)."""
+
+    def execute(statement: Statement, params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        result = conn.execute(statement.statement, params)
+        return [dict(row) for row in result.mappings()] if statement.reader is not None else []
+
+    return execute
+
+
+async def in_transaction(
+    engine: AsyncEngine, hot: SqliteHot, work: Callable[[Execute], T], what: str
+) -> T:
+    """``work`` in one write transaction: on the held connection in one hand-off to its
+    thread while someone holds it, else through SQLAlchemy (the same statements either way)."""
+    if hot.active:
+        return await hot.transaction(lambda held: work(on_held(held)), what)
+    async with write_tx(engine, what) as own:
+        return await own.run_sync(lambda sync: work(on_sqlalchemy(sync)))
 
 
 class SqliteHot:
@@ -160,4 +209,15 @@ def _in_transaction(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection
     return result
 
 
-__all__ = ["DIALECT", "RowReader", "SqliteHot", "run", "sqlite_statement"]
+__all__ = [
+    "DIALECT",
+    "Execute",
+    "RowReader",
+    "SqliteHot",
+    "Statement",
+    "in_transaction",
+    "on_held",
+    "on_sqlalchemy",
+    "run",
+    "sqlite_statement",
+]

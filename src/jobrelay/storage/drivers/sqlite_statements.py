@@ -10,12 +10,11 @@ values, computed by the driver.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy import Boolean, Column, Integer, String, Text, bindparam, literal_column, text
 
-from jobrelay.storage.drivers.sqlite_conn import DIALECT, RowReader, sqlite_statement
+from jobrelay.storage.drivers.sqlite_conn import DIALECT, Statement
 from jobrelay.storage.tables import UTCDateTime, jobs
 from jobrelay.storage.transitions import CLAIM, COMPLETE, RENEW, Inputs, guard_sql, set_sql
 
@@ -146,21 +145,6 @@ WHERE EXISTS (SELECT 1 FROM jobs WHERE jobs.id = json_extract(value, '$[0]'))
 """
 ).bindparams(bindparam("at", type_=UTCDateTime()), bindparam("kind", type_=Text()))
 
-
-class Statement:
-    """A statement, its SQLite compilation for the held connection, and how its rows are
-    read: by the columns it declares (``text(…).columns``), the same types on either path;
-    a statement that declares none returns no rows."""
-
-    def __init__(self, statement: Any) -> None:
-        self.statement = statement
-        self.hot = sqlite_statement(statement)
-        columns = getattr(statement, "selected_columns", None)
-        self.reader = RowReader(columns) if columns is not None else None
-
-
-# A statement run inside a batch's transaction: its rows, each a mapping by column name.
-Execute = Callable[[Statement, Mapping[str, Any]], list[Mapping[str, Any]]]
 
 STATES_RUN = Statement(STATES)
 CLAIM_RUN = Statement(CLAIM_MANY)
