@@ -295,6 +295,10 @@ class PortableQueue:
     def held(self) -> contextlib.AbstractAsyncContextManager[None]:
         return contextlib.nullcontext()
 
+    async def publish(self, rows: Sequence[Mapping[str, Any]], now: datetime) -> None:
+        async with writing(self._engine) as conn:
+            await insert_messages(conn, rows, now)
+
     async def claim(self, **asked: Any) -> ClaimResult:
         async with writing(self._engine) as conn:
             return await claim_messages(conn, **asked)

@@ -184,8 +184,7 @@ class LocalTransport:
             }
             for r in rows
         ]
-        async with q.writing(self._engine) as conn:
-            await q.insert_messages(conn, inserts, now)
+        await self._queue.publish(inserts, now)
         return [None] * len(rows)
 
     async def quarantine_depth(self) -> int:

@@ -11,7 +11,7 @@ River's ``riverdriver`` and Oban's engines).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -137,6 +137,10 @@ class QueueDriver(Protocol):
 
     def held(self) -> contextlib.AbstractAsyncContextManager[None]:
         """What its consumers hold while they consume (SQLite: a connection of their own)."""
+        ...
+
+    async def publish(self, rows: Sequence[Mapping[str, Any]], now: datetime) -> None:
+        """New messages (each: queue, body, headers, available_at), one transaction."""
         ...
 
     async def claim(

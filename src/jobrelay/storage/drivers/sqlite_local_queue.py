@@ -25,10 +25,33 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from jobrelay import fastjson
 from jobrelay.domain.messages import dead_letter_reason, peek_job_id
 from jobrelay.storage.drivers import sqlite_statements as sql
-from jobrelay.storage.drivers.sqlite_conn import Execute, SqliteHot, Statement, in_transaction
+from jobrelay.storage.drivers.sqlite_conn import (
+    DIALECT,
+    Execute,
+    SqliteHot,
+    Statement,
+    in_transaction,
+)
 from jobrelay.storage.local_queue import QUARANTINE, REASON_HEADER, Claimed, ClaimResult
 from jobrelay.storage.records import jsonable
 from jobrelay.storage.tables import UTCDateTime
+
+# New messages: (queue, body, headers, available_at as stored) each; a row sent straight to
+# the quarantine queue is dead-lettered as it is written.
+_PUBLISH = Statement(
+    text(
+        """
+INSERT INTO local_messages
+    (queue, body, headers, available_at, delivery_count, created_at, dead_lettered_at)
+SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), json_extract(value, '$[2]'),
+       json_extract(value, '$[3]'), 0, :now,
+       CASE WHEN json_extract(value, '$[0]') = :quarantine THEN :now END
+FROM json_each(:rows)
+"""
+    ).bindparams(bindparam("now", type_=UTCDateTime()))
+)
+# A time as SQLAlchemy stores it on SQLite (the column type's own bind processor).
+_STORED_TIME = UTCDateTime().dialect_impl(DIALECT).bind_processor(DIALECT)
 
 # The visible rows of one queue, oldest first (``ix_local_messages_ready``).
 _FREE = Statement(
@@ -116,6 +139,20 @@ class SqliteQueue:
 
     def held(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self._hot.held()
+
+    async def publish(self, rows: Sequence[Mapping[str, Any]], now: datetime) -> None:
+        """The messages (queue, body, headers, available_at) in one statement."""
+        assert _STORED_TIME is not None
+        batch = fastjson.dumps(
+            [
+                [r["queue"], r["body"], dict(r["headers"]), _STORED_TIME(r["available_at"])]
+                for r in rows
+            ]
+        )
+        params = {"rows": batch, "now": now, "quarantine": QUARANTINE}
+        await in_transaction(
+            self._engine, self._hot, lambda run: run(_PUBLISH, params), "local queue publish"
+        )
 
     async def claim(self, **asked: Any) -> ClaimResult:
         return await in_transaction(
