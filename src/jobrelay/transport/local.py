@@ -167,7 +167,6 @@ class LocalTransport:
         except _DB_ERRORS as exc:
             # We cannot tell whether the commit happened; the relay will simply publish again.
             raise PublishError(f"database write failed: {_short(exc)}", unknown=True) from exc
-        DOORBELLS.ring(self._bell)
 
     def wake_consumers(self) -> None:
         """Look at the queues now: a test moved its fake clock, and delayed rows fell due."""
@@ -185,6 +184,7 @@ class LocalTransport:
             for r in rows
         ]
         await self._queue.publish(inserts, now)
+        DOORBELLS.ring(self._bell)  # once per batch: the consumers claim what it committed
         return [None] * len(rows)
 
     async def quarantine_depth(self) -> int:
