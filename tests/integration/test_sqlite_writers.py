@@ -14,12 +14,12 @@ import sqlite3
 from typing import Any
 
 import pytest
-from sqlalchemy import event, text
+from sqlalchemy import Column, Integer, event, text
 
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.storage import local_queue
-from jobrelay.storage.drivers.sqlite_conn import SqliteHot
-from jobrelay.storage.engine import create_engine, write_tx
+from jobrelay.storage.drivers.sqlite_conn import Execute, SqliteHot, Statement, in_transaction
+from jobrelay.storage.engine import create_engine, write_lock, write_tx
 
 
 async def test_writers_of_one_process_queue_instead_of_meeting_the_sqlite_lock(
@@ -93,5 +93,36 @@ async def test_a_failed_transaction_on_the_held_connection_leaves_nothing_behind
         assert not hot.active
         with pytest.raises(StoreError, match="closed"):
             await hot.transaction(count, "database")
+    finally:
+        await engine.dispose()
+
+
+async def test_a_transaction_queued_as_the_held_connection_is_let_go_of_runs_elsewhere(
+    sqlite_url: str,
+) -> None:
+    """A write queued for the process's lock while the held connection's last holder lets
+    go of it (a worker stopping, as ``jobrelay up``'s relay publishes) runs through
+    SQLAlchemy, and the connection is closed only once no transaction runs on it. Old code:
+    the queued write had taken the connection before the lock, the close did not wait for
+    the lock, and the write met a closed connection's shut-down thread (``RuntimeError``)."""
+    engine = create_engine(sqlite_url)
+    hot = SqliteHot(engine)
+    holding = hot.held()
+    await holding.__aenter__()
+    assert hot.active
+
+    def work(run: Execute) -> int:
+        return len(run(Statement(text("SELECT 1 AS one").columns(Column("one", Integer()))), {}))
+
+    try:
+        async with write_lock(engine):
+            queued = asyncio.create_task(in_transaction(engine, hot, work, "test"))
+            letting_go = asyncio.create_task(holding.__aexit__(None, None, None))
+            for _ in range(50):  # both are waiting for the lock now
+                await asyncio.sleep(0)
+            assert not queued.done() and not letting_go.done()
+        assert await queued == 1
+        await letting_go
+        assert not hot.active
     finally:
         await engine.dispose()

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import sqlite3
 import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -27,6 +28,7 @@ from sqlalchemy import event, text
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.settings import Settings
 from jobrelay.storage import local_queue
+from jobrelay.storage.drivers.sqlite_conn import SqliteHot
 from jobrelay.transport.base import OutgoingMessage, Transport
 from jobrelay.transport.local import LocalTransport
 from jobrelay.transport.rabbitmq import retry_queue_arguments, work_queue_arguments
@@ -590,6 +592,44 @@ async def test_local_prefetch_slot_is_free_at_the_outcome_commit_its_claim_kept_
     assert body_of(second) != body_of(first)
     assert await first.ack() is True  # still its claim's: deleted under it
     assert await second.ack() is True
+    assert await transport.work_ready() == 0
+
+
+async def test_local_committed_delivery_left_by_its_closed_consumer_comes_back_unrenewed(
+    local: Backend,
+) -> None:
+    """A delivery whose outcome committed (out of the window, its ack to come) is treated as
+    any delivery handed out when its consumer closes without ``keep_in_flight``: no longer
+    renewed, so unacked it comes back after the visibility timeout. Old code: it stayed
+    renewed by the transport for as long as the transport lived."""
+    transport = await local.connected(visibility_seconds=1)
+    await transport.publish(message({"n": 1}))
+    pump = local.pump(transport, prefetch=1)
+    delivery = await pump.get()
+    delivery.outcome_committed()
+    await pump.stop()  # the consumer leaves; the ack never comes
+    other = local.pump(await local.connected(visibility_seconds=30))
+    again = await other.get(timeout=15)
+    assert body_of(again) == body_of(delivery) and again.redelivered
+    assert await delivery.ack() is False  # its claim was lost to the redelivery
+    assert await again.ack() is True
+
+
+async def test_local_consumer_whose_held_connection_cannot_open_goes_on_through_sqlalchemy(
+    local: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The held SQLite connection is a speed-up: one that cannot be opened leaves the
+    consumer on SQLAlchemy, with a warning, instead of failing it. Old code: the error came
+    out of ``consume()`` and ended the worker."""
+
+    def refuse(_self: Any) -> None:
+        raise sqlite3.OperationalError("unable to open database file")
+
+    monkeypatch.setattr(SqliteHot, "_connect", refuse)
+    transport = await local.connected()
+    await transport.publish(message({"n": 1}))
+    delivery = await local.pump(transport).get()
+    assert await delivery.ack() is True
     assert await transport.work_ready() == 0
 
 

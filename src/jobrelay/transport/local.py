@@ -63,7 +63,9 @@ class _Stream:
     queue: str  # the rows' ``queue`` value it claims from
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     buffer: deque[q.Claimed] = field(default_factory=deque)
-    handed: set[int] = field(default_factory=set)
+    handed: set[int] = field(default_factory=set)  # what fills the prefetch window
+    # Handed out, their outcome committed, their ack to come: out of the window, still held.
+    committed: set[int] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -265,7 +267,8 @@ class LocalTransport:
             unstarted = {c.id: c.fence for c in stream.buffer}
             stream.buffer = deque()
             handed: dict[int, int] = {}
-            for message_id in stream.handed:
+            # Handed out, and those whose outcome committed and whose ack is still to come.
+            for message_id in stream.handed | stream.committed:
                 hold = self._holds.get(message_id)
                 if hold is None or message_id in unstarted:
                     continue
@@ -278,9 +281,11 @@ class LocalTransport:
                     del self._holds[message_id]
             for message_id in (*unstarted, *handed):
                 self._holds.pop(message_id, None)
-            # Even if we are being cancelled: the unstarted uncounted, the rest counted.
-            await asyncio.shield(self._give_back([], handed, unstarted=unstarted))
-            await asyncio.shield(held.aclose())
+            try:
+                # Even if we are being cancelled: the unstarted uncounted, the rest counted.
+                await asyncio.shield(self._give_back([], handed, unstarted=unstarted))
+            finally:
+                await asyncio.shield(held.aclose())
 
     async def _claim_shielded(self, stream: _Stream) -> bool:
         """Claim into ``stream.buffer``; a cancelled caller still gets the rows given back.
@@ -378,6 +383,7 @@ class LocalTransport:
         hold = self._holds.get(claim.id)
         if hold is not None and hold.fence == claim.fence and claim.id in hold.stream.handed:
             hold.stream.handed.discard(claim.id)
+            hold.stream.committed.add(claim.id)
             hold.stream.wake.set()
 
     def _forget(self, message_id: int, fence: int) -> None:
@@ -386,6 +392,7 @@ class LocalTransport:
         if hold is not None and hold.fence == fence:
             del self._holds[message_id]
             hold.stream.handed.discard(message_id)
+            hold.stream.committed.discard(message_id)
             hold.stream.wake.set()
 
     async def _give_back(

@@ -130,9 +130,16 @@ async def in_transaction(
     """``work`` in one write transaction: on the held connection in one hand-off to its
     thread while someone holds it, else through SQLAlchemy (the same statements either way)."""
     if hot.active:
-        return await hot.transaction(lambda held: work(on_held(held)), what)
+        try:
+            return await hot.transaction(lambda held: work(on_held(held)), what)
+        except HeldClosed:
+            pass  # let go of while this one queued for the lock: nothing was run on it
     async with write_tx(engine, what) as own:
         return await own.run_sync(lambda sync: work(on_sqlalchemy(sync)))
+
+
+class HeldClosed(StoreError):
+    """The held connection was let go of before the transaction had the write lock."""
 
 
 class SqliteHot:
@@ -143,7 +150,7 @@ class SqliteHot:
         self._path = engine.url.database
         # The connection and the one thread it is used from, while someone holds them.
         self._shared: Shared[tuple[sqlite3.Connection, ThreadPoolExecutor]] = Shared(
-            self._open, _close
+            self._open, self._close
         )
         self.sent = 0  # transactions run on it (tests read it)
 
@@ -174,12 +181,15 @@ class SqliteHot:
 
     async def transaction(self, work: Callable[[sqlite3.Connection], T], what: str) -> T:
         """``work`` in one write transaction (BEGIN IMMEDIATE … COMMIT), run whole in the
-        connection's thread, queued behind the process's other writers."""
-        if self._shared.value is None:
-            raise StoreError(f"{what} write failed: the held SQLite connection is closed")
-        conn, thread = self._shared.value
-        self.sent += 1
+        connection's thread, queued behind the process's other writers. The connection is
+        looked at once the lock is ours: its last holder may have let go meanwhile
+        (``HeldClosed``, nothing run), and it is closed only under the same lock."""
         async with write_lock(self._engine):
+            held = self._shared.value
+            if held is None:
+                raise HeldClosed(f"{what} write failed: the held SQLite connection is closed")
+            conn, thread = held
+            self.sent += 1
             try:
                 return await asyncio.get_running_loop().run_in_executor(
                     thread, _in_transaction, conn, work
@@ -189,6 +199,10 @@ class SqliteHot:
             except (sqlite3.Error, OSError) as exc:
                 error = StoreBusy if sqlite_busy(exc) else StoreError
                 raise error(f"{what} write failed: {first_line(exc)}") from exc
+
+    async def _close(self, held: tuple[sqlite3.Connection, ThreadPoolExecutor]) -> None:
+        async with write_lock(self._engine):  # not under a transaction still running on it
+            await _close(held)
 
 
 async def _close(held: tuple[sqlite3.Connection, ThreadPoolExecutor]) -> None:
@@ -212,6 +226,7 @@ def _in_transaction(conn: sqlite3.Connection, work: Callable[[sqlite3.Connection
 __all__ = [
     "DIALECT",
     "Execute",
+    "HeldClosed",
     "RowReader",
     "SqliteHot",
     "Statement",

@@ -15,7 +15,9 @@ on (id, consumer, delivery count), times come from the caller's clock, and under
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+import logging
+import sqlite3
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -24,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay import fastjson
 from jobrelay.domain.messages import dead_letter_reason, peek_job_id
+from jobrelay.errors import StoreDataError
 from jobrelay.storage.drivers import sqlite_statements as sql
 from jobrelay.storage.drivers.sqlite_conn import (
     DIALECT,
@@ -35,6 +38,8 @@ from jobrelay.storage.drivers.sqlite_conn import (
 from jobrelay.storage.local_queue import QUARANTINE, REASON_HEADER, Claimed, ClaimResult
 from jobrelay.storage.records import jsonable
 from jobrelay.storage.tables import UTCDateTime
+
+log = logging.getLogger("jobrelay.transport.local")
 
 # New messages: (queue, body, headers, available_at as stored) each; a row sent straight to
 # the quarantine queue is dead-lettered as it is written.
@@ -112,17 +117,16 @@ RETURNING id
 )
 
 # The acks: each row deleted only while its claim (consumer, fence) still holds it; the
-# batch's ids drive the lookup (the primary key), the fence is checked per row.
+# batch's ids drive the lookup (the primary key), its (id, fence) pairs are the guard.
 _ACK = Statement(
     text(
         """
 DELETE FROM local_messages
 WHERE id IN (SELECT json_extract(value, '$[0]') FROM json_each(:acks))
-  AND queue != :quarantine AND consumer = :consumer
-  AND delivery_count = (
-      SELECT json_extract(value, '$[1]') FROM json_each(:acks)
-      WHERE json_extract(value, '$[0]') = local_messages.id
+  AND (id, delivery_count) IN (
+      SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(:acks)
   )
+  AND queue != :quarantine AND consumer = :consumer
 RETURNING id
 """
     ).columns(Column("id", Integer()))
@@ -137,18 +141,35 @@ class SqliteQueue:
         self._engine = engine
         self._hot = SqliteHot(engine)
 
-    def held(self) -> contextlib.AbstractAsyncContextManager[None]:
-        return self._hot.held()
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """The connection, held for the block; one that cannot be opened is only slower:
+        the same statements then go through SQLAlchemy (a consumer does not fail for it)."""
+        holding = contextlib.AsyncExitStack()
+        try:
+            await holding.enter_async_context(self._hot.held())
+        except (sqlite3.Error, OSError) as exc:
+            log.warning(
+                "local queue: no held SQLite connection, going through SQLAlchemy: %s",
+                exc,
+                extra={"event": "held_connection_failed"},
+            )
+        async with holding:
+            yield
 
     async def publish(self, rows: Sequence[Mapping[str, Any]], now: datetime) -> None:
         """The messages (queue, body, headers, available_at) in one statement."""
-        assert _STORED_TIME is not None
-        batch = fastjson.dumps(
-            [
-                [r["queue"], r["body"], dict(r["headers"]), _STORED_TIME(r["available_at"])]
-                for r in rows
-            ]
-        )
+        stored = _STORED_TIME
+        assert stored is not None
+        try:
+            batch = fastjson.dumps(
+                [
+                    [r["queue"], r["body"], dict(r["headers"]), stored(r["available_at"])]
+                    for r in rows
+                ]
+            )
+        except (TypeError, ValueError) as exc:  # a header or a time SQLite cannot store
+            raise StoreDataError(f"local queue publish write failed: {exc}") from exc
         params = {"rows": batch, "now": now, "quarantine": QUARANTINE}
         await in_transaction(
             self._engine, self._hot, lambda run: run(_PUBLISH, params), "local queue publish"
