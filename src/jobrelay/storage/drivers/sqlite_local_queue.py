@@ -89,30 +89,24 @@ WHERE id IN (SELECT value FROM json_each(:ids))
     ).bindparams(bindparam("until", type_=UTCDateTime()))
 )
 
-# A row past the delivery limit, moved to the quarantine queue instead of out again.
-_SET_ASIDE = Statement(
-    text(
-        """
+# Into the quarantine queue, body kept, claim dropped: a row past the delivery limit as it
+# is (``_SET_ASIDE``), or a reject while its claim still holds the row (``_REJECT``).
+_TO_QUARANTINE = """
 UPDATE local_messages
 SET queue = :quarantine, consumer = NULL, invisible_until = NULL, headers = :headers,
     dead_lettered_at = :now
-WHERE id = :id
-"""
-    ).bindparams(bindparam("now", type_=UTCDateTime()), bindparam("headers", type_=JSON()))
-)
-
-# The reject: the row (body kept) moved to the quarantine queue, if its claim still holds it.
+WHERE id = :id"""
+_QUARANTINE_BINDS = (bindparam("now", type_=UTCDateTime()), bindparam("headers", type_=JSON()))
+_SET_ASIDE = Statement(text(_TO_QUARANTINE).bindparams(*_QUARANTINE_BINDS))
 _REJECT = Statement(
     text(
-        """
-UPDATE local_messages
-SET queue = :quarantine, consumer = NULL, invisible_until = NULL, headers = :headers,
-    dead_lettered_at = :now
-WHERE id = :id AND queue != :quarantine AND consumer = :consumer AND delivery_count = :fence
+        _TO_QUARANTINE
+        + """
+  AND queue != :quarantine AND consumer = :consumer AND delivery_count = :fence
 RETURNING id
 """
     )
-    .bindparams(bindparam("now", type_=UTCDateTime()), bindparam("headers", type_=JSON()))
+    .bindparams(*_QUARANTINE_BINDS)
     .columns(Column("id", Integer()))
 )
 
