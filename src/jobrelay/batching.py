@@ -3,7 +3,10 @@
 Each delivery asks for its claim (or completion) as if alone and awaits its own answer. The
 first request starts a batch at once (no timer, so an idle worker adds no latency); while that
 batch's statement runs, the requests of the other deliveries queue up and leave together in
-the next. Under load a batch is as large as the work in flight, at most ``max_size``. Two
+the next. Under load a batch is as large as the work in flight, at most ``max_size`` of each
+``kind``. Each kind has its own lane: a batch of one kind in flight never holds up the next
+request of another, and each batch takes what is pending of every kind (a worker's turn:
+the claims and the completions waiting, one statement for both). Two
 requests for the same key never share a batch: the later one waits for the next (a claim of
 two copies of one job must be two guarded statements, one of which loses).
 
@@ -42,18 +45,22 @@ class Batcher(Generic[Req, Res]):
         key: Callable[[Req], Hashable],
         *,
         max_size: int = 100,
+        kind: Callable[[Req], Hashable] = lambda _: None,
         alone_on: Callable[[Exception], bool] = lambda _: False,
-        span: str | None = None,
+        span: str | Callable[[Req], str] | None = None,
     ) -> None:
         self._run = run
         self._span = span
         self._key = key
+        self._kind = kind
         self._max = max_size
         self._alone_on = alone_on
         self._pending: list[tuple[Req, asyncio.Future[Res]]] = []
         # The trace context each pending request was made in (None: none recorded).
         self._contexts: dict[int, Context | None] = {}
-        self._flushing: asyncio.Task[None] | None = None
+        # One flush loop a kind at most (its lane): a claim never waits for a completion's
+        # statement to start its own, and each statement takes what is pending of every kind.
+        self._lanes: dict[Hashable, asyncio.Task[None]] = {}
         self.batches = 0  # for tests and metrics: how many statements were sent
 
     async def submit(self, request: Req) -> Res:
@@ -62,24 +69,28 @@ class Batcher(Generic[Req, Res]):
         self._pending.append((request, future))
         if self._span is not None:
             self._contexts[id(future)] = tracing.current()
-        if self._flushing is None or self._flushing.done():
-            self._flushing = loop.create_task(self._flush(), context=contextvars.Context())
+        kind = self._kind(request)
+        lane = self._lanes.get(kind)
+        if lane is None or lane.done():
+            self._lanes[kind] = loop.create_task(self._flush(kind), context=contextvars.Context())
         # A cancelled caller cancels only its own future, never the batch the others wait
         # on (that is the flush's task): its request was sent or will be, and the answer is
         # then not set (``done()``). No ``shield``: its outer future and callbacks per request
         # were a tenth of the embedded default's event-loop time.
         return await future
 
-    async def _flush(self) -> None:
+    async def _flush(self, kind: Hashable) -> None:
         await asyncio.sleep(0)  # the deliveries of this loop iteration join the first batch
-        while self._pending:
+        while any(self._kind(request) == kind for request, _ in self._pending):
             batch: list[tuple[Req, asyncio.Future[Res]]] = []
             seen: set[Hashable] = set()
+            sizes: dict[Hashable, int] = {}
             rest: list[tuple[Req, asyncio.Future[Res]]] = []
             for item in self._pending:
-                key = self._key(item[0])
-                if len(batch) < self._max and key not in seen:
+                key, kind = self._key(item[0]), self._kind(item[0])
+                if sizes.get(kind, 0) < self._max and key not in seen:
                     seen.add(key)
+                    sizes[kind] = sizes.get(kind, 0) + 1
                     batch.append(item)
                 else:
                     rest.append(item)
@@ -111,12 +122,20 @@ class Batcher(Generic[Req, Res]):
     def _trace(self, batch: list[tuple[Req, asyncio.Future[Res]]], started: int) -> None:
         """Each request's span of its batch statement; the contexts of a batch that failed
         are dropped with it."""
-        if self._span is None:
+        span = self._span
+        if span is None:
             return
-        contexts = [(self._contexts.pop(id(future), None), self._key(r)) for r, future in batch]
-        if any(c is not None for c, _ in contexts):
+        named: dict[str, list[tuple[Context | None, Hashable]]] = {}
+        for request, future in batch:
+            name = span if isinstance(span, str) else span(request)
+            context = self._contexts.pop(id(future), None)
+            named.setdefault(name, []).append((context, self._key(request)))
+        ended = tracing.now_ns()
+        for name, contexts in named.items():
+            if all(c is None for c, _ in contexts):
+                continue
             try:
-                tracing.batch_spans(self._span, contexts, started, tracing.now_ns())
+                tracing.batch_spans(name, contexts, started, ended)
             except Exception:  # a span processor's fault: the batch's answers still go out
                 log.warning("batch spans not recorded", exc_info=True)
 

@@ -27,7 +27,7 @@ from jobrelay.results import files
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.drivers.pg_pool import pg_statement
 from jobrelay.storage.repairs import RepairQueries
-from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest
+from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest, PendingEvent
 from tests.integration.store_ways import holding, way_fixture  # noqa: F401 (fixture, by name)
 from tests.integration.test_claims import (
     ROWS,
@@ -333,3 +333,58 @@ async def test_a_job_whose_worker_was_lost_is_never_claimed_beside_others(db: Ru
         assert delivered is None
         alone = await db.store.claim_job(job_id, "w-1", db.clock(), LEASE)
         assert alone is not None and alone.attempt == 2
+
+
+async def test_a_turn_completes_and_claims_each_job_fenced_alone(db: Runtime) -> None:
+    """Issue 41 item 1: a worker's turn, the completions of one batch and the claims of the
+    next in one statement (PostgreSQL) or transaction (SQLite). Each half keeps its guards
+    row by row: a stale completion loses beside a winning one, a claim of a running job or of
+    another type beside a winning claim, and the settles riding on the turn are written."""
+    a, b = await submit(db, period="2020-01"), await submit(db, period="2020-02")
+    c, d = await submit(db, period="2020-03"), await submit(db, period="2020-04")
+    claims = await db.store.claim_many([ask(a), ask(b)], db.clock(), LEASE)
+    claim_a, claim_b = (x[0] for x in claims if x is not None)
+    stale_b = Claim(b, claim_b.attempt + 1, claim_b.worker_id)
+    settle = PendingEvent(a, "ack_sent", db.clock(), {"attempt": 0})
+    claimed, done = await db.store.turn(
+        [ask(c), ask(d, job_type="notify.email")],
+        [CompleteRequest(claim_a, "ka", {"rows": 1}), CompleteRequest(stale_b, "kb", {})],
+        db.clock(),
+        LEASE,
+        [settle],
+    )
+    assert done == {a} and not done.failed
+    assert claimed[1] is None  # another type
+    assert claimed[0] is not None and claimed[0][0].attempt == 1
+    assert await job_state(db, a) == (JobState.SUCCEEDED, 1)
+    assert await job_state(db, b) == (JobState.RUNNING, 1)
+    assert await job_state(db, c) == (JobState.RUNNING, 1)
+    assert await job_state(db, d) == (JobState.QUEUED, 0)
+    assert [e["attempt"] for e in await events_of(db, c, "claimed")] == [1]
+    assert len(await events_of(db, a, "ack_sent")) == 1
+    assert await events_of(db, b, "result_saved") == []
+
+
+async def test_a_turn_commits_both_halves_or_neither(db: Runtime) -> None:
+    """The turn is one commit: a completion the driver refuses (a result key with a lone
+    surrogate) refuses the claims beside it too, nothing of either written; the worker's
+    batcher then sends each request alone. A completion with a step of its own is no part of
+    a turn (its transaction may be sent again without it), and is refused before anything is
+    sent."""
+    a, c = await submit(db, period="2020-01"), await submit(db, period="2020-03")
+    [won] = await db.store.claim_many([ask(a)], db.clock(), LEASE)
+    assert won is not None
+    bad = CompleteRequest(won[0], "k\ud800", {})
+    with pytest.raises(StoreDataError):
+        await db.store.turn([ask(c)], [bad], db.clock(), LEASE)
+    assert await job_state(db, c) == (JobState.QUEUED, 0)
+    assert await events_of(db, c, "claimed") == []
+
+    async def publish() -> None:
+        return None
+
+    stepped = CompleteRequest(won[0], "ka", {}, publish=publish)
+    with pytest.raises(ValueError, match="step of its own"):
+        await db.store.turn([ask(c)], [stepped], db.clock(), LEASE)
+    assert await job_state(db, c) == (JobState.QUEUED, 0)
+    assert await job_state(db, a) == (JobState.RUNNING, 1)

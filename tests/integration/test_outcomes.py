@@ -185,9 +185,9 @@ async def test_on_sqlite_an_unstorable_completion_fails_alone_in_its_batch(
         ]
         assert "could not be stored" in (jobs[1].quarantine_reason or "")
         assert operation.runs == {"2020-01": 1, "2020-02": 1, "2020-03": 1}
-        completions = worker.deliveries.scope.completions
-        # The three went as one batch first (refused whole), then each alone.
-        assert completions is not None and completions.batches >= 4
+        turns = worker.deliveries.scope.turns
+        # The three went as one turn first (refused whole), then each alone.
+        assert turns.batches >= 4
         for job_id in (left, right):
             assert (await p.kinds(job_id)).count("claimed") == 1
             assert (await p.kinds(job_id)).count("result_saved") == 1

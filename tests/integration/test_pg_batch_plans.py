@@ -34,44 +34,42 @@ from tests.integration.ops_fixtures import eventually
 IDS = [str(uuid.uuid4()) for _ in range(16)]
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
+CLAIM = {
+    "b_ids": IDS[:8],
+    "b_types": ["bench.noop"] * 8,
+    "b_workers": ["w"] * 8,
+    "b_details": ["{}"] * 8,
+    "b_seen_states": [None] * 8,
+    "b_seen_attempts": [None] * 8,
+    "b_alone": [0] * 8,
+    "b_now": NOW,
+    "b_lease": timedelta(seconds=30),
+    "b_slack": timedelta(seconds=1),
+    "b_clock": None,
+    # The settles riding on the claim (``worker.timeline``), each looked up by id.
+    "e_jobs": IDS,
+    "e_ats": [NOW] * 16,
+    "e_kinds": ["ack_sent"] * 16,
+    "e_details": ["{}"] * 16,
+}
+COMPLETE = {
+    "d_ids": IDS[8:],
+    "d_attempts": [1] * 8,
+    "d_workers": ["w"] * 8,
+    "d_keys": [None] * 8,
+    "d_metas": ["{}"] * 8,
+    "d_values": [None] * 8,
+    "d_details": ["{}"] * 8,
+    "d_dones": [None] * 8,
+    "d_totals": [None] * 8,
+    "d_settles": False,
+}
+
 STATEMENTS: Mapping[str, tuple[CompiledStatement, dict[str, Any]]] = {
-    "claim": (
-        pg_statements.CLAIM_MANY,
-        {
-            "b_ids": IDS,
-            "b_types": ["bench.noop"] * 16,
-            "b_workers": ["w"] * 16,
-            "b_details": ["{}"] * 16,
-            "b_seen_states": [None] * 16,
-            "b_seen_attempts": [None] * 16,
-            "b_alone": [0] * 16,
-            "b_now": NOW,
-            "b_lease": timedelta(seconds=30),
-            "b_slack": timedelta(seconds=1),
-            "b_clock": None,
-            # The settles riding on the claim (``worker.timeline``), each looked up by id.
-            "e_jobs": IDS,
-            "e_ats": [NOW] * 16,
-            "e_kinds": ["ack_sent"] * 16,
-            "e_details": ["{}"] * 16,
-        },
-    ),
-    "complete": (
-        pg_statements.COMPLETE_MANY,
-        {
-            "b_ids": IDS,
-            "b_attempts": [1] * 16,
-            "b_workers": ["w"] * 16,
-            "b_keys": [None] * 16,
-            "b_metas": ["{}"] * 16,
-            "b_values": [None] * 16,
-            "b_details": ["{}"] * 16,
-            "b_dones": [None] * 16,
-            "b_totals": [None] * 16,
-            "b_now": NOW,
-            "b_settles": False,
-        },
-    ),
+    "claim": (pg_statements.CLAIM_MANY, CLAIM),
+    "complete": (pg_statements.COMPLETE_MANY, {**COMPLETE, "b_now": NOW}),
+    # A worker's turn: the completions of one batch and the claims of the next.
+    "turn": (pg_statements.TURN, {**CLAIM, **COMPLETE}),
     "renew": (
         pg_statements.RENEW_MANY,
         {

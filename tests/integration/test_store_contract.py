@@ -31,7 +31,7 @@ from jobrelay.storage.store import (
     TokenRecord,
 )
 from jobrelay.storage.tables import api_tokens
-from jobrelay.worker.scope import claim_with_settles
+from jobrelay.worker.scope import turn_with_settles
 from jobrelay.worker.timeline import TimelineWriter
 from tests.id_keys import request_id
 from tests.integration.store_ways import (  # noqa: F401 (way_fixture: the fixture, by name)
@@ -336,7 +336,7 @@ async def test_a_settle_the_database_refuses_costs_no_claim(store: Store) -> Non
     writer = TimelineWriter(store)
     writer.start_batching()
     writer.add(job_id, "k" * 40, T0)
-    [claimed] = await claim_with_settles(store, writer, [ask(job_id, "w1")], at(T0), LEASE)
+    [claimed], _ = await turn_with_settles(store, writer, [ask(job_id, "w1")], [], at(T0), LEASE)
     assert claimed is not None and claimed[0].attempt == 1
     assert writer.take() == []  # given back: the writer's own, never a claim's again
     await writer.close(timeout=0.5)  # refused there too: given up after the timeout

@@ -57,6 +57,18 @@ async def test_a_batch_is_at_most_max_size() -> None:
     assert [len(b) for b in recorder.batches] == [2, 2, 1]
 
 
+async def test_a_turn_holds_up_to_max_size_of_each_kind() -> None:
+    """Issue 41 item 1: a worker's turn holds claims and completions, at most ``max_size``
+    of each, and a job's claim and its completion (one key) never share it."""
+    recorder = Recorder()
+    batcher: Batcher[str, str] = Batcher(
+        recorder.run, key=lambda r: r.split(":")[1], max_size=2, kind=lambda r: r[0]
+    )
+    asked = ["c:1", "c:2", "c:3", "d:4", "d:5", "c:4"]
+    assert await asyncio.gather(*(batcher.submit(r) for r in asked)) == [f"done:{r}" for r in asked]
+    assert recorder.batches == [["c:1", "c:2", "d:4", "d:5"], ["c:3", "c:4"]]
+
+
 async def test_a_failed_batch_fails_each_of_its_waiters_and_the_next_batch_still_runs() -> None:
     calls: list[list[str]] = []
 
@@ -172,6 +184,37 @@ async def test_each_request_gets_a_span_of_its_batch_statement() -> None:
         assert claim.parent is not None and claim.parent.span_id == parent.span_id
     # One statement, one measured time, shared.
     assert len({(c.start_time, c.end_time) for c in claims}) == 1
+
+
+async def test_each_kind_of_a_turn_gets_its_own_span_name_and_batch_size() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use(provider)
+    try:
+        recorder = Recorder()
+        batcher: Batcher[str, str] = Batcher(
+            recorder.run,
+            key=lambda r: r,
+            kind=lambda r: r[0],
+            span=lambda r: "claim" if r[0] == "c" else "commit",
+        )
+        tracer = provider.get_tracer("t")
+
+        async def one(request: str) -> str:
+            with tracer.start_as_current_span(f"run {request}"):
+                return await batcher.submit(request)
+
+        await asyncio.gather(one("c1"), one("c2"), one("d3"))
+    finally:
+        tracing.use(None)
+    assert recorder.batches == [["c1", "c2", "d3"]]
+    named = {
+        (s.name, s.attributes["messaging.message.id"], s.attributes["jobrelay.batch.size"])
+        for s in exporter.get_finished_spans()
+        if s.attributes is not None and "jobrelay.batch.size" in s.attributes
+    }
+    assert named == {("claim", "c1", 2), ("claim", "c2", 2), ("commit", "d3", 1)}
 
 
 async def test_a_span_processor_that_fails_does_not_hold_the_batchs_answers() -> None:

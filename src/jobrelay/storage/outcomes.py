@@ -33,9 +33,12 @@ from jobrelay.storage.dependencies import finish_steps
 from jobrelay.storage.drivers.new_job import steps_on
 from jobrelay.storage.records import (
     Claim,
+    Claimed,
+    ClaimRequest,
     CompleteRequest,
     Fenced,
     NewJob,
+    PendingEvent,
     Won,
 )
 from jobrelay.storage.steps import run_async
@@ -93,15 +96,57 @@ class OutcomesStore(ClaimsStore):
         back; it is sent again without that completion, whose error is in ``failed``: one
         job's failed publication never costs its neighbours their outcome.
         """
-        hot = Won()
         if not any(r.in_transaction for r in requests):
-            hot = await self.driver.complete_many(requests, now)
-            if hot.wakes:
-                self.wake_relays()
-            if not hot.deferred:
-                return Completed(hot)
-            # Jobs others wait for: completed again, in a transaction that settles those.
-            requests = [r for r in requests if r.claim.job_id in hot.deferred]
+            return await self._after_hot(
+                requests, await self.driver.complete_many(requests, now), now
+            )
+        return await self._in_transactions(requests, Won(), now)
+
+    async def turn(
+        self,
+        claims: Sequence[ClaimRequest],
+        completions: Sequence[CompleteRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent] = (),
+    ) -> tuple[list[Claimed], Completed]:
+        """A worker's turn: ``complete_many`` and ``claim_many`` of distinct jobs (and the
+        events riding on them) in ONE statement, one commit where they were two. Only
+        completions without a step of their own: those are ``complete_many``'s. A failed
+        statement fails both halves; a failure after it (the jobs others wait for, completed
+        again in a transaction) is in ``Completed.failed`` for those jobs only."""
+        if any(r.in_transaction for r in completions):
+            # Its transaction may be sent again without one of them (``complete_many``):
+            # a claim beside it would be claimed twice or not at all.
+            raise ValueError("a completion with a step of its own takes no part in a turn")
+        if not completions:
+            return await self.claim_many(claims, now, lease, events), Completed()
+        if not claims and not events:
+            return [], await self.complete_many(completions, now)
+        claimed, hot = await self.driver.turn(claims, completions, now, lease, events)
+        try:
+            return claimed, await self._after_hot(completions, hot, now)
+        except Exception as exc:
+            # The jobs others wait for, completed again in a transaction of their own that
+            # failed: theirs alone. The claims committed, and are answered.
+            return claimed, Completed(hot, dict.fromkeys(hot.deferred, exc))
+
+    async def _after_hot(
+        self, requests: Sequence[CompleteRequest], hot: Won, now: datetime
+    ) -> Completed:
+        """What the hot statement left: the relays woken for freed slots, and the jobs
+        others wait for completed again in a transaction that settles those."""
+        if hot.wakes:
+            self.wake_relays()
+        if not hot.deferred:
+            return Completed(hot)
+        return await self._in_transactions(
+            [r for r in requests if r.claim.job_id in hot.deferred], hot, now
+        )
+
+    async def _in_transactions(
+        self, requests: Sequence[CompleteRequest], hot: Won, now: datetime
+    ) -> Completed:
         failed: dict[str, Exception] = {}
         while True:
             todo = [r for r in requests if r.claim.job_id not in failed]

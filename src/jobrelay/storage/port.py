@@ -229,6 +229,17 @@ class Outcomes(Protocol):
         share one write transaction, each winner's steps before the commit; one whose step
         raised is left out (``Completed.failed``) and the others committed without it."""
 
+    async def turn(
+        self,
+        claims: Sequence[ClaimRequest],
+        completions: Sequence[CompleteRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent] = (),
+    ) -> tuple[list[Claimed], Completed]:
+        """``complete_many`` and ``claim_many`` of distinct jobs in one commit: a worker's
+        turn. Completions with a step of their own are refused (``ValueError``)."""
+
     async def schedule_retry(
         self,
         claim: Claim,

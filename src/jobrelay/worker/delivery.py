@@ -139,7 +139,7 @@ class DeliveryHandler:
         # The happy path first: a claim guarded on exactly "ready to run" needs no read.
         async def claim() -> Claimed:
             request = ClaimRequest(message.job_id, message.type, self.worker_id, meta)
-            return await self.scope.claims.submit(request)
+            return await self.scope.claim(request)
 
         async with self.isolation.shared():
             claimed = await self._claim(message.job_id, claim)

@@ -26,6 +26,7 @@ from jobrelay.library.operations import Registry
 from jobrelay.observe import tracing
 from jobrelay.observe.faults import ConnectionCut
 from jobrelay.runtime.wiring import Runtime
+from jobrelay.storage.outcomes import Completed
 from jobrelay.storage.port import StorePort
 from jobrelay.storage.store import Claimed, ClaimRequest, CompleteRequest, Completion, JobRecord
 from jobrelay.transport.base import Delivery
@@ -38,6 +39,10 @@ log = logging.getLogger("jobrelay.worker")
 # The most claims (or completions) sent in one statement.
 BATCH_SIZE = 100
 
+# What a turn is asked, and what each request of it is answered.
+Turned = ClaimRequest | CompleteRequest
+TurnAnswer = Claimed | Completion
+
 
 @dataclass
 class WorkerScope:
@@ -48,7 +53,9 @@ class WorkerScope:
     timeline: TimelineWriter
     leases: LeaseRenewer
     wait_for_database: Callable[[], Awaitable[None]]
-    claims: Batcher[ClaimRequest, Claimed]
+    # The claims and the completions without a step of their own, a turn a statement.
+    turns: Batcher[Turned, TurnAnswer]
+    # The completions with a step of their own (a staged result to publish, follow-ups).
     completions: Batcher[CompleteRequest, Completion]
 
     @classmethod
@@ -64,7 +71,8 @@ class WorkerScope:
     ) -> WorkerScope:
         """The scope of a worker: every claim and completion is a batch (a single job is a
         batch of one): those of concurrent deliveries share a statement (PostgreSQL) or a
-        write transaction, so one commit (SQLite, where the commit is the cost).
+        write transaction, so one commit (SQLite, where the commit is the cost). The claims
+        and completions pending at once are one turn: one statement for both.
         JOBRELAY_BATCHING=false: batches of 1."""
         size = BATCH_SIZE if rt.settings.batching else 1
 
@@ -72,20 +80,23 @@ class WorkerScope:
         def alone_on(exc: Exception) -> bool:
             return isinstance(exc, StoreDataError)
 
-        async def claim_many(requests: Sequence[ClaimRequest]) -> Sequence[Claimed]:
-            return await claim_with_settles(rt.store, timeline, requests, rt.clock(), lease)
+        async def turn(requests: Sequence[Turned]) -> Sequence[TurnAnswer]:
+            claims = [r for r in requests if isinstance(r, ClaimRequest)]
+            completions = [r for r in requests if isinstance(r, CompleteRequest)]
+            claimed, done = await turn_with_settles(
+                rt.store, timeline, claims, completions, rt.clock(), lease
+            )
+            answers = iter(claimed)
+            if completions:
+                done = await _after_complete(rt, done, completions)
+            return [
+                next(answers) if isinstance(r, ClaimRequest) else _answer(done, r) for r in requests
+            ]
 
         async def complete_many(requests: Sequence[CompleteRequest]) -> Sequence[Completion]:
             done = await rt.store.complete_many(requests, rt.clock())
-            # Tests: the batch committed, none of its deliveries settled yet.
-            try:
-                await rt.faults.ahit("worker.after_complete")
-            except ConnectionCut as cut:
-                # ... and the server cut every session before the answer was read: the
-                # outcome is unknown here, and is read back (``attempt._own_earlier_commit``).
-                await rt.store.cut_sessions()
-                raise StoreError(f"database write failed: {cut}") from cut
-            return [done.failed.get(r.claim.job_id, r.claim.job_id in done) for r in requests]
+            done = await _after_complete(rt, done, requests)
+            return [_answer(done, r) for r in requests]
 
         return cls(
             rt,
@@ -97,16 +108,38 @@ class WorkerScope:
             LeaseRenewer(rt, lease, rt.settings.cancel_check_seconds),
             wait_for_database,
             Batcher(
-                claim_many, key=lambda r: r.job_id, max_size=size, alone_on=alone_on, span="claim"
+                turn,
+                # A job's claim and its completion never share a turn (one statement updates
+                # a row once): a redelivered copy's claim waits for the next.
+                key=_job_id,
+                max_size=size,
+                kind=type,
+                alone_on=alone_on,
+                span=lambda r: "claim" if isinstance(r, ClaimRequest) else "commit",
             ),
             Batcher(
                 complete_many,
-                key=lambda r: r.claim.job_id,
+                key=_job_id,
                 max_size=size,
                 alone_on=alone_on,
                 span="commit",
             ),
         )
+
+    async def claim(self, request: ClaimRequest) -> Claimed:
+        """The delivery's claim, in the worker's next turn."""
+        answer = await self.turns.submit(request)
+        assert not isinstance(answer, (bool, Exception))
+        return answer
+
+    async def complete(self, request: CompleteRequest) -> Completion:
+        """The attempt's completion: in the worker's next turn, unless it has a step of its
+        own (its transaction is then the completions' alone)."""
+        if request.in_transaction:
+            return await self.completions.submit(request)
+        answer = await self.turns.submit(request)
+        assert isinstance(answer, (bool, Exception))
+        return answer
 
     async def run_hooks(
         self, event: str, job: JobRecord, attempt: int, reason: str | None = None
@@ -148,29 +181,56 @@ class WorkerScope:
         await self.timeline.record(job_id, kind, self.rt.clock(), **detail)
 
 
-async def claim_with_settles(
+async def turn_with_settles(
     store: StorePort,
     timeline: TimelineWriter,
-    requests: Sequence[ClaimRequest],
+    claims: Sequence[ClaimRequest],
+    completions: Sequence[CompleteRequest],
     now: datetime,
     lease: timedelta,
-) -> Sequence[Claimed]:
-    """The claims, with the settles recorded since the last statement riding on them (no
-    commit of their own): the timeline's lines only, they decide nothing. A failed claim
+) -> tuple[list[Claimed], Completed]:
+    """The turn, with the settles recorded since the last statement riding on it (no
+    commit of their own): the timeline's lines only, they decide nothing. A failed turn
     gives them back to the timeline writer's own statement; one the database refused for
     its data is sent again without them, as the refusal may be an event's (its job deleted
     by retention meanwhile), and an event is never a reason for a claim to fail."""
     events = timeline.take()
     try:
-        return await store.claim_many(requests, now, lease, events)
+        return await store.turn(claims, completions, now, lease, events)
     except StoreDataError:
         timeline.give_back(events)
         if not events:
             raise
-        return await store.claim_many(requests, now, lease)
+        return await store.turn(claims, completions, now, lease)
     except BaseException:
         timeline.give_back(events)
         raise
+
+
+async def _after_complete(
+    rt: Runtime, done: Completed, requests: Sequence[CompleteRequest]
+) -> Completed:
+    """Tests: the completions committed, none of their deliveries settled yet (fault
+    ``worker.after_complete``). A cut there (the server ending every session before the
+    answer was read) leaves the outcome unknown, to be read back
+    (``attempt._own_earlier_commit``): each completion is answered with the error."""
+    try:
+        await rt.faults.ahit("worker.after_complete")
+    except ConnectionCut as cut:
+        await rt.store.cut_sessions()
+        error = StoreError(f"database write failed: {cut}")
+        error.__cause__ = cut
+        return Completed((), {r.claim.job_id: error for r in requests})
+    return done
+
+
+def _answer(done: Completed, request: CompleteRequest) -> Completion:
+    job_id = request.claim.job_id
+    return done.failed.get(job_id, job_id in done)
+
+
+def _job_id(request: Turned) -> str:
+    return request.job_id if isinstance(request, ClaimRequest) else request.claim.job_id
 
 
 # The timeline's event of an outcome -> the hooks it calls.

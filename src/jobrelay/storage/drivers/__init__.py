@@ -109,6 +109,18 @@ class Driver(Protocol):
         relays at its commit). With ``conn``: inside that
         (write) transaction, which the caller commits; else in a transaction of its own."""
 
+    async def turn(
+        self,
+        claims: Sequence[ClaimRequest],
+        completions: Sequence[CompleteRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent] = (),
+    ) -> tuple[list[Claimed], Won]:
+        """``complete_many`` (in a transaction of its own) and ``claim_many`` for distinct
+        jobs in ONE statement (PostgreSQL) or transaction (SQLite): a worker's turn, one
+        commit where they were two. Either both halves commit or neither."""
+
     async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
         """RENEW for each claim."""
 

@@ -85,10 +85,10 @@ _EVENT_PARAMS = (
     bindparam("e_details", type_=ARRAY(Text())),
 )
 
-CLAIM_MANY = pg_statement(
-    text(
-        f"""
-WITH clock AS (SELECT COALESCE(:b_clock, now()) AS now),
+_CLOCK = "clock AS (SELECT COALESCE(:b_clock, now()) AS now)"
+
+# The claim's CTEs (after ``clock``): its rows are those of ``claimed``.
+_CLAIM = f"""
 asked AS (
     SELECT * FROM unnest(CAST(:b_ids AS text[]), CAST(:b_types AS text[]),
                          CAST(:b_workers AS text[]), CAST(:b_details AS text[]),
@@ -119,57 +119,61 @@ event AS (
     FROM claimed
 ),
 noted AS ({_RECORD_EVENTS})
-SELECT * FROM claimed
 """
-    )
-    .bindparams(
-        *_EVENT_PARAMS,
-        bindparam("b_ids", type_=ARRAY(String())),
-        bindparam("b_types", type_=ARRAY(String())),
-        bindparam("b_workers", type_=ARRAY(String())),
-        bindparam("b_details", type_=ARRAY(Text())),
-        bindparam("b_seen_states", type_=ARRAY(String())),
-        bindparam("b_seen_attempts", type_=ARRAY(Integer())),
-        bindparam("b_alone", type_=ARRAY(Integer())),
-        bindparam("b_now", type_=UTCDateTime()),
-        bindparam("b_lease", type_=Interval()),
-        bindparam("b_slack", type_=Interval()),
-        bindparam("b_clock", type_=UTCDateTime()),
-    )
-    .columns(
-        *(Column(c.name, c.type) for c in jobs.c),
-        Column("claimed_from_state", String()),
-        Column("claim_detail", Text()),
-    )
+_CLAIM_PARAMS = (
+    *_EVENT_PARAMS,
+    bindparam("b_ids", type_=ARRAY(String())),
+    bindparam("b_types", type_=ARRAY(String())),
+    bindparam("b_workers", type_=ARRAY(String())),
+    bindparam("b_details", type_=ARRAY(Text())),
+    bindparam("b_seen_states", type_=ARRAY(String())),
+    bindparam("b_seen_attempts", type_=ARRAY(Integer())),
+    bindparam("b_alone", type_=ARRAY(Integer())),
+    bindparam("b_now", type_=UTCDateTime()),
+    bindparam("b_lease", type_=Interval()),
+    bindparam("b_slack", type_=Interval()),
+    bindparam("b_clock", type_=UTCDateTime()),
+)
+_CLAIMED_COLUMNS = (
+    *(Column(c.name, c.type) for c in jobs.c),
+    Column("claimed_from_state", String()),
+    Column("claim_detail", Text()),
 )
 
-COMPLETE_MANY = pg_statement(
-    text(
-        f"""
-WITH req AS (
-    SELECT * FROM unnest(CAST(:b_ids AS text[]), CAST(:b_attempts AS integer[]),
-                         CAST(:b_workers AS text[]), CAST(:b_keys AS text[]),
-                         CAST(:b_metas AS text[]), CAST(:b_values AS text[]),
-                         CAST(:b_details AS text[]), CAST(:b_dones AS bigint[]),
-                         CAST(:b_totals AS bigint[]))
+CLAIM_MANY = pg_statement(
+    text(f"WITH {_CLOCK}, {_CLAIM} SELECT * FROM claimed")
+    .bindparams(*_CLAIM_PARAMS)
+    .columns(*_CLAIMED_COLUMNS)
+)
+
+# The completion's CTEs; its arrays are ``d_`` (a turn sends a claim's ``b_`` beside them),
+# its instant the claim's ``:b_now``. ``COMPLETED`` is its answer, a row per job.
+_COMPLETE = f"""
+d_req AS (
+    SELECT * FROM unnest(CAST(:d_ids AS text[]), CAST(:d_attempts AS integer[]),
+                         CAST(:d_workers AS text[]), CAST(:d_keys AS text[]),
+                         CAST(:d_metas AS text[]), CAST(:d_values AS text[]),
+                         CAST(:d_details AS text[]), CAST(:d_dones AS bigint[]),
+                         CAST(:d_totals AS bigint[]))
         AS r(id, attempt, worker, result_key, meta, value, detail, done, total)
 ),
 locked AS (
     -- The row as locked is its latest version: ``has_dependants`` set by an enqueue that
     -- committed while this waited is seen here (``storage.dependencies``).
-    SELECT j.id, j.has_dependants IS TRUE AS has_dependants FROM jobs j JOIN req ON j.id = req.id
-    WHERE j.id = ANY(CAST(:b_ids AS text[]))
+    SELECT j.id, j.has_dependants IS TRUE AS has_dependants
+    FROM jobs j JOIN d_req ON j.id = d_req.id
+    WHERE j.id = ANY(CAST(:d_ids AS text[]))
     ORDER BY j.id FOR NO KEY UPDATE OF j
 ),
 done AS (
     UPDATE jobs SET
     {set_sql(COMPLETE.sets(_BATCH))}
-    FROM req JOIN locked ON locked.id = req.id
-    WHERE jobs.id = ANY(CAST(:b_ids AS text[])) AND jobs.id = req.id
+    FROM d_req AS req JOIN locked ON locked.id = req.id
+    WHERE jobs.id = ANY(CAST(:d_ids AS text[])) AND jobs.id = req.id
       AND {_by_id(guard_sql(COMPLETE.guards(_BATCH)))}
       -- A job others wait for ends only where the transaction then settles them (its next
       -- statement, a snapshot that sees every edge): in autocommit it is left alone.
-      AND (CAST(:b_settles AS boolean) OR NOT locked.has_dependants)
+      AND (CAST(:d_settles AS boolean) OR NOT locked.has_dependants)
     RETURNING jobs.id, req.detail, jobs.turn_key, locked.has_dependants
 ),
 released AS (
@@ -197,36 +201,68 @@ told AS (
     -- statement, whatever the number of jobs it ended.
     SELECT pg_notify('{DONE_CHANNEL}', '') WHERE EXISTS (SELECT 1 FROM done)
 ),
-event AS (
+d_event AS (
     INSERT INTO job_events (job_id, at, kind, detail)
     SELECT id, :b_now, '{COMPLETE.event}', CAST(detail AS json) FROM done
 )
+"""
+_COMPLETED = """
 SELECT id, (SELECT count(*) FROM woken) > 0 AS wakes, (SELECT count(*) FROM told) AS told,
        has_dependants, false AS deferred
 FROM done
 UNION ALL
 SELECT id, false, 0, true, true FROM locked
-WHERE has_dependants AND NOT CAST(:b_settles AS boolean)
+WHERE has_dependants AND NOT CAST(:d_settles AS boolean)
 """
-    )
-    .bindparams(
-        bindparam("b_ids", type_=ARRAY(String())),
-        bindparam("b_attempts", type_=ARRAY(Integer())),
-        bindparam("b_workers", type_=ARRAY(String())),
-        bindparam("b_keys", type_=ARRAY(Text())),
-        bindparam("b_metas", type_=ARRAY(Text())),
-        bindparam("b_values", type_=ARRAY(Text())),
-        bindparam("b_details", type_=ARRAY(Text())),
-        bindparam("b_dones", type_=ARRAY(BigInteger())),
-        bindparam("b_totals", type_=ARRAY(BigInteger())),
-        bindparam("b_now", type_=UTCDateTime()),
-        bindparam("b_settles", type_=Boolean()),
-    )
+_COMPLETE_PARAMS = (
+    bindparam("d_ids", type_=ARRAY(String())),
+    bindparam("d_attempts", type_=ARRAY(Integer())),
+    bindparam("d_workers", type_=ARRAY(String())),
+    bindparam("d_keys", type_=ARRAY(Text())),
+    bindparam("d_metas", type_=ARRAY(Text())),
+    bindparam("d_values", type_=ARRAY(Text())),
+    bindparam("d_details", type_=ARRAY(Text())),
+    bindparam("d_dones", type_=ARRAY(BigInteger())),
+    bindparam("d_totals", type_=ARRAY(BigInteger())),
+    bindparam("d_settles", type_=Boolean()),
+)
+
+COMPLETE_MANY = pg_statement(
+    text(f"WITH {_COMPLETE} {_COMPLETED}")
+    .bindparams(*_COMPLETE_PARAMS, bindparam("b_now", type_=UTCDateTime()))
     .columns(
         Column("id", String()),
         Column("wakes", Boolean()),
         Column("told", Integer()),
         Column("has_dependants", Boolean()),
+        Column("deferred", Boolean()),
+    )
+)
+
+# A worker's turn: the completions of the jobs it has finished and the claims of those it
+# starts next, ONE statement (one round trip, one commit) where they were two. The halves
+# never share a job (the worker's batcher keeps a job's claim and its completion in
+# different turns): a row is updated by one of them at most, as PostgreSQL requires of one
+# statement. The claims' rows come first, then a row per completion with the claim's
+# columns null (``(NULL::jobs).*``) and ``done_id`` set.
+TURN = pg_statement(
+    text(
+        f"""
+WITH {_CLOCK}, {_COMPLETE}, {_CLAIM}
+SELECT claimed.*, CAST(NULL AS text) AS done_id, CAST(NULL AS boolean) AS wakes,
+       CAST(NULL AS boolean) AS done_has_dependants, CAST(NULL AS boolean) AS deferred
+FROM claimed
+UNION ALL
+SELECT (CAST(NULL AS jobs)).*, NULL, NULL, c.id, c.wakes, c.has_dependants, c.deferred
+FROM ({_COMPLETED}) AS c
+"""
+    )
+    .bindparams(*_CLAIM_PARAMS, *_COMPLETE_PARAMS)
+    .columns(
+        *_CLAIMED_COLUMNS,
+        Column("done_id", String()),
+        Column("wakes", Boolean()),
+        Column("done_has_dependants", Boolean()),
         Column("deferred", Boolean()),
     )
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -165,7 +165,48 @@ class PostgresDriver:
         lease: timedelta,
         events: Sequence[PendingEvent] = (),
     ) -> list[Claimed]:
+        rows = await self.rows(sql.CLAIM_MANY, self._claim_params(requests, now, lease, events))
+        return _claimed(requests, rows)
+
+    async def complete_many(
+        self,
+        requests: Sequence[CompleteRequest],
+        now: datetime,
+        conn: AsyncConnection | None = None,
+    ) -> Won:
+        # In the caller's transaction, which settles the jobs waiting for these.
+        params = {**_complete_params(requests, settles=conn is not None), "b_now": now}
+        rows = await self.rows(sql.COMPLETE_MANY, params, conn)
+        return _won((row["id"], row["has_dependants"], row) for row in rows)
+
+    async def turn(
+        self,
+        claims: Sequence[ClaimRequest],
+        completions: Sequence[CompleteRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent] = (),
+    ) -> tuple[list[Claimed], Won]:
         params = {
+            **self._claim_params(claims, now, lease, events),
+            **_complete_params(completions, settles=False),
+        }
+        rows = await self.rows(sql.TURN, params)
+        won = _claimed(claims, [row for row in rows if row["done_id"] is None])
+        return won, _won(
+            (row["done_id"], row["done_has_dependants"], row)
+            for row in rows
+            if row["done_id"] is not None
+        )
+
+    def _claim_params(
+        self,
+        requests: Sequence[ClaimRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent],
+    ) -> dict[str, Any]:
+        return {
             **_event_params(events),
             "b_ids": [r.job_id for r in requests],
             "b_types": [r.job_type for r in requests],
@@ -179,41 +220,6 @@ class PostgresDriver:
             "b_slack": RETRY_SLACK,
             "b_clock": self._clock_param(),
         }
-        won = {row["id"]: row for row in await self.rows(sql.CLAIM_MANY, params)}
-        left = {job_id: row["claimed_from_state"] for job_id, row in won.items()}
-        return claimed_in_order(requests, won, left)
-
-    async def complete_many(
-        self,
-        requests: Sequence[CompleteRequest],
-        now: datetime,
-        conn: AsyncConnection | None = None,
-    ) -> Won:
-        params = {
-            "b_ids": [r.claim.job_id for r in requests],
-            "b_attempts": [r.claim.attempt for r in requests],
-            "b_workers": [r.claim.worker_id for r in requests],
-            "b_keys": [r.result_key for r in requests],
-            "b_metas": [outcome_json(r.result_key, r.result_meta) for r in requests],
-            "b_values": [r.result_value for r in requests],
-            "b_details": [
-                fastjson.dumps(result_saved_detail(r.claim, r.result_key, r.result_meta))
-                for r in requests
-            ],
-            "b_dones": [r.progress[0] if r.progress else None for r in requests],
-            "b_totals": [r.progress[1] if r.progress else None for r in requests],
-            "b_now": now,
-            # In the caller's transaction, which settles the jobs waiting for these.
-            "b_settles": conn is not None,
-        }
-        rows = await self.rows(sql.COMPLETE_MANY, params, conn)
-        done = [row for row in rows if not row["deferred"]]
-        return Won(
-            (row["id"] for row in done),
-            any(row["wakes"] for row in done),
-            dependants=(row["id"] for row in done if row["has_dependants"]),
-            deferred=(row["id"] for row in rows if row["deferred"]),
-        )
 
     async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
         params = {
@@ -266,6 +272,47 @@ class PostgresDriver:
 
 
 __all__ = ["PostgresDriver"]
+
+
+def _claimed(requests: Sequence[ClaimRequest], rows: Sequence[Any]) -> list[Claimed]:
+    won = {row["id"]: row for row in rows}
+    left = {job_id: row["claimed_from_state"] for job_id, row in won.items()}
+    return claimed_in_order(requests, won, left)
+
+
+def _complete_params(requests: Sequence[CompleteRequest], *, settles: bool) -> dict[str, Any]:
+    return {
+        "d_ids": [r.claim.job_id for r in requests],
+        "d_attempts": [r.claim.attempt for r in requests],
+        "d_workers": [r.claim.worker_id for r in requests],
+        "d_keys": [r.result_key for r in requests],
+        "d_metas": [outcome_json(r.result_key, r.result_meta) for r in requests],
+        "d_values": [r.result_value for r in requests],
+        "d_details": [
+            fastjson.dumps(result_saved_detail(r.claim, r.result_key, r.result_meta))
+            for r in requests
+        ],
+        "d_dones": [r.progress[0] if r.progress else None for r in requests],
+        "d_totals": [r.progress[1] if r.progress else None for r in requests],
+        "d_settles": settles,
+    }
+
+
+def _won(rows: Iterable[tuple[str, bool, Any]]) -> Won:
+    """The completions' answer: (job id, whether others wait for it, its row)."""
+    done: list[tuple[str, bool, Any]] = []
+    deferred: list[str] = []
+    for job_id, has_dependants, row in rows:
+        if row["deferred"]:
+            deferred.append(job_id)
+        else:
+            done.append((job_id, has_dependants, row))
+    return Won(
+        (job_id for job_id, _, _ in done),
+        any(row["wakes"] for _, _, row in done),
+        dependants=(job_id for job_id, dependants, _ in done if dependants),
+        deferred=deferred,
+    )
 
 
 def _event_params(events: Sequence[PendingEvent]) -> dict[str, list[Any]]:

@@ -86,9 +86,13 @@ def _record(execute: Execute, events: Sequence[PendingEvent]) -> None:
         _events(execute, kind, at, rows)
 
 
+# A claim's answer as read: the states the jobs left, and the rows it claimed.
+_ClaimRows = tuple[dict[str, str], dict[str, Mapping[str, Any]]]
+
+
 def _claim_tx(
     execute: Execute, requests: Sequence[ClaimRequest], params: dict[str, Any], now: datetime
-) -> tuple[dict[str, str], dict[str, Mapping[str, Any]]]:
+) -> _ClaimRows:
     asked = {r.job_id: r for r in requests}
     left = {row["id"]: row["state"] for row in execute(sql.STATES_RUN, params)}
     won = {row["id"]: row for row in execute(sql.CLAIM_RUN, params)}
@@ -104,6 +108,28 @@ def _claim_tx(
     ]
     _events(execute, "claimed", now, events)
     return left, won
+
+
+def _complete_work(
+    requests: Sequence[CompleteRequest], now: datetime, settles: bool
+) -> Callable[[Execute], Won]:
+    """The completions' transaction work, every row checked (``outcome_json``,
+    ``_bindable``) before any transaction begins."""
+    reqs = fastjson.dumps(
+        [
+            [
+                r.claim.job_id,
+                r.claim.attempt,
+                r.claim.worker_id,
+                _bindable(r.result_key),
+                outcome_json(r.result_key, r.result_meta),
+                r.result_value,
+                *(r.progress or (None, None)),
+            ]
+            for r in requests
+        ]
+    )
+    return lambda run: _complete_tx(run, requests, reqs, now, settles)
 
 
 def _complete_tx(
@@ -209,6 +235,47 @@ class SqliteDriver:
         ``UPDATE … FROM json_each(…) RETURNING`` (each row's owner its request's worker) and
         their ``claimed`` events in one insert. Under ``BEGIN IMMEDIATE`` nothing else writes
         between the read and the update."""
+        left, won = await self._tx(self._claim_work(requests, now, lease, events))
+        return claimed_in_order(requests, won, left)
+
+    async def complete_many(
+        self,
+        requests: Sequence[CompleteRequest],
+        now: datetime,
+        conn: AsyncConnection | None = None,
+    ) -> Won:
+        """ONE update fenced per row, ``RETURNING`` the jobs whose completion won, and their
+        ``result_saved`` events in one insert. Every row is checked (``outcome_json``,
+        ``_bindable``) before the transaction begins."""
+        settles = conn is not None  # the caller's transaction settles the jobs waiting
+        return await self._tx(_complete_work(requests, now, settles), conn)
+
+    async def turn(
+        self,
+        claims: Sequence[ClaimRequest],
+        completions: Sequence[CompleteRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent] = (),
+    ) -> tuple[list[Claimed], Won]:
+        """Both in one transaction, so one commit: on SQLite the commit is the cost."""
+        complete = _complete_work(completions, now, False)
+        claim = self._claim_work(claims, now, lease, events)
+
+        def work(run: Execute) -> tuple[_ClaimRows, Won]:
+            won = complete(run)
+            return claim(run), won
+
+        (left, claimed), won = await self._tx(work)
+        return claimed_in_order(claims, claimed, left), won
+
+    def _claim_work(
+        self,
+        requests: Sequence[ClaimRequest],
+        now: datetime,
+        lease: timedelta,
+        events: Sequence[PendingEvent],
+    ) -> Callable[[Execute], _ClaimRows]:
         clock = self.local_now()
         rows = [
             [r.job_id, r.job_type, r.worker_id, r.seen_state, r.seen_attempt, int(r.alone)]
@@ -222,38 +289,11 @@ class SqliteDriver:
             "due_by": clock + RETRY_SLACK,
         }
 
-        def work(run: Execute) -> tuple[dict[str, str], dict[str, Mapping[str, Any]]]:
+        def work(run: Execute) -> _ClaimRows:
             _record(run, events)  # the commit they ride on is the claim's
             return _claim_tx(run, requests, params, now)
 
-        left, won = await self._tx(work)
-        return claimed_in_order(requests, won, left)
-
-    async def complete_many(
-        self,
-        requests: Sequence[CompleteRequest],
-        now: datetime,
-        conn: AsyncConnection | None = None,
-    ) -> Won:
-        """ONE update fenced per row, ``RETURNING`` the jobs whose completion won, and their
-        ``result_saved`` events in one insert. Every row is checked (``outcome_json``,
-        ``_bindable``) before the transaction begins."""
-        reqs = fastjson.dumps(
-            [
-                [
-                    r.claim.job_id,
-                    r.claim.attempt,
-                    r.claim.worker_id,
-                    _bindable(r.result_key),
-                    outcome_json(r.result_key, r.result_meta),
-                    r.result_value,
-                    *(r.progress or (None, None)),
-                ]
-                for r in requests
-            ]
-        )
-        settles = conn is not None  # the caller's transaction settles the jobs waiting
-        return await self._tx(lambda run: _complete_tx(run, requests, reqs, now, settles), conn)
+        return work
 
     async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
         reqs = fastjson.dumps([[c.job_id, c.attempt, c.worker_id] for c in claims])
