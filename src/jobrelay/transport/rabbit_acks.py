@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 
 import aiormq
-from aio_pika.abc import AbstractIncomingMessage
+
+from jobrelay.transport.rabbit_inbound import Inbound
 
 
-def _channel_of(message: AbstractIncomingMessage) -> object | None:
+def _channel_of(message: Inbound) -> object | None:
     try:
         return message.channel
     except aiormq.exceptions.ChannelInvalidStateError:  # aio-pika >= 10 on a closed channel
@@ -32,13 +33,13 @@ class AckBatcher:
     def __init__(self) -> None:
         self._channel: object | None = None  # the channel the tracked tags belong to
         # Every delivery received on that channel and not settled yet, in tag order.
-        self._unsettled: dict[int, AbstractIncomingMessage] = {}
+        self._unsettled: dict[int, Inbound] = {}
         self._asked: dict[int, asyncio.Future[None]] = {}
         self._flushing: asyncio.Task[None] | None = None
         self.frames = 0  # ack frames written (tests and the bench read it)
         self.acked = 0  # deliveries those frames acked
 
-    def received(self, message: AbstractIncomingMessage) -> None:
+    def received(self, message: Inbound) -> None:
         channel = _channel_of(message)
         if channel is not self._channel:
             # A new channel: what was tracked is of the old one, whose acks cannot be sent.
@@ -47,12 +48,12 @@ class AckBatcher:
             self._unsettled = {}
         self._unsettled[_tag(message)] = message
 
-    def forget(self, message: AbstractIncomingMessage) -> None:
+    def forget(self, message: Inbound) -> None:
         """``message`` was settled another way (rejected, released, given back)."""
         if self._unsettled.get(_tag(message)) is message:
             del self._unsettled[_tag(message)]
 
-    async def ack(self, message: AbstractIncomingMessage) -> None:
+    async def ack(self, message: Inbound) -> None:
         """Return once a frame that acks ``message`` is written; raise as ``ack()`` does."""
         tag = _tag(message)
         if self._unsettled.get(tag) is not message or tag in self._asked:
@@ -101,7 +102,7 @@ class AckBatcher:
                 future.set_exception(exc)
 
 
-def _tag(message: AbstractIncomingMessage) -> int:
+def _tag(message: Inbound) -> int:
     tag = message.delivery_tag
     assert tag is not None  # consumed with manual acks: every delivery has one
     return tag

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiormq
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from aio_pika.abc import AbstractRobustChannel
+from aiormq.abc import DeliveredMessage
 
 from jobrelay.transport.rabbit_acks import AckBatcher
+from jobrelay.transport.rabbit_inbound import Inbound
 from jobrelay.transport.rabbit_nodes import AMQP_ERRORS, short
 
 # The transport's logger: these lines were its own before the split.
@@ -27,25 +29,54 @@ log = logging.getLogger("jobrelay.transport.rabbitmq")
 
 @dataclass(eq=False)
 class Consumer:
-    """The state of one ``consume()`` call and its channel."""
+    """The state of one ``consume()`` call and its channel.
 
-    channel: AbstractChannel
-    give_back_copy: Callable[[AbstractIncomingMessage], Awaitable[None]]
-    inbox: asyncio.Queue[AbstractIncomingMessage | None] = field(default_factory=asyncio.Queue)
+    Its ``basic.consume`` is made on aiormq's channel under the robust one, so a delivery is
+    an ``Inbound``; aio-pika restores only the consumers made through its own queues, so this
+    one is made again (same tag) each time the robust channel reopens after a reconnection."""
+
+    channel: AbstractRobustChannel
+    give_back_copy: Callable[[Inbound], Awaitable[None]]
+    inbox: asyncio.Queue[Inbound | None] = field(default_factory=asyncio.Queue)
     unsettled: int = 0  # handed out, neither acked nor rejected yet
     stopping: bool = False
     deadline: asyncio.TimerHandle | None = None
     closer: asyncio.Task[None] | None = None
     acks: AckBatcher = field(default_factory=AckBatcher)
+    queue: str = ""
+    tag: str | None = None
 
-    async def on_message(self, message: AbstractIncomingMessage) -> None:
+    async def start(self, queue: str) -> str:
+        """``basic.consume`` on ``queue``, again after every reopening of the channel."""
+        self.queue = queue
+        self.tag = await self._consume()
+        self.channel.reopen_callbacks.add(self._reconsume)
+        return self.tag
+
+    async def _consume(self) -> str:
+        underlay = await self.channel.get_underlay_channel()
+        ok = await underlay.basic_consume(
+            self.queue, self.on_delivered, no_ack=False, consumer_tag=self.tag
+        )
+        assert ok.consumer_tag is not None
+        return str(ok.consumer_tag)
+
+    async def _reconsume(self, _channel: object) -> None:
+        if not self.stopping:
+            await self._consume()
+
+    def forget_reopening(self) -> None:
+        self.channel.reopen_callbacks.discard(self._reconsume)
+
+    async def on_delivered(self, delivered: DeliveredMessage) -> None:
+        message = Inbound(delivered)
         self.acks.received(message)
         if self.stopping:  # raced the basic.cancel: give it straight back, uncounted
             await self.give_back(message)
         else:
             self.inbox.put_nowait(message)
 
-    async def give_back(self, message: AbstractIncomingMessage) -> None:
+    async def give_back(self, message: Inbound) -> None:
         try:
             await self.give_back_copy(message)
         finally:
@@ -80,10 +111,10 @@ class Consumer:
 
 
 class RabbitDelivery:
-    def __init__(self, message: AbstractIncomingMessage, consumer: Consumer) -> None:
+    def __init__(self, message: Inbound, consumer: Consumer) -> None:
         self._message = message
         self._consumer = consumer
-        self._headers: dict[str, object] = dict(message.headers or {})
+        self._headers: Mapping[str, object] = message.headers
         self._settled = False
 
     @property
@@ -96,7 +127,7 @@ class RabbitDelivery:
 
     @property
     def redelivered(self) -> bool:
-        return bool(self._message.redelivered)
+        return self._message.redelivered
 
     @property
     def delivery_count(self) -> int:
@@ -149,7 +180,7 @@ class RabbitDelivery:
         return True
 
 
-def stale(message: AbstractIncomingMessage) -> bool:
+def stale(message: Inbound) -> bool:
     """True once the channel a message came on has closed (a delivery tag is per channel)."""
     try:
         return message.channel.is_closed

@@ -51,7 +51,6 @@ import aiormq
 from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
-    AbstractIncomingMessage,
     AbstractRobustChannel,
     AbstractRobustConnection,
 )
@@ -67,6 +66,7 @@ from jobrelay.transport.rabbit_declare import (
     work_queue_arguments,
 )
 from jobrelay.transport.rabbit_deliveries import Consumer, RabbitDelivery, quietly, stale
+from jobrelay.transport.rabbit_inbound import Inbound
 from jobrelay.transport.rabbit_nodes import (
     AMQP_ERRORS,
     BROKER_TIMEOUT,
@@ -303,7 +303,7 @@ class RabbitTransport:
             consumer = Consumer(channel, functools.partial(self._give_back, queue=queue))
             await channel.set_qos(prefetch_count=prefetch)
             declared = await channel.declare_queue(name, passive=True)
-            tag = await declared.consume(consumer.on_message, no_ack=False)
+            tag = await consumer.start(name)
         except AMQP_ERRORS as exc:
             raise TransportError(f"cannot consume from {name}: {short(exc)}") from exc
         self._consumers.add(consumer)
@@ -315,6 +315,7 @@ class RabbitTransport:
                 yield RabbitDelivery(message, consumer)
         finally:
             consumer.stopping = True  # from here on a late delivery goes straight back
+            consumer.forget_reopening()
             if self._connection is not None:
                 # Deliveries in flight stay settleable (a draining worker acks them); only
                 # the prefetched rest goes back now, before the channel can close on it.
@@ -327,17 +328,13 @@ class RabbitTransport:
                 self._consumers.discard(consumer)
                 await asyncio.shield(consumer.closer)
 
-    async def _give_back(self, message: AbstractIncomingMessage, *, queue: str) -> None:
+    async def _give_back(self, message: Inbound, *, queue: str) -> None:
         """Return a message no one started without counting it towards the delivery limit:
         a confirmed copy first, then the ack of the held one (a crash between the two leaves
         a duplicate, which the job's state absorbs). Unconfirmed: the counted nack."""
-        headers = {k: v for k, v in (message.headers or {}).items() if k != "x-delivery-count"}
-        copy = OutgoingMessage(
-            work_routing_key(queue),
-            message.body,
-            headers,  # type: ignore[arg-type]  # AMQP field values, passed through as they came
-            message.message_id,
-        )
+        # AMQP field values, passed through as they came.
+        headers = {k: v for k, v in message.headers.items() if k != "x-delivery-count"}
+        copy = OutgoingMessage(work_routing_key(queue), message.body, headers, message.message_id)
         try:
             await self.publish(copy)
         except PublishError as exc:
