@@ -132,6 +132,20 @@ class WorkerScope:
         assert not isinstance(answer, (bool, Exception))
         return answer
 
+    def hand_over(self, job: JobRecord) -> None:
+        """The job's code has returned and only its completion is left, which runs none of
+        the application's code (no success hooks for its type): its slot goes to the next
+        delivery now, whose claim then shares the completion's turn, rather than at the
+        commit, whose round trip the next job waited out before its own claim even left
+        (issue 41: 0.25 -> 0.14 commits per job in the drain). A job claimed so starts as
+        the slot frees, as before: no attempt is spent on a job that waits for a slot."""
+        app = self.rt.app
+        if app is not None and app.hooks_for(SUCCEEDED, job.type):
+            return  # the hooks run after the commit: the slot bounds them too
+        slots, task = delivery_slots.get(), asyncio.current_task()
+        if slots is not None and task is not None:
+            slots.work_done(task)
+
     async def complete(self, request: CompleteRequest) -> Completion:
         """The attempt's completion: in the worker's next turn, unless it has a step of its
         own (its transaction is then the completions' alone)."""

@@ -66,9 +66,11 @@ class Slots:
         self._freed.set()
 
     def work_done(self, task: asyncio.Task[None]) -> None:
-        """``task``'s outcome is committed: only its settle is left, which starts no work,
-        so its slot is free for the next delivery now (it stays unsettled, aside, until it
-        ends)."""
+        """``task`` runs none of the application's code any more (its job's code returned
+        with a result that is being committed, or its outcome has committed and its hooks
+        have run): what is left starts no work, so its slot is free for the next delivery
+        now (it stays aside, unsettled, until it ends). Called twice, the second is
+        nothing."""
         if task in self.busy:
             self.set_aside(task)
 
