@@ -87,10 +87,10 @@ class Batcher(Generic[Req, Res]):
             sizes: dict[Hashable, int] = {}
             rest: list[tuple[Req, asyncio.Future[Res]]] = []
             for item in self._pending:
-                key, kind = self._key(item[0]), self._kind(item[0])
-                if sizes.get(kind, 0) < self._max and key not in seen:
+                key, its_kind = self._key(item[0]), self._kind(item[0])
+                if sizes.get(its_kind, 0) < self._max and key not in seen:
                     seen.add(key)
-                    sizes[kind] = sizes.get(kind, 0) + 1
+                    sizes[its_kind] = sizes.get(its_kind, 0) + 1
                     batch.append(item)
                 else:
                     rest.append(item)

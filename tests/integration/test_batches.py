@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 
+import asyncpg
 import pytest
 from sqlalchemy import Text, bindparam, text
 
@@ -26,6 +27,7 @@ from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.results import files
 from jobrelay.runtime.wiring import Runtime
 from jobrelay.storage.drivers.pg_pool import pg_statement
+from jobrelay.storage.records import DONE_CHANNEL
 from jobrelay.storage.repairs import RepairQueries
 from jobrelay.storage.store import Claim, ClaimRequest, CompleteRequest, PendingEvent
 from tests.integration.store_ways import holding, way_fixture  # noqa: F401 (fixture, by name)
@@ -388,3 +390,26 @@ async def test_a_turn_commits_both_halves_or_neither(db: Runtime) -> None:
         await db.store.turn([ask(c)], [stepped], db.clock(), LEASE)
     assert await job_state(db, c) == (JobState.QUEUED, 0)
     assert await job_state(db, a) == (JobState.RUNNING, 1)
+
+
+async def test_a_turn_that_completes_jobs_wakes_their_waiters(db: Runtime) -> None:
+    """The waiters of the jobs a turn completes (``App.wait``) are told at its commit: its
+    ``told`` CTE writes nothing, so it runs only because the statement reads it (a review
+    asked whether it was planned away; it was not, and the turn now reads it outright)."""
+    if db.engine.dialect.name != "postgresql":
+        pytest.skip("NOTIFY is PostgreSQL's; SQLite's waiters read data_version")
+    a, c = await submit(db, period="2020-01"), await submit(db, period="2020-03")
+    [won] = await db.store.claim_many([ask(a)], db.clock(), LEASE)
+    assert won is not None
+    told = asyncio.Event()
+    url = db.engine.url.set(drivername="postgresql").render_as_string(False)
+    listener = await asyncpg.connect(url)
+    try:
+        await listener.add_listener(DONE_CHANNEL, lambda *_: told.set())
+        claimed, done = await db.store.turn(
+            [ask(c)], [CompleteRequest(won[0], "ka", {})], db.clock(), LEASE
+        )
+        assert done == {a} and claimed[0] is not None
+        await asyncio.wait_for(told.wait(), 10)
+    finally:
+        await listener.close()

@@ -69,6 +69,26 @@ async def test_a_turn_holds_up_to_max_size_of_each_kind() -> None:
     assert recorder.batches == [["c:1", "c:2", "d:4", "d:5"], ["c:3", "c:4"]]
 
 
+async def test_a_request_made_while_a_mixed_batch_runs_is_sent_by_its_kinds_lane() -> None:
+    """Review of stop 54: the claims' lane took a batch that ended with a completion and then
+    looked for the wrong kind, so a claim made while that batch ran was never sent (its
+    waiter hung) once the completions' lane had found nothing of its own and ended."""
+    recorder = Recorder()
+    batcher: Batcher[str, str] = Batcher(
+        recorder.run, key=lambda r: r.split(":")[1], kind=lambda r: r[0]
+    )
+    recorder.release.clear()
+    first = [asyncio.create_task(batcher.submit(r)) for r in ("c:1", "d:2")]
+    await recorder.started.wait()  # the claims' lane holds both; the completions' has ended
+    later = asyncio.create_task(batcher.submit("c:3"))
+    await asyncio.sleep(0)
+    recorder.release.set()
+    assert [await t for t in first] == ["done:c:1", "done:d:2"]
+    async with asyncio.timeout(5):
+        assert await later == "done:c:3"
+    assert recorder.batches == [["c:1", "d:2"], ["c:3"]]
+
+
 async def test_a_failed_batch_fails_each_of_its_waiters_and_the_next_batch_still_runs() -> None:
     calls: list[list[str]] = []
 

@@ -59,6 +59,10 @@ class Consumer:
             self.queue, self.on_delivered, no_ack=False, consumer_tag=self.tag
         )
         assert ok.consumer_tag is not None
+        if self.stopping and self.tag is not None:
+            # The consume() ended while this was on its way: its cancel may have reached the
+            # broker first, and this consumer would outlive it.
+            await quietly(underlay.basic_cancel(self.tag))
         return str(ok.consumer_tag)
 
     async def _reconsume(self, _channel: object) -> None:

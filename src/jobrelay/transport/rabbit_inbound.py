@@ -29,7 +29,9 @@ class Inbound:
         self.body: bytes = message.body
         self.headers: Mapping[str, Any] = properties.headers or {}
         self.message_id: str | None = properties.message_id
-        self.delivery_tag: int = message.delivery_tag or 0
+        # A tag of 0 with ``multiple`` would ack the whole channel: every basic.deliver has one.
+        assert message.delivery_tag, "a delivery without a tag"
+        self.delivery_tag: int = message.delivery_tag
         self.redelivered = bool(message.redelivered)
 
     @property

@@ -138,10 +138,13 @@ class WorkerScope:
         delivery now, whose claim then shares the completion's turn, rather than at the
         commit, whose round trip the next job waited out before its own claim even left
         (issue 41: 0.25 -> 0.14 commits per job in the drain). A job claimed so starts as
-        the slot frees, as before: no attempt is spent on a job that waits for a slot."""
+        the slot frees, as before: no attempt is spent on a job that waits for a slot. Not
+        for a type with outcome hooks of any kind (``_OUTCOMES``)."""
         app = self.rt.app
-        if app is not None and app.hooks_for(SUCCEEDED, job.type):
-            return  # the hooks run after the commit: the slot bounds them too
+        if app is not None and any(app.hooks_for(kind, job.type) for kind in _OUTCOMES):
+            # Hooks run after the commit, and the slot bounds them too: a success's, or a
+            # quarantine's when the database refuses this outcome.
+            return
         slots, task = delivery_slots.get(), asyncio.current_task()
         if slots is not None and task is not None:
             slots.work_done(task)
@@ -246,6 +249,9 @@ def _answer(done: Completed, request: CompleteRequest) -> Completion:
 def _job_id(request: Turned) -> str:
     return request.job_id if isinstance(request, ClaimRequest) else request.claim.job_id
 
+
+# Every kind of outcome hook: a type with any of them keeps its slot to the end.
+_OUTCOMES = (SUCCEEDED, RETRIED, QUARANTINED)
 
 # The timeline's event of an outcome -> the hooks it calls.
 _HOOKED = {

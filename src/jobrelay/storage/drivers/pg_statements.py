@@ -250,10 +250,11 @@ TURN = pg_statement(
         f"""
 WITH {_CLOCK}, {_COMPLETE}, {_CLAIM}
 SELECT claimed.*, CAST(NULL AS text) AS done_id, CAST(NULL AS boolean) AS wakes,
-       CAST(NULL AS boolean) AS done_has_dependants, CAST(NULL AS boolean) AS deferred
+       CAST(NULL AS bigint) AS told, CAST(NULL AS boolean) AS done_has_dependants,
+       CAST(NULL AS boolean) AS deferred
 FROM claimed
 UNION ALL
-SELECT (CAST(NULL AS jobs)).*, NULL, NULL, c.id, c.wakes, c.has_dependants, c.deferred
+SELECT (CAST(NULL AS jobs)).*, NULL, NULL, c.id, c.wakes, c.told, c.has_dependants, c.deferred
 FROM ({_COMPLETED}) AS c
 """
     )
@@ -262,6 +263,9 @@ FROM ({_COMPLETED}) AS c
         *_CLAIMED_COLUMNS,
         Column("done_id", String()),
         Column("wakes", Boolean()),
+        # Read, so that ``told``'s NOTIFY can never be planned away (a CTE that writes
+        # nothing runs only when something reads it).
+        Column("told", BigInteger()),
         Column("done_has_dependants", Boolean()),
         Column("deferred", Boolean()),
     )
