@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from jobrelay.errors import ConfigError, TransportError
+from jobrelay.errors import ConfigError, StoreError, TransportError
+from jobrelay.runtime import wiring
 from jobrelay.runtime.wiring import START_OUTAGE_SECONDS, open_runtime, went_away
 from jobrelay.storage.engine import FAILOVER_SQLSTATES, create_engine, failover_error
 
@@ -70,6 +72,38 @@ async def test_a_database_that_goes_away_mid_start_is_waited_out_not_a_bad_setti
                 assert await conn.scalar(text("SELECT count(*) FROM jobs")) == 0
     waits = [r for r in caplog.records if getattr(r, "event", None) == "start_database_wait"]
     assert len(waits) == 1 and "closed" in waits[0].getMessage(), caplog.text
+
+
+async def test_a_database_that_drops_the_first_check_mid_query_is_waited_out(
+    pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI of stop 54: a worker starting while PostgreSQL failed over exited 2 with
+    "JOBRELAY_DATABASE_URL: database unreachable: ... connection was closed in the middle of
+    operation": its very first check had reached the server, whose session was then cut, and
+    was taken for a database never reached. Now that is an outage, waited out."""
+    real = wiring.check_reachable
+    calls = 0
+
+    async def cut_once(engine: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            lost = DBAPIError(
+                "SELECT 1",
+                None,
+                Exception("connection was closed in the middle of operation"),
+                connection_invalidated=True,
+            )
+            raise StoreError("database unreachable: connection was closed") from lost
+        await real(engine)
+
+    monkeypatch.setattr(wiring, "check_reachable", cut_once)
+    settings = settings_for(pg_url, "local", tmp_path, faults="")
+    with caplog.at_level(logging.WARNING, logger="jobrelay.start"):
+        async with open_runtime(settings) as rt:
+            await rt.transport.ping()
+    waits = [r for r in caplog.records if getattr(r, "event", None) == "start_database_wait"]
+    assert calls >= 2 and len(waits) == 1, caplog.text
 
 
 async def test_a_database_never_reached_at_start_is_a_bad_setting_at_once(

@@ -227,8 +227,11 @@ async def _check_database(
             try:
                 await check_reachable(engine)
             except StoreError as exc:
-                if deadline is None:  # never reached: a wrong URL or a server not running
-                    raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
+                if deadline is None:
+                    if not _answered(exc):  # never reached: a wrong URL, no server running
+                        raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
+                    # It answered, then closed the connection mid-query (a failover).
+                    deadline = time.monotonic() + outage_seconds
                 raise
             if deadline is None:
                 deadline = time.monotonic() + outage_seconds
@@ -264,6 +267,20 @@ async def _check_database(
             pause = min(pause * 2, 2.0)
 
 
+def _answered(exc: BaseException) -> bool:
+    """Whether the server was reached before ``exc``: the driver's error says a connection
+    it had was lost, or that the server is not the primary now (not a connect that failed,
+    which is a bare ``OSError``)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, DBAPIError) and (
+            seen.connection_invalidated or failover_error(seen.orig)
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def went_away(exc: BaseException) -> bool:
     """Whether a lost connection, or a server that is not the primary now, is behind
     ``exc`` (anywhere in its chain: the start-up checks wrap the driver's error)."""
@@ -271,12 +288,8 @@ def went_away(exc: BaseException) -> bool:
     while seen is not None:
         if isinstance(seen, OSError):  # refused, reset or timed out: no answer at all
             return True
-        if isinstance(seen, DBAPIError) and (
-            seen.connection_invalidated or failover_error(seen.orig)
-        ):
-            return True
         seen = seen.__cause__ or seen.__context__
-    return False
+    return _answered(exc)
 
 
 async def _create_tables(engine: AsyncEngine, app: App) -> None:
