@@ -134,7 +134,7 @@ class WorkerScope:
 
     def hand_over(self, job: JobRecord) -> None:
         """The job's code has returned and only its completion is left, which runs none of
-        the application's code (no success hooks for its type): its slot goes to the next
+        the application's code (no outcome hooks for its type): its slot goes to the next
         delivery now, whose claim then shares the completion's turn, rather than at the
         commit, whose round trip the next job waited out before its own claim even left
         (issue 41: 0.25 -> 0.14 commits per job in the drain). A job claimed so starts as
@@ -145,9 +145,7 @@ class WorkerScope:
             # Hooks run after the commit, and the slot bounds them too: a success's, or a
             # quarantine's when the database refuses this outcome.
             return
-        slots, task = delivery_slots.get(), asyncio.current_task()
-        if slots is not None and task is not None:
-            slots.work_done(task)
+        _free_slot()
 
     async def complete(self, request: CompleteRequest) -> Completion:
         """The attempt's completion: in the worker's next turn, unless it has a step of its
@@ -250,9 +248,6 @@ def _job_id(request: Turned) -> str:
     return request.job_id if isinstance(request, ClaimRequest) else request.claim.job_id
 
 
-# Every kind of outcome hook: a type with any of them keeps its slot to the end.
-_OUTCOMES = (SUCCEEDED, RETRIED, QUARANTINED)
-
 # The timeline's event of an outcome -> the hooks it calls.
 _HOOKED = {
     "result_saved": SUCCEEDED,
@@ -260,6 +255,8 @@ _HOOKED = {
     "retry_scheduled": RETRIED,
     "quarantined": QUARANTINED,
 }
+# Every kind of outcome hook: a type with any of them keeps its slot to the end.
+_OUTCOMES = frozenset(_HOOKED.values())
 
 
 def _work_done(delivery: Delivery) -> None:
@@ -268,6 +265,11 @@ def _work_done(delivery: Delivery) -> None:
     prefetch slot, are given back now, so the next job does not wait for the ack's write.
     After the hooks (the caller ran them): a slot still bounds the application's code."""
     delivery.outcome_committed()
+    _free_slot()
+
+
+def _free_slot() -> None:
+    """The current delivery's job slot given back (``Slots.work_done``; twice is nothing)."""
     slots, task = delivery_slots.get(), asyncio.current_task()
     if slots is not None and task is not None:
         slots.work_done(task)
