@@ -13,9 +13,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
-from sqlalchemy import text
-
 from jobrelay.domain.states import JobState
 from jobrelay.library.operations import OperationResult
 
@@ -106,48 +103,3 @@ def _saved(period: str) -> Any:
         return OperationResult(f"exports/{period}.csv", {"rows": 1})
 
     return run
-
-
-async def test_a_job_whose_code_returned_gives_its_slot_to_the_next_while_its_outcome_commits(
-    make_pipeline: Any,
-) -> None:
-    """Issue 41 item 1: a slot bounds a job's code, not its commit. One slot; the first job's
-    code returns while its completion waits on a row lock the test holds: the next job is
-    claimed and runs meanwhile (its claim going with the completion's turn, when they meet).
-    Old code: the slot was the first job's until its outcome committed, so the second never
-    started while the lock was held. SQLite's lock is the whole database's: PostgreSQL only."""
-    async with make_pipeline(concurrency="1", prefetch="8") as p:
-        if p.rt.engine.dialect.name != "postgresql":
-            pytest.skip("a row lock of its own is PostgreSQL's")
-        job_ids = [await p.submit(period=period) for period in PERIODS[:2]]
-        started: list[str] = []
-        locked, second_ran = asyncio.Event(), asyncio.Event()
-
-        async def run(ctx: Any) -> OperationResult:
-            started.append(ctx.job.id)
-            if len(started) == 1:
-                await locked.wait()  # the test holds this job's row before it returns
-            else:
-                second_ran.set()
-            return OperationResult(f"exports/{ctx.job.id}.csv", {"rows": 1})
-
-        operation = Scripted(dict.fromkeys(PERIODS[:2], run))
-        p.start_relay()
-        await start_worker(p, operation)
-        await eventually(lambda: _truthy(started), "the first job running", timeout=20)
-        async with p.rt.engine.connect() as conn, conn.begin():
-            await conn.execute(
-                text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE"), {"id": started[0]}
-            )
-            locked.set()
-            async with asyncio.timeout(15):
-                await second_ran.wait()
-            first = await p.rt.store.get_job(started[0])
-            assert first is not None and first.state is JobState.RUNNING
-        for job_id in job_ids:
-            job = await p.wait_for(job_id, lambda j: j.state is JobState.SUCCEEDED, timeout=20)
-            assert job.attempt == 1
-
-
-async def _truthy(value: list[str]) -> bool:
-    return bool(value)

@@ -343,8 +343,6 @@ class AttemptRun:
                 result_value=result.value_json,
                 progress=progress,
             )
-            if not request.in_transaction:
-                self.scope.hand_over(job)
             answer = await self.scope.complete(request)
             if isinstance(answer, Exception):
                 raise answer  # the staged result could not be published: nothing committed

@@ -132,21 +132,6 @@ class WorkerScope:
         assert not isinstance(answer, (bool, Exception))
         return answer
 
-    def hand_over(self, job: JobRecord) -> None:
-        """The job's code has returned and only its completion is left, which runs none of
-        the application's code (no outcome hooks for its type): its slot goes to the next
-        delivery now, whose claim then shares the completion's turn, rather than at the
-        commit, whose round trip the next job waited out before its own claim even left
-        (issue 41: 0.25 -> 0.14 commits per job in the drain). A job claimed so starts as
-        the slot frees, as before: no attempt is spent on a job that waits for a slot. Not
-        for a type with outcome hooks of any kind (``_OUTCOMES``)."""
-        app = self.rt.app
-        if app is not None and any(app.hooks_for(kind, job.type) for kind in _OUTCOMES):
-            # Hooks run after the commit, and the slot bounds them too: a success's, or a
-            # quarantine's when the database refuses this outcome.
-            return
-        _free_slot()
-
     async def complete(self, request: CompleteRequest) -> Completion:
         """The attempt's completion: in the worker's next turn, unless it has a step of its
         own (its transaction is then the completions' alone)."""
@@ -255,8 +240,6 @@ _HOOKED = {
     "retry_scheduled": RETRIED,
     "quarantined": QUARANTINED,
 }
-# Every kind of outcome hook: a type with any of them keeps its slot to the end.
-_OUTCOMES = frozenset(_HOOKED.values())
 
 
 def _work_done(delivery: Delivery) -> None:
