@@ -92,11 +92,14 @@ class Db:
         except Exception:  # the server is still starting: refused, reset, "starting up"
             return False
 
-    def blocks_writers(self) -> bool:
-        """Does a transaction that began before this call still stand in writers' way?
+    def blocks_writers(self, pid: int) -> bool:
+        """Does process ``pid``, just frozen, hold a database transaction open?
 
-        Asked just after a process was frozen: a transaction it had open then would stay
-        open (and keep its locks) for as long as it is frozen.
+        Frozen inside one, it would keep that transaction (and its locks) for as long as it
+        is frozen. On PostgreSQL only ``pid``'s own sessions are looked at (matched by their
+        client ports): whether other processes have a transaction open says nothing about the
+        frozen one, and waiting on them under load once thawed and refroze the zombie until it
+        had lost attempt 1 and taken (and lost) attempt 2 as well.
         """
         if self.engine.dialect.name == "sqlite":
             path = str(self.engine.url.database)
@@ -109,15 +112,22 @@ class Db:
                 return True
             finally:
                 conn.close()
-        frozen_at = self.scalar("SELECT now()")
-        open_since = """
-            SELECT count(*) FROM pg_stat_activity
-            WHERE datname = current_database() AND pid <> pg_backend_pid()
-              AND xact_start < :frozen_at"""
-        try:  # another process's short transaction ends by itself; the frozen one's never
-            poll(lambda: self.scalar(open_since, frozen_at=frozen_at) == 0, 3, "no old tx")
-            return False
-        except AssertionError:
+        ports = client_ports(pid)
+        states = """
+            SELECT state FROM pg_stat_activity
+            WHERE datname = current_database() AND client_port = ANY(:ports)"""
+
+        def settled() -> str | None:
+            # A statement it sent before the stop runs to its end; then its session is idle,
+            # or idle in a transaction it can no longer end.
+            now = [row[0] for row in self.rows(states, ports=ports)]
+            if any(state.startswith("idle in transaction") for state in now):
+                return "open"
+            return None if "active" in now else "clear"
+
+        try:
+            return poll(settled, 3, f"process {pid}'s sessions to settle") == "open"
+        except AssertionError:  # a statement still running after 3 s: waiting on a lock
             return True
 
     def close(self) -> None:
@@ -185,6 +195,23 @@ def pid_of(worker_id: object) -> int:
     return int(str(worker_id).split(":")[-2])
 
 
+def client_ports(pid: int) -> list[int]:
+    """The local TCP ports of process ``pid``'s IPv4 sockets: its database sessions'
+    ``client_port`` in ``pg_stat_activity``."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # a descriptor closed while listed
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    ports = []
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[9] in inodes:
+            ports.append(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def is_stopped(pid: int) -> bool:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
@@ -201,7 +228,7 @@ def freeze(proc: Proc, db: Db) -> None:
     for attempt in range(20):
         os.kill(proc.pid, signal.SIGSTOP)
         poll(lambda: is_stopped(proc.pid), 10, f"{proc.name} to be stopped")
-        if not db.blocks_writers():
+        if not db.blocks_writers(proc.pid):
             return
         os.kill(proc.pid, signal.SIGCONT)
         poll(lambda: not is_stopped(proc.pid), 10, f"{proc.name} to run again")
