@@ -51,6 +51,7 @@ import aiormq
 from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
+    AbstractQueue,
     AbstractRobustChannel,
     AbstractRobustConnection,
 )
@@ -297,15 +298,7 @@ class RabbitTransport:
             raise TransportError(f"cannot consume from queue {queue!r}: not in the topology")
         connection = self._require_connection()
         name = work_queue(queue)
-        try:
-            # A channel (and prefetch) of its own: one queue's slow jobs never hold another's.
-            channel = await connection.channel(publisher_confirms=False)
-            consumer = Consumer(channel, functools.partial(self._give_back, queue=queue))
-            await channel.set_qos(prefetch_count=prefetch)
-            declared = await channel.declare_queue(name, passive=True)
-            tag = await consumer.start(name)
-        except AMQP_ERRORS as exc:
-            raise TransportError(f"cannot consume from {name}: {short(exc)}") from exc
+        consumer, declared, tag = await self._open_consumer(connection, name, queue, prefetch)
         self._consumers.add(consumer)
         try:
             while (message := await consumer.inbox.get()) is not None:
@@ -347,10 +340,52 @@ class RabbitTransport:
             return
         await quietly(message.ack())
 
+    async def _open_consumer(
+        self, connection: AbstractRobustConnection, name: str, queue: str, prefetch: int
+    ) -> tuple[Consumer, AbstractQueue, str]:
+        """A consumer of ``name`` on a channel (and prefetch) of its own: one queue's slow
+        jobs never hold another's. Opened while the connection is down (the broker
+        restarting), it waits for the connection to come back, as the consumers already open
+        do: a worker that starts, or resumes a queue, during a broker restart is not ended
+        by it (chaos soak: a worker exited 1 starting as the broker stopped). A refusal of
+        the broker's (the queue missing, access denied) is a ``TransportError`` at once."""
+        pause = 0.1
+        while True:
+            channel: AbstractChannel | None = None
+            try:
+                channel = connection.channel(publisher_confirms=False)
+                await channel
+                consumer = Consumer(channel, functools.partial(self._give_back, queue=queue))
+                await channel.set_qos(prefetch_count=prefetch)
+                declared = await channel.declare_queue(name, passive=True)
+                return consumer, declared, await consumer.start(name)
+            except (*AMQP_ERRORS, RuntimeError) as exc:
+                await _discard(channel)
+                if connection.is_closed or isinstance(exc, aiormq.exceptions.AMQPChannelError):
+                    raise TransportError(f"cannot consume from {name}: {short(exc)}") from exc
+                log.warning(
+                    "cannot consume from %s yet, the broker connection is down: %s",
+                    name,
+                    short(exc),
+                    extra={"event": "consume_waiting", "queue": queue},
+                )
+            except BaseException:
+                await _discard(channel)
+                raise
+            await asyncio.sleep(pause)  # the connection's close may not have been seen yet
+            pause = min(pause * 2, _RECONNECT_INTERVAL)
+            await connection.connected.wait()
+
     def _require_connection(self) -> AbstractRobustConnection:
         if self._connection is None:
             raise TransportError("not connected: call connect() first")
         return self._connection
+
+
+async def _discard(channel: AbstractChannel | None) -> None:
+    """A channel whose opening failed, closed if it was opened at all."""
+    if channel is not None and getattr(channel, "is_initialized", False) and not channel.is_closed:
+        await quietly(channel.close())
 
 
 __all__ = [
