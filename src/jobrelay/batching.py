@@ -10,6 +10,11 @@ the claims and the completions waiting, one statement for both). Two
 requests for the same key never share a batch: the later one waits for the next (a claim of
 two copies of one job must be two guarded statements, one of which loses).
 
+A request may be held by a ``Gate``: it goes only in the statement of the gate's
+``request`` (while that is pending) or once the gate is opened. A worker's claim made in the
+slot of a job whose completion is pending so never commits before that completion: beside
+it, in one statement, or after it.
+
 A batch is never failed for one request's fault: when its statement fails for a reason
 ``alone_on`` accepts (a data error, not an outage), each request is sent again alone, so
 the one that cannot be stored fails by itself and its neighbours get their own answers. An
@@ -38,6 +43,28 @@ Req = TypeVar("Req")
 Res = TypeVar("Res")
 
 
+class Gate:
+    """What a held request waits for: ``request`` (the one it may go beside) to be taken into
+    a statement with it, or ``open()``."""
+
+    def __init__(self) -> None:
+        self.request: object | None = None
+        self.is_open = False
+        self._wakers: list[Callable[[], None]] = []
+
+    def open(self) -> None:
+        """The held requests may go in any statement from now on (twice is nothing)."""
+        if self.is_open:
+            return
+        self.is_open = True
+        wakers, self._wakers = self._wakers, []
+        for wake in wakers:
+            wake()
+
+    def wake_on_open(self, wake: Callable[[], None]) -> None:
+        self._wakers.append(wake)
+
+
 class Batcher(Generic[Req, Res]):
     def __init__(
         self,
@@ -58,43 +85,62 @@ class Batcher(Generic[Req, Res]):
         self._pending: list[tuple[Req, asyncio.Future[Res]]] = []
         # The trace context each pending request was made in (None: none recorded).
         self._contexts: dict[int, Context | None] = {}
+        # The gate each held pending request waits for (by its future's id).
+        self._gates: dict[int, Gate] = {}
         # One flush loop a kind at most (its lane): a claim never waits for a completion's
         # statement to start its own, and each statement takes what is pending of every kind.
         self._lanes: dict[Hashable, asyncio.Task[None]] = {}
         self.batches = 0  # for tests and metrics: how many statements were sent
 
-    async def submit(self, request: Req) -> Res:
+    async def submit(self, request: Req, *, after: Gate | None = None) -> Res:
+        """``request``'s answer, from the statement it went in; held by ``after`` until
+        that gate's request goes with it or the gate opens."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Res] = loop.create_future()
         self._pending.append((request, future))
         if self._span is not None:
             self._contexts[id(future)] = tracing.current()
-        kind = self._kind(request)
-        lane = self._lanes.get(kind)
-        if lane is None or lane.done():
-            self._lanes[kind] = loop.create_task(self._flush(kind), context=contextvars.Context())
+        if after is not None and not after.is_open:
+            self._gates[id(future)] = after
+            after.wake_on_open(self._wake)
+        self._start_lane(self._kind(request))
         # A cancelled caller cancels only its own future, never the batch the others wait
         # on (that is the flush's task): its request was sent or will be, and the answer is
         # then not set (``done()``). No ``shield``: its outer future and callbacks per request
         # were a tenth of the embedded default's event-loop time.
         return await future
 
+    def _start_lane(self, kind: Hashable) -> None:
+        lane = self._lanes.get(kind)
+        if lane is None or lane.done():
+            loop = asyncio.get_running_loop()
+            self._lanes[kind] = loop.create_task(self._flush(kind), context=contextvars.Context())
+
+    def _wake(self) -> None:
+        """A gate opened: the lanes of what it held start again where they had ended."""
+        for kind in {self._kind(request) for request, _ in self._pending}:
+            if self._sendable(kind):
+                self._start_lane(kind)
+
+    def _held(self, future: asyncio.Future[Res]) -> Gate | None:
+        gate = self._gates.get(id(future))
+        return None if gate is None or gate.is_open else gate
+
+    def _sendable(self, kind: Hashable) -> bool:
+        """Whether a request of ``kind`` could go now: not held, or held beside a request
+        that is pending too."""
+        pending = {id(request) for request, _ in self._pending}
+        for request, future in self._pending:
+            if self._kind(request) == kind:
+                gate = self._held(future)
+                if gate is None or id(gate.request) in pending:
+                    return True
+        return False
+
     async def _flush(self, kind: Hashable) -> None:
         await asyncio.sleep(0)  # the deliveries of this loop iteration join the first batch
-        while any(self._kind(request) == kind for request, _ in self._pending):
-            batch: list[tuple[Req, asyncio.Future[Res]]] = []
-            seen: set[Hashable] = set()
-            sizes: dict[Hashable, int] = {}
-            rest: list[tuple[Req, asyncio.Future[Res]]] = []
-            for item in self._pending:
-                key, its_kind = self._key(item[0]), self._kind(item[0])
-                if sizes.get(its_kind, 0) < self._max and key not in seen:
-                    seen.add(key)
-                    sizes[its_kind] = sizes.get(its_kind, 0) + 1
-                    batch.append(item)
-                else:
-                    rest.append(item)
-            self._pending = rest
+        while self._sendable(kind):
+            batch = self._compose()
             self.batches += 1
             started = tracing.now_ns()
             try:
@@ -104,6 +150,7 @@ class Batcher(Generic[Req, Res]):
                     future.cancel()
                 self._pending = []
                 self._contexts.clear()
+                self._gates.clear()
                 raise
             except Exception as exc:
                 if len(batch) > 1 and self._alone_on(exc):
@@ -111,13 +158,45 @@ class Batcher(Generic[Req, Res]):
                     continue
                 for _, future in batch:  # an outage: every waiter of this batch gets it
                     self._contexts.pop(id(future), None)
+                    self._gates.pop(id(future), None)
                     if not future.done():
                         future.set_exception(exc)
                 continue
             self._trace(batch, started)
             for (_, future), result in zip(batch, results, strict=True):
+                self._gates.pop(id(future), None)
                 if not future.done():
                     future.set_result(result)
+
+    def _compose(self) -> list[tuple[Req, asyncio.Future[Res]]]:
+        """The next statement's requests, taken from the pending: at most ``max_size`` of
+        each kind, a key once, the held ones only beside their gate's request."""
+        batch: list[tuple[Req, asyncio.Future[Res]]] = []
+        rest: list[tuple[Req, asyncio.Future[Res]]] = []
+        held: list[tuple[Req, asyncio.Future[Res]]] = []
+        seen: set[Hashable] = set()
+        sizes: dict[Hashable, int] = {}
+
+        def fits(request: Req) -> bool:
+            key, kind = self._key(request), self._kind(request)
+            if sizes.get(kind, 0) >= self._max or key in seen:
+                return False
+            seen.add(key)
+            sizes[kind] = sizes.get(kind, 0) + 1
+            return True
+
+        for item in self._pending:
+            if self._held(item[1]) is not None:
+                held.append(item)
+            else:
+                (batch if fits(item[0]) else rest).append(item)
+        chosen = {id(request) for request, _ in batch}
+        for item in held:
+            gate = self._held(item[1])
+            assert gate is not None
+            (batch if id(gate.request) in chosen and fits(item[0]) else rest).append(item)
+        self._pending = rest
+        return batch
 
     def _trace(self, batch: list[tuple[Req, asyncio.Future[Res]]], started: int) -> None:
         """Each request's span of its batch statement; the contexts of a batch that failed
@@ -140,8 +219,15 @@ class Batcher(Generic[Req, Res]):
                 log.warning("batch spans not recorded", exc_info=True)
 
     async def _one_by_one(self, batch: list[tuple[Req, asyncio.Future[Res]]]) -> None:
-        """Each request of a failed batch in a statement of its own: its own answer or error."""
+        """Each request of a failed batch in a statement of its own: its own answer or error.
+        A held request whose gate's request failed alone waits again (it came after it)."""
+        failed: set[int] = set()
         for request, future in batch:
+            gate = self._held(future)
+            if gate is not None and id(gate.request) in failed:
+                self._pending.append((request, future))
+                continue
+            self._gates.pop(id(future), None)
             self.batches += 1
             started = tracing.now_ns()
             try:
@@ -151,8 +237,10 @@ class Batcher(Generic[Req, Res]):
                     waiting.cancel()
                 self._pending = []
                 self._contexts.clear()
+                self._gates.clear()
                 raise
             except Exception as exc:
+                failed.add(id(request))
                 self._contexts.pop(id(future), None)
                 if not future.done():
                     future.set_exception(exc)

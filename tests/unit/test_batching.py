@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from jobrelay.batching import Batcher
+from jobrelay.batching import Batcher, Gate
 from jobrelay.observe import logs, tracing
 
 
@@ -89,6 +89,74 @@ async def test_a_request_made_while_a_mixed_batch_runs_is_sent_by_its_kinds_lane
     assert recorder.batches == [["c:1", "d:2"], ["c:3"]]
 
 
+async def test_a_held_request_goes_only_beside_its_gates_request() -> None:
+    """Issue 41: a claim made in a lent slot goes in the statement of the completion that
+    frees it, never alone before it."""
+    recorder = Recorder()
+    batcher: Batcher[str, str] = Batcher(
+        recorder.run, key=lambda r: r.split(":")[1], kind=lambda r: r[0]
+    )
+    gate = Gate()
+    gate.request = lender = "d:1"
+    claim = asyncio.create_task(batcher.submit("c:2", after=gate))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert recorder.batches == []  # held: its lender is not pending yet
+    assert await asyncio.gather(batcher.submit(lender), claim) == ["done:d:1", "done:c:2"]
+    assert recorder.batches == [["d:1", "c:2"]]
+
+
+async def test_a_held_request_that_missed_its_gates_statement_waits_for_the_gate() -> None:
+    """Its lender already in flight (or answered): the claim may commit only after the
+    lender's outcome, so it waits for the gate to open, not for the next statement."""
+    recorder = Recorder()
+    batcher: Batcher[str, str] = Batcher(
+        recorder.run, key=lambda r: r.split(":")[1], kind=lambda r: r[0]
+    )
+    gate = Gate()
+    gate.request = lender = "d:1"
+    recorder.release.clear()
+    sent = asyncio.create_task(batcher.submit(lender))
+    await recorder.started.wait()
+    claim = asyncio.create_task(batcher.submit("c:2", after=gate))
+    other = asyncio.create_task(batcher.submit("c:3"))
+    recorder.release.set()
+    assert await sent == "done:d:1"
+    assert await other == "done:c:3"
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not claim.done() and recorder.batches == [["d:1"], ["c:3"]]
+    gate.open()
+    async with asyncio.timeout(5):
+        assert await claim == "done:c:2"
+    assert recorder.batches == [["d:1"], ["c:3"], ["c:2"]]
+
+
+async def test_a_held_request_whose_lender_was_refused_alone_is_not_sent_after_it() -> None:
+    """A batch refused for one request's data goes again one by one; a claim held by a
+    completion that then fails alone (nothing committed) waits for its gate again."""
+    calls: list[list[str]] = []
+    picky = _refusing("d:bad", calls)
+    batcher: Batcher[str, str] = Batcher(
+        picky,
+        key=lambda r: r.split(":")[1],
+        kind=lambda r: r[0],
+        alone_on=lambda exc: isinstance(exc, Refused),
+    )
+    gate = Gate()
+    gate.request = lender = "d:bad"
+    claim = asyncio.create_task(batcher.submit("c:2", after=gate))
+    with pytest.raises(Refused):
+        await batcher.submit(lender)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not claim.done() and calls == [["d:bad", "c:2"], ["d:bad"]]
+    gate.open()
+    async with asyncio.timeout(5):
+        assert await claim == "done:c:2"
+    assert calls[-1] == ["c:2"]
+
+
 async def test_a_failed_batch_fails_each_of_its_waiters_and_the_next_batch_still_runs() -> None:
     calls: list[list[str]] = []
 
@@ -123,15 +191,21 @@ class Refused(Exception):
     """Stands in for a refusal of one request's data (not an outage)."""
 
 
-async def test_a_batch_refused_for_one_request_is_sent_again_one_by_one() -> None:
-    calls: list[list[str]] = []
+def _refusing(bad: str, calls: list[list[str]]) -> Callable[[Sequence[str]], Awaitable[list[str]]]:
+    """A statement that records its requests and is refused whenever ``bad`` is among them."""
 
     async def picky(requests: Sequence[str]) -> list[str]:
         calls.append(list(requests))
-        if "bad" in requests:
+        if bad in requests:
             raise Refused("bad row")
         return [f"done:{r}" for r in requests]
 
+    return picky
+
+
+async def test_a_batch_refused_for_one_request_is_sent_again_one_by_one() -> None:
+    calls: list[list[str]] = []
+    picky = _refusing("bad", calls)
     batcher: Batcher[str, str] = Batcher(
         picky, key=lambda r: r, alone_on=lambda exc: isinstance(exc, Refused)
     )

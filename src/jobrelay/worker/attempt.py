@@ -343,7 +343,7 @@ class AttemptRun:
                 result_value=result.value_json,
                 progress=progress,
             )
-            answer = await self.scope.complete(request)
+            answer = await self.scope.complete(request, job.type)
             if isinstance(answer, Exception):
                 raise answer  # the staged result could not be published: nothing committed
             return Fenced(True) if answer else await self._current(job.id)

@@ -127,19 +127,41 @@ class WorkerScope:
         )
 
     async def claim(self, request: ClaimRequest) -> Claimed:
-        """The delivery's claim, in the worker's next turn."""
-        answer = await self.turns.submit(request)
+        """The delivery's claim, in the worker's next turn; in a slot lent by a job whose
+        completion is pending, beside that completion or after it (``worker.slots``)."""
+        slots, task = delivery_slots.get(), asyncio.current_task()
+        if slots is None or task is None:
+            answer = await self.turns.submit(request)
+        else:
+            answer = await self.turns.submit(request, after=slots.gate_of(task))
+            slots.met(task)
         assert not isinstance(answer, (bool, Exception))
         return answer
 
-    async def complete(self, request: CompleteRequest) -> Completion:
-        """The attempt's completion: in the worker's next turn, unless it has a step of its
-        own (its transaction is then the completions' alone)."""
+    async def complete(self, request: CompleteRequest, job_type: str) -> Completion:
+        """The attempt's completion: in the worker's next turn, its slot lent to the next
+        delivery meanwhile (``_lend``), unless it has a step of its own (its transaction is
+        then the completions' alone)."""
         if request.in_transaction:
             return await self.completions.submit(request)
+        self._lend(request, job_type)
         answer = await self.turns.submit(request)
         assert isinstance(answer, (bool, Exception))
         return answer
+
+    def _lend(self, request: CompleteRequest, job_type: str) -> None:
+        """The job's code has returned and only its completion is left: the slot goes to
+        the next delivery now, whose claim then meets the completion in one statement,
+        rather than waiting for this commit before its claim even left (issue 41). Not for
+        a type with outcome hooks of any kind: hooks run after the commit, and a slot
+        bounds them too (a success's, or a quarantine's when the database refuses this
+        outcome)."""
+        app = self.rt.app
+        if app is not None and any(app.hooks_for(kind, job_type) for kind in _OUTCOMES):
+            return
+        slots, task = delivery_slots.get(), asyncio.current_task()
+        if slots is not None and task is not None:
+            slots.lend(task, request)
 
     async def run_hooks(
         self, event: str, job: JobRecord, attempt: int, reason: str | None = None
@@ -240,6 +262,8 @@ _HOOKED = {
     "retry_scheduled": RETRIED,
     "quarantined": QUARANTINED,
 }
+# Every kind of outcome hook: a type with any of them keeps its slot to the end.
+_OUTCOMES = frozenset(_HOOKED.values())
 
 
 def _work_done(delivery: Delivery) -> None:

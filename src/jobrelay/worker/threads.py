@@ -55,7 +55,9 @@ class SyncThreads:
         its slot up (``Slots.set_aside``), so the worker's async def jobs keep running, and
         takes one back once it has its thread, before it is claimed."""
         slots, task = delivery_slots.get(), asyncio.current_task()
-        if slots is None or task is None or self.held < self.size:
+        if slots is None or task is None or self.held < self.size or task in slots.lent:
+            # A delivery that lent its slot and runs again (its completion failed) runs in
+            # the lent slot, whose borrower waits for its outcome: it takes no other.
             return await self.take()
         slots.set_aside(task)
         thread = await self.take()
