@@ -43,6 +43,12 @@ Req = TypeVar("Req")
 Res = TypeVar("Res")
 
 
+# The most loop turns a statement waits for a claim on its way into a lent slot: the
+# delivery's path from the broker's buffer to its claim (the consumer's feed, its session,
+# the delivery's task) is three or four.
+LINGER_TURNS = 5
+
+
 class Gate:
     """What a held request waits for: ``request`` (the one it may go beside) to be taken into
     a statement with it, or ``open()``."""
@@ -50,7 +56,14 @@ class Gate:
     def __init__(self) -> None:
         self.request: object | None = None
         self.is_open = False
+        self.taken = False  # a delivery is starting in the lent slot (``worker.slots``)
+        self.asked = False  # ... and has made its request
         self._wakers: list[Callable[[], None]] = []
+
+    @property
+    def coming(self) -> bool:
+        """Whether a request held by this gate is on its way (not made yet)."""
+        return self.taken and not self.asked and not self.is_open
 
     def open(self) -> None:
         """The held requests may go in any statement from now on (twice is nothing)."""
@@ -87,22 +100,31 @@ class Batcher(Generic[Req, Res]):
         self._contexts: dict[int, Context | None] = {}
         # The gate each held pending request waits for (by its future's id).
         self._gates: dict[int, Gate] = {}
+        # The gate of each pending request that lent its slot (by the request's id).
+        self._lenders: dict[int, Gate] = {}
         # One flush loop a kind at most (its lane): a claim never waits for a completion's
         # statement to start its own, and each statement takes what is pending of every kind.
         self._lanes: dict[Hashable, asyncio.Task[None]] = {}
         self.batches = 0  # for tests and metrics: how many statements were sent
 
-    async def submit(self, request: Req, *, after: Gate | None = None) -> Res:
+    async def submit(
+        self, request: Req, *, after: Gate | None = None, lends: Gate | None = None
+    ) -> Res:
         """``request``'s answer, from the statement it went in; held by ``after`` until
-        that gate's request goes with it or the gate opens."""
+        that gate's request goes with it or the gate opens. ``lends``: the gate of the
+        request's lent slot, whose held request the statement waits for a moment."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Res] = loop.create_future()
         self._pending.append((request, future))
         if self._span is not None:
             self._contexts[id(future)] = tracing.current()
-        if after is not None and not after.is_open:
-            self._gates[id(future)] = after
-            after.wake_on_open(self._wake)
+        if after is not None:
+            after.asked = True
+            if not after.is_open:
+                self._gates[id(future)] = after
+                after.wake_on_open(self._wake)
+        if lends is not None:
+            self._lenders[id(request)] = lends
         self._start_lane(self._kind(request))
         # A cancelled caller cancels only its own future, never the batch the others wait
         # on (that is the flush's task): its request was sent or will be, and the answer is
@@ -140,6 +162,7 @@ class Batcher(Generic[Req, Res]):
     async def _flush(self, kind: Hashable) -> None:
         await asyncio.sleep(0)  # the deliveries of this loop iteration join the first batch
         while self._sendable(kind):
+            await self._linger()
             batch = self._compose()
             self.batches += 1
             started = tracing.now_ns()
@@ -151,6 +174,7 @@ class Batcher(Generic[Req, Res]):
                 self._pending = []
                 self._contexts.clear()
                 self._gates.clear()
+                self._lenders.clear()
                 raise
             except Exception as exc:
                 if len(batch) > 1 and self._alone_on(exc):
@@ -167,6 +191,16 @@ class Batcher(Generic[Req, Res]):
                 self._gates.pop(id(future), None)
                 if not future.done():
                     future.set_result(result)
+
+    async def _linger(self) -> None:
+        """A statement about to carry a completion whose slot is lent waits up to
+        ``LINGER_TURNS`` loop turns while the claim that slot is starting is on its way
+        (the delivery is taken and handed to its task): a claim that misses the statement
+        waits for its commit instead. Nothing on its way, no wait."""
+        for _ in range(LINGER_TURNS):
+            if not any(gate.coming for gate in self._lenders.values()):
+                return
+            await asyncio.sleep(0)
 
     def _compose(self) -> list[tuple[Req, asyncio.Future[Res]]]:
         """The next statement's requests, taken from the pending: at most ``max_size`` of
@@ -196,6 +230,8 @@ class Batcher(Generic[Req, Res]):
             assert gate is not None
             (batch if id(gate.request) in chosen and fits(item[0]) else rest).append(item)
         self._pending = rest
+        for request, _ in batch:
+            self._lenders.pop(id(request), None)
         return batch
 
     def _trace(self, batch: list[tuple[Req, asyncio.Future[Res]]], started: int) -> None:
@@ -238,6 +274,7 @@ class Batcher(Generic[Req, Res]):
                 self._pending = []
                 self._contexts.clear()
                 self._gates.clear()
+                self._lenders.clear()
                 raise
             except Exception as exc:
                 failed.add(id(request))

@@ -132,6 +132,26 @@ async def test_a_held_request_that_missed_its_gates_statement_waits_for_the_gate
     assert recorder.batches == [["d:1"], ["c:3"], ["c:2"]]
 
 
+async def test_a_statement_waits_a_moment_for_the_claim_on_its_way_into_a_lent_slot() -> None:
+    """Issue 41: the completion of a lent slot, with a delivery taken into that slot, waits a
+    few loop turns for that delivery's claim, which then shares its statement. Without the
+    wait, the claim (made three turns later) went alone after the completion's commit."""
+    recorder = Recorder()
+    batcher: Batcher[str, str] = Batcher(
+        recorder.run, key=lambda r: r.split(":")[1], kind=lambda r: r[0]
+    )
+    gate = Gate()
+    gate.request = lender = "d:1"
+    gate.taken = True  # the slot's next delivery is on its way to its claim
+    completion = asyncio.create_task(batcher.submit(lender, lends=gate))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    claim = asyncio.create_task(batcher.submit("c:2", after=gate))
+    async with asyncio.timeout(5):  # missed, the claim would wait for the gate to open
+        assert await asyncio.gather(completion, claim) == ["done:d:1", "done:c:2"]
+    assert recorder.batches == [["d:1", "c:2"]]
+
+
 async def test_a_held_request_whose_lender_was_refused_alone_is_not_sent_after_it() -> None:
     """A batch refused for one request's data goes again one by one; a claim held by a
     completion that then fails alone (nothing committed) waits for its gate again."""

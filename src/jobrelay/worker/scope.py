@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from jobrelay.batching import Batcher
+from jobrelay.batching import Batcher, Gate
 from jobrelay.domain.policy import Action
 from jobrelay.errors import StoreDataError, StoreError
 from jobrelay.library.hooks import QUARANTINED, RETRIED, SUCCEEDED, JobOutcome, call_hooks
@@ -144,12 +144,11 @@ class WorkerScope:
         then the completions' alone)."""
         if request.in_transaction:
             return await self.completions.submit(request)
-        self._lend(request, job_type)
-        answer = await self.turns.submit(request)
+        answer = await self.turns.submit(request, lends=self._lend(request, job_type))
         assert isinstance(answer, (bool, Exception))
         return answer
 
-    def _lend(self, request: CompleteRequest, job_type: str) -> None:
+    def _lend(self, request: CompleteRequest, job_type: str) -> Gate | None:
         """The job's code has returned and only its completion is left: the slot goes to
         the next delivery now, whose claim then meets the completion in one statement,
         rather than waiting for this commit before its claim even left (issue 41). Not for
@@ -158,10 +157,11 @@ class WorkerScope:
         outcome)."""
         app = self.rt.app
         if app is not None and any(app.hooks_for(kind, job_type) for kind in _OUTCOMES):
-            return
+            return None
         slots, task = delivery_slots.get(), asyncio.current_task()
-        if slots is not None and task is not None:
-            slots.lend(task, request)
+        if slots is None or task is None:
+            return None
+        return slots.lend(task, request)
 
     async def run_hooks(
         self, event: str, job: JobRecord, attempt: int, reason: str | None = None

@@ -66,6 +66,7 @@ class Slots:
         self.reserved += 1
         while self._gates:
             if not (gate := self._gates.pop()).is_open:
+                gate.taken, gate.asked = True, False
                 self._reserved_gates.append(gate)
                 break
 
@@ -73,7 +74,9 @@ class Slots:
         """The reservation was not used (the stream ended, the consumer stopped)."""
         self.reserved -= 1
         if self._reserved_gates:
-            self._gates.append(self._reserved_gates.pop())
+            gate = self._reserved_gates.pop()
+            gate.taken = False
+            self._gates.append(gate)
         self._freed.set()
 
     def started(self, task: asyncio.Task[None]) -> None:
@@ -81,19 +84,20 @@ class Slots:
         self._take_reserved(task)
         task.add_done_callback(self._ended)
 
-    def lend(self, task: asyncio.Task[None], request: object) -> None:
+    def lend(self, task: asyncio.Task[None], request: object) -> Gate | None:
         """``task``'s code returned and only ``request``, its completion, is left: its slot
         is free for the next delivery, whose claim goes beside ``request`` or after the
         outcome commits (``work_done``). Again (the completion sent again): the same loan,
-        beside the new request. Nothing for a task that holds no slot."""
+        beside the new request. The loan's gate; None for a task that holds no slot."""
         gate = self.lent.get(task)
         if gate is None:
             if task not in self.busy:
-                return
+                return None
             self.lent[task] = gate = Gate()
             self._gates.append(gate)
             self.set_aside(task)
         gate.request = request
+        return gate
 
     def gate_of(self, task: asyncio.Task[None]) -> Gate | None:
         """The loan ``task``'s claim waits for, if its slot is one not met yet."""
@@ -144,6 +148,7 @@ class Slots:
 
     def _give_back_loan(self, task: asyncio.Task[None]) -> None:
         if (gate := self._borrowed.pop(task, None)) is not None and not gate.is_open:
+            gate.taken = False
             self._gates.append(gate)
 
     def _ended(self, task: asyncio.Task[None]) -> None:
