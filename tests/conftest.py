@@ -33,7 +33,7 @@ from jobrelay.storage.engine import upgrade
 from .own_servers import OwnPostgres
 
 if TYPE_CHECKING:
-    from jobrelay.chaos.rabbit_cluster import Node
+    from jobrelay.chaos.rabbit_cluster import Node, RabbitCluster
 
 PG_ADMIN_URL = os.environ.get(
     "JOBRELAY_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -341,9 +341,9 @@ def own_pg(own_postgres: OwnPostgres) -> Iterator[OwnDatabase]:
 
 
 @pytest.fixture(scope="module")
-def own_rabbitmq() -> Iterator[Node]:
-    """A RabbitMQ node of the test's own (a cluster of one, on free ports): the test may stop
-    and restart its application; the machine's broker is never touched."""
+def own_rabbitmq_cluster() -> Iterator[RabbitCluster]:
+    """A RabbitMQ cluster of one node of the test's own, on free ports: the test may stop and
+    start the node, or its application; the machine's broker is never touched."""
     from jobrelay.chaos.rabbit_cluster import ClusterError, RabbitCluster, available
 
     if reason := available():
@@ -354,9 +354,15 @@ def own_rabbitmq() -> Iterator[Node]:
     except ClusterError as exc:
         _unavailable("a RabbitMQ node of the tests' own", str(exc))
     try:
-        yield cluster.nodes[0]
+        yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def own_rabbitmq(own_rabbitmq_cluster: RabbitCluster) -> Node:
+    """``own_rabbitmq_cluster``'s node."""
+    return own_rabbitmq_cluster.nodes[0]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,15 +1,15 @@
 """The RabbitMQ transport across a restart of its broker, on a node of the test's own
-(``own_rabbitmq``): the machine's broker is never stopped."""
+(``own_rabbitmq_cluster``: a cluster of one on free ports, started and removed by the
+tests): the machine's own broker is never stopped."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 
 import pytest
 
-from jobrelay.chaos.rabbit_cluster import Node
+from jobrelay.chaos.rabbit_cluster import RabbitCluster
 from jobrelay.errors import PublishError, TransportError
 from jobrelay.transport.base import OutgoingMessage
 from jobrelay.transport.rabbitmq import RabbitTransport, declare_topology
@@ -22,24 +22,21 @@ pytestmark = [pytest.mark.long, pytest.mark.rabbitmq]
 TOPOLOGY = Topology(retry_delays=(1,), delivery_limit=3)
 
 
-def _ctl(node: Node, *args: str) -> None:
-    subprocess.run(
-        ["rabbitmqctl", "-q", "-n", node.name, *args], check=True, capture_output=True, timeout=120
-    )
-
-
-async def test_a_consumer_opened_while_the_broker_is_down_waits_for_it(own_rabbitmq: Node) -> None:
+async def test_a_consumer_opened_while_the_broker_is_down_waits_for_it(
+    own_rabbitmq_cluster: RabbitCluster,
+) -> None:
     """Chaos soak (stop 55): a worker that started as the broker stopped exited 1, its first
     consumer's channel refused on a closed connection, and its restarts, with the broker
     still down, exited 2. A consumer opened during the outage now waits for the connection,
     as the consumers already open do, and then consumes."""
-    await declare_topology(own_rabbitmq.url, TOPOLOGY)
-    transport = RabbitTransport(own_rabbitmq.url, TOPOLOGY, settle_grace_seconds=1.0)
+    url = own_rabbitmq_cluster.broker_url()
+    await declare_topology(url, TOPOLOGY)
+    transport = RabbitTransport(url, TOPOLOGY, settle_grace_seconds=1.0)
     await transport.connect()
     connection = transport._connection  # whether it is up is not public; the test needs it
     assert connection is not None
     try:
-        await asyncio.to_thread(_ctl, own_rabbitmq, "stop_app")
+        await asyncio.to_thread(own_rabbitmq_cluster.stop_node, 1)
 
         async def down() -> bool:
             return not connection.connected.is_set()
@@ -47,8 +44,7 @@ async def test_a_consumer_opened_while_the_broker_is_down_waits_for_it(own_rabbi
         await eventually(down, timeout=30, what="the connection to drop")
         deliveries = transport.consume(1)
         first = asyncio.create_task(anext(deliveries))
-        await asyncio.to_thread(_ctl, own_rabbitmq, "start_app")
-        await asyncio.to_thread(_ctl, own_rabbitmq, "await_startup")
+        await asyncio.to_thread(own_rabbitmq_cluster.start_node, 1)
         assert not first.done() or first.exception() is None, first.exception()
 
         async def published() -> bool:
