@@ -151,11 +151,15 @@ class Batcher(Generic[Req, Res]):
     def _sendable(self, kind: Hashable) -> bool:
         """Whether a request of ``kind`` could go now: not held, or held beside a request
         that is pending too."""
-        pending = {id(request) for request, _ in self._pending}
+        pending: set[int] | None = None  # built only once a held request is met
         for request, future in self._pending:
             if self._kind(request) == kind:
                 gate = self._held(future)
-                if gate is None or id(gate.request) in pending:
+                if gate is None:
+                    return True
+                if pending is None:
+                    pending = {id(each) for each, _ in self._pending}
+                if id(gate.request) in pending:
                     return True
         return False
 
