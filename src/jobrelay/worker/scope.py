@@ -272,11 +272,6 @@ def _work_done(delivery: Delivery) -> None:
     prefetch slot, are given back now, so the next job does not wait for the ack's write.
     After the hooks (the caller ran them): a slot still bounds the application's code."""
     delivery.outcome_committed()
-    _free_slot()
-
-
-def _free_slot() -> None:
-    """The current delivery's job slot given back (``Slots.work_done``; twice is nothing)."""
     slots, task = delivery_slots.get(), asyncio.current_task()
     if slots is not None and task is not None:
         slots.work_done(task)
