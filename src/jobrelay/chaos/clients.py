@@ -9,7 +9,11 @@ Each HTTP request ends as one of three outcomes, as a careful client would see i
 
 Like any well-behaved client, an ``unknown`` is retried with the same ``Idempotency-Key``
 (so a retry can never create a second job), with a capped back-off, until it becomes ``ok``
-or ``failed`` or the clients' deadline passes.
+or ``failed`` or the clients' patience runs out (``Pacer.overdue``).
+
+The submissions are paced by the fault plan, not by the clock alone (``Pacer``): a fault that
+needs work to reach its point gets its share of the load when it begins, however late it
+begins on a slow machine.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -53,6 +58,64 @@ class Record:
         return self.requests[-1].outcome if self.requests else "unknown"
 
 
+class Pacer:
+    """When each submission is due. The submissions are spread over the plan's steps (a
+    fault: its pause and its estimated time) in proportion to the steps' estimates, and a
+    step's share is released only once the soak has begun that step, at its own spacing from
+    that moment. When the faults run as estimated this is an even spread over the plan; on a
+    machine slower than the estimates the load stretches with the faults instead of running
+    out before the last of them (CI: a failover to be held at a completion came 20 s after
+    the last submission, and no job reached the point)."""
+
+    def __init__(self, steps: Sequence[float], count: int) -> None:
+        self.steps = list(steps) or [0.0]
+        self.count = max(count, 1)
+        self.begun: list[float | None] = [None] * len(self.steps)
+        self._begun = asyncio.Condition()
+
+    async def begin(self, step: int) -> None:
+        """The soak has begun ``step`` (a step it has already begun, or one beyond the
+        pacer's, changes nothing). Earlier steps not marked begun are begun with it."""
+        if step >= len(self.steps) or self.begun[step] is not None:
+            return
+        now = time.monotonic()
+        for earlier in range(step + 1):
+            if self.begun[earlier] is None:
+                self.begun[earlier] = now
+        async with self._begun:
+            self._begun.notify_all()
+
+    def place(self, index: int) -> tuple[int, float]:
+        """The step submission ``index`` belongs to and its offset into that step."""
+        at = index * sum(self.steps) / self.count
+        for step, length in enumerate(self.steps[:-1]):
+            if at < length:
+                return step, at
+            at -= length
+        return len(self.steps) - 1, at
+
+    def due_at(self, index: int) -> float | None:
+        """When submission ``index`` is due (``time.monotonic``), None until its step has
+        begun."""
+        step, offset = self.place(index)
+        begun = self.begun[step]
+        return None if begun is None else begun + offset
+
+    async def wait(self, index: int) -> None:
+        """Until submission ``index`` is due."""
+        async with self._begun:
+            await self._begun.wait_for(lambda: self.due_at(index) is not None)
+        due = (self.due_at(index) or 0.0) - time.monotonic()
+        if due > 0:
+            await asyncio.sleep(due)  # pacing the load, not synchronising
+
+    def overdue(self, patience: float) -> bool:
+        """Whether ``patience`` seconds have passed since the last step's estimated end: no
+        retry of a client starts after that."""
+        last = self.begun[-1]
+        return last is not None and time.monotonic() > last + self.steps[-1] + patience
+
+
 class Clients:
     def __init__(
         self,
@@ -60,14 +123,14 @@ class Clients:
         tokens: dict[str, str],
         *,
         concurrency: int,
-        window: float,
-        deadline: float,
+        pace: Pacer,
+        patience: float,
     ) -> None:
         self.base_urls = base_urls  # every API process; client loops are spread over them
         self.tokens = tokens
         self.concurrency = concurrency
-        self.window = window  # submissions are spread evenly over this many seconds
-        self.deadline = deadline  # no request starts later than this (seconds from start)
+        self.pace = pace
+        self.patience = patience  # seconds past the plan's estimated end a retry may start
         self.records: list[Record] = []
         self.started = 0.0
 
@@ -80,7 +143,7 @@ class Clients:
         queue: asyncio.Queue[Record] = asyncio.Queue()
         for record in self.records:
             queue.put_nowait(record)
-        spacing = self.window / max(len(submissions), 1)
+        await self.pace.begin(0)
         limits = httpx.Limits(max_connections=self.concurrency)
         async with contextlib.AsyncExitStack() as stack:
             clients = [
@@ -93,9 +156,7 @@ class Clients:
             async def loop(client: httpx.AsyncClient) -> None:
                 while not queue.empty():
                     record = queue.get_nowait()
-                    due = record.submission.index * spacing - self.elapsed()
-                    if due > 0:
-                        await asyncio.sleep(due)  # pacing the load, not synchronising
+                    await self.pace.wait(record.submission.index)
                     await self._submit(client, record)
 
             await asyncio.gather(
@@ -114,7 +175,7 @@ class Clients:
             if request.outcome == "ok":
                 record.job_id = request.detail
                 return
-            if request.outcome == "failed" or self.elapsed() > self.deadline:
+            if request.outcome == "failed" or self.pace.overdue(self.patience):
                 return
             await asyncio.sleep(backoff)  # a client's retry back-off
             backoff = min(backoff * 2, 2.0)

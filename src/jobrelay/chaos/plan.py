@@ -122,8 +122,10 @@ _TAKES = {
 }
 
 
-def expected_duration(plan: Plan) -> float:
-    return sum(f.pause + _TAKES[f.kind] for f in plan.faults)
+def fault_steps(plan: Plan) -> list[float]:
+    """Each fault's estimated time, its pause included: how the submissions are spread
+    (``chaos.clients.Pacer``)."""
+    return [f.pause + _TAKES[f.kind] for f in plan.faults]
 
 
 def make_plan(

@@ -36,7 +36,7 @@ from rich.console import Console
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from jobrelay.chaos.broker_faults import NodeFaults
-from jobrelay.chaos.clients import Clients, Record
+from jobrelay.chaos.clients import Clients, Pacer, Record
 from jobrelay.chaos.cluster import Cluster, Role
 from jobrelay.chaos.limited_app import ACCOUNT_LIMIT
 from jobrelay.chaos.limited_app import SPEC as LIMITED_APP
@@ -48,7 +48,7 @@ from jobrelay.chaos.plan import (
     PROFILES,
     Fault,
     Plan,
-    expected_duration,
+    fault_steps,
     make_plan,
 )
 from jobrelay.chaos.rabbit_cluster import ClusterError, RabbitCluster
@@ -161,14 +161,15 @@ async def run_chaos(opts: ChaosOptions) -> int:
         bases = [f"http://127.0.0.1:{port}" for port in api_ports.values()]
         for base in bases:
             await _wait_ready(base, cluster)
-        # Submissions are spread over the whole fault plan, so every fault lands on live work.
-        window = opts.jobs / opts.rate if opts.rate else expected_duration(plan)
+        # Submissions are spread over the whole fault plan, each fault's share released as
+        # it begins, so every fault lands on live work (or at a fixed rate, with --rate).
+        steps = [opts.jobs / opts.rate] if opts.rate else fault_steps(plan)
         clients = Clients(
             bases,
             tokens,
             concurrency=opts.concurrency,
-            window=window,
-            deadline=window + opts.settle_timeout / 2,
+            pace=Pacer(steps, opts.jobs),
+            patience=opts.settle_timeout / 2,
         )
         engine = create_engine(sandbox.database_url)
         try:
@@ -317,7 +318,8 @@ async def _soak(
     done = asyncio.Event()
 
     async def controller() -> None:
-        for fault in plan.faults:
+        for step, fault in enumerate(plan.faults):
+            await clients.pace.begin(step)
             await asyncio.sleep(fault.pause)  # the plan's spacing between faults
             faults.append(await _inject(fault, cluster, sandbox, opts.crash_timeout, nodes))
             entry = faults[-1]
