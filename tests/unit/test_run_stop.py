@@ -119,17 +119,3 @@ async def test_a_body_can_use_asyncio_timeout_across_its_awaits() -> None:
 
     assert await stop.run(body(), "jobrelay-job:j1:t") == "timed out"
     assert not stop.stopped
-
-
-async def test_a_stop_asked_from_the_bodys_own_step_never_reaches_the_commit() -> None:
-    """Review of the change: asked inside the body's own step (not from another callback),
-    a cancel is only pending, and Python 3.11's ``uncancel`` leaves it so: a body that then
-    returns without suspending would hand it to the first await after it."""
-    stop = RunStop(asyncio.Event(), None)
-
-    async def body() -> str:
-        stop.cancel()  # e.g. a progress write that found the claim gone, inline
-        return "returned"
-
-    assert await stop.run(body(), "jobrelay-job:j1:t") == "returned"
-    assert await asyncio.wait_for(asyncio.sleep(0, "committed"), 5) == "committed"

@@ -61,9 +61,7 @@ class RunStop:
     the cancel or swallowed it: nothing after the body (the outcome's commit) sees it, and a
     cancel of the worker's own (its drain deadline) is still counted by ``cancelling()``.
     It is ``asyncio.timeout``'s own pattern; a cancel only ever lands in the body, because
-    the renewer and the timer run only while the task is suspended, there. One difference
-    from a task of its own: a context variable the body sets and leaves set is seen by the
-    rest of its delivery (the outcome's log lines), not beyond it.
+    the renewer and the timer run only while the task is suspended, there.
     """
 
     def __init__(self, lease_lost: asyncio.Event, limit: float | None) -> None:
@@ -102,17 +100,10 @@ class RunStop:
         return self._ended
 
     def cancel(self) -> None:
-        """Stop the body, if it is still running. Asked from the delivery's own task (its
-        step, not a suspended body), the cancel is put off to the next loop turn: Python
-        3.11's ``uncancel`` leaves a cancel not yet delivered pending, and a body that
-        then returned without suspending would hand it to the commit after it."""
-        if not self._running:
-            return
-        if asyncio.current_task() is self._task:
-            asyncio.get_running_loop().call_soon(self.cancel)
-            return
-        self._asked += 1
-        self._task.cancel()
+        """Stop the body, if it is still running."""
+        if self._running:
+            self._asked += 1
+            self._task.cancel()
 
     def _expire(self) -> None:
         if self._running and not self.cancelled.is_set():
