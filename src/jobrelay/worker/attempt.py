@@ -96,7 +96,7 @@ class AttemptRun:
 
         def claim_gone() -> None:  # a progress write found another claim holding the job
             lease_lost.set()
-            stop.cancel()
+            work.cancel()
 
         progress = Progress(self.rt, claim, claim_gone)
         context = OperationContext(
@@ -114,15 +114,16 @@ class AttemptRun:
         observation: Observation
         result: Any = None
         started = time.monotonic()
-        stop = RunStop(lease_lost, time_limit(operation, self.rt.settings))
+        work = asyncio.create_task(operation.run(context), name=job_task_name(job, operation))
+        stop = RunStop(work, lease_lost, time_limit(operation, self.rt.settings))
         # The renewal outlives the operation: the worker's renewer renews the lease until
         # the outcome is committed (``_commit_outcome`` releases it then), however long that
         # write is held.
-        self._leases.hold(claim, granted, stop, lease_lost, stop.cancelled)
+        self._leases.hold(claim, granted, work, lease_lost, stop.cancelled)
         self._renewed = claim
         try:
             try:
-                result = await stop.run(operation.run(context), job_task_name(job, operation))
+                result = await work
                 # A body that blocked the loop returns before its timer could fire: past its
                 # limit is past its limit, whatever it returned (issue 34, item 5).
                 if stop.overran():

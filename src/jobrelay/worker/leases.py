@@ -41,7 +41,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Any
 
 from jobrelay.errors import StoreBusy, StoreError
 from jobrelay.runtime.wiring import Runtime
@@ -50,18 +50,10 @@ from jobrelay.storage.store import Claim
 log = logging.getLogger("jobrelay.worker")
 
 
-class Work(Protocol):
-    """A running body as the renewer sees it: a task, or ``stopping.RunStop``."""
-
-    def done(self) -> bool: ...
-
-    def cancel(self) -> object: ...
-
-
 @dataclass
 class _Held:
     claim: Claim
-    work: Work
+    work: asyncio.Task[Any]
     lost: asyncio.Event
     expires: float  # monotonic: when the lease may have ended without a renewal
     due: float  # monotonic: when it is renewed next
@@ -87,7 +79,7 @@ class LeaseRenewer:
         self,
         claim: Claim,
         granted: float,
-        work: Work,
+        work: asyncio.Task[Any],
         lost: asyncio.Event,
         cancelled: asyncio.Event | None = None,
     ) -> None:

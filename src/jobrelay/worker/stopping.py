@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 from jobrelay.domain.disclosure import INTERRUPTED, public_error
 from jobrelay.domain.states import JobState
@@ -30,8 +29,6 @@ from jobrelay.settings import Settings
 from jobrelay.storage.store import Claim, Fenced
 
 log = logging.getLogger("jobrelay.worker")
-
-T = TypeVar("T")
 
 LEASE_LOST = "lease lost: the run was stopped"
 CANCELLED = "cancelled by an operator"
@@ -50,27 +47,12 @@ def time_limit_reason(limit: float) -> str:
 
 class RunStop:
     """Why one run may be stopped: its lease lost (``lease_lost``) or an operator's cancel
-    (``cancelled``), both set by the lease renewer, or its time limit (a timer here); and
-    the stopping itself.
+    (``cancelled``), both set by the lease renewer, or its time limit (a timer here)."""
 
-    The body runs in the delivery's own task (``run``), not in a task of its own: a task per
-    job cost about 6 µs of the loop per no-op job (issue 41), and ``asyncio.current_task()``
-    stays the same for the whole body, as a body's ``asyncio.timeout`` or ``TaskGroup``
-    needs. Stopping it cancels the delivery's task while, and only while, the body runs, and
-    each such cancel is taken back (``Task.uncancel``) as the body ends, whether it ended by
-    the cancel or swallowed it: nothing after the body (the outcome's commit) sees it, and a
-    cancel of the worker's own (its drain deadline) is still counted by ``cancelling()``.
-    It is ``asyncio.timeout``'s own pattern; a cancel only ever lands in the body, because
-    the renewer and the timer run only while the task is suspended, there.
-    """
-
-    def __init__(self, lease_lost: asyncio.Event, limit: float | None) -> None:
-        task = asyncio.current_task()
-        assert task is not None  # a delivery's task
-        self._task = task
-        self._running = False
-        self._ended = False
-        self._asked = 0  # cancels of ours not yet taken back
+    def __init__(
+        self, work: asyncio.Task[Any], lease_lost: asyncio.Event, limit: float | None
+    ) -> None:
+        self.work = work
         self.lease_lost = lease_lost
         self.limit = limit
         self.cancelled = asyncio.Event()
@@ -79,36 +61,10 @@ class RunStop:
         self._started = loop.time()
         self._timer = None if limit is None else loop.call_later(limit, self._expire)
 
-    async def run(self, body: Coroutine[Any, Any, T], name: str) -> T:
-        """Await the body in this task, named ``name`` meanwhile (the loop watchdog names
-        the job whose task runs, ``job_task_name``)."""
-        own = self._task.get_name()
-        self._task.set_name(name)
-        self._running = True
-        try:
-            return await body
-        finally:
-            self._running = False
-            self._ended = True
-            for _ in range(self._asked):
-                self._task.uncancel()
-            self._asked = 0
-            self._task.set_name(own)
-
-    def done(self) -> bool:
-        """The body has ended (the lease renewer then stops nothing, ``leases``)."""
-        return self._ended
-
-    def cancel(self) -> None:
-        """Stop the body, if it is still running."""
-        if self._running:
-            self._asked += 1
-            self._task.cancel()
-
     def _expire(self) -> None:
-        if self._running and not self.cancelled.is_set():
+        if not self.work.done() and not self.cancelled.is_set():
             self.expired = True
-            self.cancel()
+            self.work.cancel()
 
     def overran(self) -> bool:
         """The run returned past its limit: its timer could not fire in time (the body blocked
