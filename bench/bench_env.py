@@ -349,11 +349,14 @@ class RoleProcess:
         complaints: Counter[str] = Counter()
         samples: dict[str, str] = {}
         unparsed = 0
+        stopped: dict[str, Any] = {}
         for line in text.splitlines():
             entry = _json_line(line)
             if entry is None:
                 unparsed += bool(line.strip())
                 continue
+            if entry.get("event") == "worker_stopped":  # a worker's own counts, at its stop
+                stopped = {k: v for k, v in entry.items() if k.startswith("claims")}
             level = str(entry.get("level", "?"))
             levels[level] += 1
             if level in ("warning", "error", "critical"):
@@ -367,6 +370,7 @@ class RoleProcess:
             "samples": samples,
             "non_json_lines": unparsed,
             "exit_code": self.exit_code,
+            "stopped": stopped,
         }
 
 

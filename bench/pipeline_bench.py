@@ -621,6 +621,13 @@ class Bench:
                 say(f"bench: profile of {proc.name}: {summarise_profile(dump).relative_to(REPO)}")
         logs = {p.name: p.log_summary() for p in self.procs}
         self.results.checks["logs"] = logs
+        beside = sum(s["stopped"].get("claimsBesideLender", 0) for s in logs.values())
+        after = sum(s["stopped"].get("claimsAfterLender", 0) for s in logs.values())
+        if beside + after:
+            say(
+                f"bench: claims in lent slots: {beside} beside their lender's completion, "
+                f"{after} after its commit ({100 * beside / (beside + after):.0f} % beside)"
+            )
         for name, summary in logs.items():
             for complaint, count in summary["complaints"].items():
                 sample = summary["samples"][complaint]

@@ -106,6 +106,10 @@ class Batcher(Generic[Req, Res]):
         # statement to start its own, and each statement takes what is pending of every kind.
         self._lanes: dict[Hashable, asyncio.Task[None]] = {}
         self.batches = 0  # for tests and metrics: how many statements were sent
+        # The held requests sent (a claim in a lent slot): in their lender's statement, or
+        # after its gate opened (the lender's commit) — how often the linger catches it.
+        self.beside = 0
+        self.after = 0
 
     async def submit(
         self, request: Req, *, after: Gate | None = None, lends: Gate | None = None
@@ -120,7 +124,9 @@ class Batcher(Generic[Req, Res]):
             self._contexts[id(future)] = tracing.current()
         if after is not None:
             after.asked = True
-            if not after.is_open:
+            if after.is_open:
+                self.after += 1
+            else:
                 self._gates[id(future)] = after
                 after.wake_on_open(self._wake)
         if lends is not None:
@@ -232,10 +238,16 @@ class Batcher(Generic[Req, Res]):
         for item in held:
             gate = self._held(item[1])
             assert gate is not None
-            (batch if id(gate.request) in chosen and fits(item[0]) else rest).append(item)
+            if id(gate.request) in chosen and fits(item[0]):
+                batch.append(item)
+                self.beside += 1
+            else:
+                rest.append(item)
         self._pending = rest
-        for request, _ in batch:
+        for request, future in batch:
             self._lenders.pop(id(request), None)
+            if (gate := self._gates.get(id(future))) is not None and gate.is_open:
+                self.after += 1  # it waited for the gate
         return batch
 
     def _trace(self, batch: list[tuple[Req, asyncio.Future[Res]]], started: int) -> None:

@@ -104,6 +104,7 @@ async def test_a_held_request_goes_only_beside_its_gates_request() -> None:
     assert recorder.batches == []  # held: its lender is not pending yet
     assert await asyncio.gather(batcher.submit(lender), claim) == ["done:d:1", "done:c:2"]
     assert recorder.batches == [["d:1", "c:2"]]
+    assert (batcher.beside, batcher.after) == (1, 0)  # the worker's log says how many
 
 
 async def test_a_held_request_that_missed_its_gates_statement_waits_for_the_gate() -> None:
@@ -130,6 +131,7 @@ async def test_a_held_request_that_missed_its_gates_statement_waits_for_the_gate
     async with asyncio.timeout(5):
         assert await claim == "done:c:2"
     assert recorder.batches == [["d:1"], ["c:3"], ["c:2"]]
+    assert (batcher.beside, batcher.after) == (0, 1)
 
 
 async def test_a_statement_waits_a_moment_for_the_claim_on_its_way_into_a_lent_slot() -> None:

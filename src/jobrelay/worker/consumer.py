@@ -178,7 +178,18 @@ class Worker:
             await self._consume_all(stop, prefetch, concurrency, halt, in_flight)
 
     def _log_stopped(self) -> None:
-        log.info("worker stopped", extra={"event": "worker_stopped", "handled": self.handled})
+        turns = self.deliveries.scope.turns
+        log.info(
+            "worker stopped",
+            extra={
+                "event": "worker_stopped",
+                "handled": self.handled,
+                # Claims in a slot lent by a pending completion (``worker.slots``): in that
+                # completion's statement, or after its commit.
+                "claimsBesideLender": turns.beside,
+                "claimsAfterLender": turns.after,
+            },
+        )
 
     async def _consume_all(
         self,
