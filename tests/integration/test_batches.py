@@ -367,6 +367,17 @@ async def test_a_turn_completes_and_claims_each_job_fenced_alone(db: Runtime) ->
     assert await events_of(db, b, "result_saved") == []
 
 
+async def test_a_settle_riding_on_the_claim_of_its_own_job_is_written(db: Runtime) -> None:
+    """A settle (a redelivery's ``rejected``, say) riding on a batch that claims the same
+    job: the claim has locked and updated the row, and the settle's write must not take that
+    row for gone (its key-share lock skips a row its own statement changed, migration 0023)."""
+    a = await submit(db, period="2020-01")
+    settle = PendingEvent(a, "rejected", db.clock(), {"attempt": 0})
+    claimed = await db.store.claim_many([ask(a)], db.clock(), LEASE, [settle])
+    assert claimed[0] is not None
+    assert len(await events_of(db, a, "rejected")) == 1
+
+
 async def test_a_turn_commits_both_halves_or_neither(db: Runtime) -> None:
     """The turn is one commit: a completion the driver refuses (a result key with a lone
     surrogate) refuses the claims beside it too, nothing of either written; the worker's

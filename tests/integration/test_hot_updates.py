@@ -83,3 +83,19 @@ async def test_the_database_holds_finished_at_to_the_state(pg_url: str, amqp_url
             await conn.execute("UPDATE jobs SET state = 'cancelled' WHERE id = $1", job_id)
     finally:
         await conn.close()
+
+
+async def test_no_trigger_runs_for_an_event_or_outbox_row(pg_url: str) -> None:
+    """Five event rows and an outbox row are written per job. A foreign key to ``jobs`` is
+    checked by a trigger per row that looks the job up and key-share locks it (a third of an
+    event row's cost, migration 0023): neither table has one; their writers hold the
+    reference (``storage.tables``)."""
+    conn = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        triggers = await conn.fetch(
+            "SELECT tgrelid::regclass::text AS tab, tgname FROM pg_trigger"
+            " WHERE tgrelid IN ('job_events'::regclass, 'outbox'::regclass)"
+        )
+    finally:
+        await conn.close()
+    assert [(t["tab"], t["tgname"]) for t in triggers] == []

@@ -38,25 +38,27 @@ async def _counts(url: str) -> tuple[int, int, int]:
         await engine.dispose()
 
 
-async def _insert_old(url: str, account: str, job_id: str) -> None:
-    """A job as the code of revision 0002 wrote it: its columns only (no ``queue``)."""
+async def _insert_old(url: str, account: str, job_id: str, *, job: bool = True) -> None:
+    """A job as the code of revision 0002 wrote it: its columns only (no ``queue``). Without
+    ``job``: its outbox row and event only, as if the job were gone."""
     engine = create_engine(url)
     try:
         async with engine.begin() as conn:
-            await conn.execute(
-                insert(jobs).values(
-                    id=job_id,
-                    type="report.export",
-                    account_id=account,
-                    params={"accountId": "acme", "period": "2020-05"},
-                    request_hash=job_id,
-                    state="queued",
-                    attempt=0,
-                    max_attempts=3,
-                    created_at=T0,
-                    updated_at=T0,
+            if job:
+                await conn.execute(
+                    insert(jobs).values(
+                        id=job_id,
+                        type="report.export",
+                        account_id=account,
+                        params={"accountId": "acme", "period": "2020-05"},
+                        request_hash=job_id,
+                        state="queued",
+                        attempt=0,
+                        max_attempts=3,
+                        created_at=T0,
+                        updated_at=T0,
+                    )
                 )
-            )
             await conn.execute(
                 insert(outbox).values(
                     job_id=job_id, destination="work", body="{}", headers={}, created_at=T0
@@ -364,4 +366,42 @@ def test_0022_stamps_the_finished_jobs_and_takes_the_indexes_off_the_state(
         "updated_at",
     ]
     assert "finished_at" not in asyncio.run(_job_columns(database_url))
+    upgrade(database_url)
+
+
+async def _referred(url: str, table: str) -> list[str]:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            keys = await conn.run_sync(lambda c: inspect(c).get_foreign_keys(table))
+            return [key["referred_table"] for key in keys]
+    finally:
+        await engine.dispose()
+
+
+def test_0023_takes_the_foreign_keys_off_the_events_and_the_outbox(database_url: str) -> None:
+    """0023: ``job_events`` and ``outbox`` keep every row and lose their foreign key to
+    ``jobs`` (a trigger per row on PostgreSQL); down again deletes any row whose job is gone
+    and puts the keys back."""
+    command.downgrade(alembic_config(database_url), "0022")
+    kept = "00000000-0000-4000-8000-000000000024"
+    asyncio.run(_insert_old(database_url, "acme", kept))
+    assert asyncio.run(_referred(database_url, "job_events")) == ["jobs"]
+    assert asyncio.run(_referred(database_url, "outbox")) == ["jobs"]
+
+    upgrade(database_url)
+
+    assert asyncio.run(_referred(database_url, "job_events")) == []
+    assert asyncio.run(_referred(database_url, "outbox")) == []
+    assert asyncio.run(_counts(database_url)) == (1, 1, 1)
+    # Rows whose job is gone: none the code writes, but nothing refuses them now.
+    asyncio.run(
+        _insert_old(database_url, "acme", "00000000-0000-4000-8000-000000000025", job=False)
+    )
+    assert asyncio.run(_counts(database_url)) == (1, 2, 2)
+
+    command.downgrade(alembic_config(database_url), "0022")
+    assert asyncio.run(_referred(database_url, "job_events")) == ["jobs"]
+    assert asyncio.run(_referred(database_url, "outbox")) == ["jobs"]
+    assert asyncio.run(_counts(database_url)) == (1, 1, 1)
     upgrade(database_url)

@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import delete, func, insert, select, text, update
 
 from jobrelay.domain.states import JobState
 from jobrelay.errors import TransientError
 from jobrelay.maintenance.prune import Pruner
 from jobrelay.maintenance.reconcile import Reconciler
 from jobrelay.runtime.wiring import Runtime
-from jobrelay.storage.records import NewJob
+from jobrelay.storage.records import NewJob, PendingEvent
 from jobrelay.storage.retention import PruneCounts, Retention
 from jobrelay.storage.tables import (
     effects_ledger,
@@ -307,6 +307,73 @@ async def test_a_locked_job_is_skipped_not_waited_for_and_goes_next_time(
         for _ in range(2):
             left -= (await prune(rt, batch=2)).jobs
         assert left == 0 and await count(rt, jobs) == 0
+    finally:
+        await rt.engine.dispose()
+
+
+async def _a_backend_waits_on_a_lock(rt: Runtime) -> bool:
+    async with rt.engine.connect() as conn:
+        waiting = await conn.scalar(
+            text(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+        )
+    return bool(waiting)
+
+
+async def test_a_mark_that_holds_the_outbox_row_of_a_job_being_pruned_leaves_no_event(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """``job_events`` has no foreign key: a relay's ``published`` event, written in the commit
+    of the mark that holds the job's outbox row, must not outlive the job. Retention deletes
+    the outbox rows first (waiting for the mark), then the events (seeing its event)."""
+    rt = build_runtime(pg_url, tmp_path, clock=Clock())
+    try:
+        job_id = await job_in_state(rt.store, S.SUCCEEDED, T0)
+        clock(rt).advance(timedelta(days=DAYS + 1).total_seconds())
+        async with rt.engine.connect() as relay, relay.begin():
+            # MARK_PUBLISHED's two writes, held open where its one statement commits at once.
+            await relay.execute(
+                update(outbox).where(outbox.c.job_id == job_id).values(published_at=T0)
+            )
+            await relay.execute(
+                insert(job_events).values(job_id=job_id, at=T0, kind="published", detail={})
+            )
+            pruning = asyncio.create_task(prune(rt))
+            await eventually(
+                lambda: _a_backend_waits_on_a_lock(rt), what="the prune waiting for the mark"
+            )
+        counts = await asyncio.wait_for(pruning, 10)
+        assert counts.jobs == 1
+        assert await count(rt, job_events, job_events.c.job_id == job_id) == 0
+    finally:
+        await rt.engine.dispose()
+
+
+async def test_a_state_less_event_of_a_job_being_pruned_waits_and_is_dropped(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A worker's ``ack_sent`` for a job that retention has locked to delete: the event's
+    write key-share locks its job as it finds it, so it waits for the prune and then finds
+    no job. It neither fails nor leaves a row behind (``job_events`` has no foreign key)."""
+    rt = build_runtime(pg_url, tmp_path, clock=Clock())
+    try:
+        job_id = await job_in_state(rt.store, S.SUCCEEDED, T0)
+        async with rt.engine.connect() as retention, retention.begin():
+            # What ``Retention._delete_jobs`` does, in one transaction held open.
+            await retention.execute(select(jobs.c.id).where(jobs.c.id == job_id).with_for_update())
+            acked = asyncio.create_task(
+                rt.store.record_events([PendingEvent(job_id, "ack_sent", T0, {})])
+            )
+            await eventually(
+                lambda: _a_backend_waits_on_a_lock(rt), what="the event waiting for the prune"
+            )
+            for table in (outbox, job_events):
+                await retention.execute(delete(table).where(table.c.job_id == job_id))
+            await retention.execute(delete(jobs).where(jobs.c.id == job_id))
+        await asyncio.wait_for(acked, 10)
+        assert await count(rt, job_events, job_events.c.job_id == job_id) == 0
     finally:
         await rt.engine.dispose()
 

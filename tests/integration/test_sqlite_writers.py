@@ -61,8 +61,8 @@ async def test_a_failed_transaction_on_the_held_connection_leaves_nothing_behind
     sqlite_url: str,
 ) -> None:
     """A worker's batch transaction on its held ``sqlite3`` connection (``drivers.sqlite_conn``) is
-    all or nothing, like the engine's: a row the database refuses (here an event of no job:
-    the foreign key) rolls back what the transaction wrote before it, surfaces as a
+    all or nothing, like the engine's: a row the database refuses (here an event of no kind:
+    ``NOT NULL``) rolls back what the transaction wrote before it, surfaces as a
     ``StoreDataError`` (the batcher then sends each request alone), and the connection is
     left ready for the next batch."""
     engine = create_engine(sqlite_url)
@@ -76,7 +76,7 @@ async def test_a_failed_transaction_on_the_held_connection_leaves_nothing_behind
         conn.execute(pause)
         conn.execute(
             "INSERT INTO job_events (job_id, at, kind, detail) "
-            "VALUES ('no-such-job', '2026-01-01 00:00:00.000000', 'claimed', '{}')"
+            "VALUES ('no-such-job', '2026-01-01 00:00:00.000000', NULL, '{}')"
         )
 
     def count(conn: sqlite3.Connection) -> int:
@@ -85,7 +85,7 @@ async def test_a_failed_transaction_on_the_held_connection_leaves_nothing_behind
     try:
         async with hot.held():
             assert hot.active
-            with pytest.raises(StoreDataError, match="FOREIGN KEY"):
+            with pytest.raises(StoreDataError, match="NOT NULL"):
                 await hot.transaction(refused, "database")
             assert await hot.transaction(count, "database") == 0
             await hot.transaction(lambda conn: conn.execute(pause), "database")

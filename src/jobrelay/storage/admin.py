@@ -119,10 +119,11 @@ class AdminQueries:
         unworked, and a delayed job's held message is deleted before it is ever published."""
         store = self.store
         async with store.writing() as conn:
-            # FOR NO KEY UPDATE, as the worker's batches lock jobs: the relay's mark holds the
-            # job's outbox row and then takes a key-share lock on the job (its ``published``
-            # event's foreign key). A plain FOR UPDATE conflicts with that key share, and the
-            # held row's DELETE below waits for the mark: a deadlock at the due time.
+            # FOR NO KEY UPDATE, as the worker's batches lock jobs: a state-less event
+            # key-share locks its job (``RECORD_MANY``), which a plain FOR UPDATE would wait
+            # for. (While ``published`` events had a foreign key, the relay's mark held the
+            # outbox row and then key-share locked the job, and a FOR UPDATE here deadlocked
+            # with the held row's DELETE below at the due time.)
             current = await conn.scalar(
                 select(jobs.c.state).where(jobs.c.id == job_id).with_for_update(key_share=True)
             )

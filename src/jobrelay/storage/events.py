@@ -36,9 +36,13 @@ class EventsStore(StoreBase):
         )
 
     async def record_event(self, job_id: str, kind: str, now: datetime, **detail: Any) -> None:
-        """An event with no state change (ack_sent, duplicate_acked); ignored for unknown jobs."""
+        """An event with no state change (ack_sent, duplicate_acked); ignored for unknown jobs.
+        The job is key-share locked as it is found: no event outlives a job that retention
+        deletes meanwhile (``RECORD_MANY`` says how)."""
         async with self.writing() as conn:
-            exists = await conn.scalar(select(jobs.c.id).where(jobs.c.id == job_id))
+            exists = await conn.scalar(
+                select(jobs.c.id).where(jobs.c.id == job_id).with_for_update(key_share=True)
+            )
             if exists is not None:
                 await self.add_event(conn, job_id, kind, now, **detail)
 

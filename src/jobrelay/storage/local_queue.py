@@ -98,7 +98,9 @@ async def _record_dead_letter(
     its timeline says why it stopped coming (RabbitMQ's own backstop is silent; see
     ``worker.consumer`` for the event written there)."""
     job_id = peek_job_id(body.encode())
-    if job_id is None or await conn.scalar(select(jobs.c.id).where(jobs.c.id == job_id)) is None:
+    # Key-share locked as it is found, as a state-less event's job (``events.record_event``).
+    found = select(jobs.c.id).where(jobs.c.id == job_id).with_for_update(key_share=True)
+    if job_id is None or await conn.scalar(found) is None:
         return
     detail = {
         "reason": dead_letter_reason(deliveries, limit),

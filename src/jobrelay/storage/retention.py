@@ -293,11 +293,15 @@ class Retention:
             return 0
         victims = [r.id for r in locked]
         await conn.execute(delete(job_dependencies).where(job_dependencies.c.job_id.in_(victims)))
+        # The outbox before the events: a relay's mark that holds a row writes its
+        # ``published`` event in the same commit, which this delete waits for; the events'
+        # delete, a later statement, then sees that event (``job_events`` has no foreign key
+        # to keep it from outliving its job, ``storage.tables``).
+        result = await conn.execute(delete(outbox).where(outbox.c.job_id.in_(victims)))
+        counts.outbox += result.rowcount
         for table, name in ((job_events, "job_events"), (effects_ledger, "effects_ledger")):
             result = await conn.execute(delete(table).where(table.c.job_id.in_(victims)))
             setattr(counts, name, getattr(counts, name) + result.rowcount)
-        result = await conn.execute(delete(outbox).where(outbox.c.job_id.in_(victims)))
-        counts.outbox += result.rowcount
         result = await conn.execute(delete(jobs).where(jobs.c.id.in_(victims)))
         counts.jobs += result.rowcount
         # A job re-created under the same id (a repeated request) and pruned again: newer stone.

@@ -7,8 +7,9 @@ completion must do more inside its transaction, on a SQLAlchemy connection in th
 transaction: the same text either way.
 
 Rows are locked in id order (``ORDER BY id FOR NO KEY UPDATE``): two batches never wait on
-each other in a cycle, and the key-share locks of event and outbox inserts (their foreign
-keys) never conflict with them (a plain ``FOR UPDATE`` would, and deadlocked the relay).
+each other in a cycle, and the key-share locks taken for state-less events never conflict
+with them (a plain ``FOR UPDATE`` would, and deadlocked the relay when its ``published``
+events still had a foreign key).
 """
 
 from __future__ import annotations
@@ -69,15 +70,32 @@ _BATCH = Inputs(
     req=_req,
 )
 
-# State-less events (a worker's ``ack_sent``, ``rejected``, ``settle_lost``), unknown jobs'
-# skipped: a statement of their own (``RECORD_MANY``), or riding on a worker's next claim.
-_RECORD_EVENTS = """
+
+def _record_events(own: str = "") -> str:
+    """State-less events (a worker's ``ack_sent``, ``rejected``, ``settle_lost``), unknown
+    jobs' skipped: a statement of their own (``RECORD_MANY``), or riding on a worker's next
+    claim.
+
+    Their jobs are key-share locked as they are found (what the foreign key's trigger did):
+    retention, which locks a job FOR UPDATE before it deletes it with its events, skips a job
+    locked so, and a job it locked first is gone when the lock is granted; either way no
+    event outlives its job (``job_events`` has no foreign key, ``storage.tables``). ``own``:
+    the ids of the jobs the statement itself locks (a claim's, a completion's). Those are
+    held from retention already, and the key-share lock would skip one the statement has
+    updated before it (PostgreSQL skips a row its own command changed), dropping its event.
+    """
+    held = f" OR r.job_id IN ({own})" if own else ""
+    return f"""
 INSERT INTO job_events (job_id, at, kind, detail)
 SELECT r.job_id, r.at, r.kind, CAST(r.detail AS json)
 FROM unnest(CAST(:e_jobs AS text[]), CAST(:e_ats AS timestamptz[]),
             CAST(:e_kinds AS text[]), CAST(:e_details AS text[])) AS r(job_id, at, kind, detail)
-WHERE EXISTS (SELECT 1 FROM jobs WHERE jobs.id = r.job_id)
+WHERE r.job_id IN (
+    SELECT jobs.id FROM jobs WHERE jobs.id = ANY(CAST(:e_jobs AS text[])) FOR KEY SHARE OF jobs
+){held}
 """
+
+
 _EVENT_PARAMS = (
     bindparam("e_jobs", type_=ARRAY(String())),
     bindparam("e_ats", type_=ARRAY(UTCDateTime())),
@@ -87,8 +105,11 @@ _EVENT_PARAMS = (
 
 _CLOCK = "clock AS (SELECT COALESCE(:b_clock, now()) AS now)"
 
-# The claim's CTEs (after ``clock``): its rows are those of ``claimed``.
-_CLAIM = f"""
+
+def _claim(own: str) -> str:
+    """The claim's CTEs (after ``clock``): its rows are those of ``claimed``. ``own``: the
+    jobs the whole statement locks (``_record_events``)."""
+    return f"""
 asked AS (
     SELECT * FROM unnest(CAST(:b_ids AS text[]), CAST(:b_types AS text[]),
                          CAST(:b_workers AS text[]), CAST(:b_details AS text[]),
@@ -118,8 +139,10 @@ event AS (
            CAST(CAST(claim_detail AS jsonb) || jsonb_build_object('attempt', attempt) AS json)
     FROM claimed
 ),
-noted AS ({_RECORD_EVENTS})
+noted AS ({_record_events(own)})
 """
+
+
 _CLAIM_PARAMS = (
     *_EVENT_PARAMS,
     bindparam("b_ids", type_=ARRAY(String())),
@@ -141,7 +164,7 @@ _CLAIMED_COLUMNS = (
 )
 
 CLAIM_MANY = pg_statement(
-    text(f"WITH {_CLOCK}, {_CLAIM} SELECT * FROM claimed")
+    text(f"WITH {_CLOCK}, {_claim('SELECT id FROM req')} SELECT * FROM claimed")
     .bindparams(*_CLAIM_PARAMS)
     .columns(*_CLAIMED_COLUMNS)
 )
@@ -248,7 +271,7 @@ COMPLETE_MANY = pg_statement(
 TURN = pg_statement(
     text(
         f"""
-WITH {_CLOCK}, {_COMPLETE}, {_CLAIM}
+WITH {_CLOCK}, {_COMPLETE}, {_claim("SELECT id FROM req UNION ALL SELECT id FROM locked")}
 SELECT claimed.*, CAST(NULL AS text) AS done_id, CAST(NULL AS boolean) AS wakes,
        CAST(NULL AS bigint) AS told, CAST(NULL AS boolean) AS done_has_dependants,
        CAST(NULL AS boolean) AS deferred
@@ -317,7 +340,7 @@ WHERE jobs.id = ANY(CAST(:b_ids AS text[])) AND {_RENEW_HOLDS}
 )
 
 # The events of a batch as arrays, one statement whatever their number; unknown jobs' skipped.
-RECORD_MANY = pg_statement(text(_RECORD_EVENTS).bindparams(*_EVENT_PARAMS))
+RECORD_MANY = pg_statement(text(_record_events()).bindparams(*_EVENT_PARAMS))
 
 # The relay's claim: rows waiting and not claimed by a live relay, skipped when another claim
 # holds them, taken for ``o_claim_for`` by the store's clock, which is also their ``taken_at``.
