@@ -410,9 +410,14 @@ def job_record(row: Row[Any] | Mapping[str, Any]) -> JobRecord:
     )
 
 
+# One instance: a SQLAlchemy type's constructor costs about a microsecond, and a job read
+# from a row converts six of its times (``job_record``, per claimed job in a worker).
+_UTC_TIME = UTCDateTime()
+
+
 def aware_time(value: Any) -> datetime | None:
     # Aggregates (min) bypass the column type on SQLite and come back as text.
-    return UTCDateTime().process_result_value(value, None)  # type: ignore[arg-type]
+    return _UTC_TIME.process_result_value(value, None)  # type: ignore[arg-type]
 
 
 def jsonable(detail: Mapping[str, Any]) -> dict[str, Any]:
