@@ -10,8 +10,8 @@ from sqlalchemy import select
 
 from jobrelay.domain.timeline import causal_order
 from jobrelay.storage.base import StoreBase
-from jobrelay.storage.records import EventRecord, PendingEvent
-from jobrelay.storage.tables import job_events, jobs
+from jobrelay.storage.records import EventRecord, PendingEvent, event_job
+from jobrelay.storage.tables import job_events
 
 
 class EventsStore(StoreBase):
@@ -36,14 +36,10 @@ class EventsStore(StoreBase):
         )
 
     async def record_event(self, job_id: str, kind: str, now: datetime, **detail: Any) -> None:
-        """An event with no state change (ack_sent, duplicate_acked); ignored for unknown jobs.
-        The job is key-share locked as it is found: no event outlives a job that retention
-        deletes meanwhile (``RECORD_MANY`` says how)."""
+        """An event with no state change (ack_sent, duplicate_acked); ignored for unknown jobs
+        (``event_job``: no event outlives a job that retention deletes meanwhile)."""
         async with self.writing() as conn:
-            exists = await conn.scalar(
-                select(jobs.c.id).where(jobs.c.id == job_id).with_for_update(key_share=True)
-            )
-            if exists is not None:
+            if await conn.scalar(event_job(job_id)) is not None:
                 await self.add_event(conn, job_id, kind, now, **detail)
 
     async def record_events(self, events: Sequence[PendingEvent]) -> None:

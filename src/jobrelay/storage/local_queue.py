@@ -27,8 +27,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from jobrelay.domain.messages import dead_letter_reason, peek_job_id
 from jobrelay.storage.engine import begin_write, read_only
-from jobrelay.storage.records import jsonable
-from jobrelay.storage.tables import job_events, jobs
+from jobrelay.storage.records import event_job, jsonable
+from jobrelay.storage.tables import job_events
 from jobrelay.storage.tables import local_messages as lm
 
 # A row's ``queue`` is the work routing key of its queue: "work" for the default queue,
@@ -98,9 +98,7 @@ async def _record_dead_letter(
     its timeline says why it stopped coming (RabbitMQ's own backstop is silent; see
     ``worker.consumer`` for the event written there)."""
     job_id = peek_job_id(body.encode())
-    # Key-share locked as it is found, as a state-less event's job (``events.record_event``).
-    found = select(jobs.c.id).where(jobs.c.id == job_id).with_for_update(key_share=True)
-    if job_id is None or await conn.scalar(found) is None:
+    if job_id is None or await conn.scalar(event_job(job_id)) is None:
         return
     detail = {
         "reason": dead_letter_reason(deliveries, limit),

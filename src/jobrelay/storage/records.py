@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Row
+from sqlalchemy import Row, Select, select
 
 from jobrelay.domain.limits import JobLimit
 from jobrelay.domain.policy import JobView
 from jobrelay.domain.queues import DEFAULT_QUEUE, destination
 from jobrelay.domain.states import JobState
-from jobrelay.storage.tables import UTCDateTime
+from jobrelay.storage.tables import UTCDateTime, jobs
 
 NOTIFY_CHANNEL = "jobrelay_outbox"
 # A job ended (succeeded, quarantined, cancelled): ``App.wait``'s listeners re-read the jobs
@@ -418,6 +418,14 @@ _UTC_TIME = UTCDateTime()
 def aware_time(value: Any) -> datetime | None:
     # Aggregates (min) bypass the column type on SQLite and come back as text.
     return _UTC_TIME.process_result_value(value, None)  # type: ignore[arg-type]
+
+
+def event_job(job_id: str) -> Select[tuple[str]]:
+    """The job a state-less event is for, key-share locked as it is found: the hold its
+    foreign key's trigger took, which keeps retention from deleting the job under the event
+    (``storage.tables``; ``RECORD_MANY`` is the same on PostgreSQL's hot path). No row: no
+    such job, and no event."""
+    return select(jobs.c.id).where(jobs.c.id == job_id).with_for_update(key_share=True)
 
 
 def jsonable(detail: Mapping[str, Any]) -> dict[str, Any]:
