@@ -107,17 +107,20 @@ class Consumer:
     async def on_delivered(self, delivered: DeliveredMessage) -> None:
         """aiormq's consumer callback, in a task aiormq makes for each delivery: only while
         the consume stops (or on a channel the in-place path is not in, ``_deliver_in_place``)."""
+        message = self._received(delivered)
         if self.stopping:  # raced the basic.cancel: give it straight back, uncounted
-            message = Inbound(delivered)
-            self.acks.received(message)
             await self.give_back(message)
         else:
-            self.delivered(delivered)
+            self.inbox.put_nowait(message)
 
     def delivered(self, delivered: DeliveredMessage) -> None:
+        """A delivery of a running consume, from the channel's reader (``_deliver_in_place``)."""
+        self.inbox.put_nowait(self._received(delivered))
+
+    def _received(self, delivered: DeliveredMessage) -> Inbound:
         message = Inbound(delivered)
         self.acks.received(message)
-        self.inbox.put_nowait(message)
+        return message
 
     async def give_back(self, message: Inbound) -> None:
         try:
