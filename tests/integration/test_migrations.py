@@ -20,7 +20,7 @@ from sqlalchemy import func, insert, inspect, select, text
 
 from jobrelay.storage.engine import alembic_config, create_engine, upgrade
 from jobrelay.storage.store import NewJob, Store
-from jobrelay.storage.tables import job_events, jobs, outbox
+from jobrelay.storage.tables import JobId, job_events, jobs, metadata, outbox
 
 from .api_fixtures import T0
 
@@ -404,4 +404,72 @@ def test_0023_takes_the_foreign_keys_off_the_events_and_the_outbox(database_url:
     assert asyncio.run(_referred(database_url, "job_events")) == ["jobs"]
     assert asyncio.run(_referred(database_url, "outbox")) == ["jobs"]
     assert asyncio.run(_counts(database_url)) == (1, 1, 1)
+    upgrade(database_url)
+
+
+def _job_id_columns() -> set[tuple[str, str]]:
+    """Every column of the schema that holds a job's id: those typed ``JobId``."""
+    return {
+        (table.name, column.name)
+        for table in metadata.sorted_tables
+        for column in table.columns
+        if column.type is JobId
+    }
+
+
+async def _collations(url: str) -> dict[tuple[str, str], str | None]:
+    """Each varchar column's collation (PostgreSQL); each table's DDL (SQLite)."""
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            if engine.dialect.name == "sqlite":  # its tables as written: unchanged there
+                rows = await conn.execute(text("SELECT name, '', sql FROM sqlite_master"))
+            else:
+                rows = await conn.execute(
+                    text(
+                        "SELECT table_name, column_name, collation_name"
+                        " FROM information_schema.columns WHERE table_schema = current_schema()"
+                        " AND data_type = 'character varying'"
+                    )
+                )
+            return {(table, column): collation for table, column, collation in rows}
+    finally:
+        await engine.dispose()
+
+
+async def _job(url: str, job_id: str) -> Any:
+    engine = create_engine(url)
+    try:
+        return await Store(engine).get_job(job_id)
+    finally:
+        await engine.dispose()
+
+
+def test_0024_gives_every_job_id_column_the_c_collation(database_url: str) -> None:
+    """0024 (PostgreSQL): each column holding a job's id compares bytes ("C") and no
+    other column does, so the migration misses none of the schema's ``JobId`` columns; the
+    rows stay; down again puts the database's default back. On SQLite it changes nothing."""
+    ids = _job_id_columns()
+    postgres = database_url.startswith("postgresql")
+    kept = "00000000-0000-4000-8000-000000000026"
+    command.downgrade(alembic_config(database_url), "0023")
+    asyncio.run(_insert_old(database_url, "acme", kept))
+    before = asyncio.run(_collations(database_url))
+    if postgres:
+        assert {before[each] for each in ids} == {None}
+
+    upgrade(database_url)
+
+    after = asyncio.run(_collations(database_url))
+    if not postgres:
+        assert after == before
+    else:
+        assert {after[each] for each in ids} == {"C"}
+        others = {key: value for key, value in after.items() if key not in ids}
+        assert set(others.values()) == {None}  # only the job ids
+    assert asyncio.run(_counts(database_url)) == (1, 1, 1)
+    assert asyncio.run(_job(database_url, kept)) is not None
+
+    command.downgrade(alembic_config(database_url), "0023")
+    assert asyncio.run(_collations(database_url)) == before
     upgrade(database_url)

@@ -42,6 +42,15 @@ TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL_STATES))
 # autoincrements.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
+# A job's id (its canonical UUID text) wherever a column holds one, with PostgreSQL's "C"
+# collation (migration 0024): these columns are compared for equality and looked up in
+# btrees on every hand-off, and under the database's default libc collation (C.UTF-8 here)
+# PostgreSQL 15 compares text through strcoll, not memcmp: measured on 300,000 ids, 1.4 µs
+# more per index insert and 1.9 µs more per lookup. An id's bytes are ASCII, so the order
+# is all that changes. Every job-id column has it, so a join between two of them never
+# meets two collations (which PostgreSQL refuses); a parameter takes the column's.
+JobId = String(36).with_variant(String(36, collation="C"), "postgresql")
+
 
 class UTCDateTime(TypeDecorator[datetime]):
     impl = DateTime(timezone=True)
@@ -76,7 +85,7 @@ metadata = MetaData(
 jobs = Table(
     "jobs",
     metadata,
-    Column("id", String(36), primary_key=True),
+    Column("id", JobId, primary_key=True),
     Column("type", String(64), nullable=False),
     Column("account_id", String(64)),  # None: enqueued on no account's behalf
     Column("params", JSON, nullable=False),
@@ -186,9 +195,9 @@ Index(
 job_dependencies = Table(
     "job_dependencies",
     metadata,
-    Column("job_id", String(36), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    Column("job_id", JobId, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
     Column("position", Integer, primary_key=True),
-    Column("depends_on", String(36), nullable=False),
+    Column("depends_on", JobId, nullable=False),
     Column("finished_state", String(16)),
 )
 Index("ix_job_dependencies_depends_on", job_dependencies.c.depends_on)
@@ -199,7 +208,7 @@ outbox = Table(
     Column("id", BigId, primary_key=True, autoincrement=True),
     # No foreign key, as ``job_events.job_id`` (below): a row is written with its job, and
     # retention deletes it in the job's own transaction.
-    Column("job_id", String(36), nullable=False),
+    Column("job_id", JobId, nullable=False),
     # Logical destination ("work", "retry.5s"); the topology module maps it to the broker.
     Column("destination", String(64), nullable=False),
     Column("body", Text, nullable=False),
@@ -270,7 +279,7 @@ job_events = Table(
     "job_events",
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
-    Column("job_id", String(36), nullable=False),
+    Column("job_id", JobId, nullable=False),
     Column("at", UTCDateTime(), nullable=False),
     Column("kind", String(32), nullable=False),
     Column("detail", JSON, nullable=False),
@@ -324,7 +333,7 @@ Index(
 effects_ledger = Table(
     "effects_ledger",
     metadata,
-    Column("job_id", String(36), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+    Column("job_id", JobId, ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
     Column("kind", String(32), nullable=False),
     Column("state", String(24), nullable=False),  # sending | sent | failed | possible_duplicate
     # The effect's own stable identity (an e-mail's Message-ID): the same on every attempt.
@@ -343,7 +352,7 @@ effects_ledger = Table(
 pruned_jobs = Table(
     "pruned_jobs",
     metadata,
-    Column("id", String(36), primary_key=True),
+    Column("id", JobId, primary_key=True),
     Column("account_id", String(64)),
     Column("created_at", UTCDateTime(), nullable=False),  # the job's
     Column("pruned_at", UTCDateTime(), nullable=False),
@@ -362,7 +371,7 @@ schedules = Table(
     Column("timezone", String(64), nullable=False),
     Column("cursor_at", UTCDateTime(), nullable=False),
     Column("last_tick_at", UTCDateTime()),  # the latest tick enqueued, and its job
-    Column("last_job_id", String(36)),
+    Column("last_job_id", JobId),
     Column("paused", Boolean, nullable=False, server_default=text("false")),
     Column("paused_at", UTCDateTime()),
     Column("paused_by", String(255)),
@@ -409,7 +418,7 @@ job_slots = Table(
     "job_slots",
     metadata,
     Column("limit_id", String(300), primary_key=True),
-    Column("job_id", String(36), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    Column("job_id", JobId, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
 )
 Index("ix_job_slots_job", job_slots.c.job_id)
 
