@@ -26,10 +26,12 @@ from sqlalchemy import create_engine
 
 READY_TIMEOUT = 60.0
 POLL_SECONDS = 0.05
+FASTEST_RATE = 50_000.0  # jobs/s: more than the embedded default ever drains here
 
 
-def _succeeded(path: Path) -> tuple[int, int]:
-    """Jobs succeeded and quarantined, once none is unfinished (until then ``(0, 0)``).
+def _succeeded(path: Path) -> tuple[int, int, int]:
+    """Jobs succeeded, quarantined and unfinished; the first two once none is unfinished
+    (until then 0).
 
     The unfinished are counted through their partial index (``ix_jobs_account_unfinished``):
     counting every job by state, every 50 ms, read the whole table in this process, on the
@@ -37,9 +39,9 @@ def _succeeded(path: Path) -> tuple[int, int]:
     with sqlite3.connect(path) as db:
         (unfinished,) = db.execute("SELECT count(*) FROM jobs WHERE finished_at IS NULL").fetchone()
         if unfinished:
-            return 0, 0
+            return 0, 0, int(unfinished)
         rows = dict(db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall())
-    return int(rows.get("succeeded", 0)), int(rows.get("quarantined", 0))
+    return int(rows.get("succeeded", 0)), int(rows.get("quarantined", 0)), 0
 
 
 async def embedded_drain(
@@ -91,7 +93,7 @@ async def embedded_drain(
             deadline = started + timeout
             while True:
                 up.check_alive()
-                done, quarantined = _succeeded(database)
+                done, quarantined, unfinished = _succeeded(database)
                 if quarantined:
                     raise BenchFailure(f"embedded: {quarantined} jobs quarantined")
                 if done == n:
@@ -100,7 +102,8 @@ async def embedded_drain(
                     raise BenchFailure(
                         f"embedded: not all {n} jobs finished and succeeded within {timeout:g}s"
                     )
-                await asyncio.sleep(POLL_SECONDS)
+                # Those left cannot all be done sooner (``pipeline_bench.FASTEST_RATE``).
+                await asyncio.sleep(POLL_SECONDS + unfinished / FASTEST_RATE)
         finally:
             await up.stop()
 
