@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sqlite3
 import sys
 import tempfile
 import time
@@ -22,27 +21,11 @@ from pathlib import Path
 
 from bench_app import noop
 from bench_env import LIFTED, BenchFailure, RoleProcess, free_port, run_command, say_lifted
+from bench_probes import FASTEST_RATE, QUARANTINE_LOOK_SECONDS, sqlite_succeeded
 from sqlalchemy import create_engine
 
 READY_TIMEOUT = 60.0
 POLL_SECONDS = 0.05
-FASTEST_RATE = 50_000.0  # jobs/s: more than the embedded default ever drains here
-QUARANTINE_LOOK_SECONDS = 1.0
-
-
-def _succeeded(path: Path, by_state: bool = True) -> tuple[int, int, int]:
-    """Jobs succeeded, quarantined and unfinished; the first two only once none is
-    unfinished or when asked (``by_state``), else 0.
-
-    The unfinished are counted through their partial index (``ix_jobs_account_unfinished``):
-    counting every job by state, every 50 ms, read the whole table in this process, on the
-    two cores the bench measures. Quarantined and cancelled jobs are finished too."""
-    with sqlite3.connect(path) as db:
-        (unfinished,) = db.execute("SELECT count(*) FROM jobs WHERE finished_at IS NULL").fetchone()
-        if unfinished and not by_state:
-            return 0, 0, int(unfinished)
-        rows = dict(db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall())
-    return int(rows.get("succeeded", 0)), int(rows.get("quarantined", 0)), int(unfinished)
 
 
 async def embedded_drain(
@@ -97,7 +80,7 @@ async def embedded_drain(
                 up.check_alive()
                 # By state once a second meanwhile: a quarantine still ends the run at once.
                 look = time.perf_counter() - counted >= QUARANTINE_LOOK_SECONDS
-                done, quarantined, unfinished = _succeeded(database, by_state=look)
+                done, quarantined, unfinished = sqlite_succeeded(database, by_state=look)
                 counted = time.perf_counter() if look else counted
                 if quarantined:
                     raise BenchFailure(f"embedded: {quarantined} jobs quarantined")
@@ -107,7 +90,7 @@ async def embedded_drain(
                     raise BenchFailure(
                         f"embedded: not all {n} jobs finished and succeeded within {timeout:g}s"
                     )
-                # Those left cannot all be done sooner (``pipeline_bench.FASTEST_RATE``).
+                # Those left cannot all be done sooner (``bench_probes.FASTEST_RATE``).
                 await asyncio.sleep(POLL_SECONDS + unfinished / FASTEST_RATE)
         finally:
             await up.stop()

@@ -79,6 +79,7 @@ from bench_env import (
     run_command,
     summarise_profile,
 )
+from bench_probes import FASTEST_RATE, QUARANTINE_LOOK_SECONDS, UNFINISHED, UNPUBLISHED
 from bench_report import (
     Figure,
     Results,
@@ -96,23 +97,6 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench-results"
 ROWS_PER_MONTH = 20
 POLL_SECONDS = 0.05
-# Faster than any phase here runs (the drain's best is under 5,000 jobs/s): a probe that saw
-# K jobs left waits K / FASTEST_RATE more before the next look, as they cannot all be done
-# sooner, so the end is still seen within POLL_SECONDS and the first seconds of a phase,
-# when the probe's count is largest, are not spent counting.
-FASTEST_RATE = 50_000.0
-UNFINISHED = "SELECT count(*) FROM jobs WHERE finished_at IS NULL"
-QUARANTINE_LOOK_SECONDS = 1.0
-# The unpublished rows, counted through the relay's partial indexes (``storage.tables``): due
-# when written, held for a time, awaiting admission and not held (a row held for a time while
-# it awaits admission is in two of them; the third count leaves it out).
-_UNPUBLISHED = (
-    "SELECT (SELECT count(*) FROM outbox WHERE published_at IS NULL AND available_at IS NULL"
-    " AND awaiting_admission IS false)"
-    " + (SELECT count(*) FROM outbox WHERE published_at IS NULL AND available_at IS NOT NULL)"
-    " + (SELECT count(*) FROM outbox WHERE published_at IS NULL AND awaiting_admission IS true"
-    " AND available_at IS NULL)"
-)
 READY_TIMEOUT = 60.0
 RESULT_SAMPLES = 3
 FIXED_RATE_SECONDS = 10.0  # how long the fixed-rate phase sends
@@ -748,7 +732,7 @@ class Bench:
         (due, held for a time, awaiting admission: each row in one of them). A bare
         ``published_at IS NULL`` matches none of them, so it read the whole outbox every
         poll: a sequential scan of every row's body every 50 ms, on the cores it measures."""
-        return int(await self.scalar(_UNPUBLISHED))
+        return int(await self.scalar(UNPUBLISHED))
 
     async def outbox_drained(self) -> bool:
         waiting = await self.unpublished()

@@ -1,10 +1,12 @@
 """The bench's completion probes count exactly what the plain counts do, through indexes.
 
 ``bench/pipeline_bench.py`` and ``bench/embedded_bench.py`` poll every 50 ms while they
-measure; a probe that reads every outbox row's body or every job (``published_at IS NULL``
-matches none of the relay's partial indexes; the jobs by state is a full scan) spent the
-cores under test. The cheap probes must still be right: an outbox row in each of the relay's
-states, a job in each state, on the partial indexes they were written for.
+measure (``bench/bench_probes.py``, which imports no application: a bench's job types would
+otherwise join this test process's registry). A probe that reads every outbox row's body or
+every job (``published_at IS NULL`` matches none of the relay's partial indexes; the jobs by
+state is a full scan) spent the cores under test. The cheap probes must still be right: an
+outbox row in each of the relay's states, a job in each state, on the partial indexes they
+were written for.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from jobrelay.storage.store import NewJob, Store
 from .api_fixtures import T0
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import embedded_bench  # the bench is not a package: by path
-import pipeline_bench
+import bench_probes  # the bench is not a package: by path
 
 # (published_at, available_at, awaiting_admission) of each outbox row: published, due,
 # held for a time, awaiting admission, and held for a time while awaiting admission.
@@ -78,18 +79,18 @@ async def test_the_pipeline_probes_count_what_the_plain_counts_do(pg_url: str) -
             )
         plain = await db.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL")
         assert plain == len(ids) - 1  # every row unpublished but the first
-        assert await db.fetchval(pipeline_bench._UNPUBLISHED) == plain
+        assert await db.fetchval(bench_probes.UNPUBLISHED) == plain
         unfinished = sum(not terminal for _, _, terminal in _states(ids)) + len(_OUTBOX)
-        assert await db.fetchval(pipeline_bench.UNFINISHED) == unfinished
+        assert await db.fetchval(bench_probes.UNFINISHED) == unfinished
         # Through the partial indexes: with table scans priced out, a probe that no partial
         # index serves would read a whole index (the primary key) instead, named here.
         await db.execute("ANALYZE outbox; ANALYZE jobs; SET enable_seqscan = off")
         for query, indexes in (
             (
-                pipeline_bench._UNPUBLISHED,
+                bench_probes.UNPUBLISHED,
                 {"ix_outbox_unpublished", "ix_outbox_delayed", "ix_outbox_awaiting"},
             ),
-            (pipeline_bench.UNFINISHED, {"ix_jobs_account_unfinished"}),
+            (bench_probes.UNFINISHED, {"ix_jobs_account_unfinished"}),
         ):
             plan = "\n".join(r[0] for r in await db.fetch(f"EXPLAIN {query}"))
             used = {word for word in plan.replace("(", " ").split() if word.startswith("ix_")}
@@ -112,8 +113,8 @@ async def test_the_embedded_probe_counts_by_state_only_once_all_have_finished(
                 (state, terminal, job_id),
             )
     unfinished = sum(not terminal for _, _, terminal in _states(ids)) + len(_OUTBOX)
-    assert embedded_bench._succeeded(path, by_state=False) == (0, 0, unfinished)
-    assert embedded_bench._succeeded(path) == (1, 1, unfinished)  # a look for a quarantine
+    assert bench_probes.sqlite_succeeded(path, by_state=False) == (0, 0, unfinished)
+    assert bench_probes.sqlite_succeeded(path) == (1, 1, unfinished)  # a look for a quarantine
     with sqlite3.connect(path) as db:
         db.execute("UPDATE jobs SET state = 'succeeded', finished_at = '2026-01-01'")
-    assert embedded_bench._succeeded(path, by_state=False) == (len(ids), 0, 0)
+    assert bench_probes.sqlite_succeeded(path, by_state=False) == (len(ids), 0, 0)
