@@ -110,6 +110,55 @@ async def test_a_database_that_drops_the_first_check_mid_query_is_waited_out(
     assert calls >= 2 and len(waits) == 1, caplog.text
 
 
+def _refused_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The first start-up check finds no host answering at all (refused), as when the old
+    primary is down and the new one does not take connections yet; later ones are real."""
+    real = wiring.check_reachable
+    calls: list[int] = []
+
+    async def refused_once(engine: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            try:
+                raise ConnectionRefusedError(111, "Connect call failed")
+            except OSError as exc:
+                raise StoreError(f"database unreachable: {exc}") from exc
+        await real(engine)
+
+    monkeypatch.setattr(wiring, "check_reachable", refused_once)
+    return calls
+
+
+async def test_no_host_of_several_answering_at_start_is_a_failover_waited_out(
+    pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI's failover soak (this stop): a relay restarted while PostgreSQL failed over found
+    neither host taking connections and exited 2 at once ("database unreachable: Connection
+    refused"), as for a wrong URL. With several hosts that is a failover: waited out."""
+    calls = _refused_once(monkeypatch)
+    two_hosts = pg_url.replace("@127.0.0.1:", "@127.0.0.1:1,127.0.0.1:", 1)
+    assert two_hosts != pg_url
+    settings = settings_for(two_hosts, "local", tmp_path, faults="")
+    with caplog.at_level(logging.WARNING, logger="jobrelay.start"):
+        async with open_runtime(settings) as rt:
+            await rt.transport.ping()
+    waits = [r for r in caplog.records if getattr(r, "event", None) == "start_database_wait"]
+    assert len(calls) >= 2 and len(waits) == 1, caplog.text
+    assert "no host of several answered at start-up" in waits[0].getMessage(), caplog.text
+
+
+async def test_one_host_refusing_at_start_is_still_a_bad_setting_at_once(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same refusal from the only host named: a setting to fix, said at once."""
+    calls = _refused_once(monkeypatch)
+    settings = settings_for(pg_url, "local", tmp_path, faults="")
+    with pytest.raises(ConfigError, match="JOBRELAY_DATABASE_URL: database unreachable"):
+        async with open_runtime(settings):
+            pass
+    assert len(calls) == 1
+
+
 async def test_a_database_never_reached_at_start_is_a_bad_setting_at_once(
     tmp_path: Path,
 ) -> None:

@@ -218,19 +218,29 @@ async def _check_database(
 
     A database never reached fails at once: that is a setting to fix. One that answered
     and then dropped the connection (or now answers as a standby) is checked again from the
-    start, with a pause, until it answers or ``outage_seconds`` have passed.
+    start, with a pause, until it answers or ``outage_seconds`` have passed. So is a URL of
+    several hosts none of which answers at all (refused, timed out): that is a primary and
+    its standbys mid-failover, the old primary gone and the new one not yet taking
+    connections (a process restarted then exited 2 in CI's failover soak), not a setting.
     """
     deadline: float | None = None
     pause = 0.1
+    several_hosts = isinstance(engine.url.query.get("host"), tuple)
+    gone = "the database went away during start-up"
     while True:
         try:
             try:
                 await check_reachable(engine)
             except StoreError as exc:
                 if deadline is None:
-                    if not _answered(exc):  # never reached: a wrong URL, no server running
+                    mid_failover = several_hosts and went_away(exc)
+                    if not (_answered(exc) or mid_failover):
+                        # Never reached: a wrong URL, no server running.
                         raise ConfigError("JOBRELAY_DATABASE_URL", str(exc)) from None
-                    # It answered, then closed the connection mid-query (a failover).
+                    # It answered, then closed the connection mid-query (a failover), or
+                    # no host of several answers yet.
+                    if not _answered(exc):
+                        gone = "no host of several answered at start-up"
                     deadline = time.monotonic() + outage_seconds
                 raise
             if deadline is None:
@@ -255,11 +265,11 @@ async def _check_database(
             if time.monotonic() >= deadline:
                 raise ConfigError(
                     "JOBRELAY_DATABASE_URL",
-                    f"the database went away during start-up and did not answer again in "
-                    f"{outage_seconds:g} s: {first_line(exc)}",
+                    f"{gone} and did not answer again in {outage_seconds:g} s: {first_line(exc)}",
                 ) from None
             log.warning(
-                "the database went away during start-up, checking again: %s",
+                "%s, checking again: %s",
+                gone,
                 first_line(exc),
                 extra={"event": "start_database_wait"},
             )
