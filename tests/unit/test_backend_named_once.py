@@ -60,15 +60,15 @@ def _questions(path: Path) -> Iterator[str]:
 
 
 # Inside storage, the places that may name a backend: the drivers; where an engine is opened
-# (engine.py) and its capabilities stated (capabilities.py); the schema, declared once with
-# SQLAlchemy's per-dialect variants of a type (tables.py); and the Alembic migrations, which
-# run against one database at a time.
+# (engine.py) and its capabilities stated (capabilities.py); the schema's column types, each
+# declared once with its per-dialect variants (column_types.py); and the Alembic migrations,
+# which run against one database at a time.
 NAMING_ALLOWED = {
     STORAGE / "drivers",
     STORAGE / "migrations",
     STORAGE / "engine.py",
     STORAGE / "capabilities.py",
-    STORAGE / "tables.py",
+    STORAGE / "column_types.py",
 }
 
 
