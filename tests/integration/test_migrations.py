@@ -98,6 +98,14 @@ async def _submit(url: str, account: str | None, job_id: str) -> None:
         await engine.dispose()
 
 
+async def _job(url: str, job_id: str) -> Any:
+    engine = create_engine(url)
+    try:
+        return await Store(engine).get_job(job_id)
+    finally:
+        await engine.dispose()
+
+
 def test_0003_and_0004_keep_every_row_and_allow_jobs_without_an_account(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/old.db"
     upgrade(url, "0002")
@@ -283,14 +291,7 @@ def test_0014_adds_the_cancel_request_columns_and_keeps_every_row(database_url: 
     assert cancel_columns <= asyncio.run(_job_columns(database_url))
     assert asyncio.run(_counts(database_url)) == (1, 1, 1)
 
-    async def read() -> Any:
-        engine = create_engine(database_url)
-        try:
-            return await Store(engine).get_job(old)
-        finally:
-            await engine.dispose()
-
-    job = asyncio.run(read())
+    job = asyncio.run(_job(database_url, old))
     assert job is not None and job.cancel_requested_at is None and job.cancel_reason is None
     command.downgrade(alembic_config(database_url), "0013")
     assert not cancel_columns & asyncio.run(_job_columns(database_url))
@@ -433,14 +434,6 @@ async def _collations(url: str) -> dict[tuple[str, str], str | None]:
                     )
                 )
             return {(table, column): collation for table, column, collation in rows}
-    finally:
-        await engine.dispose()
-
-
-async def _job(url: str, job_id: str) -> Any:
-    engine = create_engine(url)
-    try:
-        return await Store(engine).get_job(job_id)
     finally:
         await engine.dispose()
 
