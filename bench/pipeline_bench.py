@@ -728,10 +728,8 @@ class Bench:
         return await self.db.fetchval(query, *args)
 
     async def unpublished(self) -> int:
-        """The outbox rows not yet published, read through the relay's own partial indexes
-        (due, held for a time, awaiting admission: each row in one of them). A bare
-        ``published_at IS NULL`` matches none of them, so it read the whole outbox every
-        poll: a sequential scan of every row's body every 50 ms, on the cores it measures."""
+        """The outbox rows not yet published, through the relay's partial indexes
+        (``bench_probes.UNPUBLISHED`` says how and why)."""
         return int(await self.scalar(UNPUBLISHED))
 
     async def outbox_drained(self) -> bool:
@@ -742,13 +740,8 @@ class Bench:
 
     async def all_succeeded(self, total: int) -> bool:
         """True once exactly ``total`` jobs exist and all succeeded; fails on a quarantine.
-
-        While any job is unfinished only those are counted (``ix_jobs_account_unfinished``
-        holds just them): the jobs by state is a sequential scan of every job, which,
-        every 50 ms, took a sixth of a core in the export drain (``pg_stat_activity``
-        sampled), CPU the peers' narrow status table never costs them. It runs once every
-        job has finished (quarantined and cancelled jobs are finished too), and once a
-        second meanwhile, so a quarantine still ends the phase at once."""
+        Only the unfinished are counted while there are any, the jobs by state once a second
+        meanwhile and once none is left (``bench_probes`` says why)."""
         assert self.db is not None
         unfinished = int(await self.scalar(UNFINISHED))
         if unfinished and time.monotonic() - self.counted_at < QUARANTINE_LOOK_SECONDS:
