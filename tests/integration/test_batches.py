@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -381,9 +381,7 @@ async def test_a_settle_riding_on_the_claim_of_its_own_job_is_written(db: Runtim
 async def test_a_turn_commits_both_halves_or_neither(db: Runtime) -> None:
     """The turn is one commit: a completion the driver refuses (a result key with a lone
     surrogate) refuses the claims beside it too, nothing of either written; the worker's
-    batcher then sends each request alone. A completion with a step of its own is no part of
-    a turn (its transaction may be sent again without it), and is refused before anything is
-    sent."""
+    batcher then sends each request alone."""
     a, c = await submit(db, period="2020-01"), await submit(db, period="2020-03")
     [won] = await db.store.claim_many([ask(a)], db.clock(), LEASE)
     assert won is not None
@@ -392,15 +390,63 @@ async def test_a_turn_commits_both_halves_or_neither(db: Runtime) -> None:
         await db.store.turn([ask(c)], [bad], db.clock(), LEASE)
     assert await job_state(db, c) == (JobState.QUEUED, 0)
     assert await events_of(db, c, "claimed") == []
-
-    async def publish() -> None:
-        return None
-
-    stepped = CompleteRequest(won[0], "ka", {}, publish=publish)
-    with pytest.raises(ValueError, match="step of its own"):
-        await db.store.turn([ask(c)], [stepped], db.clock(), LEASE)
-    assert await job_state(db, c) == (JobState.QUEUED, 0)
     assert await job_state(db, a) == (JobState.RUNNING, 1)
+
+
+async def test_a_turn_claims_in_the_transaction_of_a_completion_with_a_step(db: Runtime) -> None:
+    """Issue 41 item 4: a completion with a step of its own (a staged result to publish)
+    takes part in a turn: the claims ride in its write transaction, one commit. A step that
+    fails rolls the transaction back and it is sent again without that completion, the
+    claims in it again: each claimed once (attempt 1, one ``claimed`` event), the settle
+    riding on it written once, and a completion left with no neighbour still lets the
+    claims commit. Old code: refused (``ValueError``), the claims a commit of their own."""
+    a, b = await submit(db, period="2020-01"), await submit(db, period="2020-02")
+    c, d = await submit(db, period="2020-03"), await submit(db, period="2020-04")
+    e = await submit(db, period="2020-05")
+    claims = await db.store.claim_many([ask(a), ask(b), ask(e)], db.clock(), LEASE)
+    claim_a, claim_b, claim_e = (x[0] for x in claims if x is not None)
+    published: list[str] = []
+
+    def publishing(name: str, fails: bool = False) -> Callable[[], Awaitable[None]]:
+        async def publish() -> None:
+            published.append(name)
+            if fails:
+                raise OSError(f"{name}: disk full")
+
+        return publish
+
+    settle = PendingEvent(a, "ack_sent", db.clock(), {"attempt": 0})
+    claimed, done = await db.store.turn(
+        [ask(c)],
+        [
+            CompleteRequest(claim_a, "ka", {}, publish=publishing("a")),
+            CompleteRequest(claim_b, "kb", {}, publish=publishing("b", fails=True)),
+        ],
+        db.clock(),
+        LEASE,
+        [settle],
+    )
+    assert done == {a} and set(done.failed) == {b}
+    assert isinstance(done.failed[b], OSError)
+    assert claimed[0] is not None and claimed[0][0].attempt == 1
+    assert await job_state(db, a) == (JobState.SUCCEEDED, 1)
+    assert await job_state(db, b) == (JobState.RUNNING, 1)
+    assert await job_state(db, c) == (JobState.RUNNING, 1)
+    assert [e["attempt"] for e in await events_of(db, c, "claimed")] == [1]
+    assert len(await events_of(db, a, "ack_sent")) == 1
+    assert await events_of(db, b, "result_saved") == []
+    assert published.count("b") == 1
+
+    claimed, done = await db.store.turn(
+        [ask(d)],
+        [CompleteRequest(claim_e, "ke", {}, publish=publishing("e", fails=True))],
+        db.clock(),
+        LEASE,
+    )
+    assert not done and set(done.failed) == {e}
+    assert claimed[0] is not None and claimed[0][0].attempt == 1
+    assert await job_state(db, d) == (JobState.RUNNING, 1)
+    assert await job_state(db, e) == (JobState.RUNNING, 1)
 
 
 async def test_a_turn_that_completes_jobs_wakes_their_waiters(db: Runtime) -> None:

@@ -79,12 +79,14 @@ def together(barrier: asyncio.Barrier, result: OperationResult | Exception) -> S
     return step
 
 
-async def start_worker(p: Pipeline, operation: Operation) -> Worker:
-    """``Pipeline.start_worker`` with the test's operation in place of the shipped one."""
-    transport = build_transport(p.rt.settings, p.rt.engine, p.rt.clock)
+async def start_worker(p: Pipeline, operation: Operation, **settings: Any) -> Worker:
+    """``Pipeline.start_worker`` with the test's operation in place of the shipped one (and
+    ``settings`` changed, if given)."""
+    rt = dataclasses.replace(p.rt, settings=p.rt.settings.model_copy(update=settings))
+    transport = build_transport(rt.settings, rt.engine, rt.clock)
     await transport.connect()
     p.worker_transports.append(transport)
-    worker = Worker(dataclasses.replace(p.rt, transport=transport), registry=Registry([operation]))
+    worker = Worker(dataclasses.replace(rt, transport=transport), registry=Registry([operation]))
     p._start(worker.run, p.workers)
     return worker
 
@@ -219,18 +221,74 @@ async def test_completions_that_publish_a_staged_result_share_a_batch(
         ids = [await p.submit(period=period) for period in periods]
         barrier = asyncio.Barrier(3)
         operation = Scripted({m: staged(barrier, f"exports/{m}.csv") for m in periods})
+        turns = count_turns(p)
         p.start_relay()
-        worker = await start_worker(p, operation)
+        await start_worker(p, operation)
         jobs = [await p.wait_for(job_id, finished) for job_id in ids]
 
-        assert [(j.state, j.attempt) for j in jobs] == [(JobState.SUCCEEDED, 1)] * 3
-        for job in jobs:
-            assert job.result_key is not None
-            chunks = [chunk async for chunk in p.rt.results.read(job.result_key)]
-            assert b"".join(chunks) == f"{job.id}\n".encode()
-        completions = worker.deliveries.scope.completions
-        assert 1 <= completions.batches < 3
+        await each_published_its_own_file(p, jobs)
+        staged_per_turn = [n for _, n in turns if n]
+        assert sum(staged_per_turn) == 3 and len(staged_per_turn) < 3
         assert on_the_hot_path(p)
+
+
+async def test_the_next_claim_rides_in_the_transaction_that_publishes_a_result(
+    make_pipeline: Any,
+) -> None:
+    """Issue 41 item 4: a job that stages its result (``report.export``) lends its slot once
+    its code returns, like any other success, and the claim made in that slot goes in the
+    write transaction that publishes the result and commits the success: one commit for
+    both. One slot, six such jobs: each ends succeeded at attempt 1 with its file, at most
+    one of them ever ``running`` at once, and a claim shares a turn with a publishing
+    completion. Old code: that completion had a batcher and a transaction of its own, the
+    claim waited for its commit and then took a commit of its own (no such turn)."""
+    async with make_pipeline() as p:
+        periods = [f"2020-0{m}" for m in range(1, 7)]
+        ids = [await p.submit(period=period) for period in periods]
+        running: list[int] = []
+
+        def alone(key: str) -> Step:
+            async def step(ctx: OperationContext) -> OperationResult:
+                running.append(len(await p.rt.store.list_jobs(state=JobState.RUNNING)))
+                async with ctx.results.writer(key) as writer:
+                    await writer.write(f"{ctx.job.id}\n".encode())
+                return OperationResult(key, {"rows": 1})
+
+            return step
+
+        operation = Scripted({m: alone(f"exports/{m}.csv") for m in periods})
+        turns = count_turns(p)
+        p.start_relay()
+        await start_worker(p, operation, concurrency=1, prefetch=8)
+        jobs = [await p.wait_for(job_id, finished) for job_id in ids]
+
+        await each_published_its_own_file(p, jobs)
+        assert running == [1] * 6
+        assert any(claims and staged for claims, staged in turns), turns
+        assert on_the_hot_path(p)
+
+
+async def each_published_its_own_file(p: Pipeline, jobs: list[JobRecord]) -> None:
+    """Every job succeeded at its first attempt, its result the file its run wrote."""
+    assert [(j.state, j.attempt) for j in jobs] == [(JobState.SUCCEEDED, 1)] * len(jobs)
+    for job in jobs:
+        assert job.result_key is not None
+        chunks = [chunk async for chunk in p.rt.results.read(job.result_key)]
+        assert b"".join(chunks) == f"{job.id}\n".encode()
+
+
+def count_turns(p: Any) -> list[tuple[int, int]]:
+    """Each turn the worker's store is sent, as it is sent: (its claims, its completions
+    with a step of their own)."""
+    sent: list[tuple[int, int]] = []
+    turn = p.rt.store.turn
+
+    async def counted(claims: Any, completions: Any, *args: Any) -> Any:
+        sent.append((len(claims), sum(r.in_transaction for r in completions)))
+        return await turn(claims, completions, *args)
+
+    p.rt.store.turn = counted
+    return sent
 
 
 async def test_a_nul_byte_ends_its_job_with_a_reason_and_never_loops(make_pipeline: Any) -> None:

@@ -6,8 +6,9 @@ runs the same statement in a write transaction with those steps before the commi
 ``job_complete_tx``): the guarded UPDATE that proves the claim holds also holds the job's row
 lock (PostgreSQL) or the write lock (SQLite) until the commit, so a stale attempt can never
 replace the object the winning attempt committed, and a success never lands without its
-follow-ups. Retry and quarantine are portable SQLAlchemy statements over the same
-declarations (``transitions.RETRY``, ``QUARANTINE``).
+follow-ups. A worker's turn (its completions and the claims of its next jobs, one commit)
+sends its claims in that transaction too. Retry and quarantine are portable SQLAlchemy
+statements over the same declarations (``transitions.RETRY``, ``QUARANTINE``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -86,6 +87,19 @@ async def _publish_all(requests: Sequence[CompleteRequest], failed: dict[str, Ex
         raise _StepFailed
 
 
+@dataclass(frozen=True)
+class _Riding:
+    """A turn's claims and events, riding in its completions' transaction."""
+
+    claims: Sequence[ClaimRequest]
+    lease: timedelta
+    events: Sequence[PendingEvent]
+
+    async def alone(self, store: ClaimsStore, now: datetime) -> list[Claimed]:
+        """Every completion beside them failed its step: they commit by themselves."""
+        return await store.claim_many(self.claims, now, self.lease, self.events)
+
+
 class OutcomesStore(ClaimsStore):
     async def complete_many(self, requests: Sequence[CompleteRequest], now: datetime) -> Completed:
         """Fenced completions, each winning or losing on its own, BEFORE their deliveries
@@ -100,7 +114,8 @@ class OutcomesStore(ClaimsStore):
             return await self._after_hot(
                 requests, await self.driver.complete_many(requests, now), now
             )
-        return await self._in_transactions(requests, Won(), now)
+        _, done = await self._in_transactions(requests, Won(), now)
+        return done
 
     async def turn(
         self,
@@ -111,18 +126,18 @@ class OutcomesStore(ClaimsStore):
         events: Sequence[PendingEvent] = (),
     ) -> tuple[list[Claimed], Completed]:
         """A worker's turn: ``complete_many`` and ``claim_many`` of distinct jobs (and the
-        events riding on them) in ONE statement, one commit where they were two. Only
-        completions without a step of their own: those are ``complete_many``'s. A failed
+        events riding on them) in ONE commit where they were two: one statement, or, when a
+        completion has a step of its own, the completions' write transaction. A failed
         statement fails both halves; a failure after it (the jobs others wait for, completed
         again in a transaction) is in ``Completed.failed`` for those jobs only."""
-        if any(r.in_transaction for r in completions):
-            # Its transaction may be sent again without one of them (``complete_many``):
-            # a claim beside it would be claimed twice or not at all.
-            raise ValueError("a completion with a step of its own takes no part in a turn")
         if not completions:
             return await self.claim_many(claims, now, lease, events), Completed()
         if not claims and not events:
             return [], await self.complete_many(completions, now)
+        if any(r.in_transaction for r in completions):
+            return await self._in_transactions(
+                completions, Won(), now, _Riding(claims, lease, events)
+            )
         claimed, hot = await self.driver.turn(claims, completions, now, lease, events)
         try:
             return claimed, await self._after_hot(completions, hot, now)
@@ -140,20 +155,30 @@ class OutcomesStore(ClaimsStore):
             self.wake_relays()
         if not hot.deferred:
             return Completed(hot)
-        return await self._in_transactions(
+        _, done = await self._in_transactions(
             [r for r in requests if r.claim.job_id in hot.deferred], hot, now
         )
+        return done
 
     async def _in_transactions(
-        self, requests: Sequence[CompleteRequest], hot: Won, now: datetime
-    ) -> Completed:
+        self,
+        requests: Sequence[CompleteRequest],
+        hot: Won,
+        now: datetime,
+        riding: _Riding | None = None,
+    ) -> tuple[list[Claimed], Completed]:
+        """The completions in one write transaction, each winner's steps before the commit;
+        sent again without a completion whose step failed. The claims (and events) of a
+        turn ride in it: rolled back with it, sent again with it, committed once with the
+        completions that are left, even when none is."""
         failed: dict[str, Exception] = {}
         while True:
             todo = [r for r in requests if r.claim.job_id not in failed]
             if not todo:
-                return Completed(hot, failed)
+                claimed = [] if riding is None else await riding.alone(self, now)
+                return claimed, Completed(hot, failed)
             try:
-                won = await self._complete_in_transaction(todo, now, failed)
+                claimed, won = await self._complete_in_transaction(todo, now, failed, riding)
             except _StepFailed:
                 continue
             if (
@@ -162,13 +187,23 @@ class OutcomesStore(ClaimsStore):
                 or any(r.follow_ups and r.claim.job_id in won for r in todo)
             ):
                 self.wake_relays()
-            return Completed(hot | won, failed)
+            return claimed, Completed(hot | won, failed)
 
     async def _complete_in_transaction(
-        self, requests: Sequence[CompleteRequest], now: datetime, failed: dict[str, Exception]
-    ) -> Won:
+        self,
+        requests: Sequence[CompleteRequest],
+        now: datetime,
+        failed: dict[str, Exception],
+        riding: _Riding | None,
+    ) -> tuple[list[Claimed], Won]:
+        claimed: list[Claimed] = []
         async with self.writing() as conn:
-            won = await self.driver.complete_many(requests, now, conn)
+            if riding is None:
+                won = await self.driver.complete_many(requests, now, conn)
+            else:
+                claimed, won = await self.driver.turn(
+                    riding.claims, requests, now, riding.lease, riding.events, conn
+                )
             if won.dependants:
                 # The next statement: it sees the edges of every enqueue this one waited for.
                 ended = dict.fromkeys(sorted(won.dependants), JobState.SUCCEEDED.value)
@@ -184,7 +219,7 @@ class OutcomesStore(ClaimsStore):
                         # neighbours': its outcome is refused, and it is quarantined with why.
                         failed[request.claim.job_id] = StoreDataError(f"follow-up: {exc}")
                         raise _StepFailed from exc
-        return won
+        return claimed, won
 
     async def complete(
         self,

@@ -238,7 +238,8 @@ class Outcomes(Protocol):
         events: Sequence[PendingEvent] = (),
     ) -> tuple[list[Claimed], Completed]:
         """``complete_many`` and ``claim_many`` of distinct jobs in one commit: a worker's
-        turn. Completions with a step of their own are refused (``ValueError``)."""
+        turn. With completions that have a step of their own, the claims ride in their write
+        transaction, sent again with it when a step fails (and alone if every one did)."""
 
     async def schedule_retry(
         self,

@@ -53,10 +53,8 @@ class WorkerScope:
     timeline: TimelineWriter
     leases: LeaseRenewer
     wait_for_database: Callable[[], Awaitable[None]]
-    # The claims and the completions without a step of their own, a turn a statement.
+    # The claims and the completions pending at once, a turn a commit.
     turns: Batcher[Turned, TurnAnswer]
-    # The completions with a step of their own (a staged result to publish, follow-ups).
-    completions: Batcher[CompleteRequest, Completion]
 
     @classmethod
     def open(
@@ -72,8 +70,9 @@ class WorkerScope:
         """The scope of a worker: every claim and completion is a batch (a single job is a
         batch of one): those of concurrent deliveries share a statement (PostgreSQL) or a
         write transaction, so one commit (SQLite, where the commit is the cost). The claims
-        and completions pending at once are one turn: one statement for both.
-        JOBRELAY_BATCHING=false: batches of 1."""
+        and completions pending at once are one turn: one statement for both, or the
+        completions' write transaction when one has a step of its own (a staged result to
+        publish, follow-ups), the claims riding in it. JOBRELAY_BATCHING=false: batches of 1."""
         size = BATCH_SIZE if rt.settings.batching else 1
 
         # A statement the database refused for one row's data is sent again row by row.
@@ -92,11 +91,6 @@ class WorkerScope:
             return [
                 next(answers) if isinstance(r, ClaimRequest) else _answer(done, r) for r in requests
             ]
-
-        async def complete_many(requests: Sequence[CompleteRequest]) -> Sequence[Completion]:
-            done = await rt.store.complete_many(requests, rt.clock())
-            done = await _after_complete(rt, done, requests)
-            return [_answer(done, r) for r in requests]
 
         return cls(
             rt,
@@ -117,13 +111,6 @@ class WorkerScope:
                 alone_on=alone_on,
                 span=lambda r: "claim" if isinstance(r, ClaimRequest) else "commit",
             ),
-            Batcher(
-                complete_many,
-                key=_job_id,
-                max_size=size,
-                alone_on=alone_on,
-                span="commit",
-            ),
         )
 
     async def claim(self, request: ClaimRequest) -> Claimed:
@@ -140,10 +127,7 @@ class WorkerScope:
 
     async def complete(self, request: CompleteRequest, job_type: str) -> Completion:
         """The attempt's completion: in the worker's next turn, its slot lent to the next
-        delivery meanwhile (``_lend``), unless it has a step of its own (its transaction is
-        then the completions' alone)."""
-        if request.in_transaction:
-            return await self.completions.submit(request)
+        delivery meanwhile (``_lend``)."""
         answer = await self.turns.submit(request, lends=self._lend(request, job_type))
         assert isinstance(answer, (bool, Exception))
         return answer

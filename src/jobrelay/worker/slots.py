@@ -25,7 +25,11 @@ never hold more jobs ``running`` than its slots, while the next claim meets the 
 that frees its slot, one statement for both where it used to wait for that commit first. A
 slot freed while it holds a loan not yet met (its delivery set aside, or ended) keeps the
 gate for whoever takes it next. A lender whose completion failed (an outage) and that runs
-again stays in its lent slot, taking no other: the borrower waits for its outcome.
+again stays in its lent slot, taking no other: the borrower waits for its outcome. A lender
+whose result could not be published (a completion's own step, ``storage.outcomes``) loses
+its completion alone, the claim beside it committing with the rest: its code has ended, and
+only its failure is left to write, so for that moment one more job than the slots is
+``running`` and no more code runs than the slots allow.
 """
 
 from __future__ import annotations

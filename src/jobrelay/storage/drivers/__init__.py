@@ -116,10 +116,13 @@ class Driver(Protocol):
         now: datetime,
         lease: timedelta,
         events: Sequence[PendingEvent] = (),
+        conn: AsyncConnection | None = None,
     ) -> tuple[list[Claimed], Won]:
-        """``complete_many`` (in a transaction of its own) and ``claim_many`` for distinct
-        jobs in ONE statement (PostgreSQL) or transaction (SQLite): a worker's turn, one
-        commit where they were two. Either both halves commit or neither."""
+        """``complete_many`` and ``claim_many`` for distinct jobs in ONE statement
+        (PostgreSQL) or transaction (SQLite): a worker's turn, one commit where they were
+        two. Either both halves commit or neither. With ``conn``: inside that (write)
+        transaction, which settles the jobs waiting for these (as ``complete_many``'s) and
+        which the caller commits."""
 
     async def renew_many(self, claims: Sequence[Claim], lease: timedelta, now: datetime) -> Renewed:
         """RENEW for each claim."""

@@ -186,12 +186,13 @@ class PostgresDriver:
         now: datetime,
         lease: timedelta,
         events: Sequence[PendingEvent] = (),
+        conn: AsyncConnection | None = None,
     ) -> tuple[list[Claimed], Won]:
         params = {
             **self._claim_params(claims, now, lease, events),
-            **_complete_params(completions, settles=False),
+            **_complete_params(completions, settles=conn is not None),
         }
-        rows = await self.rows(sql.TURN, params)
+        rows = await self.rows(sql.TURN, params, conn)
         won = _claimed(claims, [row for row in rows if row["done_id"] is None])
         return won, _won(
             (row["done_id"], row["done_has_dependants"], row)

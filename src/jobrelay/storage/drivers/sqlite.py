@@ -257,16 +257,17 @@ class SqliteDriver:
         now: datetime,
         lease: timedelta,
         events: Sequence[PendingEvent] = (),
+        conn: AsyncConnection | None = None,
     ) -> tuple[list[Claimed], Won]:
         """Both in one transaction, so one commit: on SQLite the commit is the cost."""
-        complete = _complete_work(completions, now, False)
+        complete = _complete_work(completions, now, conn is not None)
         claim = self._claim_work(claims, now, lease, events)
 
         def work(run: Execute) -> tuple[_ClaimRows, Won]:
             won = complete(run)
             return claim(run), won
 
-        (left, claimed), won = await self._tx(work)
+        (left, claimed), won = await self._tx(work, conn)
         return claimed_in_order(claims, claimed, left), won
 
     def _claim_work(
